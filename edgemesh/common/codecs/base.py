@@ -1,0 +1,72 @@
+"""The codec interface, the registry and error feedback."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from edgemesh.common.errors import CodecError
+from edgemesh.common.messages import CodecPolicy
+
+
+class Codec(Protocol):
+    """Turns a flat float32 gradient into bytes and back."""
+
+    name: str
+    lossless: bool
+
+    def encode(self, grad: np.ndarray, policy: CodecPolicy | None) -> bytes: ...
+
+    def decode(self, data: bytes, numel: int) -> np.ndarray: ...
+
+
+_REGISTRY: dict[str, Codec] = {}
+
+
+def register(codec: Codec) -> Codec:
+    _REGISTRY[codec.name] = codec
+    return codec
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise CodecError(f"codec {name!r} is not available (have: {', '.join(sorted(_REGISTRY))})",
+                         "codec_unknown") from None
+
+
+def available_codecs() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def check_finite(values: np.ndarray, codec: str) -> np.ndarray:
+    if not np.isfinite(values).all():
+        raise CodecError(f"{codec} payload holds NaN or Inf", "nan")
+    return values
+
+
+class ErrorFeedback:
+    """Keeps, per shard key, the residual a lossy codec did not send and adds it to the next gradient."""
+
+    def __init__(self) -> None:
+        self._residual: dict[str, np.ndarray] = {}
+
+    def encode(self, key: str, grad: np.ndarray, codec: Codec, policy: CodecPolicy | None) -> bytes:
+        flat = np.ascontiguousarray(grad, dtype=np.float32).reshape(-1)
+        residual = self._residual.get(key)
+        if residual is not None and residual.shape == flat.shape:
+            flat = flat + residual
+        data = codec.encode(flat, policy)
+        if codec.lossless:
+            self._residual.pop(key, None)
+        else:
+            self._residual[key] = flat - codec.decode(data, flat.size)
+        return data
+
+    def residual(self, key: str) -> np.ndarray | None:
+        return self._residual.get(key)
+
+    def reset(self) -> None:
+        self._residual.clear()

@@ -1,0 +1,419 @@
+"""Configuration: nested dataclasses loaded in exactly one function, ``load_config``.
+
+Precedence: defaults < TOML file < ``EDGEMESH_*`` environment < command-line overrides.
+Environment names are ``EDGEMESH_<SECTION>__<FIELD>`` (``EDGEMESH_PS__LR=0.05``) or
+``EDGEMESH_<FIELD>`` for top-level fields (``EDGEMESH_JOB=lab1``). Flags arrive as dotted
+keys (``ps.lr=0.05``). Every value is validated; problems raise ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+from urllib.parse import urlparse
+
+from edgemesh.common.errors import ConfigError
+from edgemesh.common.messages import SYNC_POLICIES
+from edgemesh.common.topics import valid_name
+
+ENV_PREFIX = "EDGEMESH_"
+CODECS = ("none", "fp16", "topk", "threshold", "qsgd", "grid")
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass(slots=True)
+class BrokerConfig:
+    """How to reach the MQTT broker."""
+
+    url: str = "mqtt://127.0.0.1:1883"
+    """Broker URL, ``mqtt://host:port`` (``mqtts://`` for TLS)."""
+    protocol: Literal["auto", "5", "3.1.1"] = "auto"
+    """MQTT version; ``auto`` tries 5 and falls back to 3.1.1."""
+    username: str = ""
+    """User name for brokers with password authentication."""
+    password: str = ""
+    """Password for brokers with password authentication."""
+    keepalive_s: int = 30
+    """MQTT keepalive interval."""
+    connect_timeout_s: float = 10.0
+    """Timeout of one connection attempt."""
+    backoff_initial_s: float = 0.2
+    """First reconnect delay; doubles up to ``backoff_max_s``, with jitter."""
+    backoff_max_s: float = 10.0
+    """Largest reconnect delay."""
+    chunk_bytes: int = 256 * 1024
+    """Payloads larger than this are split into chunks."""
+    max_message_bytes: int = 64 * 1024 * 1024
+    """Largest message (after reassembly) a service accepts."""
+    reassembly_timeout_s: float = 30.0
+    """A chunked message not complete within this time is dropped."""
+    reassembly_budget_bytes: int = 256 * 1024 * 1024
+    """Bytes of partial chunked messages held at most."""
+    publish_timeout_s: float = 30.0
+    """How long a publish waits for a connection before failing."""
+
+    def __post_init__(self) -> None:
+        parsed = urlparse(self.url)
+        _require(parsed.scheme in ("mqtt", "mqtts", "tcp"), "broker.url", f"{self.url!r} is not mqtt://host:port")
+        _require(bool(parsed.hostname), "broker.url", f"{self.url!r} has no host")
+        _require(self.keepalive_s >= 1, "broker.keepalive_s", "must be >= 1")
+        _require(self.connect_timeout_s > 0, "broker.connect_timeout_s", "must be > 0")
+        _require(0 < self.backoff_initial_s <= self.backoff_max_s, "broker.backoff_initial_s",
+                 "must be > 0 and <= backoff_max_s")
+        _require(1024 <= self.chunk_bytes <= 16 << 20, "broker.chunk_bytes", "must be in [1 KiB, 16 MiB]")
+        _require(self.max_message_bytes >= self.chunk_bytes, "broker.max_message_bytes", "must be >= chunk_bytes")
+        _require(self.reassembly_timeout_s > 0, "broker.reassembly_timeout_s", "must be > 0")
+        _require(self.reassembly_budget_bytes >= self.max_message_bytes, "broker.reassembly_budget_bytes",
+                 "must be >= max_message_bytes")
+
+    @property
+    def host(self) -> str:
+        return urlparse(self.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        parsed = urlparse(self.url)
+        return parsed.port or (8883 if parsed.scheme == "mqtts" else 1883)
+
+    @property
+    def tls(self) -> bool:
+        return urlparse(self.url).scheme == "mqtts"
+
+
+@dataclass(slots=True)
+class MetricsConfig:
+    """Prometheus ``/metrics`` endpoint."""
+
+    address: str = "0.0.0.0:0"  # noqa: S104 - metrics are meant to be scraped from the network
+    """``host:port`` to serve on; port 0 picks a free port (logged); empty disables."""
+
+    def __post_init__(self) -> None:
+        if self.address:
+            host, sep, port = self.address.rpartition(":")
+            _require(bool(sep) and port.isdigit() and 0 <= int(port) < 65536, "metrics.address",
+                     f"{self.address!r} is not host:port")
+
+
+@dataclass(slots=True)
+class TrainingConfig:
+    """What is trained, shared by planner, PS and workers."""
+
+    model_spec: str = "digits-cnn"
+    """Named model spec (see ``edgemesh.common.models``)."""
+    dataset: str = "digits"
+    """digits | mnist-idx | cifar10."""
+    dataset_path: str = ""
+    """Directory of the data set files (not needed for digits)."""
+    partition: Literal["iid", "dirichlet"] = "iid"
+    """How the training split is divided among devices."""
+    partition_alpha: float = 0.5
+    """Dirichlet concentration for non-IID partitions (smaller = more skewed)."""
+    seed: int = 0
+    """Seed of the model initialisation, the test split and the partition."""
+    batch_size: int = 64
+    """Per-device mini-batch size the planner assigns."""
+    sync_policy: Literal["sync", "async", "ssp", "adaptive"] = "sync"
+    """Parameter server synchronization policy (switchable at run time)."""
+    staleness_bound: int = 4
+    """Largest delay (PS versions) of an update that is still applied."""
+    lr: float = 0.1
+    """SGD learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """L2 weight decay."""
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, "training.batch_size", "must be >= 1")
+        _require(self.sync_policy in SYNC_POLICIES, "training.sync_policy", f"one of {SYNC_POLICIES}")
+        _require(self.staleness_bound >= 0, "training.staleness_bound", "must be >= 0")
+        _require(self.lr > 0, "training.lr", "must be > 0")
+        _require(0 <= self.momentum < 1, "training.momentum", "must be in [0, 1)")
+        _require(self.weight_decay >= 0, "training.weight_decay", "must be >= 0")
+        _require(self.partition_alpha > 0, "training.partition_alpha", "must be > 0")
+
+
+@dataclass(slots=True)
+class PlannerConfig:
+    """Planner service."""
+
+    replan_debounce_s: float = 0.3
+    """Joins and leaves within this window produce one re-plan."""
+    min_devices: int = 1
+    """No plan is published before this many devices are online."""
+
+    def __post_init__(self) -> None:
+        _require(self.replan_debounce_s >= 0, "planner.replan_debounce_s", "must be >= 0")
+        _require(self.min_devices >= 1, "planner.min_devices", "must be >= 1")
+
+
+@dataclass(slots=True)
+class ParameterServerConfig:
+    """Parameter server service."""
+
+    state_dir: str = "edgemesh-state/ps"
+    """Directory of the checkpoint and write-ahead log."""
+    checkpoint_every: int = 200
+    """Write a full checkpoint (and truncate the log) every this many versions."""
+    eval_every: int = 10
+    """Evaluate on the held-out split every this many versions (0 = never)."""
+    max_batch: int = 64
+    """Most queued updates handled in one step before publishing a snapshot."""
+    fsync: bool = True
+    """fsync the log before acking (turn off only for throwaway runs)."""
+    staleness_weighting: bool = True
+    """Under async and ssp, scale an update applied d versions late by 1/(1+d)."""
+
+    def __post_init__(self) -> None:
+        _require(self.checkpoint_every >= 1, "ps.checkpoint_every", "must be >= 1")
+        _require(self.eval_every >= 0, "ps.eval_every", "must be >= 0")
+        _require(self.max_batch >= 1, "ps.max_batch", "must be >= 1")
+
+
+@dataclass(slots=True)
+class CompressorConfig:
+    """Compressor service."""
+
+    default_codec: Literal["none", "fp16", "topk", "threshold", "qsgd", "grid"] = "fp16"
+    """Codec assigned to devices without an override."""
+    overrides: dict[str, str] = field(default_factory=dict)
+    """Per-device codec, e.g. ``{"pi-07" = "none"}``."""
+
+    def __post_init__(self) -> None:
+        for device, codec in self.overrides.items():
+            _require(valid_name(device), "compressor.overrides", f"invalid device name {device!r}")
+            _require(codec in CODECS, "compressor.overrides", f"{device}: unknown codec {codec!r}")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Worker service (one device)."""
+
+    device: str = ""
+    """Device name; empty = the host name."""
+    memory_bytes: int = 0
+    """Memory offered to training; 0 = measured."""
+    threads: int = 1
+    """torch intra-op threads."""
+    ack_timeout_s: float = 10.0
+    """Resend an update not acked within this time."""
+    stats_interval_s: float = 2.0
+    """How often stats are published."""
+    profile_seconds: float = 0.2
+    """Duration of the start-up FLOPS benchmark."""
+    max_steps: int = 0
+    """Stop after this many accepted updates (0 = run until stopped)."""
+    codec_wait_s: float = 2.0
+    """How long to wait for a codec policy before using ``none``."""
+
+    def __post_init__(self) -> None:
+        _require(not self.device or valid_name(self.device), "worker.device",
+                 f"{self.device!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
+        _require(self.memory_bytes >= 0, "worker.memory_bytes", "must be >= 0")
+        _require(self.threads >= 1, "worker.threads", "must be >= 1")
+        _require(self.ack_timeout_s > 0, "worker.ack_timeout_s", "must be > 0")
+        _require(self.stats_interval_s > 0, "worker.stats_interval_s", "must be > 0")
+        _require(self.profile_seconds > 0, "worker.profile_seconds", "must be > 0")
+        _require(self.max_steps >= 0, "worker.max_steps", "must be >= 0")
+
+
+@dataclass(slots=True)
+class DemoConfig:
+    """``edgemesh demo``: a whole local cluster."""
+
+    workers: int = 4
+    """Number of worker processes."""
+    target_accuracy: float = 0.95
+    """Stop once the held-out accuracy reaches this."""
+    max_versions: int = 3000
+    """Stop after this many model versions if the target is not reached."""
+    timeout_s: float = 300.0
+    """Give up after this long."""
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.workers <= 64, "demo.workers", "must be in [1, 64]")
+        _require(0 < self.target_accuracy <= 1, "demo.target_accuracy", "must be in (0, 1]")
+        _require(self.max_versions >= 1, "demo.max_versions", "must be >= 1")
+        _require(self.timeout_s > 0, "demo.timeout_s", "must be > 0")
+
+
+@dataclass(slots=True)
+class Config:
+    """Everything a service needs."""
+
+    job: str = "default"
+    """Job name: the topic namespace, so several trainings can share a broker."""
+    log_level: str = "INFO"
+    """Python logging level."""
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    ps: ParameterServerConfig = field(default_factory=ParameterServerConfig)
+    compressor: CompressorConfig = field(default_factory=CompressorConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
+
+    def __post_init__(self) -> None:
+        _require(valid_name(self.job), "job", f"{self.job!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
+        _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
+                 "one of DEBUG INFO WARNING ERROR")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    """Coerce a TOML value or an environment/flag string to the field type."""
+    origin = get_origin(tp)
+    from_text = isinstance(value, str)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp is int:
+        try:
+            if isinstance(value, bool) or (not from_text and not isinstance(value, int)):
+                raise ValueError
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if origin is dict:
+        if from_text:
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{key}: expected a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table")
+        _, val_tp = get_args(tp)
+        return {str(k): _convert(val_tp, v, f"{key}.{k}") for k, v in value.items()}
+    raise ConfigError(f"{key}: unsupported type {tp!r}")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        raise ConfigError(f"unknown setting(s) {', '.join(sorted(prefix + u for u in unknown))} in {where}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{prefix}{name}: expected a table")
+            kwargs[name] = _build(typing.cast(type, tp), value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _convert(tp, value, prefix + name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {part} is not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    sections = {name for name, tp in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(tp)}
+    tree: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section, sep, fieldname = rest.partition("__")
+        if sep:
+            if section not in sections:
+                raise ConfigError(f"{name}: unknown section {section!r}")
+            _set_dotted(tree, f"{section}.{fieldname}", value)
+        else:
+            _set_dotted(tree, rest, value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load the configuration: defaults, then TOML ``path``, then ``EDGEMESH_*``, then ``overrides``.
+
+    ``path`` may also come from ``EDGEMESH_CONFIG``. ``overrides`` maps dotted keys to values.
+    """
+    env = os.environ if env is None else env
+    tree: dict[str, Any] = {}
+    path = path or env.get(ENV_PREFIX + "CONFIG") or None
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                tree = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+    tree = _merge(tree, _env_overrides(env))
+    flag_tree: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        _set_dotted(flag_tree, key, value)
+    tree = _merge(tree, flag_tree)
+    return typing.cast(Config, _build(Config, tree, ""))
+
+
+def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, value, doc) rows of a config, for ``edgemesh config`` and the docs."""
+    rows: list[tuple[str, Any, str]] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(value, f"{prefix}{f.name}."))
+        else:
+            shown = "***" if f.name == "password" and value else value
+            rows.append((prefix + f.name, shown, ""))
+    return rows

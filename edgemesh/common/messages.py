@@ -1,0 +1,349 @@
+"""Every message kind, declared once (DESIGN.md §2-3).
+
+Frozen dataclasses; ``wire`` encodes and decodes them and checks field types, and each
+``validate()`` checks ranges. New fields get defaults; a field is never reused for a new meaning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from edgemesh.common.topics import valid_name
+from edgemesh.common.wire import Tensor, message
+
+SyncPolicy = Literal["sync", "async", "ssp", "adaptive"]
+SYNC_POLICIES: tuple[str, ...] = ("sync", "async", "ssp", "adaptive")
+CodecName = Literal["none", "fp16", "topk", "threshold", "qsgd", "grid"]
+Scalar = str | int | float | bool | None
+
+MAX_DEVICES = 10_000
+MAX_SHARDS = 4096
+
+
+def _name(kind: str, value: str) -> None:
+    if not valid_name(value):
+        raise ValueError(f"invalid {kind} {value!r}")
+
+
+def _nonneg(name: str, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+# --------------------------------------------------------------------------- devices
+
+
+@message("hello")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceHello:
+    """A device's measured profile, retained on ``device/{id}/hello``."""
+
+    device: str
+    incarnation: int
+    flops: float
+    """Measured float32 multiply-add throughput, FLOP/s."""
+    memory_bytes: int
+    """Memory the device offers to training."""
+    cores: int = 1
+    platform: str = ""
+    software: str = ""
+    can_encode: bool = True
+    """False for devices too weak to encode; they send ``grad-raw`` for the compressor gateway."""
+    link_rate_bps: float = 0.0
+    """Measured or configured uplink rate, bytes/s (0 = unknown)."""
+    profile: str = ""
+    """Emulated device profile name, empty when real."""
+
+    def validate(self) -> None:
+        _name("device", self.device)
+        _nonneg("incarnation", self.incarnation)
+        if self.flops <= 0:
+            raise ValueError("flops must be > 0")
+        if self.memory_bytes <= 0:
+            raise ValueError("memory_bytes must be > 0")
+        if self.cores < 1:
+            raise ValueError("cores must be >= 1")
+        _nonneg("link_rate_bps", self.link_rate_bps)
+
+
+@message("status")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceStatus:
+    """Liveness, retained on ``device/{id}/status``; ``offline`` is also the MQTT will."""
+
+    device: str
+    state: Literal["online", "offline"]
+    incarnation: int = 0
+    time: float = 0.0
+
+    def validate(self) -> None:
+        _name("device", self.device)
+
+
+@message("stats")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceStats:
+    """Periodic measurements a device publishes on ``device/{id}/stats``."""
+
+    device: str
+    incarnation: int = 0
+    time: float = 0.0
+    steps: int = 0
+    step_time_s: float = 0.0
+    """Mean compute time of one training step."""
+    comm_time_s: float = 0.0
+    """Mean time from publishing an update to its ack."""
+    delay_index: float = 0.0
+    link_rate_bps: float = 0.0
+    rss_bytes: int = 0
+    cpu_temp_c: float | None = None
+    model_version: int = 0
+    loss: float | None = None
+    batch_size: int = 0
+    bytes_sent: int = 0
+
+    def validate(self) -> None:
+        _name("device", self.device)
+        for name in ("steps", "step_time_s", "comm_time_s", "delay_index", "link_rate_bps", "rss_bytes"):
+            _nonneg(name, getattr(self, name))
+
+
+# --------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanDevice:
+    device: str
+    cluster: str
+    shard_index: int
+    shard_count: int
+    batch_size: int
+
+    def validate(self) -> None:
+        _name("device", self.device)
+        _name("cluster", self.cluster)
+        if not 0 <= self.shard_index < self.shard_count:
+            raise ValueError(f"shard {self.shard_index} of {self.shard_count} invalid")
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PlanCluster:
+    cluster: str
+    members: tuple[str, ...]
+
+    def validate(self) -> None:
+        _name("cluster", self.cluster)
+        if not self.members:
+            raise ValueError(f"cluster {self.cluster} has no members")
+
+
+@message("plan")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """The mesh layout, retained on ``plan``. ``version`` grows with every re-plan."""
+
+    version: int
+    created: float
+    model_spec: str
+    dataset: str
+    partition: Literal["iid", "dirichlet"] = "iid"
+    partition_alpha: float = 0.5
+    seed: int = 0
+    sync_policy: SyncPolicy = "ssp"
+    staleness_bound: int = 8
+    devices: tuple[PlanDevice, ...] = ()
+    clusters: tuple[PlanCluster, ...] = ()
+    reason: str = ""
+    drained: tuple[str, ...] = ()
+    """Devices an operator drained: kept out of the plan until undrained (survives planner restarts)."""
+
+    def validate(self) -> None:
+        _nonneg("version", self.version)
+        if len(self.drained) > MAX_DEVICES:
+            raise ValueError("too many drained devices")
+        for name in self.drained:
+            _name("device", name)
+        if len(self.devices) > MAX_DEVICES:
+            raise ValueError("too many devices")
+        _nonneg("staleness_bound", self.staleness_bound)
+        names = [d.device for d in self.devices]
+        if len(set(names)) != len(names):
+            raise ValueError("a device appears twice in the plan")
+        clusters = {c.cluster for c in self.clusters}
+        for d in self.devices:
+            if d.cluster not in clusters:
+                raise ValueError(f"device {d.device} is in undeclared cluster {d.cluster}")
+
+    def device(self, name: str) -> PlanDevice | None:
+        return next((d for d in self.devices if d.device == name), None)
+
+    @property
+    def cluster_names(self) -> tuple[str, ...]:
+        return tuple(c.cluster for c in self.clusters)
+
+
+# --------------------------------------------------------------------------- codec policy
+
+
+@message("codec_policy")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodecPolicy:
+    """The codec a device must use, retained on ``codec/{device}``."""
+
+    device: str
+    codec: CodecName
+    density: float = 1.0
+    """Share of gradient entries kept by sparsifying codecs (0, 1]."""
+    grid_levels: int = 0
+    version: int = 0
+    gateway: bool = False
+    """True: the device sends ``grad-raw`` and the compressor encodes for it."""
+    reason: str = ""
+
+    def validate(self) -> None:
+        _name("device", self.device)
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError("density must be in (0, 1]")
+        _nonneg("grid_levels", self.grid_levels)
+
+
+# --------------------------------------------------------------------------- gradients, model, acks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardUpdate:
+    """An encoded gradient for ``param[start:stop]`` along dim 0."""
+
+    param: str
+    start: int
+    stop: int
+    codec: CodecName
+    data: bytes
+
+    def validate(self) -> None:
+        if not self.param or len(self.param) > 256:
+            raise ValueError("param name length out of range")
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"shard [{self.start}:{self.stop}] invalid")
+
+
+@message("gradient")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradientUpdate:
+    """A worker's gradient, on ``grad/{cluster}/{device}``; ``(device, incarnation, seq)`` is unique."""
+
+    device: str
+    cluster: str
+    incarnation: int
+    seq: int
+    base_version: int
+    """Model version the gradient was computed on."""
+    samples: int
+    shards: tuple[ShardUpdate, ...]
+    loss: float = 0.0
+    step_time_s: float = 0.0
+    sent_at: float = 0.0
+
+    def validate(self) -> None:
+        _name("device", self.device)
+        _name("cluster", self.cluster)
+        _nonneg("incarnation", self.incarnation)
+        _nonneg("seq", self.seq)
+        _nonneg("base_version", self.base_version)
+        if self.samples < 1:
+            raise ValueError("samples must be >= 1")
+        if not 0 < len(self.shards) <= MAX_SHARDS:
+            raise ValueError("shard count out of range")
+
+
+@message("model")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSnapshot:
+    """The full global model, retained on ``model``."""
+
+    version: int
+    model_spec: str
+    tensors: dict[str, Tensor]
+    created: float = 0.0
+    sync_policy: SyncPolicy = "ssp"
+
+    def validate(self) -> None:
+        _nonneg("version", self.version)
+        if not self.tensors:
+            raise ValueError("snapshot holds no tensors")
+
+
+AckStatus = Literal["accepted", "discarded", "duplicate"]
+
+
+@message("ack")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateAck:
+    """The PS's answer to one update, on ``ack/{device}``."""
+
+    device: str
+    incarnation: int
+    seq: int
+    status: AckStatus
+    reason: str = ""
+    """Why it was discarded: ``stale``, ``shape``, ``unknown_device``, ``codec``, ``paused``..."""
+    version: int = 0
+    """The PS version after handling the update."""
+    delay: int = 0
+    resync: bool = False
+    """True: fetch the latest model before computing the next update."""
+
+    def validate(self) -> None:
+        _name("device", self.device)
+
+
+# --------------------------------------------------------------------------- operations
+
+
+@message("control")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlCommand:
+    """An operator's command on ``control/{target}``; also accepted as a UTF-8 JSON body."""
+
+    command: str
+    value: Scalar = None
+    device: str = ""
+    request_id: str = ""
+    requester: str = "operator"
+    reply_to: str = ""
+    """Topic for the ControlReply; default ``control-reply/{requester}``."""
+    expires_at: float = 0.0
+    """Unix time after which the command is ignored (0 = never)."""
+
+    def validate(self) -> None:
+        if not self.command or len(self.command) > 64:
+            raise ValueError("command length out of range")
+        _name("requester", self.requester)
+        if self.device:
+            _name("device", self.device)
+
+
+@message("control_reply")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlReply:
+    request_id: str
+    source: str
+    command: str
+    ok: bool
+    message: str = ""
+    result: dict[str, Scalar] = field(default_factory=dict)
+
+
+@message("event")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """An audit-trail entry on ``events``: replans, rejections, control actions, evaluations."""
+
+    kind: str
+    source: str
+    time: float
+    message: str = ""
+    data: dict[str, Scalar] = field(default_factory=dict)

@@ -1,0 +1,481 @@
+"""The wire format: one versioned MessagePack envelope for every message (DESIGN.md §3).
+
+``{"v": 1, "kind": str, "body": {...}}``. Each message kind is a frozen dataclass declared
+once in ``messages`` and registered here with ``@message("kind")``; ``encode`` and ``decode``
+are the only functions that turn them into bytes and back. The decoder checks every field
+against the dataclass's type hints (types, finite floats, tensor dtype/shape/length), then
+the class's own ``validate()``; every failure is one ``WireError`` with a short reason.
+
+Tensors travel as ``(dtype, shape, raw little-endian bytes)``: never pickle.
+
+Large payloads are split into ``chunk`` envelopes carrying ``(id, index, count)`` and joined
+again by a ``Reassembler`` whose buffer is bounded in bytes and time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+import types
+import typing
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import msgpack
+import numpy as np
+
+from edgemesh.common.errors import WireError
+
+WIRE_VERSION = 1
+CHUNK_KIND = "chunk"
+
+MAX_STR = 4096
+MAX_ITEMS = 1_000_000
+MAX_TENSOR_DIMS = 8
+TENSOR_DTYPES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
+
+T = TypeVar("T")
+
+_KINDS: dict[str, type] = {}
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def message(kind: str) -> Callable[[type[T]], type[T]]:
+    """Register a frozen dataclass as the message ``kind`` (each kind declared once)."""
+
+    def register(cls: type[T]) -> type[T]:
+        if kind in _KINDS and _KINDS[kind] is not cls:
+            raise TypeError(f"message kind {kind!r} declared twice")
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls.__name__} is not a dataclass")
+        _KINDS[kind] = cls
+        cls.KIND = kind  # type: ignore[attr-defined]
+        return cls
+
+    return register
+
+
+def kind_of(cls_or_msg: Any) -> str:
+    kind = getattr(cls_or_msg, "KIND", None)
+    if kind is None:
+        raise TypeError(f"{cls_or_msg!r} is not a registered message")
+    return str(kind)
+
+
+def registered_kinds() -> dict[str, type]:
+    return dict(_KINDS)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Tensor:
+    """A tensor on the wire: dtype name, shape and raw little-endian bytes."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> Tensor:
+        arr = np.asarray(array, order="C")  # unlike ascontiguousarray, keeps a 0-d shape ()
+        name = arr.dtype.name
+        if name not in TENSOR_DTYPES:
+            raise WireError(f"dtype {name} cannot travel on the wire", "dtype")
+        if arr.dtype.byteorder == ">":
+            arr = arr.astype(arr.dtype.newbyteorder("<"))
+        return cls(dtype=name, shape=tuple(int(d) for d in arr.shape), data=arr.tobytes())
+
+    def to_numpy(self) -> np.ndarray:
+        """A read-only view of the bytes (copy it before writing)."""
+        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def validate(self) -> None:
+        if self.dtype not in TENSOR_DTYPES:
+            raise WireError(f"tensor dtype {self.dtype!r} not allowed", "dtype")
+        if len(self.shape) > MAX_TENSOR_DIMS or any(d < 0 for d in self.shape):
+            raise WireError(f"tensor shape {self.shape} invalid", "shape")
+        expected = self.numel * np.dtype(self.dtype).itemsize
+        if len(self.data) != expected:
+            raise WireError(
+                f"tensor of dtype {self.dtype} and shape {self.shape} needs {expected} bytes, got {len(self.data)}",
+                "shape",
+            )
+        if self.dtype.startswith("float") and not np.isfinite(self.to_numpy()).all():
+            raise WireError("tensor holds NaN or Inf", "nan")
+
+
+# --------------------------------------------------------------------------- plain conversion
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return {"dtype": value.dtype, "shape": list(value.shape), "data": value.data}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = typing.get_type_hints(cls)
+        _HINTS[cls] = hints
+    return hints
+
+
+def _fail(path: str, message: str, reason: str = "field") -> typing.NoReturn:
+    raise WireError(f"{path}: {message}", reason)
+
+
+def _from_plain(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 - one switch over type shapes
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value not in get_args(tp):
+            _fail(path, f"{value!r} is not one of {get_args(tp)}")
+        return value
+    if origin is Union or origin is types.UnionType:
+        errors: list[WireError] = []
+        for option in get_args(tp):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _from_plain(option, value, path)
+            except WireError as err:
+                errors.append(err)
+        # surface a NaN rejection as such rather than as a type mismatch
+        nan = next((e for e in errors if e.reason == "nan"), None)
+        if nan is not None:
+            raise nan
+        _fail(path, f"{type(value).__name__} does not fit {tp}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(path, f"expected bool, got {type(value).__name__}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(path, f"expected int, got {type(value).__name__}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(path, f"expected number, got {type(value).__name__}")
+        if not math.isfinite(value):
+            _fail(path, "NaN or Inf", "nan")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(path, f"expected str, got {type(value).__name__}")
+        if len(value) > MAX_STR:
+            _fail(path, f"string longer than {MAX_STR}")
+        return value
+    if tp is bytes:
+        if not isinstance(value, (bytes, bytearray)):
+            _fail(path, f"expected bytes, got {type(value).__name__}")
+        return bytes(value)
+    if tp is Tensor:
+        if not isinstance(value, dict):
+            _fail(path, "expected a tensor map")
+        missing = {"dtype", "shape", "data"} - value.keys()
+        if missing:
+            _fail(path, f"tensor lacks {', '.join(sorted(missing))}")
+        tensor = Tensor(
+            dtype=_from_plain(str, value["dtype"], path + ".dtype"),
+            shape=tuple(_from_plain(int, d, f"{path}.shape") for d in _as_list(value["shape"], path)),
+            data=_from_plain(bytes, value["data"], path + ".data"),
+        )
+        try:
+            tensor.validate()
+        except WireError as exc:
+            raise WireError(f"{path}: {exc}", exc.reason) from None
+        return tensor
+    if origin is tuple:
+        args = get_args(tp)
+        items = _as_list(value, path)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_plain(args[0], v, f"{path}[{i}]") for i, v in enumerate(items))
+        if len(items) != len(args):
+            _fail(path, f"expected {len(args)} items, got {len(items)}")
+        return tuple(_from_plain(a, v, f"{path}[{i}]") for i, (a, v) in enumerate(zip(args, items, strict=True)))
+    if origin is list:
+        (arg,) = get_args(tp)
+        return [_from_plain(arg, v, f"{path}[{i}]") for i, v in enumerate(_as_list(value, path))]
+    if origin is dict:
+        key_tp, val_tp = get_args(tp)
+        if not isinstance(value, dict):
+            _fail(path, f"expected map, got {type(value).__name__}")
+        if len(value) > MAX_ITEMS:
+            _fail(path, "too many entries")
+        return {
+            _from_plain(key_tp, k, f"{path}.key"): _from_plain(val_tp, v, f"{path}[{k!r}]")
+            for k, v in value.items()
+        }
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _dataclass_from_plain(tp, value, path)
+    raise TypeError(f"{path}: wire cannot decode type {tp!r}")
+
+
+def _as_list(value: Any, path: str) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        _fail(path, f"expected list, got {type(value).__name__}")
+    if len(value) > MAX_ITEMS:
+        _fail(path, "too many items")
+    return list(value)
+
+
+def _dataclass_from_plain(cls: type[T], value: Any, path: str) -> T:
+    if not isinstance(value, dict):
+        _fail(path, f"expected map, got {type(value).__name__}")
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in value:
+            kwargs[f.name] = _from_plain(hints[f.name], value[f.name], f"{path}.{f.name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            _fail(path, f"missing field {f.name!r}")
+    # unknown keys are ignored: a newer sender may add fields with defaults
+    try:
+        obj = cls(**kwargs)
+        validate = getattr(obj, "validate", None)
+        if validate is not None:
+            validate()
+    except WireError:
+        raise
+    except (ValueError, TypeError) as exc:
+        raise WireError(f"{path}: {exc}", "field") from None
+    return obj
+
+
+# --------------------------------------------------------------------------- envelopes
+
+
+def pack(kind: str, body: dict[str, Any]) -> bytes:
+    return msgpack.packb({"v": WIRE_VERSION, "kind": kind, "body": body}, use_bin_type=True)
+
+
+def encode(msg: Any) -> bytes:
+    """Serialize a registered message to its envelope bytes."""
+    return pack(kind_of(msg), _to_plain(msg))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Envelope:
+    """An unpacked envelope whose body is not yet checked against its dataclass."""
+
+    kind: str
+    body: dict[str, Any]
+    size: int
+
+
+def unpack(payload: bytes, *, max_bytes: int) -> Envelope:
+    """Parse the envelope (msgpack, version, kind). Raises WireError."""
+    if len(payload) > max_bytes:
+        raise WireError(f"payload of {len(payload)} bytes exceeds the {max_bytes}-byte limit", "oversized")
+    if not payload:
+        raise WireError("empty payload", "malformed")
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireError(f"not MessagePack: {exc}", "malformed") from None
+    if not isinstance(obj, dict) or not {"v", "kind", "body"} <= obj.keys():
+        raise WireError("not an EdgeMesh envelope", "malformed")
+    if obj["v"] != WIRE_VERSION:
+        raise WireError(f"wire version {obj['v']!r} unsupported (this build speaks {WIRE_VERSION})", "version")
+    kind, body = obj["kind"], obj["body"]
+    if not isinstance(kind, str) or not isinstance(body, dict):
+        raise WireError("envelope kind/body have wrong types", "malformed")
+    return Envelope(kind=kind, body=body, size=len(payload))
+
+
+def unpack_json(payload: bytes, kind: str, *, max_bytes: int) -> Envelope:
+    """A UTF-8 JSON object as the body of ``kind`` (operators steer with plain ``mosquitto_pub``)."""
+    if len(payload) > max_bytes:
+        raise WireError(f"payload of {len(payload)} bytes exceeds the {max_bytes}-byte limit", "oversized")
+    try:
+        body = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise WireError(f"neither an EdgeMesh envelope nor a JSON object: {exc}", "malformed") from None
+    if not isinstance(body, dict):
+        raise WireError("JSON body must be an object", "malformed")
+    return Envelope(kind=kind, body=body, size=len(payload))
+
+
+def decode_envelope(envelope: Envelope, expected: type[T] | tuple[type, ...]) -> T:
+    """Check an envelope's body against the expected message class(es)."""
+    classes = expected if isinstance(expected, tuple) else (expected,)
+    cls = _KINDS.get(envelope.kind)
+    if cls is None:
+        raise WireError(f"unknown message kind {envelope.kind!r}", "kind")
+    if cls not in classes:
+        names = ", ".join(kind_of(c) for c in classes)
+        raise WireError(f"unexpected kind {envelope.kind!r} here (expected {names})", "kind")
+    return typing.cast(T, _dataclass_from_plain(cls, envelope.body, envelope.kind))
+
+
+def decode(payload: bytes, expected: type[T] | tuple[type, ...], *, max_bytes: int = 64 << 20) -> T:
+    """Bytes to a validated message; raises WireError with a reason."""
+    return decode_envelope(unpack(payload, max_bytes=max_bytes), expected)
+
+
+def to_json_dict(msg: Any) -> dict[str, Any]:
+    """A message as a JSON-able dict (bytes shown by length), for logs and CLI output."""
+
+    def convert(value: Any) -> Any:
+        if isinstance(value, bytes):
+            return f"<{len(value)} bytes>"
+        if isinstance(value, dict):
+            return {k: convert(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [convert(v) for v in value]
+        return value
+
+    return typing.cast(dict[str, Any], convert(_to_plain(msg)))
+
+
+def from_json_body(kind_cls: type[T], body: Any) -> T:
+    """Build a message from a plain (e.g. JSON) dict with the same validation as the wire."""
+    return _dataclass_from_plain(kind_cls, body, kind_of(kind_cls))
+
+
+def truncate(payload: bytes, limit: int = 64) -> str:
+    """A payload for a log line."""
+    head = payload[:limit]
+    return repr(head) + (f"... ({len(payload)} bytes)" if len(payload) > limit else "")
+
+
+# --------------------------------------------------------------------------- chunking
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Chunk:
+    """One piece of a large payload."""
+
+    id: str
+    index: int
+    count: int
+    size: int
+    data: bytes
+
+    def validate(self) -> None:
+        if not 0 < len(self.id) <= 64:
+            raise ValueError("chunk id length out of range")
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(f"chunk index {self.index} of {self.count} invalid")
+        if self.size < 0:
+            raise ValueError("negative size")
+
+
+message(CHUNK_KIND)(Chunk)
+
+
+def split(payload: bytes, chunk_size: int) -> list[bytes]:
+    """``payload`` as one envelope, or as chunk envelopes of at most ``chunk_size`` data bytes."""
+    if len(payload) <= chunk_size:
+        return [payload]
+    msg_id = uuid.uuid4().hex[:16]
+    count = -(-len(payload) // chunk_size)
+    return [
+        encode(
+            Chunk(
+                id=msg_id,
+                index=i,
+                count=count,
+                size=len(payload),
+                data=payload[i * chunk_size : (i + 1) * chunk_size],
+            )
+        )
+        for i in range(count)
+    ]
+
+
+@dataclasses.dataclass(slots=True)
+class _Partial:
+    count: int
+    size: int
+    started: float
+    parts: dict[int, bytes]
+    held: int = 0
+
+
+class Reassembler:
+    """Joins chunks per (topic, message id) within a byte budget and a timeout.
+
+    A partial message older than ``timeout`` is dropped; when the budget would be
+    exceeded, the oldest partial messages are evicted. ``dropped`` counts both by reason.
+    """
+
+    def __init__(self, *, max_bytes: int, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+        self._clock = clock
+        self._partials: OrderedDict[tuple[str, str], _Partial] = OrderedDict()
+        self._held = 0
+        self.dropped: dict[str, int] = {}
+
+    @property
+    def held_bytes(self) -> int:
+        return self._held
+
+    def __len__(self) -> int:
+        return len(self._partials)
+
+    def _drop(self, key: tuple[str, str], reason: str) -> None:
+        partial = self._partials.pop(key)
+        self._held -= partial.held
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def expire(self) -> None:
+        now = self._clock()
+        for key in [k for k, p in self._partials.items() if now - p.started > self.timeout]:
+            self._drop(key, "chunk_timeout")
+
+    def add(self, topic: str, chunk: Chunk) -> bytes | None:
+        """Store a chunk; return the whole payload once its last chunk arrives."""
+        self.expire()
+        if chunk.size > self.max_bytes:
+            raise WireError(f"chunked message of {chunk.size} bytes exceeds the reassembly budget", "oversized")
+        key = (topic, chunk.id)
+        partial = self._partials.get(key)
+        if partial is None:
+            partial = _Partial(count=chunk.count, size=chunk.size, started=self._clock(), parts={})
+            self._partials[key] = partial
+        elif partial.count != chunk.count or partial.size != chunk.size:
+            self._drop(key, "chunk_inconsistent")
+            raise WireError("chunk header disagrees with earlier chunks of the same message", "chunk")
+        if chunk.index in partial.parts:
+            return None
+        if partial.held + len(chunk.data) > partial.size:
+            self._drop(key, "chunk_inconsistent")
+            raise WireError("chunks carry more bytes than their header announced", "chunk")
+        while self._held + len(chunk.data) > self.max_bytes and len(self._partials) > 1:
+            oldest = next(k for k in self._partials if k != key)
+            self._drop(oldest, "chunk_evicted")
+        partial.parts[chunk.index] = chunk.data
+        partial.held += len(chunk.data)
+        self._held += len(chunk.data)
+        if len(partial.parts) < partial.count:
+            return None
+        self._partials.pop(key)
+        self._held -= partial.held
+        payload = b"".join(partial.parts[i] for i in range(partial.count))
+        if len(payload) != partial.size:
+            raise WireError(f"reassembled {len(payload)} bytes, header said {partial.size}", "chunk")
+        return payload

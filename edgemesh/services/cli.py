@@ -1,0 +1,195 @@
+"""``edgemesh``: one command for every service, the broker, the demo and the operator tools.
+
+    edgemesh broker [--host H] [--port P]
+    edgemesh planner|ps|compressor|worker [--config F] [--broker URL] [--job J] [--set key=value ...]
+    edgemesh demo [--workers N] [--report PATH] [--broker URL] ...
+    edgemesh devices [--broker URL] [--job J]
+    edgemesh ctl COMMAND [--target ps] [--value V] [--device D] [--broker URL] [--job J]
+    edgemesh config [--config F] [--set ...]       (print the effective configuration)
+
+Configuration precedence: defaults < TOML (--config or EDGEMESH_CONFIG) < EDGEMESH_* < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from edgemesh.common.config import Config, describe, load_config
+from edgemesh.common.errors import EdgeMeshError
+
+logger = logging.getLogger("edgemesh")
+
+SERVICES = {
+    "planner": "edgemesh.services.planner.service",
+    "ps": "edgemesh.services.parameter_server.service",
+    "compressor": "edgemesh.services.compressor.service",
+    "worker": "edgemesh.services.worker.service",
+}
+
+
+def _common_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML configuration file (also EDGEMESH_CONFIG)")
+    parser.add_argument("--broker", help="broker URL, mqtt://host:port")
+    parser.add_argument("--job", help="job name (topic namespace)")
+    parser.add_argument("--metrics", help="host:port of /metrics (port 0 = any free port, '' = off)")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any setting by its dotted key, e.g. --set training.lr=0.1")
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise EdgeMeshError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    for flag, key in (("broker", "broker.url"), ("job", "job"), ("metrics", "metrics.address"),
+                      ("log_level", "log_level"), ("device", "worker.device"), ("state_dir", "ps.state_dir"),
+                      ("workers", "demo.workers"), ("target_accuracy", "demo.target_accuracy"),
+                      ("max_versions", "demo.max_versions"), ("timeout", "demo.timeout_s"),
+                      ("policy", "training.sync_policy")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            out[key] = str(value)
+    return out
+
+
+def _load(args: argparse.Namespace) -> Config:
+    return load_config(args.config, overrides=_overrides(args))
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("amqtt", "transitions", "aiomqtt"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _run_service(name: str) -> Callable[[argparse.Namespace], int]:
+    def command(args: argparse.Namespace) -> int:
+        config = _load(args)
+        _setup_logging(config.log_level)
+        module = importlib.import_module(SERVICES[name])
+        run: Callable[[Config], Coroutine[Any, Any, None]] = module.run
+        asyncio.run(run(config))
+        return 0
+
+    return command
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from edgemesh.common.broker import main as broker_main
+
+    return broker_main(["--host", args.host, "--port", str(args.port), "--log-level", args.log_level or "INFO"])
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from edgemesh.services.demo import run_demo
+
+    config = _load(args)
+    _setup_logging(args.log_level or "WARNING")
+    return run_demo(config, report=args.report, external_broker=args.broker is not None,
+                    quiet=args.quiet, embedded_broker=args.embedded_broker)
+
+
+def _devices(args: argparse.Namespace) -> int:
+    from edgemesh.services.operator import list_devices
+
+    config = _load(args)
+    _setup_logging(config.log_level if args.log_level else "WARNING")
+    return asyncio.run(list_devices(config, wait_s=args.wait))
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    from edgemesh.services.operator import send_command
+
+    config = _load(args)
+    _setup_logging(config.log_level if args.log_level else "WARNING")
+    return asyncio.run(send_command(config, target=args.target, command=args.command, value=args.value,
+                                    device=args.device_name or "", timeout_s=args.timeout_s))
+
+
+def _config(args: argparse.Namespace) -> int:
+    config = _load(args)
+    for key, value, _ in describe(config):
+        print(f"{key} = {value!r}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edgemesh", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("broker", help="run the embedded MQTT broker (amqtt, MQTT 3.1.1)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=1883)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_broker)
+
+    for name, text in (("planner", "device registry, mesh layout, plan"),
+                       ("ps", "parameter server: global model, versions, checkpoints"),
+                       ("compressor", "codec policy per device"),
+                       ("worker", "one device: trains its shard")):
+        p = sub.add_parser(name, help=text)
+        _common_flags(p)
+        if name == "worker":
+            p.add_argument("--device", help="device name (default: host name)")
+        if name == "ps":
+            p.add_argument("--state-dir", help="directory of checkpoint and write-ahead log")
+            p.add_argument("--policy", help="sync, async or ssp")
+        p.set_defaults(func=_run_service(name))
+
+    p = sub.add_parser("demo", help="a whole local cluster: broker, planner, PS, compressor, N workers")
+    _common_flags(p)
+    p.add_argument("--workers", type=int, help="number of worker processes (default 4)")
+    p.add_argument("--report", help="write a JSON report to this path")
+    p.add_argument("--target-accuracy", type=float, help="stop at this held-out accuracy (default 0.95)")
+    p.add_argument("--max-versions", type=int, help="stop after this many model versions")
+    p.add_argument("--timeout", type=float, help="give up after this many seconds")
+    p.add_argument("--policy", help="sync, async or ssp")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--embedded-broker", action="store_true",
+                   help="use the embedded amqtt broker even if mosquitto is installed")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("devices", help="list the devices of a job and their state")
+    _common_flags(p)
+    p.add_argument("--wait", type=float, default=1.0, help="seconds to collect retained messages")
+    p.set_defaults(func=_devices)
+
+    p = sub.add_parser("ctl", help="send a control command and print the reply")
+    _common_flags(p)
+    p.add_argument("command", help="e.g. status, pause, resume, set-sync-policy, set-bound, set-lr, stop")
+    p.add_argument("--target", default="ps", help="planner | ps | compressor | all | device/ID")
+    p.add_argument("--value", help="command argument (numbers are sent as numbers)")
+    p.add_argument("--device", dest="device_name", help="device the command is about")
+    p.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for the reply")
+    p.set_defaults(func=_ctl)
+
+    p = sub.add_parser("config", help="print the effective configuration")
+    _common_flags(p)
+    p.set_defaults(func=_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except EdgeMeshError as exc:
+        print(f"edgemesh: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""The mesh layout: which devices form which cluster, and which data shard each one trains on.
+
+Pure functions, no I/O: the planner service wires them to the bus, tests and benchmarks call
+them directly.
+
+This release plans plain data parallelism (DESIGN.md §4, "single-device clusters"): every
+device is its own cluster and one data-parallel replica. The hybrid training-grid strategy
+(multi-device clusters sized from FLOPS, memory and link rate, with filter division inside a
+cluster) comes with the adaptive policy; ``DeviceInfo`` already carries what it needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from edgemesh.common.config import TrainingConfig
+from edgemesh.common.messages import DeviceHello, Plan, PlanCluster, PlanDevice
+
+CLUSTER_PREFIX = "c-"
+"""A single-device cluster is named ``c-<device>``."""
+MAX_NAME = 64
+"""Longest cluster name (``topics.valid_name``)."""
+NAME_HASH_CHARS = 8
+"""Hex digits of the hash that keeps a shortened cluster name unique."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceInfo:
+    """What the planner knows about one live device."""
+
+    device: str
+    flops: float
+    """Measured float32 multiply-add throughput, FLOP/s."""
+    memory_bytes: int
+    """Memory the device offers to training."""
+    link_rate_bps: float = 0.0
+    """Measured uplink rate, bytes/s (0 = unknown)."""
+
+    @classmethod
+    def from_hello(cls, hello: DeviceHello) -> DeviceInfo:
+        return cls(device=hello.device, flops=hello.flops, memory_bytes=hello.memory_bytes,
+                   link_rate_bps=hello.link_rate_bps)
+
+
+def cluster_name(device: str) -> str:
+    """The name of the single-device cluster of ``device``: ``c-<device>``.
+
+    A device name too long for the prefix (over 62 characters) is shortened and suffixed
+    with a hash of the full name, so the cluster name stays valid and unique.
+    """
+    name = f"{CLUSTER_PREFIX}{device}"
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.sha256(device.encode()).hexdigest()[:NAME_HASH_CHARS]
+    return f"{name[:MAX_NAME - NAME_HASH_CHARS - 1]}-{digest}"
+
+
+def plan_data_parallel(
+    devices: Sequence[DeviceInfo],
+    *,
+    version: int,
+    training: TrainingConfig,
+    reason: str,
+    created: float = 0.0,
+) -> Plan:
+    """A data-parallel plan: one cluster per device, one data shard per device.
+
+    Devices are ordered by name, so the same live set always yields the same layout:
+    the device at position *i* gets ``shard_index`` *i* of ``shard_count`` *n* and
+    cluster ``c-<device>``. Every device gets ``training.batch_size``: sizing batches to
+    each device's speed (so that clusters finish an iteration together) comes with the
+    adaptive policy. An empty ``devices`` gives a plan with no devices and no clusters
+    (everyone left). ``created`` is the plan's timestamp, passed in to keep this pure.
+
+    Raises ValueError if a device name appears twice.
+    """
+    ordered = sorted(devices, key=lambda d: d.device)
+    names = [d.device for d in ordered]
+    if len(set(names)) != len(names):
+        raise ValueError(f"a device appears twice in {names}")
+    count = len(ordered)
+    members = tuple(
+        PlanDevice(device=d.device, cluster=cluster_name(d.device), shard_index=i, shard_count=count,
+                   batch_size=training.batch_size)
+        for i, d in enumerate(ordered)
+    )
+    clusters = tuple(PlanCluster(cluster=cluster_name(d.device), members=(d.device,)) for d in ordered)
+    plan = Plan(
+        version=version,
+        created=created,
+        model_spec=training.model_spec,
+        dataset=training.dataset,
+        partition=training.partition,
+        partition_alpha=training.partition_alpha,
+        seed=training.seed,
+        sync_policy=training.sync_policy,
+        staleness_bound=training.staleness_bound,
+        devices=members,
+        clusters=clusters,
+        reason=reason,
+    )
+    for member in members:
+        member.validate()
+    for cluster in clusters:
+        cluster.validate()
+    plan.validate()
+    return plan

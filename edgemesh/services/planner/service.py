@@ -1,0 +1,381 @@
+"""The planner: device registry and mesh layout (DESIGN.md §1, §4).
+
+Backbone, top to bottom:
+1. connect; subscribe to every device's hello, status and stats, to the retained plan (to
+   continue its version after a restart) and to control;
+2. consume: keep the registry (latest hello, status and stats per device) and mark the live
+   set dirty when it changes;
+3. replan loop: once retained state has settled after start-up, and then at most once per
+   debounce window, compute the layout of the live, undrained devices (``layout``) and
+   publish it retained on ``plan`` with the next version, plus a ``replan`` event;
+4. control: status, replan, drain-device, undrain-device, stop.
+
+A device is *live* when its latest status is ``online`` and its hello has been seen with the
+same incarnation (any hello when the status carries incarnation 0). Incarnations grow with
+every worker start, so a status or hello older than the one known (a late will of a previous
+run) is ignored.
+
+``planner.min_devices`` gates the first plan (and the first after everyone left): no plan is
+published before that many devices are live. Once a plan names devices, every change is
+published, down to an empty plan when all devices have left, so the parameter server never
+waits for a device that is gone.
+
+This module must not import torch: the planner runs on small hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Protocol, TypeVar
+
+from edgemesh.common import wire
+from edgemesh.common.bus import Bus, Incoming
+from edgemesh.common.config import Config
+from edgemesh.common.errors import BusError, WireError
+from edgemesh.common.messages import (
+    ControlCommand,
+    ControlReply,
+    DeviceHello,
+    DeviceStats,
+    DeviceStatus,
+    Event,
+    Plan,
+    Scalar,
+)
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import Topics, valid_name
+from edgemesh.services.planner.layout import DeviceInfo, plan_data_parallel
+from edgemesh.services.runtime import client_id, install_stop_signals, supervise
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "planner"
+RETAINED_SETTLE_S = 0.2
+"""After connecting, wait at least this long (or the debounce, if longer) for retained hellos,
+statuses and the previous plan before planning for the first time."""
+UNKNOWN_INCARNATION = -1
+"""Incarnation of a device named by a plan adopted from the broker (its incarnation is not in the plan)."""
+STATUS_LIST_MAX = 100
+"""Devices listed by name in a ``status`` reply or a ``replan`` event; the rest are counted."""
+REPLAN_REASONS = ("join", "leave", "control", "start")
+COMMANDS = ("status", "replan", "drain-device", "undrain-device", "stop")
+
+
+class Planner:
+    """One planner process. ``run()`` until ``stop`` is set."""
+
+    def __init__(self, config: Config, *, stop: asyncio.Event | None = None) -> None:
+        self.cfg = config
+        self.topics = Topics(config.job)
+        self.stop = stop or asyncio.Event()
+        self.bus: Bus | None = None
+
+        self.hellos: dict[str, DeviceHello] = {}
+        self.statuses: dict[str, DeviceStatus] = {}
+        self.stats: dict[str, DeviceStats] = {}
+        """Latest measurements per device; the adaptive layout will use them."""
+        self.drained: set[str] = set()
+        self.plan: Plan | None = None
+        """The current plan: the last one published, or the retained one adopted at start."""
+        self.version = 0
+        self._planned: dict[str, int] = {}
+        """Device -> incarnation of the live set the current plan was made for."""
+        self.ready = asyncio.Event()
+        """Set once retained state has settled and the first plan decision was made."""
+        self._online = asyncio.Event()
+        self._dirty = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+        m = self.metrics = ServiceMetrics(SERVICE)
+        self.m_live = m.gauge("devices_live", "Devices online with a matching hello")
+        self.m_drained = m.gauge("devices_drained", "Devices an operator drained out of the plan")
+        self.m_version = m.gauge("plan_version", "Version of the current plan")
+        self.m_replans = m.counter("replans", "Plans published, by cause", ["reason"])
+        for reason in REPLAN_REASONS:
+            self.m_replans.labels(reason=reason)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            self.metrics.serve(self.cfg.metrics.address)
+            stack.callback(self.metrics.close)
+            self.bus = await stack.enter_async_context(Bus(
+                self.cfg.broker,
+                client_id=client_id(SERVICE, self.cfg),
+                metrics=self.metrics,
+                subscriptions=[
+                    self.topics.plan(),
+                    self.topics.all_hello(), self.topics.all_status(), self.topics.all_stats(),
+                    self.topics.control(SERVICE), self.topics.control("all"),
+                ],
+                on_connect=self._on_connect,
+            ))
+            self.metrics.up.set(1)
+            logger.info("planner up: job %s, debounce %.2fs, min devices %d", self.cfg.job,
+                        self.cfg.planner.replan_debounce_s, self.cfg.planner.min_devices)
+            try:
+                await supervise(self.stop, self._consume(), self._replan_loop())
+            finally:
+                self.metrics.up.set(0)
+
+    async def _on_connect(self) -> None:
+        """First connect: let the replan loop start. Reconnects: restore the retained plan
+        (a broker restarted without persistence has lost it)."""
+        assert self.bus is not None
+        if self._online.is_set() and self.plan is not None and self.ready.is_set():
+            with contextlib.suppress(BusError):
+                await self.bus.publish(self.topics.plan(), self.plan, retain=True)
+        self._online.set()
+
+    # ------------------------------------------------------------------ consuming
+    async def _consume(self) -> None:
+        assert self.bus is not None
+        async for msg in self.bus.messages():
+            try:
+                await self._dispatch(msg)
+            except WireError as exc:
+                self.metrics.reject(exc.reason, msg.topic, exc)
+
+    async def _dispatch(self, msg: Incoming) -> None:
+        parts = self.topics.relative(msg.topic)
+        before = self._live_signature()
+        match parts:
+            case ["device", device, "hello"]:
+                self._on_hello(_for_device(msg.decode(DeviceHello), device))
+            case ["device", device, "status"]:
+                self._on_status(_for_device(msg.decode(DeviceStatus), device))
+            case ["device", device, "stats"]:
+                self.stats[device] = _for_device(msg.decode(DeviceStats), device)
+                self.metrics.received_messages.labels(kind="stats").inc()
+            case ["plan"]:
+                self._on_plan(msg.decode(Plan))
+            case ["control", *_]:
+                await self._control(msg.decode(ControlCommand))
+            case _:
+                raise WireError(f"no handler for topic {msg.topic}", "topic")
+        if self._live_signature() != before:
+            self._dirty.set()
+        self._update_gauges()
+
+    def _on_hello(self, hello: DeviceHello) -> None:
+        self.metrics.received_messages.labels(kind="hello").inc()
+        known = self.hellos.get(hello.device)
+        if known is not None and hello.incarnation < known.incarnation:
+            logger.debug("ignoring hello of %s from old incarnation %d", hello.device, hello.incarnation)
+            return
+        self.hellos[hello.device] = hello
+
+    def _on_status(self, status: DeviceStatus) -> None:
+        self.metrics.received_messages.labels(kind="status").inc()
+        known = self.statuses.get(status.device)
+        if known is not None and 0 < status.incarnation < known.incarnation:
+            logger.debug("ignoring %s status of %s from old incarnation %d", status.state, status.device,
+                         status.incarnation)
+            return
+        self.statuses[status.device] = status
+
+    def _on_plan(self, plan: Plan) -> None:
+        """A plan on the plan topic: our own echo, or the retained plan of a previous run."""
+        self.metrics.received_messages.labels(kind="plan").inc()
+        if plan.version <= self.version:
+            return  # our own plan coming back, or an older one
+        logger.info("continuing from plan version %d (%d devices)", plan.version, len(plan.devices))
+        self.version = plan.version
+        self.plan = plan
+        self.drained = set(plan.drained)
+        self._planned = {d.device: UNKNOWN_INCARNATION for d in plan.devices}
+        self.m_version.set(self.version)
+        self._dirty.set()
+
+    # ------------------------------------------------------------------ registry
+    def live(self) -> dict[str, DeviceHello]:
+        """Devices online with a matching hello, drained ones included, by name."""
+        out = {}
+        for name, status in self.statuses.items():
+            hello = self.hellos.get(name)
+            if status.state != "online" or hello is None:
+                continue
+            if status.incarnation and status.incarnation != hello.incarnation:
+                continue
+            out[name] = hello
+        return out
+
+    def _plannable(self) -> dict[str, DeviceHello]:
+        return {name: hello for name, hello in self.live().items() if name not in self.drained}
+
+    def _live_signature(self) -> dict[str, int]:
+        return {name: hello.incarnation for name, hello in self._plannable().items()}
+
+    def _update_gauges(self) -> None:
+        self.m_live.set(len(self.live()))
+        self.m_drained.set(len(self.drained))
+
+    # ------------------------------------------------------------------ planning
+    async def _replan_loop(self) -> None:
+        await self._online.wait()
+        await asyncio.sleep(max(self.cfg.planner.replan_debounce_s, RETAINED_SETTLE_S))
+        self._dirty.clear()
+        await self._replan("start")
+        self.ready.set()
+        while True:
+            await self._dirty.wait()
+            await asyncio.sleep(self.cfg.planner.replan_debounce_s)
+            self._dirty.clear()
+            await self._replan(None)
+
+    async def _replan(self, cause: str | None, *, force: bool = False) -> tuple[Plan | None, str]:
+        """Publish a new plan if the plannable set or the layout changed (or ``force``).
+
+        ``cause`` names the trigger (``start``, ``control``); None means the registry changed,
+        and the reason becomes ``join`` or ``leave``. Returns the published plan (or None)
+        and a sentence saying what happened.
+        """
+        assert self.bus is not None
+        async with self._lock:
+            devices = self._plannable()
+            current = {name: hello.incarnation for name, hello in devices.items()}
+            joined = sorted(
+                name for name, inc in current.items()
+                if name not in self._planned or self._planned[name] not in (UNKNOWN_INCARNATION, inc)
+            )
+            left = sorted(name for name in self._planned if name not in current)
+            active = self.plan is not None and bool(self.plan.devices)
+            if not active and len(current) < self.cfg.planner.min_devices:
+                if current:
+                    logger.info("%d device(s) live; waiting for %d before planning", len(current),
+                                self.cfg.planner.min_devices)
+                return None, f"no plan: {len(current)} device(s) live, {self.cfg.planner.min_devices} needed"
+            reason = cause or ("join" if joined else "leave" if left else "start")
+            plan = plan_data_parallel(
+                [DeviceInfo.from_hello(h) for h in devices.values()],
+                version=self.version + 1,
+                training=self.cfg.training,
+                reason=reason,
+                created=time.time(),
+            )
+            plan = dataclasses.replace(plan, drained=tuple(sorted(self.drained)))
+            if not (force or joined or left or not _same_layout(plan, self.plan)):
+                self._planned = current  # learn incarnations of a plan adopted from the broker
+                return None, f"plan version {self.version} is current"
+            self.plan, self.version, self._planned = plan, plan.version, current
+            self.m_version.set(plan.version)
+            self.m_replans.labels(reason=reason).inc()
+            await self.bus.publish(self.topics.plan(), plan, retain=True)
+            text = (f"plan version {plan.version} ({reason}): {len(plan.devices)} device(s) in "
+                    f"{len(plan.clusters)} cluster(s); joined {_listing(joined) or '-'}; "
+                    f"left {_listing(left) or '-'}")
+            logger.info("%s", text)
+            await self._event("replan", text, version=plan.version, reason=reason, joined=_listing(joined),
+                              left=_listing(left), devices=len(plan.devices), clusters=len(plan.clusters))
+            return plan, text
+
+    async def _event(self, kind: str, message: str, **data: Scalar) -> None:
+        assert self.bus is not None
+        await self.bus.publish(self.topics.events(), Event(kind=kind, source=SERVICE, time=time.time(),
+                                                           message=message, data=data))
+
+    # ------------------------------------------------------------------ control
+    async def _control(self, cmd: ControlCommand) -> None:
+        assert self.bus is not None
+        self.metrics.received_messages.labels(kind="control").inc()
+        if cmd.expires_at and time.time() > cmd.expires_at:
+            self.metrics.reject("expired", self.topics.control(SERVICE), f"{cmd.command} expired")
+            await self._event("control_expired", f"ignored expired command {cmd.command}", command=cmd.command,
+                              requester=cmd.requester)
+            return
+        ok, text, result = await self._apply_control(cmd)
+        if not ok:
+            self.metrics.reject("bad_command", self.topics.control(SERVICE), text)
+        reply = ControlReply(request_id=cmd.request_id, source=SERVICE, command=cmd.command, ok=ok,
+                             message=text, result=result)
+        await self.bus.publish(cmd.reply_to or self.topics.control_reply(cmd.requester), reply)
+        await self._event("control", f"{cmd.command} from {cmd.requester}: {text}", command=cmd.command,
+                          requester=cmd.requester, ok=ok)
+        if ok and cmd.command == "stop":
+            self.stop.set()  # after the reply: stopping cancels this loop
+
+    async def _apply_control(self, cmd: ControlCommand) -> tuple[bool, str, dict[str, Scalar]]:
+        text = "ok"
+        match cmd.command:
+            case "status":
+                pass
+            case "replan":
+                if not self.ready.is_set():
+                    return False, "the planner is still collecting retained state; retry shortly", {}
+                plan, text = await self._replan("control", force=True)
+                if plan is None:
+                    return False, text, self._status()
+            case "drain-device" | "undrain-device":
+                device = cmd.device or (cmd.value if isinstance(cmd.value, str) else "")
+                if not valid_name(device):
+                    return False, f"{cmd.command} needs a device name in 'device' or 'value'", {}
+                if cmd.command == "drain-device":
+                    self.drained.add(device)
+                else:
+                    self.drained.discard(device)
+                self._update_gauges()
+                text = f"{device} {'drained' if cmd.command == 'drain-device' else 'undrained'}"
+                if device not in self.hellos:
+                    text += " (not seen yet)"
+                if self.ready.is_set():
+                    _, outcome = await self._replan("control")
+                    text += f"; {outcome}"
+            case "stop":
+                text = "stopping"
+            case _:
+                return False, f"unknown command {cmd.command!r} ({', '.join(COMMANDS)})", {}
+        return True, text, self._status()
+
+    def _status(self) -> dict[str, Scalar]:
+        live = sorted(self.live())
+        return {
+            "live": _listing(live),
+            "devices_live": len(live),
+            "drained": _listing(sorted(self.drained)),
+            "known": len(self.hellos),
+            "plan_version": self.version,
+            "plan_devices": len(self.plan.devices) if self.plan is not None else 0,
+        }
+
+
+def _listing(names: list[str]) -> str:
+    """Comma-separated names, at most ``STATUS_LIST_MAX`` of them (a wire string is bounded)."""
+    shown = ",".join(names[:STATUS_LIST_MAX])
+    if len(names) > STATUS_LIST_MAX:
+        shown += f",...(+{len(names) - STATUS_LIST_MAX} more)"
+    return shown
+
+
+class _DeviceMessage(Protocol):
+    @property
+    def device(self) -> str: ...
+
+
+M = TypeVar("M", bound=_DeviceMessage)
+
+
+def _for_device(msg: M, topic_device: str) -> M:
+    """``msg`` if its ``device`` field names the device of its topic; else a ``topic`` rejection."""
+    if msg.device != topic_device:
+        raise WireError(f"{wire.kind_of(msg)} for {msg.device!r} on the topic of {topic_device!r}", "topic")
+    return msg
+
+
+def _same_layout(new: Plan, old: Plan | None) -> bool:
+    """Whether two plans say the same thing, ignoring version, timestamp and reason."""
+    if old is None:
+        return False
+    return dataclasses.replace(new, version=0, created=0.0, reason="") == dataclasses.replace(
+        old, version=0, created=0.0, reason=""
+    )
+
+
+async def run(config: Config, *, stop: asyncio.Event | None = None) -> None:
+    """Run the planner until ``stop`` is set, SIGINT or SIGTERM."""
+    stop = stop or asyncio.Event()
+    install_stop_signals(stop)
+    await Planner(config, stop=stop).run()

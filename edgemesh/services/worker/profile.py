@@ -1,0 +1,76 @@
+"""What a device measures about itself: compute throughput, memory, resident size."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+MATMUL_N = 256
+"""Side of the square float32 matrices of the FLOPS benchmark."""
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    flops: float
+    memory_bytes: int
+    cores: int
+    platform: str
+
+
+def measure_flops(seconds: float, n: int = MATMUL_N) -> float:
+    """float32 matrix-multiply throughput in FLOP/s, measured for about ``seconds``."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a @ b  # warm up BLAS
+    runs = 0
+    start = time.perf_counter()
+    while True:
+        a @ b
+        runs += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2.0 * n**3 * runs / elapsed
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo, else physical memory."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def cpu_temperature() -> float | None:
+    """SoC temperature in °C where the kernel exposes it (Raspberry Pi, Jetson)."""
+    try:
+        with open("/sys/class/thermal/thermal_zone0/temp") as fh:
+            return int(fh.read().strip()) / 1000.0
+    except (OSError, ValueError):
+        return None
+
+
+def measure(seconds: float, memory_override: int = 0) -> Profile:
+    return Profile(
+        flops=measure_flops(seconds),
+        memory_bytes=memory_override or available_memory(),
+        cores=os.cpu_count() or 1,
+        platform=f"{platform.system()}-{platform.machine()}",
+    )

@@ -1,0 +1,396 @@
+"""The worker: one device training its shard and pushing encoded gradients.
+
+Backbone, top to bottom:
+1. profile the device (FLOPS, memory);
+2. connect with an ``offline`` will; publish ``online`` status and the hello (retained);
+3. wait for a plan that names this device, a codec policy and a model snapshot;
+4. loop: compute a gradient on the next batch (in a thread), encode it with the device's
+   codec and error feedback, publish it with ``(device, incarnation, seq)``, and wait for its
+   ack, resending after a timeout or a reconnect; follow resync requests and new model versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+import socket
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from edgemesh.common import models
+from edgemesh.common.bus import Bus, Incoming
+from edgemesh.common.codecs import ErrorFeedback, get_codec
+from edgemesh.common.config import Config
+from edgemesh.common.data import BatchIterator, load_dataset, shard
+from edgemesh.common.errors import WireError
+from edgemesh.common.messages import (
+    CodecPolicy,
+    ControlCommand,
+    ControlReply,
+    DeviceHello,
+    DeviceStats,
+    DeviceStatus,
+    GradientUpdate,
+    ModelSnapshot,
+    Plan,
+    PlanDevice,
+    ShardUpdate,
+    UpdateAck,
+)
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import Topics
+from edgemesh.common.wire import encode
+from edgemesh.services.runtime import client_id, install_stop_signals, supervise
+from edgemesh.services.worker import profile as prof
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "worker"
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+WAIT_LOG_INTERVAL_S = 10.0
+"""How often a worker waiting for a plan, model or ack says so."""
+AVERAGE_WINDOW = 20
+"""Steps over which step and communication times are averaged for stats."""
+
+
+def _software() -> str:
+    try:
+        return "edgemesh " + importlib.metadata.version("edgemesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "edgemesh"
+
+
+class Worker:
+    """One device. ``run()`` until ``stop`` is set or ``worker.max_steps`` updates were accepted."""
+
+    def __init__(self, config: Config, *, stop: asyncio.Event | None = None) -> None:
+        self.cfg = config
+        self.device = config.worker.device or socket.gethostname().split(".")[0]
+        Topics(config.job)  # validates the job name
+        self.topics = Topics(config.job)
+        self.stop = stop or asyncio.Event()
+        self.incarnation = time.time_ns() // 1000
+        self.seq = 0
+        self.plan: Plan | None = None
+        self.me: PlanDevice | None = None
+        self.policy: CodecPolicy | None = None
+        self.snapshot: ModelSnapshot | None = None
+        self.accepted = 0
+        self.pending: GradientUpdate | None = None
+        self._pending_payload: bytes | None = None
+        self._acks: dict[int, asyncio.Future[UpdateAck]] = {}
+        self._reply_tasks: set[asyncio.Task[int]] = set()
+        self._changed = asyncio.Condition()
+        self._model: Any = None
+        self._model_version = -1
+        self._layout: dict[str, tuple[tuple[int, ...], str]] = {}
+        self._batches: BatchIterator | None = None
+        self._shard_key: tuple[Any, ...] | None = None
+        self._feedback = ErrorFeedback()
+        self._step_times: deque[float] = deque(maxlen=AVERAGE_WINDOW)
+        self._comm_times: deque[float] = deque(maxlen=AVERAGE_WINDOW)
+        self._delays: deque[int] = deque(maxlen=AVERAGE_WINDOW)
+        self._last_loss: float | None = None
+        self.profile: prof.Profile | None = None
+        self.bus: Bus | None = None
+
+        m = self.metrics = ServiceMetrics(SERVICE)
+        self.m_steps = m.counter("steps", "Training steps computed")
+        self.m_step = m.histogram("step_seconds", "Compute time of one training step", STEP_BUCKETS)
+        self.m_updates = m.counter("updates", "Updates by the PS's answer", ["status", "reason"])
+        self.m_resends = m.counter("resends", "Updates sent again after an ack timeout or a reconnect")
+        self.m_grad_bytes = m.counter("gradient_bytes", "Encoded gradient bytes sent", ["codec"])
+        self.m_version = m.gauge("model_version", "Version of the model this worker trains on")
+        self.m_ack = m.histogram("ack_seconds", "Time from publishing an update to its ack", STEP_BUCKETS)
+        self.m_loss = m.gauge("loss", "Training loss of the last batch")
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> None:
+        import torch  # heavy: only the training processes pay for it
+
+        torch.set_num_threads(self.cfg.worker.threads)
+        self.profile = await asyncio.to_thread(prof.measure, self.cfg.worker.profile_seconds,
+                                               self.cfg.worker.memory_bytes)
+        logger.info("%s: %.2f GFLOP/s, %.0f MiB available", self.device, self.profile.flops / 1e9,
+                    self.profile.memory_bytes / 2**20)
+        will = encode(DeviceStatus(device=self.device, state="offline", incarnation=self.incarnation))
+        async with contextlib.AsyncExitStack() as stack:
+            self.metrics.serve(self.cfg.metrics.address)
+            stack.callback(self.metrics.close)
+            self.bus = await stack.enter_async_context(Bus(
+                self.cfg.broker,
+                client_id=client_id(SERVICE, self.cfg, self.device),
+                metrics=self.metrics,
+                subscriptions=[
+                    self.topics.plan(), self.topics.codec(self.device), self.topics.model(),
+                    self.topics.ack(self.device), self.topics.control(f"device/{self.device}"),
+                    self.topics.control("all"),
+                ],
+                will=(self.topics.status(self.device), will),
+                on_connect=self._on_connect,
+            ))
+            self.metrics.up.set(1)
+            try:
+                await supervise(self.stop, self._consume(), self._train(), self._report())
+            finally:
+                self.metrics.up.set(0)
+                if self.bus.is_connected:
+                    with contextlib.suppress(Exception):
+                        async with asyncio.timeout(self.cfg.broker.connect_timeout_s):
+                            await self.bus.publish(self.topics.status(self.device), DeviceStatus(
+                                device=self.device, state="offline", incarnation=self.incarnation,
+                                time=time.time()), retain=True)
+
+    async def _on_connect(self) -> None:
+        """(Re)announce the device; resend the update still waiting for its ack."""
+        assert self.bus is not None and self.profile is not None
+        await self.bus.publish(self.topics.status(self.device), DeviceStatus(
+            device=self.device, state="online", incarnation=self.incarnation, time=time.time()), retain=True)
+        await self.bus.publish(self.topics.hello(self.device), DeviceHello(
+            device=self.device, incarnation=self.incarnation, flops=self.profile.flops,
+            memory_bytes=self.profile.memory_bytes, cores=self.profile.cores, platform=self.profile.platform,
+            software=_software()), retain=True)
+        if self.pending is not None and self._pending_payload is not None and self.bus.connections > 1:
+            self.m_resends.inc()
+            logger.info("%s: resending update %d after reconnect", self.device, self.pending.seq)
+            await self.bus.publish(self.topics.grad(self.pending.cluster, self.device), self._pending_payload,
+                                   kind="gradient")
+
+    # ------------------------------------------------------------------ consuming
+    async def _consume(self) -> None:
+        assert self.bus is not None
+        async for msg in self.bus.messages():
+            try:
+                self._dispatch(msg)
+            except WireError as exc:
+                self.metrics.reject(exc.reason, msg.topic, exc)
+                continue
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _dispatch(self, msg: Incoming) -> None:
+        parts = self.topics.relative(msg.topic)
+        match parts:
+            case ["plan"]:
+                plan = msg.decode(Plan)
+                if self.plan is None or plan.version >= self.plan.version:
+                    self.plan = plan
+                    self.me = plan.device(self.device)
+            case ["codec", _]:
+                policy = msg.decode(CodecPolicy)
+                if policy.device != self.device:
+                    raise WireError(f"codec policy for {policy.device} on my topic", "topic")
+                get_codec(policy.codec)  # refuse a codec this build cannot encode
+                self.policy = policy
+            case ["model"]:
+                snap = msg.decode(ModelSnapshot)
+                self._check_snapshot(snap)
+                if self.snapshot is None or snap.version >= self.snapshot.version:
+                    self.snapshot = snap
+            case ["ack", _]:
+                ack = msg.decode(UpdateAck)
+                future = self._acks.get(ack.seq)
+                if ack.incarnation == self.incarnation and future is not None and not future.done():
+                    future.set_result(ack)
+            case ["control", *_]:
+                cmd = msg.decode(ControlCommand)
+                self._control(cmd)
+            case _:
+                raise WireError(f"no handler for topic {msg.topic}", "topic")
+        self.metrics.received_messages.labels(kind=msg.kind).inc()
+
+    def _check_snapshot(self, snap: ModelSnapshot) -> None:
+        if snap.model_spec != (self.plan.model_spec if self.plan else self.cfg.training.model_spec):
+            raise WireError(f"snapshot is for model {snap.model_spec}", "shape")
+        if self._layout:
+            for name, (shape, _) in self._layout.items():
+                t = snap.tensors.get(name)
+                if t is None or t.shape != shape:
+                    raise WireError(f"snapshot tensor {name} missing or misshapen", "shape")
+            if len(snap.tensors) != len(self._layout):
+                raise WireError("snapshot has extra tensors", "shape")
+
+    def _control(self, cmd: ControlCommand) -> None:
+        if cmd.expires_at and time.time() > cmd.expires_at:
+            self.metrics.reject("expired", self.topics.control("all"), cmd.command)
+            return
+        if cmd.command == "stop" and (not cmd.device or cmd.device == self.device):
+            logger.info("%s: stop requested by %s", self.device, cmd.requester)
+            self.stop.set()
+            ok, text = True, "stopping"
+        elif cmd.command == "status":
+            ok, text = True, f"accepted {self.accepted} updates, model version {self._model_version}"
+        else:
+            self.metrics.reject("bad_command", self.topics.control("all"), cmd.command)
+            ok, text = False, f"unknown command {cmd.command!r} for a worker (stop, status)"
+        if self.bus is not None:
+            reply = ControlReply(request_id=cmd.request_id, source=f"device/{self.device}", command=cmd.command,
+                                 ok=ok, message=text, result={"accepted": self.accepted,
+                                                              "version": self._model_version})
+            task = asyncio.get_running_loop().create_task(
+                self.bus.publish(cmd.reply_to or self.topics.control_reply(cmd.requester), reply))
+            self._reply_tasks.add(task)
+            task.add_done_callback(self._reply_tasks.discard)
+
+    async def _wait_for(self, what: str, predicate: Any) -> None:
+        """Wait until ``predicate()`` holds, saying so every WAIT_LOG_INTERVAL_S."""
+        async with self._changed:
+            while not predicate():
+                try:
+                    async with asyncio.timeout(WAIT_LOG_INTERVAL_S):
+                        await self._changed.wait()
+                except TimeoutError:
+                    logger.info("%s: waiting for %s", self.device, what)
+
+    # ------------------------------------------------------------------ training
+    def _prepare(self) -> None:
+        """Build the model and this device's shard for the current plan (in a thread)."""
+        assert self.plan is not None and self.me is not None
+        if self._model is None:
+            self._model = models.build_model(self.plan.model_spec, seed=self.plan.seed)
+            self._layout = models.param_layout(self._model)
+        key = (self.plan.dataset, self.plan.partition, self.plan.partition_alpha, self.plan.seed,
+               self.me.shard_index, self.me.shard_count)
+        if key != self._shard_key:
+            train, _ = load_dataset(self.plan.dataset, self.cfg.training.dataset_path or None, seed=self.plan.seed)
+            mine = shard(train, self.me.shard_index, self.me.shard_count, scheme=self.plan.partition,
+                         alpha=self.plan.partition_alpha, seed=self.plan.seed)
+            self._batches = BatchIterator(mine, self.me.batch_size, seed=self.plan.seed + self.me.shard_index)
+            self._shard_key = key
+            logger.info("%s: shard %d/%d of %s, %d samples, batch %d", self.device, self.me.shard_index,
+                        self.me.shard_count, self.plan.dataset, len(mine), self.me.batch_size)
+        assert self._batches is not None
+        if self._batches.batch_size != self.me.batch_size:
+            self._batches.batch_size = self.me.batch_size
+
+    def _compute(
+        self, snapshot: ModelSnapshot, policy: CodecPolicy | None
+    ) -> tuple[list[ShardUpdate], int, float, float]:
+        """Load the model if newer, take a batch, compute and encode the gradient (in a thread)."""
+        assert self._batches is not None
+        if snapshot.version != self._model_version:
+            models.set_params(self._model, {k: t.to_numpy() for k, t in snapshot.tensors.items()})
+            self._model_version = snapshot.version
+        started = time.perf_counter()
+        x, y = next(self._batches)
+        loss, grads = models.compute_gradients(self._model, x, y)
+        elapsed = time.perf_counter() - started
+        codec = get_codec(policy.codec if policy else "none")
+        shards = []
+        for name, g in grads.items():
+            data = self._feedback.encode(name, g, codec, policy)
+            shards.append(ShardUpdate(param=name, start=0, stop=int(g.shape[0]), codec=codec.name,  # type: ignore[arg-type]
+                                      data=data))
+        return shards, len(y), loss, elapsed
+
+    async def _train(self) -> None:
+        assert self.bus is not None
+        await self._wait_for("a plan naming this device", lambda: self.me is not None)
+        if self.policy is None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.worker.codec_wait_s):
+                    await self._wait_for("a codec policy", lambda: self.policy is not None)
+            if self.policy is None:
+                logger.info("%s: no codec policy yet; sending uncompressed", self.device)
+        await self._wait_for("the model", lambda: self.snapshot is not None)
+        min_version = 0
+        while True:
+            await self._wait_for("a plan naming this device", lambda: self.me is not None)
+            await self._wait_for(f"model version {min_version}",
+                                 lambda v=min_version: self.snapshot is not None and self.snapshot.version >= v)
+            await asyncio.to_thread(self._prepare)
+            assert self.snapshot is not None and self.me is not None
+            snapshot, policy, cluster = self.snapshot, self.policy, self.me.cluster
+            shards, samples, loss, elapsed = await asyncio.to_thread(self._compute, snapshot, policy)
+            self.m_steps.inc()
+            self.m_step.observe(elapsed)
+            self.m_loss.set(loss)
+            self.m_version.set(snapshot.version)
+            self._step_times.append(elapsed)
+            self._last_loss = loss
+            self.seq += 1
+            update = GradientUpdate(device=self.device, cluster=cluster, incarnation=self.incarnation,
+                                    seq=self.seq, base_version=snapshot.version, samples=samples,
+                                    shards=tuple(shards), loss=loss, step_time_s=elapsed, sent_at=time.time())
+            for s in shards:
+                self.m_grad_bytes.labels(codec=s.codec).inc(len(s.data))
+            ack = await self._send(update)
+            self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
+            self._delays.append(ack.delay)
+            min_version = ack.version if ack.resync else 0
+            if ack.status in ("accepted", "duplicate"):
+                self.accepted += 1
+                if self.cfg.worker.max_steps and self.accepted >= self.cfg.worker.max_steps:
+                    logger.info("%s: reached worker.max_steps=%d", self.device, self.accepted)
+                    self.stop.set()
+                    return
+            elif ack.reason == "unknown_device":
+                async with self._changed:
+                    self.me = None  # wait for a plan that names us again
+            elif ack.reason not in ("stale", "round_full", "future"):
+                logger.warning("%s: update %d discarded: %s", self.device, update.seq, ack.reason)
+
+    async def _send(self, update: GradientUpdate) -> UpdateAck:
+        """Publish ``update`` and wait for its ack, resending on timeout (the PS applies it at most once)."""
+        assert self.bus is not None
+        payload = encode(update)
+        future: asyncio.Future[UpdateAck] = asyncio.get_running_loop().create_future()
+        self._acks[update.seq] = future
+        self.pending, self._pending_payload = update, payload
+        topic = self.topics.grad(update.cluster, self.device)
+        started = time.perf_counter()
+        try:
+            attempt = 0
+            while True:
+                if attempt:
+                    self.m_resends.inc()
+                    logger.info("%s: no ack for update %d after %.1fs; resending", self.device, update.seq,
+                                self.cfg.worker.ack_timeout_s)
+                await self.bus.publish(topic, payload, kind="gradient")
+                attempt += 1
+                try:
+                    async with asyncio.timeout(self.cfg.worker.ack_timeout_s):
+                        ack = await asyncio.shield(future)
+                    break
+                except TimeoutError:
+                    continue
+        finally:
+            self._acks.pop(update.seq, None)
+            self.pending, self._pending_payload = None, None
+        rtt = time.perf_counter() - started
+        self._comm_times.append(rtt)
+        self.m_ack.observe(rtt)
+        return ack
+
+    # ------------------------------------------------------------------ reporting
+    async def _report(self) -> None:
+        assert self.bus is not None
+        while True:
+            await asyncio.sleep(self.cfg.worker.stats_interval_s)
+            if not self.bus.is_connected:
+                continue
+            stats = DeviceStats(
+                device=self.device, incarnation=self.incarnation, time=time.time(),
+                steps=int(self.metrics.value("edgemesh_worker_steps_total")),
+                step_time_s=float(np.mean(self._step_times)) if self._step_times else 0.0,
+                comm_time_s=float(np.mean(self._comm_times)) if self._comm_times else 0.0,
+                delay_index=float(np.mean(self._delays)) if self._delays else 0.0,
+                rss_bytes=prof.rss_bytes(), cpu_temp_c=prof.cpu_temperature(),
+                model_version=max(self._model_version, 0), loss=self._last_loss,
+                batch_size=self.me.batch_size if self.me else 0,
+                bytes_sent=int(self.metrics.value("edgemesh_worker_published_bytes_total")),
+            )
+            with contextlib.suppress(Exception):
+                await self.bus.publish(self.topics.stats(self.device), stats)
+
+
+async def run(config: Config, *, stop: asyncio.Event | None = None) -> None:
+    """Run one worker until ``stop`` is set, SIGINT or SIGTERM."""
+    stop = stop or asyncio.Event()
+    install_stop_signals(stop)
+    await Worker(config, stop=stop).run()

@@ -1,0 +1,213 @@
+"""Tests for edgemesh.common.models: specs, deterministic builds, parameter exchange, training."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from edgemesh.common.data import BatchIterator, Dataset, load_dataset
+from edgemesh.common.errors import DataError, ModelError
+from edgemesh.common.models import (
+    MODEL_SPECS,
+    build_model,
+    compute_gradients,
+    evaluate,
+    get_params,
+    get_spec,
+    param_layout,
+    set_params,
+)
+
+DIGITS_LAYOUT = {
+    "conv1.weight": ((16, 1, 3, 3), "float32"),
+    "conv1.bias": ((16,), "float32"),
+    "conv2.weight": ((32, 16, 3, 3), "float32"),
+    "conv2.bias": ((32,), "float32"),
+    "fc1.weight": ((64, 512), "float32"),
+    "fc1.bias": ((64,), "float32"),
+    "fc2.weight": ((10, 64), "float32"),
+    "fc2.bias": ((10,), "float32"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _batch(n: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.random((n, 1, 8, 8), dtype=np.float32), rng.integers(0, 10, size=n).astype(np.int64)
+
+
+def test_digits_cnn_param_names_shapes_and_order() -> None:
+    layout = param_layout(build_model("digits-cnn"))
+    assert layout == DIGITS_LAYOUT
+    assert list(layout) == list(DIGITS_LAYOUT)  # named_parameters() order
+    params = get_params(build_model("digits-cnn"))
+    assert list(params) == list(DIGITS_LAYOUT)
+    assert all(a.dtype == np.float32 and a.shape == DIGITS_LAYOUT[n][0] for n, a in params.items())
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_SPECS))
+def test_every_spec_maps_its_input_shape_to_its_classes(name: str) -> None:
+    spec = get_spec(name)
+    assert spec.name == name and spec.description
+    out = build_model(name)(torch.zeros((2, *spec.input_shape)))
+    assert tuple(out.shape) == (2, spec.num_classes)
+
+
+def test_cifar_cnn_layout() -> None:
+    layout = param_layout(build_model("cifar-cnn"))
+    assert layout["conv3.weight"][0] == (128, 64, 3, 3)
+    assert layout["fc1.weight"][0] == (256, 128 * 4 * 4)
+    assert layout["fc2.weight"][0] == (10, 256)
+
+
+def test_unknown_model_lists_known_names() -> None:
+    with pytest.raises(ModelError, match="cifar-cnn.*digits-cnn"):
+        get_spec("resnet-9000")
+    with pytest.raises(ModelError):
+        build_model("resnet-9000")
+
+
+def test_build_is_deterministic_per_seed() -> None:
+    a = get_params(build_model("digits-cnn", 1))
+    b = get_params(build_model("digits-cnn", 1))
+    c = get_params(build_model("digits-cnn", 2))
+    assert all(np.array_equal(a[n], b[n]) for n in a)
+    assert not any(np.array_equal(a[n], c[n]) for n in a if n.endswith("weight"))
+
+
+def test_build_does_not_disturb_global_rng() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_model("digits-cnn", seed=9)
+    np.testing.assert_array_equal(torch.rand(3).numpy(), expected.numpy())
+
+
+def test_get_params_returns_copies_and_set_params_round_trips() -> None:
+    model = build_model("digits-cnn", 0)
+    params = get_params(model)
+    params["fc2.bias"][:] = 42.0
+    assert not np.any(get_params(model)["fc2.bias"] == 42.0)
+    target = build_model("digits-cnn", 5)
+    set_params(target, params)
+    assert all(np.array_equal(v, params[n]) for n, v in get_params(target).items())
+    # float64 input is converted, not rejected
+    set_params(target, {n: v.astype(np.float64) * 0 for n, v in params.items()})
+    assert all(not v.any() for v in get_params(target).values())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda p: p.update({"fc1.weight": np.zeros((64, 511), np.float32)}), "shape"),
+        (lambda p: p.pop("conv2.bias"), "missing.*conv2.bias"),
+        (lambda p: p.update({"fc3.weight": np.zeros(1, np.float32)}), "unexpected.*fc3.weight"),
+        (lambda p: p.update({"fc2.bias": np.array(["a"] * 10, dtype=object)}), "numeric"),
+    ],
+)
+def test_set_params_rejects_mismatches_and_leaves_model_unchanged(mutate, match: str) -> None:  # type: ignore[no-untyped-def]
+    model = build_model("digits-cnn", 0)
+    before = get_params(model)
+    params = {n: v + 1.0 for n, v in before.items()}
+    mutate(params)
+    with pytest.raises(ModelError, match=match):
+        set_params(model, params)
+    assert all(np.array_equal(v, before[n]) for n, v in get_params(model).items())
+
+
+def test_compute_gradients_matches_autograd() -> None:
+    model = build_model("digits-cnn", 3)
+    x, y = _batch()
+    loss, grads = compute_gradients(model, x, y)
+
+    reference = build_model("digits-cnn", 3)
+    ref_loss = F.cross_entropy(reference(torch.from_numpy(x)), torch.from_numpy(y))
+    ref_loss.backward()
+    assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
+    assert list(grads) == list(DIGITS_LAYOUT)
+    for name, p in reference.named_parameters():
+        assert grads[name].dtype == np.float32 and grads[name].shape == tuple(p.shape)
+        assert np.all(np.isfinite(grads[name]))
+        assert p.grad is not None
+        np.testing.assert_allclose(grads[name], p.grad.numpy(), rtol=1e-5, atol=1e-7)
+    assert any(np.abs(g).sum() > 0 for g in grads.values())
+
+
+def test_compute_gradients_zeroes_grads_first() -> None:
+    model = build_model("digits-cnn", 0)
+    x, y = _batch()
+    _, first = compute_gradients(model, x, y)
+    _, second = compute_gradients(model, x, y)
+    assert all(np.allclose(first[n], second[n]) for n in first)  # not accumulated
+
+
+def test_compute_gradients_rejects_bad_batches() -> None:
+    model = build_model("digits-cnn", 0)
+    x, y = _batch()
+    with pytest.raises(ModelError, match="labels"):
+        compute_gradients(model, x, np.full_like(y, 10))
+    with pytest.raises(ModelError, match="shape"):
+        compute_gradients(model, np.zeros((8, 3, 32, 32), np.float32), y)
+    with pytest.raises(ModelError):
+        compute_gradients(model, x, y[:4])
+    with pytest.raises(ModelError):
+        compute_gradients(model, x[:0], y[:0])
+
+
+def test_evaluate_is_batch_size_independent_and_restores_mode() -> None:
+    model = build_model("digits-cnn", 0)
+    test = load_dataset("digits")[1]
+    model.train()
+    loss_a, acc_a = evaluate(model, test)
+    assert model.training
+    model.eval()
+    loss_b, acc_b = evaluate(model, test, batch_size=7)
+    assert not model.training
+    assert loss_a == pytest.approx(loss_b, rel=1e-5) and acc_a == acc_b
+    assert loss_a == pytest.approx(np.log(10), rel=0.1)  # untrained: near-uniform predictions
+    assert 0.0 <= acc_a <= 0.3
+
+
+def test_evaluate_counts_correct_predictions() -> None:
+    model = build_model("digits-cnn", 0)
+    params = {n: np.zeros_like(v) for n, v in get_params(model).items()}
+    params["fc2.bias"][3] = 5.0  # always predicts class 3
+    set_params(model, params)
+    y = np.array([3, 3, 1, 3], dtype=np.int64)
+    ds = Dataset("fixed", np.zeros((4, 1, 8, 8), np.float32), y, 10)
+    loss, acc = evaluate(model, ds, batch_size=3)
+    assert acc == 0.75
+    logits = torch.zeros(4, 10)
+    logits[:, 3] = 5.0
+    assert loss == pytest.approx(F.cross_entropy(logits, torch.from_numpy(y)).item(), rel=1e-5)
+    with pytest.raises(DataError):
+        evaluate(model, Dataset("empty", np.zeros((0, 1, 8, 8), np.float32), np.zeros(0, np.int64), 10))
+
+
+def test_sgd_with_compute_gradients_learns_digits() -> None:
+    train, test = load_dataset("digits")
+    model = build_model("digits-cnn", seed=0)
+    params = get_params(model)
+    velocity = {n: np.zeros_like(v) for n, v in params.items()}
+    batches = BatchIterator(train, 32, seed=0)
+    accuracy = 0.0
+    for _ in range(10):
+        epoch = batches.epoch
+        while batches.epoch == epoch:
+            x, y = next(batches)
+            loss, grads = compute_gradients(model, x, y)
+            assert np.isfinite(loss)
+            for name, grad in grads.items():
+                velocity[name] = 0.9 * velocity[name] + grad
+                params[name] -= 0.05 * velocity[name]
+            set_params(model, params)
+        _, accuracy = evaluate(model, test)
+        if accuracy >= 0.95:
+            break
+    assert accuracy >= 0.95
