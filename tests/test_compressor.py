@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -89,6 +91,12 @@ def test_the_service_refuses_a_configured_codec_it_cannot_run() -> None:
         Compressor(load_config(env={}, overrides={"compressor.default_codec": missing}))
     with pytest.raises(ConfigError, match="pi-1"):
         Compressor(load_config(env={}, overrides={"compressor.overrides": {"pi-1": missing}}))
+
+
+def test_the_compressor_does_not_import_torch() -> None:
+    """The compressor runs on small hosts without torch."""
+    code = "import sys, edgemesh.services.compressor.service; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=WAIT).returncode == 0
 
 
 # --------------------------------------------------------------------------- helpers

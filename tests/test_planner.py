@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import subprocess
 import sys
 import time
 import uuid
@@ -93,6 +94,12 @@ def test_cluster_names_of_long_device_names_stay_valid_and_distinct() -> None:
 def test_device_info_from_hello() -> None:
     hello = DeviceHello(device="pi", incarnation=1, flops=2e9, memory_bytes=GIB, link_rate_bps=5e5)
     assert DeviceInfo.from_hello(hello) == DeviceInfo(device="pi", flops=2e9, memory_bytes=GIB, link_rate_bps=5e5)
+
+
+def test_the_planner_does_not_import_torch() -> None:
+    """The planner runs on small hosts without torch."""
+    code = "import sys, edgemesh.services.planner.service; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=WAIT).returncode == 0
 
 
 # --------------------------------------------------------------------------- helpers

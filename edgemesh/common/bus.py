@@ -19,6 +19,7 @@ import logging
 import random
 import socket
 import ssl
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -37,6 +38,9 @@ T = TypeVar("T")
 
 QOS_STATE = 1
 """QoS for everything that matters (updates, acks, plan, model); MQTT 3.1.1 and 5 both have it."""
+
+REFUSED_IDS_KEPT = 256
+"""Ids of refused chunked messages remembered, so their other chunks are dropped silently."""
 
 INCOMING_QUEUE = 10_000
 """Messages buffered between the network and the service before back-pressure."""
@@ -91,6 +95,7 @@ class Bus:
         self._protocol = (
             aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         )
+        self._refused_ids: deque[str] = deque(maxlen=REFUSED_IDS_KEPT)
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.connections = 0
@@ -233,7 +238,10 @@ class Bus:
         if envelope.kind != wire.CHUNK_KIND:
             return envelope
         chunk = wire.decode_envelope(envelope, wire.Chunk)
+        if chunk.id in self._refused_ids:
+            return None  # the rest of a message already counted as rejected
         if chunk.size > self.config.max_message_bytes:
+            self._refused_ids.append(chunk.id)
             raise WireError(f"chunked message of {chunk.size} bytes exceeds the limit", "oversized")
         before = dict(self._reassembler.dropped)
         whole = self._reassembler.add(base_topic(topic), chunk)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
 import typing
@@ -298,11 +299,11 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
     if tp is float:
         try:
-            if isinstance(value, bool):
+            if isinstance(value, bool) or not math.isfinite(number := float(value)):
                 raise ValueError
-            return float(value)
+            return number
         except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
@@ -396,7 +397,9 @@ def load_config(
                 tree = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
-        except tomllib.TOMLDecodeError as exc:
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {path}: {exc}") from None
     tree = _merge(tree, _env_overrides(env))
     flag_tree: dict[str, Any] = {}

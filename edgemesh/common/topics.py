@@ -131,7 +131,7 @@ class Topics:
         if not topic.startswith(prefix):
             raise ValueError(f"topic {topic!r} is outside job {self.job!r}")
         parts = topic[len(prefix):].split("/")
-        if len(parts) >= 2 and parts[-2] == CHUNK_SEGMENT:
+        if _has_chunk_suffix(parts):
             parts = parts[:-2]
         return parts
 
@@ -149,9 +149,14 @@ class Topics:
 def base_topic(topic: str) -> str:
     """``topic`` without a trailing ``chunk/{index}``."""
     parts = topic.split("/")
-    if len(parts) >= 2 and parts[-2] == CHUNK_SEGMENT:
+    if _has_chunk_suffix(parts):
         return "/".join(parts[:-2])
     return topic
+
+
+def _has_chunk_suffix(parts: list[str]) -> bool:
+    """Levels end in ``chunk/{index}`` (a device, cluster or job may itself be named ``chunk``)."""
+    return len(parts) >= 2 and parts[-2] == CHUNK_SEGMENT and parts[-1].isascii() and parts[-1].isdigit()
 
 
 def matches(filter_: str, topic: str) -> bool:

@@ -49,8 +49,9 @@ logger = logging.getLogger(__name__)
 SERVICE = "compressor"
 RETAINED_SETTLE_S = 0.2
 """After connecting, wait this long for retained policies and hellos before publishing any policy."""
-STATUS_LIST_MAX = 100
-"""Devices listed by name in a ``status`` reply; the rest are counted."""
+LIST_MAX_CHARS = 2000
+"""Longest list of device policies in a ``status`` reply (wire strings are bounded); the devices
+that do not fit are counted instead."""
 DEFAULT_VALUE = "default"
 """``set-codec`` value that removes an operator's choice for a device."""
 COMMANDS = ("status", "set-codec", "stop")
@@ -277,10 +278,16 @@ class Compressor:
 
     def _status(self) -> dict[str, Scalar]:
         devices = sorted(self.incarnations)
-        listed = [f"{d}={self.policies[d].codec}@{self.policies[d].version}" if d in self.policies else f"{d}=-"
-                  for d in devices[:STATUS_LIST_MAX]]
-        if len(devices) > STATUS_LIST_MAX:
-            listed.append(f"...(+{len(devices) - STATUS_LIST_MAX} more)")
+        listed: list[str] = []
+        size = 0
+        for d in devices:
+            policy = self.policies.get(d)
+            entry = f"{d}={policy.codec}@{policy.version}" if policy is not None else f"{d}=-"
+            if size + len(entry) + 1 > LIST_MAX_CHARS:
+                listed.append(f"...(+{len(devices) - len(listed)} more)")
+                break
+            listed.append(entry)
+            size += len(entry) + 1
         return {
             "devices": len(devices),
             "default_codec": self.cfg.compressor.default_codec,

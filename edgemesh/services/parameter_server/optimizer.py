@@ -40,6 +40,8 @@ class ModelState:
         p = self.params.get(param)
         if p is None:
             raise WireError(f"unknown parameter {param!r}", "shape")
+        if p.ndim == 0:
+            raise WireError(f"parameter {param!r} is a scalar and has no shards", "shape")
         if not 0 <= start < stop <= p.shape[0]:
             raise WireError(f"shard {param}[{start}:{stop}] outside dim 0 of size {p.shape[0]}", "shape")
         return (stop - start, *p.shape[1:])
@@ -60,21 +62,31 @@ class ModelState:
         Each contribution is ``(weight, shards)``; weights of one step should sum to 1.
         Only the slices some contribution covers are touched.
         """
-        acc: dict[tuple[str, int, int], np.ndarray] = {}
+        acc: dict[str, np.ndarray] = {}
+        rows: dict[str, np.ndarray] = {}
         for weight, shards in contributions:
             for g in shards:
-                key = (g.param, g.start, g.stop)
-                scaled = g.values * np.float32(weight)
-                if key in acc:
-                    acc[key] += scaled
-                else:
-                    acc[key] = scaled
+                if g.param not in acc:
+                    acc[g.param] = np.zeros_like(self.params[g.param])
+                    rows[g.param] = np.zeros(self.params[g.param].shape[0], dtype=bool)
+                acc[g.param][g.start:g.stop] += g.values * np.float32(weight)
+                rows[g.param][g.start:g.stop] = True
         lr32, mom32, wd32 = np.float32(lr), np.float32(momentum), np.float32(weight_decay)
-        for (param, start, stop), grad in acc.items():
-            p = self.params[param][start:stop]
-            buf = self.momentum[param][start:stop]
-            if weight_decay:
-                grad = grad + wd32 * p
-            buf *= mom32
-            buf += grad
-            p -= lr32 * buf
+        for param, grad in acc.items():
+            touched = rows[param]
+            if touched.all():
+                self._update(self.params[param], self.momentum[param], grad, lr32, mom32, wd32)
+                continue
+            p, buf = self.params[param][touched], self.momentum[param][touched]
+            self._update(p, buf, grad[touched], lr32, mom32, wd32)
+            self.params[param][touched], self.momentum[param][touched] = p, buf
+
+    @staticmethod
+    def _update(p: np.ndarray, buf: np.ndarray, grad: np.ndarray, lr: np.float32, mom: np.float32,
+                wd: np.float32) -> None:
+        """In place: ``buf = mom * buf + grad (+ wd * p)``; ``p -= lr * buf``."""
+        if wd:
+            grad = grad + wd * p
+        buf *= mom
+        buf += grad
+        p -= lr * buf

@@ -176,9 +176,9 @@ class ParameterServer:
                     self.topics.plan(), self.topics.all_grad(),
                     self.topics.control("ps"), self.topics.control("all"),
                 ],
+                on_connect=self._publish_snapshot,  # a restarted broker has lost the retained model
             ))
             self.metrics.up.set(1)
-            await self._publish_snapshot()
             logger.info("parameter server up: model %s, version %d, policy %s, bound %d",
                         self.cfg.training.model_spec, self.version, self.policy, self.bound)
             try:

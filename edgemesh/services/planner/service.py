@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from edgemesh.common import wire
@@ -59,8 +60,9 @@ RETAINED_SETTLE_S = 0.2
 statuses and the previous plan before planning for the first time."""
 UNKNOWN_INCARNATION = -1
 """Incarnation of a device named by a plan adopted from the broker (its incarnation is not in the plan)."""
-STATUS_LIST_MAX = 100
-"""Devices listed by name in a ``status`` reply or a ``replan`` event; the rest are counted."""
+LIST_MAX_CHARS = 2000
+"""Longest list of device names in a ``status`` reply or ``replan`` event (wire strings are bounded);
+the names that do not fit are counted instead."""
 REPLAN_REASONS = ("join", "leave", "control", "start")
 COMMANDS = ("status", "replan", "drain-device", "undrain-device", "stop")
 
@@ -142,12 +144,13 @@ class Planner:
 
     async def _dispatch(self, msg: Incoming) -> None:
         parts = self.topics.relative(msg.topic)
-        before = self._live_signature()
         match parts:
             case ["device", device, "hello"]:
-                self._on_hello(_for_device(msg.decode(DeviceHello), device))
+                hello = _for_device(msg.decode(DeviceHello), device)
+                self._registry_update(device, lambda: self._on_hello(hello))
             case ["device", device, "status"]:
-                self._on_status(_for_device(msg.decode(DeviceStatus), device))
+                status = _for_device(msg.decode(DeviceStatus), device)
+                self._registry_update(device, lambda: self._on_status(status))
             case ["device", device, "stats"]:
                 self.stats[device] = _for_device(msg.decode(DeviceStats), device)
                 self.metrics.received_messages.labels(kind="stats").inc()
@@ -157,9 +160,15 @@ class Planner:
                 await self._control(msg.decode(ControlCommand))
             case _:
                 raise WireError(f"no handler for topic {msg.topic}", "topic")
-        if self._live_signature() != before:
+
+    def _registry_update(self, device: str, update: Callable[[], None]) -> None:
+        """Apply ``update``; if it changed whether (or as which incarnation) ``device`` is
+        plannable, mark the live set dirty for the replan loop."""
+        before = self._plannable_incarnation(device)
+        update()
+        if self._plannable_incarnation(device) != before:
             self._dirty.set()
-        self._update_gauges()
+            self._update_gauges()
 
     def _on_hello(self, hello: DeviceHello) -> None:
         self.metrics.received_messages.labels(kind="hello").inc()
@@ -192,23 +201,30 @@ class Planner:
         self._dirty.set()
 
     # ------------------------------------------------------------------ registry
+    def _live_hello(self, name: str) -> DeviceHello | None:
+        """The hello of ``name`` if the device is live (online, hello of the same incarnation)."""
+        status, hello = self.statuses.get(name), self.hellos.get(name)
+        if status is None or hello is None or status.state != "online":
+            return None
+        if status.incarnation and status.incarnation != hello.incarnation:
+            return None
+        return hello
+
     def live(self) -> dict[str, DeviceHello]:
-        """Devices online with a matching hello, drained ones included, by name."""
+        """Live devices, drained ones included, by name."""
         out = {}
-        for name, status in self.statuses.items():
-            hello = self.hellos.get(name)
-            if status.state != "online" or hello is None:
-                continue
-            if status.incarnation and status.incarnation != hello.incarnation:
-                continue
-            out[name] = hello
+        for name in self.statuses:
+            hello = self._live_hello(name)
+            if hello is not None:
+                out[name] = hello
         return out
 
     def _plannable(self) -> dict[str, DeviceHello]:
         return {name: hello for name, hello in self.live().items() if name not in self.drained}
 
-    def _live_signature(self) -> dict[str, int]:
-        return {name: hello.incarnation for name, hello in self._plannable().items()}
+    def _plannable_incarnation(self, name: str) -> int | None:
+        hello = self._live_hello(name)
+        return None if hello is None or name in self.drained else hello.incarnation
 
     def _update_gauges(self) -> None:
         self.m_live.set(len(self.live()))
@@ -343,11 +359,16 @@ class Planner:
 
 
 def _listing(names: list[str]) -> str:
-    """Comma-separated names, at most ``STATUS_LIST_MAX`` of them (a wire string is bounded)."""
-    shown = ",".join(names[:STATUS_LIST_MAX])
-    if len(names) > STATUS_LIST_MAX:
-        shown += f",...(+{len(names) - STATUS_LIST_MAX} more)"
-    return shown
+    """Comma-separated names, cut to about ``LIST_MAX_CHARS`` with a count of the rest."""
+    shown: list[str] = []
+    size = 0
+    for name in names:
+        if size + len(name) + 1 > LIST_MAX_CHARS:
+            shown.append(f"...(+{len(names) - len(shown)} more)")
+            break
+        shown.append(name)
+        size += len(name) + 1
+    return ",".join(shown)
 
 
 class _DeviceMessage(Protocol):

@@ -1,0 +1,336 @@
+"""The parameter server's pure parts: sync rules, the SGD step by shard, and durable state (DESIGN.md §4-5)."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgemesh.common.errors import CheckpointError, WireError
+from edgemesh.services.parameter_server import policy as rules
+from edgemesh.services.parameter_server import store
+from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
+
+# --------------------------------------------------------------------------- judge
+
+
+@pytest.mark.parametrize("policy,version,base,bound,accept,delay,reason", [
+    ("sync", 10, 10, 4, True, 0, ""),
+    ("sync", 10, 9, 4, False, 1, "stale"),  # BSP ignores the bound: only the current version counts
+    ("async", 10, 6, 4, True, 4, ""),
+    ("async", 10, 5, 4, False, 5, "stale"),
+    ("ssp", 10, 6, 4, True, 4, ""),
+    ("ssp", 10, 5, 4, False, 5, "stale"),
+    ("async", 10, 10, 0, True, 0, ""),
+    ("async", 10, 9, 0, False, 1, "stale"),
+    ("async", 10, 11, 4, False, -1, "future"),
+    ("sync", 0, 1, 4, False, -1, "future"),
+    ("ssp", 0, 0, 0, True, 0, ""),
+])
+def test_judge(policy: rules.Policy, version: int, base: int, bound: int, accept: bool, delay: int,
+               reason: str) -> None:
+    assert rules.judge(policy, version, base, bound) == rules.Verdict(accept, delay, reason)
+
+
+@settings(max_examples=200, deadline=None)
+@given(policy=st.sampled_from(["async", "ssp"]), version=st.integers(0, 10**6), back=st.integers(-5, 50),
+       bound=st.integers(0, 20))
+def test_judge_applies_exactly_the_updates_within_the_bound(policy: rules.Policy, version: int, back: int,
+                                                            bound: int) -> None:
+    verdict = rules.judge(policy, version, version - back, bound)
+    assert verdict.delay == back
+    assert verdict.accept is (0 <= back <= bound)
+    assert verdict.reason == ("" if verdict.accept else "future" if back < 0 else "stale")
+
+
+# --------------------------------------------------------------------------- staleness weight
+
+
+def test_staleness_weight() -> None:
+    assert rules.staleness_weight(0) == 1.0
+    assert rules.staleness_weight(1) == 0.5
+    assert rules.staleness_weight(3) == 0.25
+    assert rules.staleness_weight(-2) == 1.0  # never amplifies
+    weights = [rules.staleness_weight(d) for d in range(50)]
+    assert all(a > b > 0 for a, b in zip(weights, weights[1:], strict=False))
+
+
+# --------------------------------------------------------------------------- SSP gate and BSP rounds
+
+
+def test_must_wait_only_under_ssp_and_only_beyond_the_bound() -> None:
+    clocks = {"c0": 10, "c1": 7, "c2": 12}
+    live = ["c0", "c1", "c2"]
+    assert rules.must_wait("ssp", "c2", clocks, live, 4)  # 12 - 7 = 5 > 4
+    assert not rules.must_wait("ssp", "c2", clocks, live, 5)  # exactly the bound is fine
+    assert not rules.must_wait("ssp", "c0", clocks, live, 4)
+    assert not rules.must_wait("ssp", "c1", clocks, live, 0)  # the slowest never waits
+    for other in ("sync", "async", "adaptive"):
+        assert not rules.must_wait(other, "c2", clocks, live, 0)  # type: ignore[arg-type]
+
+
+def test_must_wait_ignores_clusters_that_are_not_live() -> None:
+    clocks = {"c0": 10, "gone": 0}
+    assert not rules.must_wait("ssp", "c0", clocks, ["c0"], 2)  # alone: nobody to wait for
+    assert rules.must_wait("ssp", "c0", clocks, ["c0", "gone"], 2)
+    assert not rules.must_wait("ssp", "c0", {"c0": 10, "c1": 9, "gone": 0}, ["c0", "c1"], 2)
+
+
+def test_must_wait_counts_a_new_live_cluster_at_zero() -> None:
+    assert rules.must_wait("ssp", "c0", {"c0": 3}, ["c0", "new"], 2)
+    assert not rules.must_wait("ssp", "new", {"c0": 3}, ["c0", "new"], 2)
+
+
+def test_round_complete() -> None:
+    assert rules.round_complete(["c0", "c1"], ["c1", "c0"])
+    assert rules.round_complete(["c0", "c1", "left-meanwhile"], ["c0", "c1"])
+    assert not rules.round_complete(["c0"], ["c0", "c1"])
+    assert not rules.round_complete([], ["c0"])
+    assert not rules.round_complete([], [])  # an empty round is never complete
+    assert rules.round_complete(iter(["c0"]), iter(["c0"]))
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def _params() -> dict[str, np.ndarray]:
+    return {"w": np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "b": np.array([0.5, -0.5], dtype=np.float32)}
+
+
+def test_model_state_copies_its_inputs() -> None:
+    params = _params()
+    state = ModelState(params)
+    state.params["w"][0, 0] = 99.0
+    assert params["w"][0, 0] == 0.0
+    assert all(np.array_equal(state.momentum[k], np.zeros_like(v)) for k, v in params.items())
+
+
+def test_step_is_sgd_with_momentum_on_the_weighted_gradient_sum() -> None:
+    params = _params()
+    state = ModelState(params)
+    lr, mu, wd = 0.1, 0.9, 0.01
+    g1 = np.full((4, 3), 1.0, dtype=np.float32)
+    g2 = np.arange(12, dtype=np.float32).reshape(4, 3)
+    gb = np.array([2.0, -4.0], dtype=np.float32)
+    contributions = [(0.75, [ShardGrad("w", 0, 4, g1), ShardGrad("b", 0, 2, gb)]), (0.25, [ShardGrad("w", 0, 4, g2)])]
+
+    state.step(contributions, lr=lr, momentum=mu, weight_decay=wd)
+    # by hand: g = sum w_i g_i + wd * p;  buf = mu * buf + g;  p -= lr * buf
+    g_w = 0.75 * g1 + 0.25 * g2 + wd * params["w"]
+    g_b = 0.75 * gb + wd * params["b"]
+    np.testing.assert_allclose(state.momentum["w"], g_w, rtol=1e-6)
+    np.testing.assert_allclose(state.params["w"], params["w"] - lr * g_w, rtol=1e-6)
+    np.testing.assert_allclose(state.params["b"], params["b"] - lr * g_b, rtol=1e-6)
+
+    # second step: the momentum carries over
+    p1, buf1 = state.params["w"].copy(), state.momentum["w"].copy()
+    state.step([(1.0, [ShardGrad("w", 0, 4, g1)])], lr=lr, momentum=mu, weight_decay=wd)
+    buf2 = mu * buf1 + g1 + wd * p1
+    np.testing.assert_allclose(state.momentum["w"], buf2, rtol=1e-6)
+    np.testing.assert_allclose(state.params["w"], p1 - lr * buf2, rtol=1e-6)
+    assert state.params["w"].dtype == np.float32 and state.momentum["w"].dtype == np.float32
+
+
+def test_step_resumes_from_restored_momentum() -> None:
+    params = _params()
+    restored = {"w": np.ones((4, 3), dtype=np.float32), "b": np.ones(3, dtype=np.float32)}  # b: wrong shape
+    state = ModelState(params, momentum=restored)
+    assert np.array_equal(state.momentum["w"], restored["w"]) and np.array_equal(state.momentum["b"], np.zeros(2))
+    g = np.zeros((4, 3), dtype=np.float32)
+    state.step([(1.0, [ShardGrad("w", 0, 4, g)])], lr=0.5, momentum=0.5)
+    np.testing.assert_allclose(state.params["w"], params["w"] - 0.5 * 0.5 * restored["w"], rtol=1e-6)
+
+
+def test_a_slice_step_touches_only_its_rows() -> None:
+    params = _params()
+    state = ModelState(params)
+    g = np.ones((2, 3), dtype=np.float32)
+    state.step([(1.0, [ShardGrad("w", 1, 3, g)])], lr=0.1, momentum=0.9)
+    np.testing.assert_allclose(state.params["w"][1:3], params["w"][1:3] - 0.1, rtol=1e-6)
+    assert np.array_equal(state.params["w"][[0, 3]], params["w"][[0, 3]])
+    assert np.array_equal(state.momentum["w"][[0, 3]], np.zeros((2, 3)))
+    assert np.array_equal(state.params["b"], params["b"]) and not state.momentum["b"].any()
+
+
+def test_model_parallel_slices_of_one_step_equal_the_whole_tensor_step() -> None:
+    whole, sliced = ModelState(_params()), ModelState(_params())
+    g = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+    for _ in range(3):
+        whole.step([(1.0, [ShardGrad("w", 0, 4, g)])], lr=0.1, momentum=0.9, weight_decay=0.01)
+        sliced.step([(1.0, [ShardGrad("w", 0, 1, g[0:1]), ShardGrad("w", 1, 4, g[1:4])])], lr=0.1, momentum=0.9,
+                    weight_decay=0.01)
+    np.testing.assert_allclose(sliced.params["w"], whole.params["w"], rtol=1e-6)
+    np.testing.assert_allclose(sliced.momentum["w"], whole.momentum["w"], rtol=1e-6)
+
+
+def test_one_step_mixing_whole_and_sliced_contributions_equals_the_whole_tensor_step() -> None:
+    """A data-parallel cluster (whole tensor) and a model-parallel cluster (slices) in the same step."""
+    g = np.ones((4, 3), dtype=np.float32)
+    whole, mixed = ModelState(_params()), ModelState(_params())
+    whole.step([(0.5, [ShardGrad("w", 0, 4, g)]), (0.5, [ShardGrad("w", 0, 4, g)])], lr=0.1, momentum=0.9)
+    mixed.step([(0.5, [ShardGrad("w", 0, 4, g)]), (0.5, [ShardGrad("w", 0, 2, g[:2]), ShardGrad("w", 2, 4, g[2:])])],
+               lr=0.1, momentum=0.9)
+    np.testing.assert_allclose(mixed.params["w"], whole.params["w"], rtol=1e-6)
+    np.testing.assert_allclose(mixed.momentum["w"], whole.momentum["w"], rtol=1e-6)
+
+
+def test_slice_shape() -> None:
+    state = ModelState({"conv.weight": np.zeros((8, 3, 3, 3), dtype=np.float32)})
+    assert state.slice_shape("conv.weight", 0, 8) == (8, 3, 3, 3)
+    assert state.slice_shape("conv.weight", 2, 5) == (3, 3, 3, 3)
+    assert state.numel("conv.weight", 7, 8) == 27
+
+
+@pytest.mark.parametrize("param,start,stop", [
+    ("fc.weight", 0, 1), ("conv.weight", 0, 9), ("conv.weight", -1, 2), ("conv.weight", 3, 3), ("conv.weight", 5, 2),
+    ("conv.weight", 8, 9),
+])
+def test_slice_shape_refuses_unknown_params_and_out_of_range_shards(param: str, start: int, stop: int) -> None:
+    state = ModelState({"conv.weight": np.zeros((8, 3, 3, 3), dtype=np.float32)})
+    with pytest.raises(WireError) as exc:
+        state.slice_shape(param, start, stop)
+    assert exc.value.reason == "shape"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _snapshot() -> store.Snapshot:
+    rng = np.random.default_rng(1)
+    return store.Snapshot(
+        model_spec="digits-cnn", version=412,
+        params={"w": rng.standard_normal((4, 3)).astype(np.float32), "b": np.zeros(0, dtype=np.float32)},
+        momentum={"w": rng.standard_normal((4, 3)).astype(np.float32), "b": np.zeros(0, dtype=np.float32)},
+        high_water={"pi-a": (2, 17), "pi-b": (0, 3)}, clocks={"c0": 200, "c1": 212},
+        settings={"policy": "ssp", "bound": 4, "lr": 0.05, "paused": False})
+
+
+def test_checkpoint_round_trip(tmp_path: Path) -> None:
+    snap = _snapshot()
+    path = store.write_checkpoint(tmp_path / "ps", snap)
+    assert path == tmp_path / "ps" / store.CHECKPOINT_NAME
+    got = store.read_checkpoint(tmp_path / "ps")
+    assert got is not None
+    assert (got.model_spec, got.version, got.high_water, got.clocks, got.settings) == (
+        snap.model_spec, snap.version, snap.high_water, snap.clocks, snap.settings)
+    for name in ("w", "b"):
+        assert got.params[name].dtype == np.float32 and np.array_equal(got.params[name], snap.params[name])
+        assert np.array_equal(got.momentum[name], snap.momentum[name])
+    got.params["w"][0, 0] = 1.0  # loaded arrays are writable (the PS steps on them)
+    assert not list((tmp_path / "ps").glob("*.tmp"))
+
+
+def test_a_missing_checkpoint_reads_as_none(tmp_path: Path) -> None:
+    assert store.read_checkpoint(tmp_path) is None
+
+
+def test_a_new_checkpoint_replaces_the_old(tmp_path: Path) -> None:
+    snap = _snapshot()
+    store.write_checkpoint(tmp_path, snap)
+    snap.version = 600
+    store.write_checkpoint(tmp_path, snap)
+    got = store.read_checkpoint(tmp_path)
+    assert got is not None and got.version == 600
+
+
+def test_a_corrupt_checkpoint_raises(tmp_path: Path) -> None:
+    path = store.write_checkpoint(tmp_path, _snapshot())
+    raw = path.read_bytes()
+    flipped = bytearray(raw)
+    flipped[len(raw) // 2] ^= 0x40
+    for bad in (b"", raw[:3], raw[:-1], bytes(flipped)):
+        path.write_bytes(bad)
+        with pytest.raises(CheckpointError):
+            store.read_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_of_another_format_raises(tmp_path: Path) -> None:
+    body = msgpack.packb({"format": 99, "model_spec": "x"}, use_bin_type=True)
+    (tmp_path / store.CHECKPOINT_NAME).write_bytes(struct.pack("<II", len(body), zlib.crc32(body)) + body)
+    with pytest.raises(CheckpointError, match="format"):
+        store.read_checkpoint(tmp_path)
+
+
+# --------------------------------------------------------------------------- write-ahead log
+
+
+def _records(n: int, start: int = 0) -> list[dict[str, object]]:
+    return [{"version": v, "lr": 0.1, "entries": [{"device": "pi-a", "seq": v, "grad": b"\x00" * v}]}
+            for v in range(start, start + n)]
+
+
+def test_wal_append_and_read(tmp_path: Path) -> None:
+    wal = store.WriteAheadLog(tmp_path, fsync=True)
+    try:
+        assert wal.append([]) == 0
+        written = wal.append(_records(3))
+        assert written == (tmp_path / store.WAL_NAME).stat().st_size
+        wal.append(_records(2, start=3))
+    finally:
+        wal.close()
+    assert store.read_wal(tmp_path) == _records(5)
+
+
+def test_wal_of_a_fresh_directory_is_empty(tmp_path: Path) -> None:
+    assert store.read_wal(tmp_path / "never-written") == []
+
+
+def test_wal_reopened_appends_after_the_old_records(tmp_path: Path) -> None:
+    for start in (0, 2):
+        wal = store.WriteAheadLog(tmp_path, fsync=False)
+        wal.append(_records(2, start=start))
+        wal.close()
+    assert store.read_wal(tmp_path) == _records(4)
+
+
+@pytest.mark.parametrize("cut", [1, 4, 7, 8, 9], ids=lambda c: f"cut-{c}")
+def test_a_torn_wal_tail_is_cut_and_earlier_records_kept(tmp_path: Path, cut: int) -> None:
+    wal = store.WriteAheadLog(tmp_path, fsync=False)
+    wal.append(_records(3))
+    good_size = (tmp_path / store.WAL_NAME).stat().st_size
+    wal.append(_records(1, start=3))
+    wal.close()
+    path = tmp_path / store.WAL_NAME
+    full = path.read_bytes()
+    path.write_bytes(full[: good_size + min(cut, len(full) - good_size - 1)])
+    assert store.read_wal(tmp_path) == _records(3)
+    assert path.stat().st_size == good_size  # the tail is gone for good
+    # the log keeps working after the cut
+    wal = store.WriteAheadLog(tmp_path, fsync=False)
+    wal.append(_records(1, start=9))
+    wal.close()
+    assert store.read_wal(tmp_path) == [*_records(3), *_records(1, start=9)]
+
+
+def test_a_corrupt_last_record_is_cut(tmp_path: Path) -> None:
+    wal = store.WriteAheadLog(tmp_path, fsync=False)
+    wal.append(_records(2))
+    good_size = (tmp_path / store.WAL_NAME).stat().st_size
+    wal.append(_records(1, start=2))
+    wal.close()
+    path = tmp_path / store.WAL_NAME
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # checksum no longer matches
+    path.write_bytes(bytes(raw))
+    assert store.read_wal(tmp_path) == _records(2)
+    assert path.stat().st_size == good_size
+
+
+def test_reset_empties_the_log_and_keeps_it_usable(tmp_path: Path) -> None:
+    wal = store.WriteAheadLog(tmp_path, fsync=True)
+    try:
+        wal.append(_records(3))
+        wal.reset()
+        assert store.read_wal(tmp_path) == []
+        assert (tmp_path / store.WAL_NAME).stat().st_size == 0
+        wal.append(_records(1, start=7))
+    finally:
+        wal.close()
+    assert store.read_wal(tmp_path) == _records(1, start=7)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [store.WAL_NAME]
