@@ -352,7 +352,8 @@ class ParameterServer:
             total = sum(i.update.samples for i in items)
             weights = [i.update.samples / total for i in items]
             if self.policy != "sync" and self.cfg.ps.staleness_weighting:
-                weights = [w * rules.staleness_weight(v - 1 - i.update.base_version) for w, i in zip(weights, items, strict=True)]
+                weights = [w * rules.staleness_weight(v - 1 - i.update.base_version)
+                           for w, i in zip(weights, items, strict=True)]
             contributions = list(zip(weights, (i.grads for i in items), strict=True))
             self.state.step(contributions, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
             records.append({
