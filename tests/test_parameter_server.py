@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from edgemesh.common import models, wire
-from edgemesh.common.broker import BrokerProcess, free_port
+from edgemesh.common.broker import BrokerProcess
 from edgemesh.common.bus import Bus
 from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config, load_config
@@ -313,10 +313,10 @@ async def test_control_switches_policy_and_rejects_bad_commands(broker: BrokerPr
 # --------------------------------------------------------------------------- crash recovery
 
 
-def start_ps_process(config: Config, metrics_port: int) -> subprocess.Popen[bytes]:
+def start_ps_process(config: Config) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "edgemesh.services.cli", "ps", "--broker", config.broker.url, "--job", config.job,
-         "--state-dir", config.ps.state_dir, "--metrics", f"127.0.0.1:{metrics_port}",
+         "--state-dir", config.ps.state_dir, "--metrics", "127.0.0.1:0",
          "--set", "training.sync_policy=async", "--set", "ps.eval_every=0",
          "--set", "ps.checkpoint_every=3", "--set", "broker.backoff_max_s=0.5"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
@@ -325,7 +325,7 @@ def start_ps_process(config: Config, metrics_port: int) -> subprocess.Popen[byte
 async def test_kill_9_and_restart_resumes_the_same_version_without_reapplying(
         mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
     cfg = make_config(mosquitto_broker, tmp_path / "ps", **{"training.sync_policy": "async"})
-    proc = start_ps_process(cfg, free_port())
+    proc = start_ps_process(cfg)
     try:
         async with client(cfg, ["a"]) as c:
             await publish_plan(c, ["a"])
@@ -338,7 +338,7 @@ async def test_kill_9_and_restart_resumes_the_same_version_without_reapplying(
             proc.wait(timeout=WAIT_S)
             assert (tmp_path / "ps" / "checkpoint.msgpack").exists()
             c.snapshots.clear()
-            proc = start_ps_process(cfg, free_port())
+            proc = start_ps_process(cfg)
             after = await c.version_at_least(0)
             assert after.version == 5
             for name, tensor in before.tensors.items():

@@ -317,31 +317,36 @@ async def test_a_hello_for_another_device_than_its_topic_is_rejected(broker: Bro
 async def test_drain_device_by_json_command_excludes_it_until_undrained(broker: BrokerProcess) -> None:
     config = make_config(broker)
     control = TOPICS.control("planner")
-    async with device_bus(config) as bus, running(Planner(config)) as planner:
-        await join(bus, "pi-a")
-        await join(bus, "pi-b")
-        plan = await bus.plan()
-        while names(plan) != ["pi-a", "pi-b"]:
+    async with device_bus(config) as bus:
+        async with running(Planner(config)) as planner:
+            await join(bus, "pi-a")
+            await join(bus, "pi-b")
             plan = await bus.plan()
+            while names(plan) != ["pi-a", "pi-b"]:
+                plan = await bus.plan()
 
-        await bus.publish(control, json.dumps({"command": "drain-device", "value": "pi-a", "request_id": "r1"})
-                          .encode())
-        reply = await bus.reply()
-        assert (reply.request_id, reply.ok, reply.source) == ("r1", True, "planner")
-        drained = await bus.plan()
-        assert names(drained) == ["pi-b"] and drained.drained == ("pi-a",)
-        assert drained.version == plan.version + 1 and drained.reason == "control"
-        assert planner.metrics.value("edgemesh_planner_replans_total", reason="control") == 1
+            drain = {"command": "drain-device", "value": "pi-a", "request_id": "r1"}
+            await bus.publish(control, json.dumps(drain).encode())
+            reply = await bus.reply()
+            assert (reply.request_id, reply.ok, reply.source) == ("r1", True, "planner")
+            drained = await bus.plan()
+            assert names(drained) == ["pi-b"] and drained.drained == ("pi-a",)
+            assert drained.version == plan.version + 1 and drained.reason == "control"
+            assert planner.metrics.value("edgemesh_planner_replans_total", reason="control") == 1
+            assert planner.metrics.value("edgemesh_planner_devices_drained") == 1
 
-        # a device stays drained across planner restarts: the plan carries the list
-        await bus.publish(control, b'{"command": "status", "request_id": "r2"}')
-        status = await bus.reply()
-        assert status.result["live"] == "pi-a,pi-b" and status.result["drained"] == "pi-a"
+        # the retained plan carries the drained list, so it survives a planner restart
+        async with running(Planner(config)):
+            await bus.publish(control, b'{"command": "status", "request_id": "r2"}')
+            status = await bus.reply()
+            assert status.result["live"] == "pi-a,pi-b" and status.result["drained"] == "pi-a"
+            assert status.result["plan_version"] == drained.version
 
-        await bus.publish(control, b'{"command": "undrain-device", "device": "pi-a", "request_id": "r3"}')
-        assert (await bus.reply()).ok
-        back = await bus.plan()
-        assert names(back) == ["pi-a", "pi-b"] and back.drained == ()
+            await bus.publish(control, b'{"command": "undrain-device", "device": "pi-a", "request_id": "r3"}')
+            assert (await bus.reply()).ok
+            back = await bus.plan()
+            assert names(back) == ["pi-a", "pi-b"] and back.drained == ()
+            assert back.version == drained.version + 1
 
 
 async def test_bad_and_expired_commands(broker: BrokerProcess) -> None:

@@ -98,6 +98,8 @@ class MetricsConfig:
 
     address: str = "0.0.0.0:0"  # noqa: S104 - metrics are meant to be scraped from the network
     """``host:port`` to serve on; port 0 picks a free port (logged); empty disables."""
+    port_file: str = ""
+    """If set, the bound port is written to this file (for supervisors when port is 0)."""
 
     def __post_init__(self) -> None:
         if self.address:

@@ -7,6 +7,7 @@ library appends it). Labels stay low-cardinality: message kind, reason, codec, p
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -70,8 +71,11 @@ class ServiceMetrics:
         return float(found or 0.0)
 
     # --- HTTP ----------------------------------------------------------------------------
-    def serve(self, address: str) -> int:
-        """Serve ``/metrics`` on ``host:port`` (port 0 = any free port); returns the port."""
+    def serve(self, address: str, port_file: str = "") -> int:
+        """Serve ``/metrics`` on ``host:port`` (port 0 = any free port); returns the port.
+
+        With ``port_file``, the bound port is written there (atomically) for a supervisor to read.
+        """
         if not address:
             return 0
         host, _, port = address.rpartition(":")
@@ -80,6 +84,11 @@ class ServiceMetrics:
         except OSError as exc:
             raise ConfigError(f"metrics.address {address}: {exc}") from exc
         self.port = int(self._server.server_address[1])
+        if port_file:
+            tmp = f"{port_file}.tmp"
+            with open(tmp, "w") as fh:
+                fh.write(f"{self.port}\n")
+            os.replace(tmp, port_file)
         logger.info("%s metrics on http://%s:%d/metrics", self.service, host or "0.0.0.0", self.port)  # noqa: S104
         return self.port
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
-from edgemesh.common.broker import BrokerProcess, free_port, parent_death_signal
+from edgemesh.common.broker import BrokerProcess, parent_death_signal
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError, WireError
@@ -47,7 +47,7 @@ class Child:
     role: str
     name: str
     proc: subprocess.Popen[bytes]
-    metrics_port: int
+    port_file: Path
     log_path: Path
     peak_rss_kb: int = 0
     samples: dict[Any, float] = field(default_factory=dict)
@@ -74,7 +74,9 @@ def _peak_rss_kb(pid: int) -> int:
     return 0
 
 
-def _scrape(port: int) -> dict[Any, float]:
+def _scrape(port_file: Path) -> dict[Any, float]:
+    """The child's metrics; its port is in the file it wrote once serving."""
+    port = int(port_file.read_text().strip())
     url = f"http://127.0.0.1:{port}/metrics"
     with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # noqa: S310 - our own child
         return parse_metrics(resp.read().decode())
@@ -96,17 +98,18 @@ class Demo:
 
     # ------------------------------------------------------------------ processes
     def _spawn(self, role: str, name: str, extra: list[str]) -> Child:
-        port = free_port()
         log_path = self.workdir / f"{name}.log"
+        port_file = self.workdir / f"{name}.port"
         cmd = [sys.executable, "-m", "edgemesh.services.cli", role,
                "--broker", self.cfg.broker.url, "--job", self.cfg.job,
-               "--metrics", f"127.0.0.1:{port}", "--log-level", self.cfg.log_level, *extra]
+               "--metrics", "127.0.0.1:0", "--set", f"metrics.port_file={port_file}",
+               "--log-level", self.cfg.log_level, *extra]
         log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - handed to the child
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=parent_death_signal(), env=env)
         log.close()
-        child = Child(role=role, name=name, proc=proc, metrics_port=port, log_path=log_path)
+        child = Child(role=role, name=name, proc=proc, port_file=port_file, log_path=log_path)
         self.children.append(child)
         return child
 
@@ -231,7 +234,7 @@ class Demo:
         for child in self.children:
             if child.proc.poll() is None:
                 with contextlib.suppress(Exception):
-                    child.samples = await asyncio.to_thread(_scrape, child.metrics_port)
+                    child.samples = await asyncio.to_thread(_scrape, child.port_file)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -101,7 +101,7 @@ class Compressor:
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         async with contextlib.AsyncExitStack() as stack:
-            self.metrics.serve(self.cfg.metrics.address)
+            self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port_file)
             stack.callback(self.metrics.close)
             self.bus = await stack.enter_async_context(Bus(
                 self.cfg.broker,

@@ -165,7 +165,7 @@ class ParameterServer:
     async def run(self) -> None:
         await asyncio.to_thread(self._load)
         async with contextlib.AsyncExitStack() as stack:
-            self.metrics.serve(self.cfg.metrics.address)
+            self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port_file)
             stack.callback(self.metrics.close)
             stack.callback(self._close_wal)
             self.bus = await stack.enter_async_context(Bus(

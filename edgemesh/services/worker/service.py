@@ -120,7 +120,7 @@ class Worker:
                     self.profile.memory_bytes / 2**20)
         will = encode(DeviceStatus(device=self.device, state="offline", incarnation=self.incarnation))
         async with contextlib.AsyncExitStack() as stack:
-            self.metrics.serve(self.cfg.metrics.address)
+            self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port_file)
             stack.callback(self.metrics.close)
             self.bus = await stack.enter_async_context(Bus(
                 self.cfg.broker,
