@@ -296,7 +296,7 @@ def test_dashboard_covers_the_operations_view() -> None:
 
 
 def test_dashboards_use_the_provisioned_datasource() -> None:
-    yaml = pytest.importorskip("yaml")  # PyYAML: not yet in the test extra of pyproject.toml
+    import yaml  # noqa: PLC0415 - test extra
     provisioned = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
     uids = {ds["uid"] for ds in provisioned["datasources"] if ds["type"] == "prometheus"}
     assert uids
@@ -409,9 +409,10 @@ def test_unit_runs_a_real_subcommand(path: Path) -> None:
     host, _, port = args.metrics.rpartition(":")
     assert host == "0.0.0.0" and port.isdigit()  # noqa: S104 - the unit's scrape address
 
-    # no sd_notify in the services yet: Type=notify would time out, a watchdog would kill them
-    assert unit.value("Service", "Type") == "exec"
-    assert not unit.values("Service", "WatchdogSec")
+    # the services send READY=1 and feed the watchdog (edgemesh/common/systemd.py)
+    assert unit.value("Service", "Type") == "notify"
+    assert unit.value("Service", "NotifyAccess") == "main"
+    assert int(unit.value("Service", "WatchdogSec")) >= 10
     assert unit.value("Service", "User") == "edgemesh"
     assert unit.value("Service", "EnvironmentFile") == "-/etc/edgemesh/edgemesh.env"
     assert unit.value("Service", "Restart") == "on-failure"
@@ -459,7 +460,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 def test_prometheus_scrapes_the_unit_ports() -> None:
-    yaml = pytest.importorskip("yaml")  # PyYAML: not yet in the test extra of pyproject.toml
+    import yaml  # noqa: PLC0415 - test extra
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     unit_ports = {}
     for path in UNIT_FILES:

@@ -133,7 +133,11 @@ class Bus:
         will = None
         if self._will is not None:
             will = aiomqtt.Will(topic=self._will[0], payload=self._will[1], qos=QOS_STATE, retain=True)
-        tls = ssl.create_default_context() if self.config.tls else None
+        tls = None
+        if self.config.tls:
+            tls = ssl.create_default_context(cafile=self.config.ca_file or None)
+            if self.config.cert_file:
+                tls.load_cert_chain(self.config.cert_file, self.config.key_file)
         return aiomqtt.Client(
             self.config.host,
             self.config.port,

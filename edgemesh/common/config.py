@@ -45,6 +45,12 @@ class BrokerConfig:
     """User name for brokers with password authentication."""
     password: str = ""
     """Password for brokers with password authentication."""
+    ca_file: str = ""
+    """CA certificate(s) to verify an ``mqtts://`` broker; empty = the system store."""
+    cert_file: str = ""
+    """Client certificate for brokers that authenticate devices by certificate."""
+    key_file: str = ""
+    """Private key of ``cert_file``."""
     keepalive_s: int = 30
     """MQTT keepalive interval."""
     connect_timeout_s: float = 10.0
@@ -69,6 +75,11 @@ class BrokerConfig:
         _require(parsed.scheme in ("mqtt", "mqtts", "tcp"), "broker.url", f"{self.url!r} is not mqtt://host:port")
         _require(bool(parsed.hostname), "broker.url", f"{self.url!r} has no host")
         _require(self.keepalive_s >= 1, "broker.keepalive_s", "must be >= 1")
+        _require(bool(self.cert_file) == bool(self.key_file), "broker.cert_file",
+                 "cert_file and key_file go together")
+        for key in ("ca_file", "cert_file", "key_file"):
+            path = getattr(self, key)
+            _require(not path or os.path.isfile(path), f"broker.{key}", f"{path!r} is not a readable file")
         _require(self.connect_timeout_s > 0, "broker.connect_timeout_s", "must be > 0")
         _require(0 < self.backoff_initial_s <= self.backoff_max_s, "broker.backoff_initial_s",
                  "must be > 0 and <= backoff_max_s")

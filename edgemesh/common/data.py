@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib
+import importlib.util
 import io
 import logging
 import pickle
@@ -43,6 +44,8 @@ CIFAR_IMAGE_SHAPE: Final = (3, 32, 32)
 CIFAR_NUM_CLASSES: Final = 10
 
 DIGITS_PIXEL_MAX: Final = 16.0
+DIGITS_COLUMNS: Final = 65
+"""64 pixels and the label per row of scikit-learn's digits.csv.gz."""
 UINT8_PIXEL_MAX: Final = 255.0
 
 # IDX header: two zero bytes, a dtype code, the number of dimensions; then one big-endian
@@ -144,22 +147,50 @@ def _require_dir(name: str, path: str | Path | None) -> Path:
     return directory
 
 
+def _read_digits_csv() -> tuple[np.ndarray, np.ndarray]:
+    """The digits data set as scikit-learn ships it (``datasets/data/digits.csv.gz``).
+
+    Read straight from the package data: importing scikit-learn would cost a worker about
+    90 MiB of memory, a tenth of a Raspberry Pi 3.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError("the digits data set needs scikit-learn installed (pip install scikit-learn)")
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    try:
+        with gzip.open(path, "rt") as fh:
+            table = np.loadtxt(fh, delimiter=",", dtype=np.float32)
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: cannot read the digits data set: {exc}") from exc
+    if table.ndim != 2 or table.shape[1] != DIGITS_COLUMNS:
+        raise DataError(f"{path}: expected {DIGITS_COLUMNS} columns, got shape {table.shape}")
+    return np.ascontiguousarray(table[:, :-1]), table[:, -1].astype(np.int64)
+
+
+def stratified_test_indices(labels: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:
+    """Indices of a held-out split with each class in proportion, deterministic for ``seed``."""
+    rng = np.random.default_rng(seed)
+    picked = []
+    for cls in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == cls))
+        picked.append(members[: int(round(len(members) * test_fraction))])
+    return np.sort(np.concatenate(picked))
+
+
 @functools.lru_cache(maxsize=8)
 def _load_digits(test_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
     if not 0.0 < test_fraction < 1.0:
         raise DataError(f"test_fraction must lie in (0, 1), got {test_fraction}")
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    bunch = load_digits()
-    x = (np.asarray(bunch.images, dtype=np.float32) / np.float32(DIGITS_PIXEL_MAX))[:, None, :, :]
-    y = np.asarray(bunch.target, dtype=np.int64)
-    try:
-        x_train, x_test, y_train, y_test = train_test_split(
-            x, y, test_size=test_fraction, random_state=seed, stratify=y
-        )
-    except ValueError as exc:
-        raise DataError(f"digits: cannot split with test_fraction={test_fraction}: {exc}") from exc
+    pixels, labels = _read_digits_csv()
+    x = (pixels.reshape(-1, 8, 8) / np.float32(DIGITS_PIXEL_MAX))[:, None, :, :]
+    y = labels
+    test_idx = stratified_test_indices(y, test_fraction, seed)
+    if len(test_idx) == 0 or len(test_idx) == len(y):
+        raise DataError(f"digits: cannot split with test_fraction={test_fraction}")
+    train_mask = np.ones(len(y), dtype=bool)
+    train_mask[test_idx] = False
+    x_train, y_train = x[train_mask], y[train_mask]
+    x_test, y_test = x[test_idx], y[test_idx]
     num_classes = int(y.max()) + 1
     logger.debug("digits loaded: %d train, %d test (seed=%d)", len(y_train), len(y_test), seed)
     return (

@@ -12,6 +12,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+from edgemesh.common import systemd
 from edgemesh.common.config import Config
 
 logger = logging.getLogger(__name__)
@@ -33,14 +34,21 @@ def install_stop_signals(stop: asyncio.Event) -> None:
 
 
 async def supervise(stop: asyncio.Event, *jobs: Coroutine[Any, Any, None]) -> None:
-    """Run ``jobs`` in one TaskGroup until ``stop`` is set (or one job fails, which stops all)."""
+    """Run ``jobs`` in one TaskGroup until ``stop`` is set (or one job fails, which stops all).
+
+    Called once a service is set up: it tells systemd the service is ready (``Type=notify``),
+    feeds the watchdog from the event loop while the jobs run, and says when it stops.
+    """
+    systemd.notify("READY=1", "STATUS=running")
     async with asyncio.TaskGroup() as group:
         tasks = [group.create_task(job) for job in jobs]
+        tasks.append(group.create_task(systemd.watchdog()))
         stopper = group.create_task(stop.wait())
         finished: asyncio.Future[list[None]] = asyncio.gather(*tasks)
         try:
             await asyncio.wait([stopper, finished], return_when=asyncio.FIRST_COMPLETED)  # type: ignore[type-var]
         finally:
+            systemd.notify("STOPPING=1", "STATUS=stopping")
             stopper.cancel()
             finished.cancel()
             await _cancel_all(tasks)
