@@ -334,13 +334,17 @@ def test_example_config_loads() -> None:
     assert cfg.ps.state_dir == exec_args(ps_unit)[1].state_dir
 
 
-def test_example_env_names_real_settings() -> None:
+def test_example_env_names_real_settings(tmp_path: Path) -> None:
     """Every EDGEMESH_* line of edgemesh.example.env (commented or not) is a valid setting."""
     env = {}
     for line in (DEPLOY / "edgemesh.example.env").read_text().splitlines():
         match = re.match(r"^#?(EDGEMESH_[A-Z0-9_]+)=(.*)$", line.strip())
         if match:
             env[match[1]] = match[2]
+    # file settings must name files that exist: stand in for the Pi's CA certificate
+    assert env.pop("EDGEMESH_BROKER__CA_FILE") == "/etc/edgemesh/ca.crt"
+    (tmp_path / "ca.crt").write_text("not parsed at load time\n")
+    env["EDGEMESH_BROKER__CA_FILE"] = str(tmp_path / "ca.crt")
     assert "EDGEMESH_BROKER__USERNAME" in env and "EDGEMESH_WORKER__MEMORY_BYTES" in env
     cfg = load_config(env=env)
     assert cfg.broker.username == env["EDGEMESH_BROKER__USERNAME"]
