@@ -164,6 +164,7 @@ async def test_async_applies_each_update_and_acks_it(broker: BrokerProcess, tmp_
         ack = await c.push(gradient("b", 1, start.version))
         assert ack.status == "accepted" and ack.delay == 1
         snap = await c.version_at_least(2)
+        assert snap.tensors["fc2.bias"].dtype == "float16"  # the default precision sent to workers
         # two updates, each applied once: the weights moved away from the initial model
         moved = snap.tensors["fc2.bias"].to_numpy() - start.tensors["fc2.bias"].to_numpy()
         assert np.all(moved < 0)
@@ -318,7 +319,8 @@ def start_ps_process(config: Config) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "edgemesh.services.cli", "ps", "--broker", config.broker.url, "--job", config.job,
          "--state-dir", config.ps.state_dir, "--metrics", "127.0.0.1:0",
          "--set", "training.sync_policy=async", "--set", "ps.eval_every=0",
-         "--set", "ps.checkpoint_every=3", "--set", "broker.backoff_max_s=0.5"],
+         "--set", "ps.checkpoint_every=3", "--set", "broker.backoff_max_s=0.5",
+         "--set", "ps.snapshot_dtype=float32"],  # exact weights, to compare before and after the crash
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 
@@ -352,3 +354,19 @@ async def test_kill_9_and_restart_resumes_the_same_version_without_reapplying(
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=WAIT_S)
+
+
+async def test_ssp_holds_a_cluster_too_far_ahead_until_the_slowest_catches_up(
+        broker: BrokerProcess, tmp_path: Path) -> None:
+    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "ssp", "training.staleness_bound": "1"})
+    async with client(cfg, ["a", "b"]) as c, running_ps(cfg) as ps:
+        await publish_plan(c, ["a", "b"])
+        await c.version_at_least(0)
+        assert (await c.push(gradient("a", 1, 0))).status == "accepted"
+        assert (await c.push(gradient("a", 2, 1))).status == "accepted"  # a is 2 ahead of b: the next waits
+        await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 3, 2))
+        await c.until("a's third update to be held", lambda: len(ps._deferred) == 1)
+        assert ps.version == 2 and not any(a.seq == 3 for a in c.acks)
+        assert (await c.push(gradient("b", 1, 2))).status == "accepted"  # b catches up...
+        held = await c.ack_for("a", 3)  # ...and releases a's update
+        assert held.status == "accepted" and ps.version == 4

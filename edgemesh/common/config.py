@@ -135,7 +135,7 @@ class TrainingConfig:
     """Dirichlet concentration for non-IID partitions (smaller = more skewed)."""
     seed: int = 0
     """Seed of the model initialisation, the test split and the partition."""
-    batch_size: int = 64
+    batch_size: int = 32
     """Per-device mini-batch size the planner assigns."""
     sync_policy: Literal["sync", "async", "ssp", "adaptive"] = "sync"
     """Parameter server synchronization policy (switchable at run time)."""
@@ -180,12 +180,14 @@ class ParameterServerConfig:
     """Directory of the checkpoint and write-ahead log."""
     checkpoint_every: int = 200
     """Write a full checkpoint (and truncate the log) every this many versions."""
-    eval_every: int = 10
+    eval_every: int = 5
     """Evaluate on the held-out split every this many versions (0 = never)."""
     max_batch: int = 64
     """Most queued updates handled in one step before publishing a snapshot."""
     fsync: bool = True
     """fsync the log before acking (turn off only for throwaway runs)."""
+    snapshot_dtype: Literal["float32", "float16"] = "float16"
+    """Precision of the model snapshots sent to workers; the PS keeps float32 weights and momentum."""
     staleness_weighting: bool = True
     """Under async and ssp, scale an update applied d versions late by 1/(1+d)."""
 

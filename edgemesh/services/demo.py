@@ -257,9 +257,11 @@ class Demo:
                     elif status == "discarded":
                         discarded += value
             version = int(ps.samples.get(("edgemesh_ps_model_version", ()), version))
-        published = sum(
-            v for c in self.children for (n, _), v in c.samples.items()
-            if n.startswith("edgemesh_") and n.endswith("_published_bytes_total"))
+        def over_services(suffix: str) -> int:
+            return int(sum(v for c in self.children for (n, _), v in c.samples.items()
+                           if n.startswith("edgemesh_") and n.endswith(suffix)))
+
+        published = over_services("_published_bytes_total")
         rss: dict[str, float] = {}
         for c in self.children:
             rss[c.role] = max(rss.get(c.role, 0.0), c.peak_rss_kb / 1024)
@@ -272,7 +274,8 @@ class Demo:
             "evaluated_version": self.progress.version,
             "updates_accepted": int(accepted),
             "updates_discarded": int(discarded),
-            "bytes_published": int(published),
+            "bytes_published": published,
+            "bytes_received": over_services("_received_bytes_total"),
             "gradient_bytes": int(total("edgemesh_worker_gradient_bytes_total", "worker")),
             "workers": self.cfg.demo.workers,
             "sync_policy": self.cfg.training.sync_policy,
@@ -291,7 +294,8 @@ def _print_summary(report: dict[str, Any]) -> None:
         ("model version", str(report["model_version"])),
         ("updates accepted", str(report["updates_accepted"])),
         ("updates discarded", str(report["updates_discarded"])),
-        ("bytes published", f"{report['bytes_published'] / 1e6:.2f} MB"),
+        ("bytes published", f"{report['bytes_published'] / 1e6:.2f} MB "
+                            f"(received by the services: {report['bytes_received'] / 1e6:.2f} MB)"),
         ("workers", f"{report['workers']} ({report['sync_policy']}, codec {report['codec']})"),
         ("broker", str(report["broker"])),
         ("peak RSS per process", ", ".join(f"{k} {v:.0f} MiB" for k, v in report["peak_rss_mb"].items())),

@@ -270,12 +270,13 @@ class ParameterServer:
             batch: list[Pending] = []
             while self._queue and len(batch) < self.cfg.ps.max_batch:
                 batch.append(self._queue.popleft())
-            await self._process(batch)
-            if self._queue:
+            progressed = await self._process(batch)
+            # more queued, or a step moved the clocks so an update SSP held may now go
+            if self._queue or (progressed and self._deferred):
                 self._wake.set()
 
-    async def _process(self, batch: list[Pending]) -> None:
-        """Judge, apply, log, ack, publish. Acks go out only after the log is durable."""
+    async def _process(self, batch: list[Pending]) -> bool:
+        """Judge, apply, log, ack, publish; True if the model moved. Acks go out only after the log is durable."""
         started = time.perf_counter()
         acks: list[tuple[GradientUpdate, str, str, int, bool]] = []
         steps: list[tuple[list[Pending], int]] = []  # (contributions, version after)
@@ -343,6 +344,7 @@ class ParameterServer:
             self._since_checkpoint += len(steps)
             if self._since_checkpoint >= self.cfg.ps.checkpoint_every:
                 await asyncio.to_thread(self._checkpoint)
+        return bool(steps)
 
     def _apply_and_log(self, steps: list[tuple[list[Pending], int]]) -> None:
         assert self.state is not None and self._wal is not None
@@ -405,7 +407,8 @@ class ParameterServer:
         snap = ModelSnapshot(
             version=self.version,
             model_spec=self.cfg.training.model_spec,
-            tensors={k: wire.Tensor.from_numpy(v) for k, v in self.state.params.items()},
+            tensors={k: wire.Tensor.from_numpy(v.astype(self.cfg.ps.snapshot_dtype, copy=False))
+                     for k, v in self.state.params.items()},
             created=time.time(),
             sync_policy=self.policy,
         )
