@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Iterable
 
 from edgemesh.common.bus import Bus, Incoming
@@ -33,15 +32,14 @@ from edgemesh.common.errors import BusError, ConfigError, WireError
 from edgemesh.common.messages import (
     CodecPolicy,
     ControlCommand,
-    ControlReply,
     DeviceHello,
     DeviceStats,
-    Event,
     Scalar,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics, valid_name
 from edgemesh.services.compressor.policy import REASON_OPERATOR, choose_policy
+from edgemesh.services.operations import Operations, consume
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 
 logger = logging.getLogger(__name__)
@@ -114,11 +112,13 @@ class Compressor:
                 ],
                 on_connect=self._on_connect,
             ))
+            self.ops = Operations(source=SERVICE, bus=self.bus, topics=self.topics, metrics=self.metrics,
+                                  stop=self.stop)
             self.metrics.up.set(1)
             logger.info("compressor up: job %s, default codec %s, %d override(s)", self.cfg.job,
                         self.cfg.compressor.default_codec, len(self.cfg.compressor.overrides))
             try:
-                await supervise(self.stop, self._consume(), self._start())
+                await supervise(self.stop, consume(self.bus, self.metrics, self._dispatch), self._start())
             finally:
                 self.metrics.up.set(0)
 
@@ -142,14 +142,6 @@ class Compressor:
         self.ready.set()
 
     # ------------------------------------------------------------------ consuming
-    async def _consume(self) -> None:
-        assert self.bus is not None
-        async for msg in self.bus.messages():
-            try:
-                await self._dispatch(msg)
-            except WireError as exc:
-                self.metrics.reject(exc.reason, msg.topic, exc)
-
     async def _dispatch(self, msg: Incoming) -> None:
         parts = self.topics.relative(msg.topic)
         match parts:
@@ -169,7 +161,7 @@ class Compressor:
                 _check_device(policy.device, device)
                 await self._on_policy(policy)
             case ["control", *_]:
-                await self._control(msg.decode(ControlCommand))
+                await self.ops.control(msg.decode(ControlCommand), self._apply_control)
             case _:
                 raise WireError(f"no handler for topic {msg.topic}", "topic")
 
@@ -220,30 +212,6 @@ class Compressor:
         return policy
 
     # ------------------------------------------------------------------ control
-    async def _event(self, kind: str, message: str, **data: Scalar) -> None:
-        assert self.bus is not None
-        await self.bus.publish(self.topics.events(), Event(kind=kind, source=SERVICE, time=time.time(),
-                                                           message=message, data=data))
-
-    async def _control(self, cmd: ControlCommand) -> None:
-        assert self.bus is not None
-        self.metrics.received_messages.labels(kind="control").inc()
-        if cmd.expires_at and time.time() > cmd.expires_at:
-            self.metrics.reject("expired", self.topics.control(SERVICE), f"{cmd.command} expired")
-            await self._event("control_expired", f"ignored expired command {cmd.command}", command=cmd.command,
-                              requester=cmd.requester)
-            return
-        ok, text, result = await self._apply_control(cmd)
-        if not ok:
-            self.metrics.reject("bad_command", self.topics.control(SERVICE), text)
-        reply = ControlReply(request_id=cmd.request_id, source=SERVICE, command=cmd.command, ok=ok,
-                             message=text, result=result)
-        await self.bus.publish(cmd.reply_to or self.topics.control_reply(cmd.requester), reply)
-        await self._event("control", f"{cmd.command} from {cmd.requester}: {text}", command=cmd.command,
-                          requester=cmd.requester, ok=ok)
-        if ok and cmd.command == "stop":
-            self.stop.set()  # after the reply: stopping cancels this loop
-
     async def _apply_control(self, cmd: ControlCommand) -> tuple[bool, str, dict[str, Scalar]]:
         match cmd.command:
             case "status":

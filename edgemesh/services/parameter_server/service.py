@@ -30,8 +30,6 @@ from edgemesh.common.data import load_dataset
 from edgemesh.common.errors import ConfigError, WireError
 from edgemesh.common.messages import (
     ControlCommand,
-    ControlReply,
-    Event,
     GradientUpdate,
     ModelSnapshot,
     Plan,
@@ -39,6 +37,7 @@ from edgemesh.common.messages import (
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
+from edgemesh.services.operations import ControlResult, Operations, consume
 from edgemesh.services.parameter_server import policy as rules
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
@@ -178,11 +177,13 @@ class ParameterServer:
                 ],
                 on_connect=self._publish_snapshot,  # a restarted broker has lost the retained model
             ))
+            self.ops = Operations(source=SERVICE, bus=self.bus, topics=self.topics, metrics=self.metrics,
+                                  stop=self.stop)
             self.metrics.up.set(1)
             logger.info("parameter server up: model %s, version %d, policy %s, bound %d",
                         self.cfg.training.model_spec, self.version, self.policy, self.bound)
             try:
-                await supervise(self.stop, self._consume(), self._step_loop())
+                await supervise(self.stop, consume(self.bus, self.metrics, self._dispatch), self._step_loop())
             finally:
                 self.metrics.up.set(0)
                 await asyncio.to_thread(self._checkpoint)
@@ -192,14 +193,6 @@ class ParameterServer:
             self._wal.close()
 
     # ------------------------------------------------------------------ consuming
-    async def _consume(self) -> None:
-        assert self.bus is not None
-        async for msg in self.bus.messages():
-            try:
-                await self._dispatch(msg)
-            except WireError as exc:
-                self.metrics.reject(exc.reason, msg.topic, exc)
-
     async def _dispatch(self, msg: Incoming) -> None:
         parts = self.topics.relative(msg.topic)
         if parts == ["plan"]:
@@ -213,7 +206,7 @@ class ParameterServer:
             self.metrics.received_messages.labels(kind="gradient").inc()
             await self._admit(update, parts[1], parts[2])
         elif parts[0] == "control":
-            await self._control(msg.decode(ControlCommand))
+            await self.ops.control(msg.decode(ControlCommand), self._apply_control)
         else:
             raise WireError(f"no handler for topic {msg.topic}", "topic")
 
@@ -429,7 +422,7 @@ class ParameterServer:
         self.last_accuracy = accuracy
         self.m_accuracy.set(accuracy)
         self.m_loss.set(loss)
-        await self._event("evaluation", f"version {version}: accuracy {accuracy:.4f}, loss {loss:.4f}",
+        await self.ops.event("evaluation", f"version {version}: accuracy {accuracy:.4f}, loss {loss:.4f}",
                           version=version, accuracy=accuracy, loss=loss)
 
     def _evaluate(self) -> tuple[float, float]:
@@ -437,31 +430,9 @@ class ParameterServer:
         models.set_params(self._model, self.state.params)
         return models.evaluate(self._model, self._test_set)
 
-    async def _event(self, kind: str, message: str, **data: Any) -> None:
-        assert self.bus is not None
-        await self.bus.publish(self.topics.events(), Event(kind=kind, source=SERVICE, time=time.time(),
-                                                           message=message, data=data))
-
     # ------------------------------------------------------------------ control
-    async def _control(self, cmd: ControlCommand) -> None:
-        assert self.bus is not None
-        self.metrics.received_messages.labels(kind="control").inc()
-        if cmd.expires_at and time.time() > cmd.expires_at:
-            self.metrics.reject("expired", self.topics.control("ps"), f"{cmd.command} expired")
-            await self._event("control_expired", f"ignored expired command {cmd.command}", command=cmd.command,
-                              requester=cmd.requester)
-            return
-        ok, text, result = self._apply_control(cmd)
-        if not ok:
-            self.metrics.reject("bad_command", self.topics.control("ps"), text)
-        reply = ControlReply(request_id=cmd.request_id, source=SERVICE, command=cmd.command, ok=ok,
-                             message=text, result=result)
-        await self.bus.publish(cmd.reply_to or self.topics.control_reply(cmd.requester), reply)
-        await self._event("control", f"{cmd.command} from {cmd.requester}: {text}", command=cmd.command,
-                          requester=cmd.requester, ok=ok)
-        self._wake.set()
-
-    def _apply_control(self, cmd: ControlCommand) -> tuple[bool, str, dict[str, Any]]:
+    async def _apply_control(self, cmd: ControlCommand) -> ControlResult:
+        self._wake.set()  # a resume, or a new policy or bound, may release queued updates
         value = cmd.value
         match cmd.command:
             case "status":
@@ -485,7 +456,7 @@ class ParameterServer:
                     return False, "lr must be a number in (0, 10)", {}
                 self.lr = float(value)
             case "stop":
-                self.stop.set()
+                pass  # Operations.control stops the service once the reply is out
             case _:
                 return False, f"unknown command {cmd.command!r} (status, pause, resume, set-sync-policy, " \
                               "set-bound, set-lr, stop)", {}

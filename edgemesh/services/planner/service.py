@@ -39,16 +39,15 @@ from edgemesh.common.config import Config
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.messages import (
     ControlCommand,
-    ControlReply,
     DeviceHello,
     DeviceStats,
     DeviceStatus,
-    Event,
     Plan,
     Scalar,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics, valid_name
+from edgemesh.services.operations import Operations, consume
 from edgemesh.services.planner.layout import DeviceInfo, plan_data_parallel
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 
@@ -116,11 +115,13 @@ class Planner:
                 ],
                 on_connect=self._on_connect,
             ))
+            self.ops = Operations(source=SERVICE, bus=self.bus, topics=self.topics, metrics=self.metrics,
+                                  stop=self.stop)
             self.metrics.up.set(1)
             logger.info("planner up: job %s, debounce %.2fs, min devices %d", self.cfg.job,
                         self.cfg.planner.replan_debounce_s, self.cfg.planner.min_devices)
             try:
-                await supervise(self.stop, self._consume(), self._replan_loop())
+                await supervise(self.stop, consume(self.bus, self.metrics, self._dispatch), self._replan_loop())
             finally:
                 self.metrics.up.set(0)
 
@@ -134,14 +135,6 @@ class Planner:
         self._online.set()
 
     # ------------------------------------------------------------------ consuming
-    async def _consume(self) -> None:
-        assert self.bus is not None
-        async for msg in self.bus.messages():
-            try:
-                await self._dispatch(msg)
-            except WireError as exc:
-                self.metrics.reject(exc.reason, msg.topic, exc)
-
     async def _dispatch(self, msg: Incoming) -> None:
         parts = self.topics.relative(msg.topic)
         match parts:
@@ -157,7 +150,7 @@ class Planner:
             case ["plan"]:
                 self._on_plan(msg.decode(Plan))
             case ["control", *_]:
-                await self._control(msg.decode(ControlCommand))
+                await self.ops.control(msg.decode(ControlCommand), self._apply_control)
             case _:
                 raise WireError(f"no handler for topic {msg.topic}", "topic")
 
@@ -285,35 +278,11 @@ class Planner:
                     f"{len(plan.clusters)} cluster(s); joined {_listing(joined) or '-'}; "
                     f"left {_listing(left) or '-'}")
             logger.info("%s", text)
-            await self._event("replan", text, version=plan.version, reason=reason, joined=_listing(joined),
+            await self.ops.event("replan", text, version=plan.version, reason=reason, joined=_listing(joined),
                               left=_listing(left), devices=len(plan.devices), clusters=len(plan.clusters))
             return plan, text
 
-    async def _event(self, kind: str, message: str, **data: Scalar) -> None:
-        assert self.bus is not None
-        await self.bus.publish(self.topics.events(), Event(kind=kind, source=SERVICE, time=time.time(),
-                                                           message=message, data=data))
-
     # ------------------------------------------------------------------ control
-    async def _control(self, cmd: ControlCommand) -> None:
-        assert self.bus is not None
-        self.metrics.received_messages.labels(kind="control").inc()
-        if cmd.expires_at and time.time() > cmd.expires_at:
-            self.metrics.reject("expired", self.topics.control(SERVICE), f"{cmd.command} expired")
-            await self._event("control_expired", f"ignored expired command {cmd.command}", command=cmd.command,
-                              requester=cmd.requester)
-            return
-        ok, text, result = await self._apply_control(cmd)
-        if not ok:
-            self.metrics.reject("bad_command", self.topics.control(SERVICE), text)
-        reply = ControlReply(request_id=cmd.request_id, source=SERVICE, command=cmd.command, ok=ok,
-                             message=text, result=result)
-        await self.bus.publish(cmd.reply_to or self.topics.control_reply(cmd.requester), reply)
-        await self._event("control", f"{cmd.command} from {cmd.requester}: {text}", command=cmd.command,
-                          requester=cmd.requester, ok=ok)
-        if ok and cmd.command == "stop":
-            self.stop.set()  # after the reply: stopping cancels this loop
-
     async def _apply_control(self, cmd: ControlCommand) -> tuple[bool, str, dict[str, Scalar]]:
         text = "ok"
         match cmd.command:

@@ -31,7 +31,6 @@ from edgemesh.common.errors import WireError
 from edgemesh.common.messages import (
     CodecPolicy,
     ControlCommand,
-    ControlReply,
     DeviceHello,
     DeviceStats,
     DeviceStatus,
@@ -39,12 +38,14 @@ from edgemesh.common.messages import (
     ModelSnapshot,
     Plan,
     PlanDevice,
+    Scalar,
     ShardUpdate,
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
 from edgemesh.common.wire import encode
+from edgemesh.services.operations import ControlResult, Operations, consume
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 from edgemesh.services.worker import profile as prof
 
@@ -84,7 +85,6 @@ class Worker:
         self.pending: GradientUpdate | None = None
         self._pending_payload: bytes | None = None
         self._acks: dict[int, asyncio.Future[UpdateAck]] = {}
-        self._reply_tasks: set[asyncio.Task[int]] = set()
         self._changed = asyncio.Condition()
         self._model: Any = None
         self._model_version = -1
@@ -134,9 +134,12 @@ class Worker:
                 will=(self.topics.status(self.device), will),
                 on_connect=self._on_connect,
             ))
+            self.ops = Operations(source=f"device/{self.device}", bus=self.bus, topics=self.topics,
+                                  metrics=self.metrics, stop=self.stop)
             self.metrics.up.set(1)
             try:
-                await supervise(self.stop, self._consume(), self._train(), self._report())
+                await supervise(self.stop, consume(self.bus, self.metrics, self._dispatch), self._train(),
+                                self._report())
             finally:
                 self.metrics.up.set(0)
                 if self.bus.is_connected:
@@ -162,18 +165,7 @@ class Worker:
                                    kind="gradient")
 
     # ------------------------------------------------------------------ consuming
-    async def _consume(self) -> None:
-        assert self.bus is not None
-        async for msg in self.bus.messages():
-            try:
-                self._dispatch(msg)
-            except WireError as exc:
-                self.metrics.reject(exc.reason, msg.topic, exc)
-                continue
-            async with self._changed:
-                self._changed.notify_all()
-
-    def _dispatch(self, msg: Incoming) -> None:
+    async def _dispatch(self, msg: Incoming) -> None:
         parts = self.topics.relative(msg.topic)
         match parts:
             case ["plan"]:
@@ -199,10 +191,14 @@ class Worker:
                     future.set_result(ack)
             case ["control", *_]:
                 cmd = msg.decode(ControlCommand)
-                self._control(cmd)
+                if not cmd.device or cmd.device == self.device:  # on control/all, others' commands
+                    await self.ops.control(cmd, self._apply_control)
+                return
             case _:
                 raise WireError(f"no handler for topic {msg.topic}", "topic")
         self.metrics.received_messages.labels(kind=msg.kind).inc()
+        async with self._changed:
+            self._changed.notify_all()
 
     def _check_snapshot(self, snap: ModelSnapshot) -> None:
         if snap.model_spec != (self.plan.model_spec if self.plan else self.cfg.training.model_spec):
@@ -215,27 +211,15 @@ class Worker:
             if len(snap.tensors) != len(self._layout):
                 raise WireError("snapshot has extra tensors", "shape")
 
-    def _control(self, cmd: ControlCommand) -> None:
-        if cmd.expires_at and time.time() > cmd.expires_at:
-            self.metrics.reject("expired", self.topics.control("all"), cmd.command)
-            return
-        if cmd.command == "stop" and (not cmd.device or cmd.device == self.device):
-            logger.info("%s: stop requested by %s", self.device, cmd.requester)
-            self.stop.set()
-            ok, text = True, "stopping"
-        elif cmd.command == "status":
-            ok, text = True, f"accepted {self.accepted} updates, model version {self._model_version}"
-        else:
-            self.metrics.reject("bad_command", self.topics.control("all"), cmd.command)
-            ok, text = False, f"unknown command {cmd.command!r} for a worker (stop, status)"
-        if self.bus is not None:
-            reply = ControlReply(request_id=cmd.request_id, source=f"device/{self.device}", command=cmd.command,
-                                 ok=ok, message=text, result={"accepted": self.accepted,
-                                                              "version": self._model_version})
-            task = asyncio.get_running_loop().create_task(
-                self.bus.publish(cmd.reply_to or self.topics.control_reply(cmd.requester), reply))
-            self._reply_tasks.add(task)
-            task.add_done_callback(self._reply_tasks.discard)
+    async def _apply_control(self, cmd: ControlCommand) -> ControlResult:
+        result: dict[str, Scalar] = {"accepted": self.accepted, "version": self._model_version}
+        match cmd.command:
+            case "stop":
+                logger.info("%s: stop requested by %s", self.device, cmd.requester)
+                return True, "stopping", result
+            case "status":
+                return True, f"accepted {self.accepted} updates, model version {self._model_version}", result
+        return False, f"unknown command {cmd.command!r} for a worker (stop, status)", {}
 
     async def _wait_for(self, what: str, predicate: Any) -> None:
         """Wait until ``predicate()`` holds, saying so every WAIT_LOG_INTERVAL_S."""
