@@ -217,7 +217,9 @@ class Demo:
 
         install_stop_signals(self.stop)
         started = time.monotonic()
-        await asyncio.to_thread(self._start_all)
+        # spawned from the main thread, so the children's parent-death signal is armed:
+        # even a kill -9 of the demo leaves no orphan
+        self._start_all()
         print(f"edgemesh demo: job {self.cfg.job}, broker {self.cfg.broker.url}"
               f"{'' if self.broker is None else ' (' + self.broker.kind + ')'}, "
               f"{self.cfg.demo.workers} workers, policy {self.cfg.training.sync_policy}; logs in {self.workdir}",
