@@ -5,6 +5,7 @@
     edgemesh demo [--workers N] [--report PATH] [--broker URL] ...
     edgemesh devices [--broker URL] [--job J]
     edgemesh ctl COMMAND [--target ps] [--value V] [--device D] [--broker URL] [--job J]
+    edgemesh bench codecs [--report PATH]           (benchmarks: JSON report + PNG)
     edgemesh config [--config F] [--set ...]       (print the effective configuration)
 
 Configuration precedence: defaults < TOML (--config or EDGEMESH_CONFIG) < EDGEMESH_* < flags.
@@ -116,6 +117,13 @@ def _ctl(args: argparse.Namespace) -> int:
                                     device=args.device_name or "", timeout_s=args.timeout_s))
 
 
+def _bench_codecs(args: argparse.Namespace) -> int:
+    from edgemesh.bench.codecs import main as bench_main
+
+    _setup_logging(args.log_level or "WARNING")
+    return bench_main(args.report, rounds=args.rounds, density=args.density, elements=args.elements)
+
+
 def _config(args: argparse.Namespace) -> int:
     config = _load(args)
     for key, value, _ in describe(config):
@@ -173,6 +181,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", dest="device_name", help="device the command is about")
     p.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for the reply")
     p.set_defaults(func=_ctl)
+
+    p = sub.add_parser("bench", help="benchmarks that write JSON reports and PNG plots")
+    bench = p.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("codecs", help="gradient codecs: ratio, error, speed, accuracy")
+    b.add_argument("--report", default="bench/reports/codecs.json", help="JSON report path (PNG beside it)")
+    b.add_argument("--rounds", type=int, default=300, help="training rounds per codec")
+    b.add_argument("--density", type=float, default=0.01, help="kept share of sparsifying codecs")
+    b.add_argument("--elements", type=int, default=10_000_000, help="size of the synthetic tensor")
+    b.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    b.set_defaults(func=_bench_codecs)
 
     p = sub.add_parser("config", help="print the effective configuration")
     _common_flags(p)
