@@ -21,7 +21,7 @@ import pytest
 from edgemesh.common.broker import BrokerProcess
 from edgemesh.common.bus import Bus
 from edgemesh.common.codecs import available_codecs
-from edgemesh.common.config import CODECS, Config, load_config
+from edgemesh.common.config import Config, load_config
 from edgemesh.common.errors import ConfigError
 from edgemesh.common.messages import CodecPolicy, ControlReply, DeviceHello, DeviceStats
 from edgemesh.common.metrics import ServiceMetrics
@@ -71,22 +71,26 @@ def test_the_same_codec_for_another_reason_keeps_the_version() -> None:
     assert (pinned.codec, pinned.version, pinned.reason) == ("fp16", 1, "operator")
 
 
-def test_stats_are_ignored_in_this_release() -> None:
-    slow = DeviceStats(device="pi-1", link_rate_bps=1e3, delay_index=40.0, step_time_s=0.1, comm_time_s=9.0)
+def test_static_mode_ignores_stats() -> None:
+    """Without adaptive settings (``compressor.mode = "static"``) the codec comes from config alone."""
+    slow = DeviceStats(device="pi-1", link_rate_bps=1e3, delay_index=40.0, step_time_s=0.1, comm_time_s=9.0,
+                       gradient_bytes=1 << 20)
     first = choose_policy("pi-1", default_codec="fp16", overrides={}, previous=None)
     assert choose_policy("pi-1", default_codec="fp16", overrides={}, previous=first, stats=slow) is first
 
 
-def unimplemented_codec() -> str:
-    """A codec the config names but this build lacks (skip once every codec is built)."""
-    missing = [c for c in CODECS if c not in available_codecs()]
-    if not missing:
-        pytest.skip("every codec named in the config is implemented")
-    return "grid" if "grid" in missing else missing[0]
+@pytest.fixture
+def unimplemented_codec(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A codec the config names but this build lacks: ``qsgd``, hidden from the compressor."""
+    import edgemesh.services.compressor.service as service
+
+    hidden = "qsgd"
+    monkeypatch.setattr(service, "available_codecs", lambda: tuple(c for c in available_codecs() if c != hidden))
+    return hidden
 
 
-def test_the_service_refuses_a_configured_codec_it_cannot_run() -> None:
-    missing = unimplemented_codec()
+def test_the_service_refuses_a_configured_codec_it_cannot_run(unimplemented_codec: str) -> None:
+    missing = unimplemented_codec
     with pytest.raises(ConfigError, match="not implemented"):
         Compressor(load_config(env={}, overrides={"compressor.default_codec": missing}))
     with pytest.raises(ConfigError, match="pi-1"):
@@ -241,10 +245,10 @@ async def test_set_codec_changes_the_retained_policy_and_survives_a_restart(brok
             assert second.operator == {}
 
 
-async def test_set_codec_refuses_codecs_it_cannot_run(broker: BrokerProcess) -> None:
+async def test_set_codec_refuses_codecs_it_cannot_run(broker: BrokerProcess, unimplemented_codec: str) -> None:
     config = make_config(broker)
     command = TOPICS.control("compressor")
-    unimplemented = unimplemented_codec()
+    unimplemented = unimplemented_codec
     async with device_bus(config) as bus, running(Compressor(config)) as compressor:
         await say_hello(bus, "pi-1")
         first = await bus.policy("pi-1")

@@ -54,7 +54,7 @@ async def test_garbage_on_every_consumed_topic_is_counted_and_training_goes_on(
         await until("training to start", lambda: worker.accepted >= 3)
         t = Topics("rej")
         targets = [t.hello("w9"), t.status("w9"), t.stats("w0"), t.plan(), t.codec("w0"), t.model(),
-                   t.grad("c-w0", "w0"), t.ack("w0"), t.control("planner"), t.control("ps"),
+                   t.grad("c-w0", "w0"), t.grad_raw("c-w0", "w0"), t.ack("w0"), t.control("planner"), t.control("ps"),
                    t.control("compressor"), t.control("device/w0"), t.control("all")]
         expected = {}
         for name, svc in services.items():

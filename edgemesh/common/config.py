@@ -205,11 +205,37 @@ class CompressorConfig:
     """Codec assigned to devices without an override."""
     overrides: dict[str, str] = field(default_factory=dict)
     """Per-device codec, e.g. ``{"pi-07" = "none"}``."""
+    mode: Literal["static", "adaptive"] = "adaptive"
+    """static: codecs from config alone; adaptive: codec and density follow each device's link and step time."""
+    adaptive_codec: Literal["topk", "threshold", "grid"] = "grid"
+    """Sparsifying codec the adaptive mode switches a device to when its link is too slow for a dense one."""
+    comm_share: float = 0.5
+    """Adaptive target: estimated communication time of one update at most this share of its step time."""
+    min_density: float = 0.001
+    """Smallest share of gradient entries the adaptive mode keeps, however slow the link."""
+    max_density: float = 0.25
+    """Largest share of gradient entries the adaptive mode keeps with a sparsifying codec."""
+    density_hysteresis: float = 0.25
+    """Relative change below which a new density or codec is not published (keeps noisy stats from flapping)."""
+    delay_pressure: float = 0.1
+    """Budget shrink per version of delay index above the fleet median: budget / (1 + pressure * excess)."""
+    static_density: float = 0.01
+    """Density of a sparsifying codec chosen from config alone (static mode, or a link not measured yet)."""
 
     def __post_init__(self) -> None:
         for device, codec in self.overrides.items():
             _require(valid_name(device), "compressor.overrides", f"invalid device name {device!r}")
             _require(codec in CODECS, "compressor.overrides", f"{device}: unknown codec {codec!r}")
+        _require(self.mode in ("static", "adaptive"), "compressor.mode", "static or adaptive")
+        _require(self.adaptive_codec in ("topk", "threshold", "grid"), "compressor.adaptive_codec",
+                 "one of topk, threshold, grid")
+        _require(0 < self.comm_share <= 100, "compressor.comm_share", "must be in (0, 100]")
+        _require(0 < self.min_density <= 1, "compressor.min_density", "must be in (0, 1]")
+        _require(self.min_density <= self.max_density <= 1, "compressor.max_density",
+                 "must be in [min_density, 1]")
+        _require(0 <= self.density_hysteresis < 1, "compressor.density_hysteresis", "must be in [0, 1)")
+        _require(self.delay_pressure >= 0, "compressor.delay_pressure", "must be >= 0")
+        _require(0 < self.static_density <= 1, "compressor.static_density", "must be in (0, 1]")
 
 
 @dataclass(slots=True)
@@ -232,6 +258,10 @@ class WorkerConfig:
     """Stop after this many accepted updates (0 = run until stopped)."""
     codec_wait_s: float = 2.0
     """How long to wait for a codec policy before using ``none``."""
+    link_rate_bps: float = 0.0
+    """Uplink rate to report, bytes/s; 0 = measure it from gradient publishes (time to the broker's PUBACK)."""
+    can_encode: bool = True
+    """False: send raw float32 gradients on ``grad-raw`` and let the compressor gateway encode them."""
 
     def __post_init__(self) -> None:
         _require(not self.device or valid_name(self.device), "worker.device",
@@ -242,6 +272,7 @@ class WorkerConfig:
         _require(self.stats_interval_s > 0, "worker.stats_interval_s", "must be > 0")
         _require(self.profile_seconds > 0, "worker.profile_seconds", "must be > 0")
         _require(self.max_steps >= 0, "worker.max_steps", "must be >= 0")
+        _require(self.link_rate_bps >= 0, "worker.link_rate_bps", "must be >= 0 (0 = measure)")
 
 
 @dataclass(slots=True)

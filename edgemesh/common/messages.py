@@ -96,16 +96,20 @@ class DeviceStats:
     """Mean time from publishing an update to its ack."""
     delay_index: float = 0.0
     link_rate_bps: float = 0.0
+    """Uplink rate, bytes/s: declared (``worker.link_rate_bps``) or measured (0 = unknown)."""
     rss_bytes: int = 0
     cpu_temp_c: float | None = None
     model_version: int = 0
     loss: float | None = None
     batch_size: int = 0
     bytes_sent: int = 0
+    gradient_bytes: int = 0
+    """Size of one full gradient of this device's share of the model in float32, bytes (0 = unknown)."""
 
     def validate(self) -> None:
         _name("device", self.device)
-        for name in ("steps", "step_time_s", "comm_time_s", "delay_index", "link_rate_bps", "rss_bytes"):
+        for name in ("steps", "step_time_s", "comm_time_s", "delay_index", "link_rate_bps", "rss_bytes",
+                     "gradient_bytes"):
             _nonneg(name, getattr(self, name))
 
 

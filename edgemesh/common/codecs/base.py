@@ -21,6 +21,16 @@ class Codec(Protocol):
     def decode(self, data: bytes, numel: int) -> np.ndarray: ...
 
 
+class ResidualCodec(Codec, Protocol):
+    """A lossy codec that also returns what it did not send, so error feedback need not decode.
+
+    ``encode_with_residual(grad, policy)`` returns ``(data, grad - decode(data, grad.size))``,
+    the residual equal element for element to decoding the payload.
+    """
+
+    def encode_with_residual(self, grad: np.ndarray, policy: CodecPolicy | None) -> tuple[bytes, np.ndarray]: ...
+
+
 _REGISTRY: dict[str, Codec] = {}
 
 
@@ -58,6 +68,10 @@ class ErrorFeedback:
         residual = self._residual.get(key)
         if residual is not None and residual.shape == flat.shape:
             flat = flat + residual
+        encode_with_residual = None if codec.lossless else getattr(codec, "encode_with_residual", None)
+        if encode_with_residual is not None:
+            data, self._residual[key] = encode_with_residual(flat, policy)
+            return data
         data = codec.encode(flat, policy)
         if codec.lossless:
             self._residual.pop(key, None)

@@ -1,32 +1,42 @@
-"""The compressor: one retained codec policy per device (DESIGN.md §1, §6).
+"""The compressor: one retained codec policy per device, and the gateway (DESIGN.md §1, §6).
 
 Backbone, top to bottom:
 1. check that every configured codec is built in; connect; subscribe to the retained codec
-   policies first (to continue their versions after a restart), then to hellos, stats and
-   control;
+   policies first (to continue their versions after a restart), then to hellos, stats,
+   ``grad-raw`` and control;
 2. once retained state has settled, give every device that said hello its policy;
 3. consume: on a new device or a new incarnation, publish its policy retained on
-   ``codec/{device}``; on stats, ask the policy again and publish only what changed
-   (``policy.choose_policy``, which ignores stats in this release);
-4. control: status, set-codec, stop.
+   ``codec/{device}``; on stats, ask the policy again (``policy.choose_policy``: in adaptive
+   mode codec and density follow the device's link rate, step time and delay index) and
+   publish only what changed;
+4. gateway: a device whose hello says ``can_encode = false`` gets ``gateway = true`` and sends
+   raw float32 updates on ``grad-raw/{cluster}/{device}``; the compressor encodes every shard
+   with that device's policy and its own error feedback for the device, and forwards the
+   update (same device, incarnation, seq, base version) on ``grad/{cluster}/{device}``. The PS
+   acks the device directly. A resent raw update (same incarnation and seq) is forwarded again
+   as first encoded, so error feedback is applied once;
+5. control: status, set-codec, stop.
 
 An operator's ``set-codec`` is stored in the policy's ``reason`` (``operator``), so a restarted
 compressor restores it from the retained policies; ``set-codec`` with the value ``default``
 hands the device back to the configuration.
 
-The gateway (re-encoding ``grad-raw`` for devices too weak to encode) is not part of this
-release. This module must not import torch.
+Raw updates are encoded one at a time, in a thread, in arrival order. This module must not
+import torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import statistics
 from collections.abc import Iterable
 
+from edgemesh.common import wire
 from edgemesh.common.bus import Bus, Incoming
-from edgemesh.common.codecs import available_codecs
+from edgemesh.common.codecs import ErrorFeedback, available_codecs, get_codec
 from edgemesh.common.config import CODECS, Config
 from edgemesh.common.errors import BusError, ConfigError, WireError
 from edgemesh.common.messages import (
@@ -34,11 +44,13 @@ from edgemesh.common.messages import (
     ControlCommand,
     DeviceHello,
     DeviceStats,
+    GradientUpdate,
     Scalar,
+    ShardUpdate,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics, valid_name
-from edgemesh.services.compressor.policy import REASON_OPERATOR, choose_policy
+from edgemesh.services.compressor.policy import FP32_BYTES, REASON_OPERATOR, Adaptive, change_kind, choose_policy
 from edgemesh.services.operations import Operations, consume
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 
@@ -53,6 +65,10 @@ that do not fit are counted instead."""
 DEFAULT_VALUE = "default"
 """``set-codec`` value that removes an operator's choice for a device."""
 COMMANDS = ("status", "set-codec", "stop")
+RAW_CODEC = "none"
+"""The only codec accepted on ``grad-raw``: float32 as is."""
+DENSITY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+"""Buckets of the published-density histogram."""
 
 
 def check_codecs(codecs: Iterable[str], where: str) -> None:
@@ -77,6 +93,12 @@ class Compressor:
         check_codecs([c.default_codec], "compressor.default_codec")
         for device, codec in c.overrides.items():
             check_codecs([codec], f"compressor.overrides.{device}")
+        self.adaptive: Adaptive | None = None
+        if c.mode == "adaptive":
+            check_codecs([c.adaptive_codec], "compressor.adaptive_codec")
+            self.adaptive = Adaptive(codec=c.adaptive_codec, comm_share=c.comm_share, min_density=c.min_density,
+                                     max_density=c.max_density, hysteresis=c.density_hysteresis,
+                                     delay_pressure=c.delay_pressure)
 
         self.incarnations: dict[str, int] = {}
         """Devices that said hello, with their latest incarnation."""
@@ -85,6 +107,12 @@ class Compressor:
         self.stats: dict[str, DeviceStats] = {}
         self.operator: dict[str, str] = {}
         """Codecs an operator chose with ``set-codec``, by device."""
+        self.gateway: set[str] = set()
+        """Devices whose latest hello says they cannot encode."""
+        self._feedback: dict[str, tuple[int, ErrorFeedback]] = {}
+        """Gateway error feedback per device, with the incarnation it belongs to."""
+        self._forwarded: dict[str, tuple[tuple[int, int], bytes, int]] = {}
+        """Per gateway device, the last forwarded update: ((incarnation, seq), envelope, shard bytes)."""
         self.ready = asyncio.Event()
         """Set once retained state has settled and every device seen by then has its policy."""
         self._started = False
@@ -93,8 +121,20 @@ class Compressor:
         m = self.metrics = ServiceMetrics(SERVICE)
         self.m_published = m.counter("policies_published", "Codec policies published", ["codec"])
         self.m_devices = m.gauge("devices", "Devices that said hello")
+        self.m_changes = m.counter("policy_changes", "Policies published, by why they were published "
+                                   "(new, announce, codec, density, gateway, reason)", ["reason"])
+        self.m_density = m.histogram("policy_density", "Density of the policies published", DENSITY_BUCKETS)
+        self.m_codec_devices = m.gauge("codec_devices", "Devices whose current policy uses each codec", ["codec"])
+        self.m_gateway_bytes = m.counter("gateway_bytes", "Gradient bytes through the gateway: raw in, encoded out",
+                                         ["direction"])
+        self.m_gateway_updates = m.counter("gateway_updates", "Raw updates encoded and forwarded", ["codec"])
+        self.m_gateway_seconds = m.histogram("gateway_encode_seconds", "Time to encode one raw update",
+                                             (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
         for codec in available_codecs():
             self.m_published.labels(codec=codec)
+            self.m_codec_devices.labels(codec=codec)
+        for direction in ("in", "out"):
+            self.m_gateway_bytes.labels(direction=direction)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
@@ -107,7 +147,7 @@ class Compressor:
                 metrics=self.metrics,
                 subscriptions=[
                     self.topics.all_codec(),
-                    self.topics.all_hello(), self.topics.all_stats(),
+                    self.topics.all_hello(), self.topics.all_stats(), self.topics.all_grad_raw(),
                     self.topics.control(SERVICE), self.topics.control("all"),
                 ],
                 on_connect=self._on_connect,
@@ -115,8 +155,10 @@ class Compressor:
             self.ops = Operations(source=SERVICE, bus=self.bus, topics=self.topics, metrics=self.metrics,
                                   stop=self.stop)
             self.metrics.up.set(1)
-            logger.info("compressor up: job %s, default codec %s, %d override(s)", self.cfg.job,
-                        self.cfg.compressor.default_codec, len(self.cfg.compressor.overrides))
+            c = self.cfg.compressor
+            logger.info("compressor up: job %s, %s mode, default codec %s%s, %d override(s)", self.cfg.job,
+                        c.mode, c.default_codec, f", adaptive codec {c.adaptive_codec}" if self.adaptive else "",
+                        len(c.overrides))
             try:
                 await supervise(self.stop, consume(self.bus, self.metrics, self._dispatch), self._start())
             finally:
@@ -160,6 +202,12 @@ class Compressor:
                 policy = msg.decode(CodecPolicy)
                 _check_device(policy.device, device)
                 await self._on_policy(policy)
+            case ["grad-raw", cluster, device]:
+                update = msg.decode(GradientUpdate)
+                _check_device(update.device, device)
+                if update.cluster != cluster:
+                    raise WireError(f"update of cluster {update.cluster!r} on the topic of {cluster!r}", "topic")
+                await self._forward(update)
             case ["control", *_]:
                 await self.ops.control(msg.decode(ControlCommand), self._apply_control)
             case _:
@@ -173,6 +221,10 @@ class Compressor:
             return
         self.incarnations[hello.device] = hello.incarnation
         self.m_devices.set(len(self.incarnations))
+        if hello.can_encode:
+            self.gateway.discard(hello.device)
+        else:
+            self.gateway.add(hello.device)
         if self._started:
             await self._reconcile(hello.device, announce=hello.incarnation != known)
 
@@ -195,7 +247,13 @@ class Compressor:
         c = self.cfg.compressor
         return choose_policy(device, default_codec=c.default_codec, overrides=c.overrides,
                              previous=self.policies.get(device), stats=self.stats.get(device),
-                             operator=self.operator)
+                             operator=self.operator, adaptive=self.adaptive, gateway=device in self.gateway,
+                             reference_delay=self._reference_delay(), static_density=c.static_density)
+
+    def _reference_delay(self) -> float:
+        """The fleet's median delay index (devices that said hello and sent stats)."""
+        delays = [s.delay_index for d, s in self.stats.items() if d in self.incarnations]
+        return statistics.median(delays) if delays else 0.0
 
     async def _reconcile(self, device: str, *, announce: bool) -> CodecPolicy:
         """Publish the device's policy if it changed, or if ``announce`` (new or restarted device)."""
@@ -204,12 +262,56 @@ class Compressor:
         policy = self._choose(device)
         if policy is previous and not announce:
             return policy
+        change = change_kind(previous, policy)
         self.policies[device] = policy
         self.m_published.labels(codec=policy.codec).inc()
+        self.m_changes.labels(reason="announce" if change == "same" else change).inc()
+        self.m_density.observe(policy.density)
+        self._count_codecs()
         await self.bus.publish(self.topics.codec(device), policy, retain=True)
-        if previous is None or previous.codec != policy.codec:
-            logger.info("%s: codec %s (version %d, %s)", device, policy.codec, policy.version, policy.reason)
+        if change in ("new", "codec", "gateway", "density"):
+            logger.info("%s: codec %s, density %g%s (version %d, %s)", device, policy.codec, policy.density,
+                        ", via gateway" if policy.gateway else "", policy.version, policy.reason)
         return policy
+
+    def _count_codecs(self) -> None:
+        counts = dict.fromkeys(available_codecs(), 0)
+        for device, policy in self.policies.items():
+            if device in self.incarnations:
+                counts[policy.codec] = counts.get(policy.codec, 0) + 1
+        for codec, n in counts.items():
+            self.m_codec_devices.labels(codec=codec).set(n)
+
+    # ------------------------------------------------------------------ gateway
+    async def _forward(self, update: GradientUpdate) -> None:
+        """Encode a raw update with its device's policy and forward it to the PS."""
+        assert self.bus is not None
+        self.metrics.received_messages.labels(kind="gradient_raw").inc()
+        device = update.device
+        known = self.incarnations.get(device)
+        if known is not None and update.incarnation < known:
+            raise WireError(f"raw update of {device} from old incarnation {update.incarnation}", "incarnation")
+        raw_bytes = sum(len(s.data) for s in update.shards)
+        key = (update.incarnation, update.seq)
+        last = self._forwarded.get(device)
+        if last is not None and last[0] == key:  # a resend: the same encoding, error feedback untouched
+            payload, out_bytes = last[1], last[2]
+        else:
+            policy = self.policies.get(device) or self._choose(device)
+            feedback = self._feedback.get(device)
+            if feedback is None or feedback[0] != update.incarnation:
+                feedback = (update.incarnation, ErrorFeedback())
+                self._feedback[device] = feedback
+            started = asyncio.get_running_loop().time()
+            encoded = await asyncio.to_thread(_encode, update, policy, feedback[1])
+            self.m_gateway_seconds.observe(asyncio.get_running_loop().time() - started)
+            payload = wire.encode(encoded)
+            out_bytes = sum(len(s.data) for s in encoded.shards)
+            self._forwarded[device] = (key, payload, out_bytes)
+            self.m_gateway_updates.labels(codec=policy.codec).inc()
+        self.m_gateway_bytes.labels(direction="in").inc(raw_bytes)
+        self.m_gateway_bytes.labels(direction="out").inc(out_bytes)
+        await self.bus.publish(self.topics.grad(update.cluster, device), payload, kind="gradient")
 
     # ------------------------------------------------------------------ control
     async def _apply_control(self, cmd: ControlCommand) -> tuple[bool, str, dict[str, Scalar]]:
@@ -250,7 +352,7 @@ class Compressor:
         size = 0
         for d in devices:
             policy = self.policies.get(d)
-            entry = f"{d}={policy.codec}@{policy.version}" if policy is not None else f"{d}=-"
+            entry = f"{d}={_describe(policy)}" if policy is not None else f"{d}=-"
             if size + len(entry) + 1 > LIST_MAX_CHARS:
                 listed.append(f"...(+{len(devices) - len(listed)} more)")
                 break
@@ -258,10 +360,39 @@ class Compressor:
             size += len(entry) + 1
         return {
             "devices": len(devices),
+            "mode": self.cfg.compressor.mode,
             "default_codec": self.cfg.compressor.default_codec,
+            "gateway_devices": len(self.gateway & set(devices)),
             "policies": ",".join(listed),
             "operator_overrides": len(self.operator),
         }
+
+
+def _describe(policy: CodecPolicy) -> str:
+    """``codec@version``, with ``/density`` for a sparsifying density and ``+gw`` for gateway devices."""
+    density = f"/{policy.density:g}" if policy.density < 1.0 else ""
+    return f"{policy.codec}{density}{'+gw' if policy.gateway else ''}@{policy.version}"
+
+
+def _encode(update: GradientUpdate, policy: CodecPolicy, feedback: ErrorFeedback) -> GradientUpdate:
+    """``update`` with every raw float32 shard encoded per ``policy`` (in a thread)."""
+    raw, codec = get_codec(RAW_CODEC), get_codec(policy.codec)
+    decoded = []
+    for s in update.shards:  # check every shard before error feedback changes for any
+        if s.codec != RAW_CODEC:
+            raise WireError(f"grad-raw shard {s.param} is {s.codec!r}, not {RAW_CODEC!r}", "codec")
+        if not s.data or len(s.data) % FP32_BYTES:
+            raise WireError(f"grad-raw shard {s.param} has {len(s.data)} bytes, not whole float32s", "codec")
+        decoded.append((s, raw.decode(s.data, len(s.data) // FP32_BYTES)))
+    keys = [(s.param, s.start, s.stop) for s, _ in decoded]
+    if len(set(keys)) != len(keys):
+        raise WireError("a grad-raw shard appears twice", "shape")
+    shards = [
+        ShardUpdate(param=s.param, start=s.start, stop=s.stop, codec=policy.codec,
+                    data=feedback.encode(f"{s.param}[{s.start}:{s.stop}]", values, codec, policy))
+        for s, values in decoded
+    ]
+    return dataclasses.replace(update, shards=tuple(shards))
 
 
 def _check_device(message_device: str, topic_device: str) -> None:

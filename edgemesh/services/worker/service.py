@@ -6,7 +6,16 @@ Backbone, top to bottom:
 3. wait for a plan that names this device, a codec policy and a model snapshot;
 4. loop: compute a gradient on the next batch (in a thread), encode it with the device's
    codec and error feedback, publish it with ``(device, incarnation, seq)``, and wait for its
-   ack, resending after a timeout or a reconnect; follow resync requests and new model versions.
+   ack, resending after a timeout or a reconnect; follow resync requests and new model versions;
+5. every ``worker.stats_interval_s``, publish stats: step time, delay index, and the uplink
+   rate (``worker.link_rate_bps``, or measured: see ``link``) with the float32 size of one
+   gradient, from which the compressor picks this device's codec and density.
+
+The codec policy is read afresh for every update, so a new codec or density applies from the
+next one; error feedback is keyed by parameter and survives such changes. A policy with
+``gateway = true`` (the device said ``can_encode = false``) makes the worker send raw float32
+(``none``) on ``grad-raw/{cluster}/{device}``, for the compressor to encode and forward; a
+device that cannot encode but has no gateway policy sends ``none`` on ``grad/...`` directly.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from edgemesh.common.wire import encode
 from edgemesh.services.operations import ControlResult, Operations, consume
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 from edgemesh.services.worker import profile as prof
+from edgemesh.services.worker.link import LinkMeter
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +67,8 @@ WAIT_LOG_INTERVAL_S = 10.0
 """How often a worker waiting for a plan, model or ack says so."""
 AVERAGE_WINDOW = 20
 """Steps over which step and communication times are averaged for stats."""
+FP32_BYTES = 4
+"""Bytes of one float32 gradient value (``DeviceStats.gradient_bytes`` counts these)."""
 
 
 def _software() -> str:
@@ -84,6 +96,10 @@ class Worker:
         self.accepted = 0
         self.pending: GradientUpdate | None = None
         self._pending_payload: bytes | None = None
+        self._pending_topic = ""
+        self.link = LinkMeter(config.worker.link_rate_bps)
+        """Uplink rate reported in stats: ``worker.link_rate_bps`` if set, else measured."""
+        self._gradient_bytes = 0
         self._acks: dict[int, asyncio.Future[UpdateAck]] = {}
         self._changed = asyncio.Condition()
         self._model: Any = None
@@ -105,6 +121,7 @@ class Worker:
         self.m_updates = m.counter("updates", "Updates by the PS's answer", ["status", "reason"])
         self.m_resends = m.counter("resends", "Updates sent again after an ack timeout or a reconnect")
         self.m_grad_bytes = m.counter("gradient_bytes", "Encoded gradient bytes sent", ["codec"])
+        self.m_link = m.gauge("link_rate_bytes_per_second", "Uplink rate reported in stats (declared or measured)")
         self.m_version = m.gauge("model_version", "Version of the model this worker trains on")
         self.m_ack = m.histogram("ack_seconds", "Time from publishing an update to its ack", STEP_BUCKETS)
         self.m_loss = m.gauge("loss", "Training loss of the last batch")
@@ -157,12 +174,12 @@ class Worker:
         await self.bus.publish(self.topics.hello(self.device), DeviceHello(
             device=self.device, incarnation=self.incarnation, flops=self.profile.flops,
             memory_bytes=self.profile.memory_bytes, cores=self.profile.cores, platform=self.profile.platform,
-            software=_software()), retain=True)
+            software=_software(), can_encode=self.cfg.worker.can_encode,
+            link_rate_bps=self.link.declared_bps), retain=True)
         if self.pending is not None and self._pending_payload is not None and self.bus.connections > 1:
             self.m_resends.inc()
             logger.info("%s: resending update %d after reconnect", self.device, self.pending.seq)
-            await self.bus.publish(self.topics.grad(self.pending.cluster, self.device), self._pending_payload,
-                                   kind="gradient")
+            await self.bus.publish(self._pending_topic, self._pending_payload, kind="gradient")
 
     # ------------------------------------------------------------------ consuming
     async def _dispatch(self, msg: Incoming) -> None:
@@ -177,7 +194,12 @@ class Worker:
                 policy = msg.decode(CodecPolicy)
                 if policy.device != self.device:
                     raise WireError(f"codec policy for {policy.device} on my topic", "topic")
-                get_codec(policy.codec)  # refuse a codec this build cannot encode
+                if not policy.gateway:
+                    get_codec(policy.codec)  # refuse a codec this build cannot encode
+                if self.policy is None or (policy.codec, policy.density, policy.gateway) != (
+                        self.policy.codec, self.policy.density, self.policy.gateway):
+                    logger.info("%s: codec %s, density %g%s (policy version %d)", self.device, policy.codec,
+                                policy.density, ", via the gateway" if policy.gateway else "", policy.version)
                 self.policy = policy
             case ["model"]:
                 snap = msg.decode(ModelSnapshot)
@@ -252,10 +274,18 @@ class Worker:
         if self._batches.batch_size != self.me.batch_size:
             self._batches.batch_size = self.me.batch_size
 
+    def _raw(self, policy: CodecPolicy | None) -> bool:
+        """Whether updates go raw (float32) to the compressor gateway."""
+        return policy is not None and policy.gateway
+
     def _compute(
         self, snapshot: ModelSnapshot, policy: CodecPolicy | None
     ) -> tuple[list[ShardUpdate], int, float, float]:
-        """Load the model if newer, take a batch, compute and encode the gradient (in a thread)."""
+        """Load the model if newer, take a batch, compute and encode the gradient (in a thread).
+
+        Encodes with ``none`` when the policy routes through the gateway, when there is no policy
+        yet, and on a device that cannot encode.
+        """
         assert self._batches is not None
         if snapshot.version != self._model_version:
             models.set_params(self._model, {k: t.to_numpy() for k, t in snapshot.tensors.items()})
@@ -264,7 +294,11 @@ class Worker:
         x, y = next(self._batches)
         loss, grads = models.compute_gradients(self._model, x, y)
         elapsed = time.perf_counter() - started
-        codec = get_codec(policy.codec if policy else "none")
+        codec_name = "none"
+        if policy is not None and not policy.gateway and self.cfg.worker.can_encode:
+            codec_name = policy.codec
+        codec = get_codec(codec_name)
+        self._gradient_bytes = sum(int(g.size) for g in grads.values()) * FP32_BYTES
         shards = []
         for name, g in grads.items():
             data = self._feedback.encode(name, g, codec, policy)
@@ -303,7 +337,8 @@ class Worker:
                                     shards=tuple(shards), loss=loss, step_time_s=elapsed, sent_at=time.time())
             for s in shards:
                 self.m_grad_bytes.labels(codec=s.codec).inc(len(s.data))
-            ack = await self._send(update)
+            topic = (self.topics.grad_raw if self._raw(policy) else self.topics.grad)(cluster, self.device)
+            ack = await self._send(update, topic)
             self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
             self._delays.append(ack.delay)
             min_version = ack.version if ack.resync else 0
@@ -319,14 +354,14 @@ class Worker:
             elif ack.reason not in ("stale", "round_full", "future"):
                 logger.warning("%s: update %d discarded: %s", self.device, update.seq, ack.reason)
 
-    async def _send(self, update: GradientUpdate) -> UpdateAck:
-        """Publish ``update`` and wait for its ack, resending on timeout (the PS applies it at most once)."""
+    async def _send(self, update: GradientUpdate, topic: str) -> UpdateAck:
+        """Publish ``update`` on ``topic`` and wait for its ack, resending on timeout (the PS applies
+        it at most once). The first publish, if the connection held throughout, is a link sample."""
         assert self.bus is not None
         payload = encode(update)
         future: asyncio.Future[UpdateAck] = asyncio.get_running_loop().create_future()
         self._acks[update.seq] = future
-        self.pending, self._pending_payload = update, payload
-        topic = self.topics.grad(update.cluster, self.device)
+        self.pending, self._pending_payload, self._pending_topic = update, payload, topic
         started = time.perf_counter()
         try:
             attempt = 0
@@ -335,7 +370,11 @@ class Worker:
                     self.m_resends.inc()
                     logger.info("%s: no ack for update %d after %.1fs; resending", self.device, update.seq,
                                 self.cfg.worker.ack_timeout_s)
-                await self.bus.publish(topic, payload, kind="gradient")
+                connection = self.bus.connections if self.bus.is_connected else -1
+                publish_started = time.perf_counter()
+                sent = await self.bus.publish(topic, payload, kind="gradient")
+                if not attempt and connection == self.bus.connections and self.bus.is_connected:
+                    self.link.observe(sent, time.perf_counter() - publish_started)
                 attempt += 1
                 try:
                     async with asyncio.timeout(self.cfg.worker.ack_timeout_s):
@@ -345,7 +384,7 @@ class Worker:
                     continue
         finally:
             self._acks.pop(update.seq, None)
-            self.pending, self._pending_payload = None, None
+            self.pending, self._pending_payload, self._pending_topic = None, None, ""
         rtt = time.perf_counter() - started
         self._comm_times.append(rtt)
         self.m_ack.observe(rtt)
@@ -358,6 +397,7 @@ class Worker:
             await asyncio.sleep(self.cfg.worker.stats_interval_s)
             if not self.bus.is_connected:
                 continue
+            self.m_link.set(self.link.rate_bps)
             stats = DeviceStats(
                 device=self.device, incarnation=self.incarnation, time=time.time(),
                 steps=int(self.metrics.value("edgemesh_worker_steps_total")),
@@ -368,6 +408,7 @@ class Worker:
                 model_version=max(self._model_version, 0), loss=self._last_loss,
                 batch_size=self.me.batch_size if self.me else 0,
                 bytes_sent=int(self.metrics.value("edgemesh_worker_published_bytes_total")),
+                link_rate_bps=self.link.rate_bps, gradient_bytes=self._gradient_bytes,
             )
             with contextlib.suppress(Exception):
                 await self.bus.publish(self.topics.stats(self.device), stats)
