@@ -297,3 +297,14 @@ def test_describe_lists_every_leaf_and_masks_the_password() -> None:
 def test_describe_shows_an_empty_password_as_empty() -> None:
     rows = {key: value for key, value, _doc in describe(Config())}
     assert rows["broker.password"] == ""
+
+
+def test_to_toml_round_trips_a_changed_config(tmp_path: Path) -> None:
+    from edgemesh.common.config import to_toml
+
+    cfg = load_config(env={}, overrides={"job": "lab-1", "training.lr": "0.25", "ps.fsync": "false",
+                                         "compressor.overrides": '{"pi-7": "none", "pi-8": "fp16"}',
+                                         "broker.password": 'p"w\\\\x'})
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path, env={}) == cfg

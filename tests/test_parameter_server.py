@@ -23,6 +23,7 @@ from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import (
+    CodecPolicy,
     ControlReply,
     GradientUpdate,
     ModelSnapshot,
@@ -213,7 +214,8 @@ async def test_duplicate_is_not_applied_twice(broker: BrokerProcess, tmp_path: P
         assert ps.version == 1
 
 
-@pytest.mark.parametrize("case", ["wrong_shape", "unknown_param", "nan", "truncated_codec", "unknown_device"])
+@pytest.mark.parametrize("case", ["wrong_shape", "unknown_param", "nan", "truncated_codec", "truncated_grid",
+                                  "inconsistent_grid", "unknown_device"])
 async def test_bad_updates_are_rejected_counted_and_acked(broker: BrokerProcess, tmp_path: Path, case: str) -> None:
     cfg = make_config(broker, tmp_path, **{"training.sync_policy": "async"})
     async with client(cfg, ["a", "ghost"]) as c, running_ps(cfg) as ps:
@@ -222,7 +224,8 @@ async def test_bad_updates_are_rejected_counted_and_acked(broker: BrokerProcess,
         good = gradient("a", 1, 0)
         shards = list(good.shards)
         device, reason = "a", {"wrong_shape": "shape", "unknown_param": "shape", "nan": "nan",
-                               "truncated_codec": "codec", "unknown_device": "unknown_device"}[case]
+                               "truncated_codec": "codec", "truncated_grid": "codec", "inconsistent_grid": "codec",
+                               "unknown_device": "unknown_device"}[case]
         if case == "wrong_shape":
             shards[0] = ShardUpdate(param=shards[0].param, start=0, stop=999, codec="none", data=shards[0].data)
         elif case == "unknown_param":
@@ -235,6 +238,14 @@ async def test_bad_updates_are_rejected_counted_and_acked(broker: BrokerProcess,
         elif case == "truncated_codec":
             shards[0] = ShardUpdate(param=shards[0].param, start=0, stop=shards[0].stop, codec="fp16",
                                     data=shards[0].data[:10])
+        elif case in ("truncated_grid", "inconsistent_grid"):
+            numel = len(shards[2].data) // 4
+            grid = get_codec("grid").encode(np.random.default_rng(0).standard_normal(numel, dtype=np.float32),
+                                            CodecPolicy(device="a", codec="grid", density=0.05))
+            # cut the payload short, or give it to a parameter of another size
+            data, index = (grid[: len(grid) // 2], 2) if case == "truncated_grid" else (grid, 0)
+            shards[index] = ShardUpdate(param=shards[index].param, start=0, stop=shards[index].stop, codec="grid",
+                                        data=data)
         else:
             device = "ghost"
         bad = GradientUpdate(device=device, cluster=f"c-{device}", incarnation=1, seq=1, base_version=0,

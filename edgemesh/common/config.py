@@ -466,3 +466,29 @@ def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
             shown = "***" if f.name == "password" and value else value
             rows.append((prefix + f.name, shown, ""))
     return rows
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"cannot write {value!r} to TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    """The whole configuration as TOML that ``load_config`` reads back to an equal Config."""
+    top: list[str] = []
+    sections: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            sections.append(f"\n[{f.name}]")
+            sections.extend(f"{g.name} = {_toml_value(getattr(value, g.name))}" for g in dataclasses.fields(value))
+        else:
+            top.append(f"{f.name} = {_toml_value(value)}")
+    return "\n".join(top + sections) + "\n"

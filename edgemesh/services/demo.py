@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from edgemesh.common.broker import BrokerProcess, parent_death_signal
 from edgemesh.common.bus import Bus
-from edgemesh.common.config import Config
+from edgemesh.common.config import Config, to_toml
 from edgemesh.common.errors import EdgeMeshError, WireError
 from edgemesh.common.messages import Event
 from edgemesh.common.metrics import ServiceMetrics, parse_metrics, sum_samples
@@ -118,16 +118,13 @@ class Demo:
             self.broker = BrokerProcess.embedded() if self.embedded_broker else BrokerProcess.default()
             self.broker.start()
             self.cfg = replace(self.cfg, broker=replace(self.cfg.broker, url=self.broker.url))
-        t = self.cfg.training
-        common = ["--set", f"training.model_spec={t.model_spec}", "--set", f"training.dataset={t.dataset}",
-                  "--set", f"training.sync_policy={t.sync_policy}", "--set", f"training.lr={t.lr}",
-                  "--set", f"training.batch_size={t.batch_size}",
-                  "--set", f"training.staleness_bound={t.staleness_bound}"]
+        # every child gets the demo's whole configuration (file, environment, flags)
+        config_file = self.workdir / "edgemesh.toml"
+        config_file.write_text(to_toml(self.cfg))
+        common = ["--config", str(config_file)]
         self._spawn("planner", "planner", common + ["--set", f"planner.min_devices={self.cfg.demo.workers}"])
-        self._spawn("ps", "ps", common + ["--state-dir", str(self.workdir / "ps"),
-                                          "--set", f"ps.eval_every={self.cfg.ps.eval_every}"])
-        self._spawn("compressor", "compressor", common + ["--set",
-                                                          f"compressor.default_codec={self.cfg.compressor.default_codec}"])
+        self._spawn("ps", "ps", common + ["--state-dir", str(self.workdir / "ps")])
+        self._spawn("compressor", "compressor", common)
         for i in range(self.cfg.demo.workers):
             self._spawn("worker", f"worker-{i}", common + ["--device", f"w{i}"])
 
@@ -248,6 +245,7 @@ class Demo:
             return sum(sum_samples(c.samples, name) for c in self.children if role is None or c.role == role)
 
         ps = next((c for c in self.children if c.role == "ps"), None)
+        by_codec: dict[str, int] = {}
         accepted = discarded = 0.0
         version = self.progress.version
         if ps is not None:
@@ -258,6 +256,9 @@ class Demo:
                         accepted += value
                     elif status == "discarded":
                         discarded += value
+                elif name == "edgemesh_ps_received_gradient_bytes_total" and value:
+                    codec = dict(labels).get("codec", "?")
+                    by_codec[codec] = by_codec.get(codec, 0) + int(value)
             version = int(ps.samples.get(("edgemesh_ps_model_version", ()), version))
         def over_services(suffix: str) -> int:
             return int(sum(v for c in self.children for (n, _), v in c.samples.items()
@@ -282,6 +283,7 @@ class Demo:
             "workers": self.cfg.demo.workers,
             "sync_policy": self.cfg.training.sync_policy,
             "codec": self.cfg.compressor.default_codec,
+            "gradient_bytes_by_codec": by_codec,
             "broker": self.broker.kind if self.broker is not None else self.cfg.broker.url,
             "peak_rss_mb": {k: round(v, 1) for k, v in rss.items()},
             "stopped_by": self.progress.stopped_by or ("failure" if self.failure else "signal"),
@@ -298,7 +300,9 @@ def _print_summary(report: dict[str, Any]) -> None:
         ("updates discarded", str(report["updates_discarded"])),
         ("bytes published", f"{report['bytes_published'] / 1e6:.2f} MB "
                             f"(received by the services: {report['bytes_received'] / 1e6:.2f} MB)"),
-        ("workers", f"{report['workers']} ({report['sync_policy']}, codec {report['codec']})"),
+        ("workers", f"{report['workers']} ({report['sync_policy']})"),
+        ("gradient bytes by codec", ", ".join(f"{k} {v / 1e6:.2f} MB"
+                                              for k, v in report["gradient_bytes_by_codec"].items()) or "-"),
         ("broker", str(report["broker"])),
         ("peak RSS per process", ", ".join(f"{k} {v:.0f} MiB" for k, v in report["peak_rss_mb"].items())),
     ]

@@ -392,10 +392,13 @@ class Worker:
 
     # ------------------------------------------------------------------ reporting
     async def _report(self) -> None:
+        """Stats after the first update (the compressor needs step time and gradient size to
+        choose a codec at once), then every ``worker.stats_interval_s``."""
         assert self.bus is not None
+        await self._wait_for("the first update", lambda: len(self._comm_times) > 0)
         while True:
-            await asyncio.sleep(self.cfg.worker.stats_interval_s)
             if not self.bus.is_connected:
+                await asyncio.sleep(self.cfg.worker.stats_interval_s)
                 continue
             self.m_link.set(self.link.rate_bps)
             stats = DeviceStats(
@@ -412,6 +415,7 @@ class Worker:
             )
             with contextlib.suppress(Exception):
                 await self.bus.publish(self.topics.stats(self.device), stats)
+            await asyncio.sleep(self.cfg.worker.stats_interval_s)
 
 
 async def run(config: Config, *, stop: asyncio.Event | None = None) -> None:
