@@ -45,8 +45,10 @@ LAYOUT = models.param_layout(models.build_model("digits-cnn"))
 
 
 def make_config(broker: BrokerProcess, state_dir: Path, **overrides: object) -> Config:
+    # a snapshot per version: these tests read the model the PS publishes after every step
     base = {"broker.url": broker.url, "job": JOB, "metrics.address": "127.0.0.1:0",
-            "ps.state_dir": str(state_dir), "ps.eval_every": "0", "broker.backoff_max_s": "0.5"}
+            "ps.state_dir": str(state_dir), "ps.eval_every": "0", "broker.backoff_max_s": "0.5",
+            "ps.broadcast": "snapshot"}
     base.update({k: str(v) for k, v in overrides.items()})
     return load_config(env={}, overrides=base)
 
@@ -331,7 +333,8 @@ def start_ps_process(config: Config) -> subprocess.Popen[bytes]:
          "--state-dir", config.ps.state_dir, "--metrics", "127.0.0.1:0",
          "--set", "training.sync_policy=async", "--set", "ps.eval_every=0",
          "--set", "ps.checkpoint_every=3", "--set", "broker.backoff_max_s=0.5",
-         "--set", "ps.snapshot_dtype=float32"],  # exact weights, to compare before and after the crash
+         # exact weights in every snapshot, to compare before and after the crash
+         "--set", "ps.snapshot_dtype=float32", "--set", "ps.broadcast=snapshot"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 

@@ -28,6 +28,7 @@ from edgemesh.common.messages import (
     DeviceStatus,
     Event,
     GradientUpdate,
+    ModelDelta,
     ModelSnapshot,
     Plan,
     PlanCluster,
@@ -78,6 +79,10 @@ MODEL = ModelSnapshot(version=416, model_spec="digits-cnn",
                       tensors={"conv1.weight": _f32(8, 1, 3, 3), "conv1.bias": _f32(8, seed=1),
                                "fc.weight": _f32(10, 32, seed=2), "fc.bias": _f32(10, seed=3)},
                       created=1_717_000_004.0, sync_policy="sync")
+DELTA = ModelDelta(version=417, base_version=416, model_spec="digits-cnn",
+                   shards=(ShardUpdate(param="conv1.weight", start=0, stop=8, codec="fp16",
+                                       data=np.zeros(72, dtype="<f2").tobytes()),),
+                   created=1_717_000_004.5)
 ACK = UpdateAck(device="pi-a", incarnation=2, seq=17, status="discarded", reason="stale", version=420, delay=5,
                 resync=True)
 CONTROL = ControlCommand(command="set-bound", value=4, device="pi-a", request_id="r-1", requester="ops-laptop",
@@ -88,7 +93,7 @@ EVENT = Event(kind="replan", source="planner", time=1_717_000_005.0, message="pi
               data={"version": 7, "devices": 2, "reason": "join", "ratio": 0.5, "forced": True})
 CHUNK = Chunk(id="0123456789abcdef", index=1, count=3, size=2500, data=b"\x00\x01" * 500)
 
-EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, ACK, CONTROL, REPLY, EVENT, CHUNK]
+EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK]
 
 
 def test_examples_cover_every_registered_kind() -> None:

@@ -186,6 +186,15 @@ class ParameterServerConfig:
     """Most queued updates handled in one step before publishing a snapshot."""
     fsync: bool = True
     """fsync the log before acking (turn off only for throwaway runs)."""
+    broadcast: Literal["snapshot", "delta"] = "delta"
+    """How the model reaches workers: a full snapshot per version, or encoded deltas on
+    ``model/delta`` (with a float32 snapshot every ``snapshot_every`` versions and on request)."""
+    delta_codec: Literal["none", "fp16", "topk", "threshold", "qsgd", "grid"] = "grid"
+    """Codec of the model deltas; what it leaves out is sent with the next delta."""
+    delta_density: float = 0.3
+    """Kept share of each delta for sparsifying codecs."""
+    snapshot_every: int = 50
+    """In delta mode, a full snapshot every this many versions (for late joiners)."""
     snapshot_dtype: Literal["float32", "float16"] = "float16"
     """Precision of the model snapshots sent to workers; the PS keeps float32 weights and momentum."""
     staleness_weighting: bool = True
@@ -195,6 +204,8 @@ class ParameterServerConfig:
         _require(self.checkpoint_every >= 1, "ps.checkpoint_every", "must be >= 1")
         _require(self.eval_every >= 0, "ps.eval_every", "must be >= 0")
         _require(self.max_batch >= 1, "ps.max_batch", "must be >= 1")
+        _require(0 < self.delta_density <= 1, "ps.delta_density", "must be in (0, 1]")
+        _require(self.snapshot_every >= 1, "ps.snapshot_every", "must be >= 1")
 
 
 @dataclass(slots=True)

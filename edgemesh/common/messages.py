@@ -250,6 +250,8 @@ class GradientUpdate:
     loss: float = 0.0
     step_time_s: float = 0.0
     sent_at: float = 0.0
+    need_snapshot: bool = False
+    """The sender missed a model delta and asks for a full snapshot."""
 
     def validate(self) -> None:
         _name("device", self.device)
@@ -278,6 +280,29 @@ class ModelSnapshot:
         _nonneg("version", self.version)
         if not self.tensors:
             raise ValueError("snapshot holds no tensors")
+
+
+@message("model_delta")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelDelta:
+    """The change from ``base_version`` to ``version``, encoded per shard, on ``model/delta``.
+
+    Applying it to the model at ``base_version`` (a snapshot plus the deltas since) gives
+    the model the PS broadcasts at ``version``; anything else is a gap: wait for a snapshot.
+    """
+
+    version: int
+    base_version: int
+    model_spec: str
+    shards: tuple[ShardUpdate, ...]
+    created: float = 0.0
+
+    def validate(self) -> None:
+        _nonneg("base_version", self.base_version)
+        if self.version <= self.base_version:
+            raise ValueError("a delta must lead to a later version")
+        if not 0 < len(self.shards) <= MAX_SHARDS:
+            raise ValueError("shard count out of range")
 
 
 AckStatus = Literal["accepted", "discarded", "duplicate"]

@@ -29,10 +29,13 @@ from edgemesh.common.config import Config
 from edgemesh.common.data import load_dataset
 from edgemesh.common.errors import ConfigError, WireError
 from edgemesh.common.messages import (
+    CodecPolicy,
     ControlCommand,
     GradientUpdate,
+    ModelDelta,
     ModelSnapshot,
     Plan,
+    ShardUpdate,
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
@@ -93,6 +96,11 @@ class ParameterServer:
         self.bus: Bus | None = None
         self.state: ModelState | None = None
         self._wal: store.WriteAheadLog | None = None
+        self._view: dict[str, np.ndarray] | None = None
+        """Delta mode: the model as the workers hold it (snapshot plus decoded deltas)."""
+        self._view_version = -1
+        self._last_full = -1
+        self._snapshot_requested = False
 
         m = self.metrics = ServiceMetrics(SERVICE)
         self.m_version = m.gauge("model_version", "Current global model version")
@@ -175,7 +183,7 @@ class ParameterServer:
                     self.topics.plan(), self.topics.all_grad(),
                     self.topics.control("ps"), self.topics.control("all"),
                 ],
-                on_connect=self._publish_snapshot,  # a restarted broker has lost the retained model
+                on_connect=self._on_connect,
             ))
             self.ops = Operations(source=SERVICE, bus=self.bus, topics=self.topics, metrics=self.metrics,
                                   stop=self.stop)
@@ -228,6 +236,8 @@ class ParameterServer:
             return
         for shard in update.shards:
             self.m_codec_bytes.labels(codec=shard.codec).inc(len(shard.data))
+        if update.need_snapshot and self.cfg.ps.broadcast == "delta" and self._last_full != self.version:
+            self._request_snapshot()  # the sender missed a delta
         self._queue.append(Pending(update, grads, time.monotonic()))
         self._wake.set()
 
@@ -258,6 +268,9 @@ class ParameterServer:
         while True:
             await self._wake.wait()
             self._wake.clear()
+            if self._snapshot_requested:
+                self._snapshot_requested = False
+                await self._publish_snapshot()
             if self.paused:
                 continue
             batch: list[Pending] = []
@@ -327,8 +340,8 @@ class ParameterServer:
                     acks.append((item.update, "accepted", "", delay, self.policy == "sync"))
         self.m_pending.set(len(self._queue) + len(self._round) + len(self._deferred))
         if steps:
-            # the snapshot goes out before the acks, so a worker acked for version v usually has v
-            await self._publish_snapshot()
+            # the model goes out before the acks, so a worker acked for version v usually has v
+            await self._publish_model()
         for u, status, reason, delay, resync in acks:
             await self._ack(u, status, reason, delay=delay, resync=resync)
         if steps:
@@ -396,21 +409,61 @@ class ParameterServer:
         await self.bus.publish(self.topics.ack(u.device), ack)
 
     def _snapshot(self) -> bytes:
+        """The model as a snapshot; in delta mode it is exact (float32) and resets the workers' view."""
         assert self.state is not None
+        delta_mode = self.cfg.ps.broadcast == "delta"
+        dtype = "float32" if delta_mode else self.cfg.ps.snapshot_dtype
         snap = ModelSnapshot(
             version=self.version,
             model_spec=self.cfg.training.model_spec,
-            tensors={k: wire.Tensor.from_numpy(v.astype(self.cfg.ps.snapshot_dtype, copy=False))
-                     for k, v in self.state.params.items()},
+            tensors={k: wire.Tensor.from_numpy(v.astype(dtype, copy=False)) for k, v in self.state.params.items()},
             created=time.time(),
             sync_policy=self.policy,
         )
+        if delta_mode:
+            self._view = {k: v.copy() for k, v in self.state.params.items()}
+            self._view_version = self._last_full = self.version
         return wire.encode(snap)
+
+    def _delta(self) -> bytes:
+        """The encoded change from the workers' view to the model; the view takes what was sent."""
+        assert self.state is not None and self._view is not None
+        codec = get_codec(self.cfg.ps.delta_codec)
+        policy = CodecPolicy(device="ps", codec=self.cfg.ps.delta_codec, density=self.cfg.ps.delta_density)
+        shards = []
+        for name, param in self.state.params.items():
+            change = (param - self._view[name]).reshape(-1)
+            data = codec.encode(change, policy)
+            self._view[name] += codec.decode(data, change.size).reshape(param.shape)
+            shards.append(ShardUpdate(param=name, start=0, stop=int(param.shape[0]),
+                                      codec=self.cfg.ps.delta_codec, data=data))
+        delta = ModelDelta(version=self.version, base_version=self._view_version,
+                           model_spec=self.cfg.training.model_spec, shards=tuple(shards), created=time.time())
+        self._view_version = self.version
+        return wire.encode(delta)
+
+    async def _on_connect(self) -> None:
+        self._request_snapshot()  # the first, or a restarted broker has lost the retained model
+
+    def _request_snapshot(self) -> None:
+        """Have the step loop publish a snapshot: model publishing is serialized with stepping."""
+        self._snapshot_requested = True
+        self._wake.set()
 
     async def _publish_snapshot(self) -> None:
         assert self.bus is not None
         payload = await asyncio.to_thread(self._snapshot)
         await self.bus.publish(self.topics.model(), payload, retain=True, kind="model")
+
+    async def _publish_model(self) -> None:
+        """After a step: a snapshot, or in delta mode a delta (a snapshot when one is due)."""
+        assert self.bus is not None
+        if self.cfg.ps.broadcast == "snapshot" or self._view is None or \
+                self.version - self._last_full >= self.cfg.ps.snapshot_every:
+            await self._publish_snapshot()
+            return
+        payload = await asyncio.to_thread(self._delta)
+        await self.bus.publish(self.topics.model_delta(), payload, kind="model_delta")
 
     async def _maybe_evaluate(self) -> None:
         every = self.cfg.ps.eval_every

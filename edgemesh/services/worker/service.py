@@ -44,6 +44,7 @@ from edgemesh.common.messages import (
     DeviceStats,
     DeviceStatus,
     GradientUpdate,
+    ModelDelta,
     ModelSnapshot,
     Plan,
     PlanDevice,
@@ -58,6 +59,7 @@ from edgemesh.services.operations import ControlResult, Operations, consume
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 from edgemesh.services.worker import profile as prof
 from edgemesh.services.worker.link import LinkMeter
+from edgemesh.services.worker.view import ModelView
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,7 @@ class Worker:
         self.plan: Plan | None = None
         self.me: PlanDevice | None = None
         self.policy: CodecPolicy | None = None
-        self.snapshot: ModelSnapshot | None = None
+        self.view = ModelView()
         self.accepted = 0
         self.pending: GradientUpdate | None = None
         self._pending_payload: bytes | None = None
@@ -144,7 +146,7 @@ class Worker:
                 client_id=client_id(SERVICE, self.cfg, self.device),
                 metrics=self.metrics,
                 subscriptions=[
-                    self.topics.plan(), self.topics.codec(self.device), self.topics.model(),
+                    self.topics.plan(), self.topics.codec(self.device), self.topics.model(), self.topics.model_delta(),
                     self.topics.ack(self.device), self.topics.control(f"device/{self.device}"),
                     self.topics.control("all"),
                 ],
@@ -204,8 +206,11 @@ class Worker:
             case ["model"]:
                 snap = msg.decode(ModelSnapshot)
                 self._check_snapshot(snap)
-                if self.snapshot is None or snap.version >= self.snapshot.version:
-                    self.snapshot = snap
+                self.view.load(snap)
+            case ["model", "delta"]:
+                delta = msg.decode(ModelDelta)
+                if delta.model_spec == self._spec() and self.view.apply(delta):
+                    self.metrics.received_messages.labels(kind="model_delta").inc()
             case ["ack", _]:
                 ack = msg.decode(UpdateAck)
                 future = self._acks.get(ack.seq)
@@ -222,8 +227,11 @@ class Worker:
         async with self._changed:
             self._changed.notify_all()
 
+    def _spec(self) -> str:
+        return self.plan.model_spec if self.plan else self.cfg.training.model_spec
+
     def _check_snapshot(self, snap: ModelSnapshot) -> None:
-        if snap.model_spec != (self.plan.model_spec if self.plan else self.cfg.training.model_spec):
+        if snap.model_spec != self._spec():
             raise WireError(f"snapshot is for model {snap.model_spec}", "shape")
         if self._layout:
             for name, (shape, _) in self._layout.items():
@@ -279,7 +287,7 @@ class Worker:
         return policy is not None and policy.gateway
 
     def _compute(
-        self, snapshot: ModelSnapshot, policy: CodecPolicy | None
+        self, params: dict[str, np.ndarray], version: int, policy: CodecPolicy | None
     ) -> tuple[list[ShardUpdate], int, float, float]:
         """Load the model if newer, take a batch, compute and encode the gradient (in a thread).
 
@@ -287,9 +295,9 @@ class Worker:
         yet, and on a device that cannot encode.
         """
         assert self._batches is not None
-        if snapshot.version != self._model_version:
-            models.set_params(self._model, {k: t.to_numpy() for k, t in snapshot.tensors.items()})
-            self._model_version = snapshot.version
+        if version != self._model_version:
+            models.set_params(self._model, params)
+            self._model_version = version
         started = time.perf_counter()
         x, y = next(self._batches)
         loss, grads = models.compute_gradients(self._model, x, y)
@@ -315,25 +323,26 @@ class Worker:
                     await self._wait_for("a codec policy", lambda: self.policy is not None)
             if self.policy is None:
                 logger.info("%s: no codec policy yet; sending uncompressed", self.device)
-        await self._wait_for("the model", lambda: self.snapshot is not None)
+        await self._wait_for("the model", lambda: self.view.ready)
         min_version = 0
         while True:
             await self._wait_for("a plan naming this device", lambda: self.me is not None)
             await self._wait_for(f"model version {min_version}",
-                                 lambda v=min_version: self.snapshot is not None and self.snapshot.version >= v)
+                                 lambda v=min_version: self.view.ready and (self.view.version >= v or self.view.gap))
             await asyncio.to_thread(self._prepare)
-            assert self.snapshot is not None and self.me is not None
-            snapshot, policy, cluster = self.snapshot, self.policy, self.me.cluster
-            shards, samples, loss, elapsed = await asyncio.to_thread(self._compute, snapshot, policy)
+            assert self.view.params is not None and self.me is not None
+            params, version, gap = self.view.params, self.view.version, self.view.gap
+            policy, cluster = self.policy, self.me.cluster
+            shards, samples, loss, elapsed = await asyncio.to_thread(self._compute, params, version, policy)
             self.m_steps.inc()
             self.m_step.observe(elapsed)
             self.m_loss.set(loss)
-            self.m_version.set(snapshot.version)
+            self.m_version.set(version)
             self._step_times.append(elapsed)
             self._last_loss = loss
             self.seq += 1
             update = GradientUpdate(device=self.device, cluster=cluster, incarnation=self.incarnation,
-                                    seq=self.seq, base_version=snapshot.version, samples=samples,
+                                    seq=self.seq, base_version=version, samples=samples, need_snapshot=gap,
                                     shards=tuple(shards), loss=loss, step_time_s=elapsed, sent_at=time.time())
             for s in shards:
                 self.m_grad_bytes.labels(codec=s.codec).inc(len(s.data))
