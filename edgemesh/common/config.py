@@ -298,12 +298,16 @@ class DemoConfig:
     """Stop after this many model versions if the target is not reached."""
     timeout_s: float = 300.0
     """Give up after this long."""
+    link_rate_bps: float = 1_000_000.0
+    """Uplink every demo worker declares (bytes/s; 1 MB/s is a Pi on busy Wi-Fi), so the
+    compressor picks codecs as it would at the edge; 0 = measure the loopback link."""
 
     def __post_init__(self) -> None:
         _require(1 <= self.workers <= 64, "demo.workers", "must be in [1, 64]")
         _require(0 < self.target_accuracy <= 1, "demo.target_accuracy", "must be in (0, 1]")
         _require(self.max_versions >= 1, "demo.max_versions", "must be >= 1")
         _require(self.timeout_s > 0, "demo.timeout_s", "must be > 0")
+        _require(self.link_rate_bps >= 0, "demo.link_rate_bps", "must be >= 0")
 
 
 @dataclass(slots=True)

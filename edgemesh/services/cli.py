@@ -55,7 +55,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
                       ("log_level", "log_level"), ("device", "worker.device"), ("state_dir", "ps.state_dir"),
                       ("workers", "demo.workers"), ("target_accuracy", "demo.target_accuracy"),
                       ("max_versions", "demo.max_versions"), ("timeout", "demo.timeout_s"),
-                      ("policy", "training.sync_policy")):
+                      ("policy", "training.sync_policy"), ("link_rate", "demo.link_rate_bps")):
         value = getattr(args, flag, None)
         if value is not None:
             out[key] = str(value)
@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-versions", type=int, help="stop after this many model versions")
     p.add_argument("--timeout", type=float, help="give up after this many seconds")
     p.add_argument("--policy", help="sync, async or ssp")
+    p.add_argument("--link-rate", type=float, dest="link_rate",
+                   help="uplink bytes/s each worker declares (default 1e6; 0 = measure loopback)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--embedded-broker", action="store_true",
                    help="use the embedded amqtt broker even if mosquitto is installed")

@@ -125,8 +125,9 @@ class Demo:
         self._spawn("planner", "planner", common + ["--set", f"planner.min_devices={self.cfg.demo.workers}"])
         self._spawn("ps", "ps", common + ["--state-dir", str(self.workdir / "ps")])
         self._spawn("compressor", "compressor", common)
+        link = ["--set", f"worker.link_rate_bps={self.cfg.demo.link_rate_bps}"] if self.cfg.demo.link_rate_bps else []
         for i in range(self.cfg.demo.workers):
-            self._spawn("worker", f"worker-{i}", common + ["--device", f"w{i}"])
+            self._spawn("worker", f"worker-{i}", common + link + ["--device", f"w{i}"])
 
     def _stop_all(self) -> None:
         for child in self.children:
@@ -281,6 +282,7 @@ class Demo:
             "bytes_received": over_services("_received_bytes_total"),
             "gradient_bytes": int(total("edgemesh_worker_gradient_bytes_total", "worker")),
             "workers": self.cfg.demo.workers,
+            "declared_link_rate_bps": self.cfg.demo.link_rate_bps,
             "sync_policy": self.cfg.training.sync_policy,
             "codec": self.cfg.compressor.default_codec,
             "gradient_bytes_by_codec": by_codec,
@@ -300,7 +302,9 @@ def _print_summary(report: dict[str, Any]) -> None:
         ("updates discarded", str(report["updates_discarded"])),
         ("bytes published", f"{report['bytes_published'] / 1e6:.2f} MB "
                             f"(received by the services: {report['bytes_received'] / 1e6:.2f} MB)"),
-        ("workers", f"{report['workers']} ({report['sync_policy']})"),
+        ("workers", f"{report['workers']} ({report['sync_policy']}, uplink "
+                    + (f"{report['declared_link_rate_bps'] / 1e6:g} MB/s declared)"
+                       if report["declared_link_rate_bps"] else "measured)")),
         ("gradient bytes by codec", ", ".join(f"{k} {v / 1e6:.2f} MB"
                                               for k, v in report["gradient_bytes_by_codec"].items()) or "-"),
         ("broker", str(report["broker"])),
