@@ -198,9 +198,31 @@ class ParameterServerConfig:
     snapshot_dtype: Literal["float32", "float16"] = "float16"
     """Precision of the model snapshots sent to workers; the PS keeps float32 weights and momentum."""
     staleness_weighting: bool = True
-    """Under async and ssp, scale an update applied d versions late by 1/(1+d)."""
+    """Under async and ssp, scale an update applied d versions late by 1/(1+d) (adaptive always does)."""
+    adaptive_alpha: float = 0.3
+    """Adaptive policy: weight of the newest delay in each device's delay index (moving average)."""
+    adaptive_quantile: float = 0.9
+    """Adaptive policy: quantile of cluster arrival times (deadline) and of delay indices (bound)."""
+    adaptive_slack: float = 1.5
+    """Adaptive policy: factor on that quantile before clamping the deadline and the bound."""
+    adaptive_min_deadline_s: float = 0.5
+    """Adaptive policy: shortest round deadline in seconds."""
+    adaptive_max_deadline_s: float = 30.0
+    """Adaptive policy: longest round deadline in seconds (also the deadline before any arrival is seen)."""
+    adaptive_min_bound: int = 1
+    """Adaptive policy: smallest delay bound; the largest is training.staleness_bound (set-bound)."""
+    adaptive_slow_factor: float = 2.0
+    """Adaptive policy: a device is slow when its delay index exceeds the fleet median by this factor."""
 
     def __post_init__(self) -> None:
+        _require(0 < self.adaptive_alpha <= 1, "ps.adaptive_alpha", "must be in (0, 1]")
+        _require(0 <= self.adaptive_quantile <= 1, "ps.adaptive_quantile", "must be in [0, 1]")
+        _require(self.adaptive_slack >= 1, "ps.adaptive_slack", "must be >= 1")
+        _require(self.adaptive_min_deadline_s > 0, "ps.adaptive_min_deadline_s", "must be > 0")
+        _require(self.adaptive_max_deadline_s >= self.adaptive_min_deadline_s, "ps.adaptive_max_deadline_s",
+                 "must be >= ps.adaptive_min_deadline_s")
+        _require(self.adaptive_min_bound >= 0, "ps.adaptive_min_bound", "must be >= 0")
+        _require(self.adaptive_slow_factor >= 1, "ps.adaptive_slow_factor", "must be >= 1")
         _require(self.checkpoint_every >= 1, "ps.checkpoint_every", "must be >= 1")
         _require(self.eval_every >= 0, "ps.eval_every", "must be >= 0")
         _require(self.max_batch >= 1, "ps.max_batch", "must be >= 1")

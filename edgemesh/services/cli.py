@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--device", help="device name (default: host name)")
         if name == "ps":
             p.add_argument("--state-dir", help="directory of checkpoint and write-ahead log")
-            p.add_argument("--policy", help="sync, async or ssp")
+            p.add_argument("--policy", help="sync, async, ssp or adaptive")
         p.set_defaults(func=_run_service(name))
 
     p = sub.add_parser("demo", help="a whole local cluster: broker, planner, PS, compressor, N workers")
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-accuracy", type=float, help="stop at this held-out accuracy (default 0.95)")
     p.add_argument("--max-versions", type=int, help="stop after this many model versions")
     p.add_argument("--timeout", type=float, help="give up after this many seconds")
-    p.add_argument("--policy", help="sync, async or ssp")
+    p.add_argument("--policy", help="sync, async, ssp or adaptive")
     p.add_argument("--link-rate", type=float, dest="link_rate",
                    help="uplink bytes/s each worker declares (default 1e6; 0 = measure loopback)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

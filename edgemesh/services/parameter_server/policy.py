@@ -7,6 +7,8 @@ The PS keeps a version clock ``v``; an update computed on version ``b`` has dela
 * ``async`` (ASP): apply every update on arrival while ``d <= bound``.
 * ``ssp``: like ``async``, and a cluster whose clock (accepted updates) runs more than
   ``bound`` ahead of the slowest live cluster waits (its update is held, not acked).
+* ``adaptive``: rounds like ``sync`` that close at a deadline; delay index, deadline and an
+  adapted bound are in :mod:`edgemesh.services.parameter_server.adaptive`.
 
 An update with ``d > bound`` is discarded and its sender told to resync.
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Policy = Literal["sync", "async", "ssp", "adaptive"]
-POLICIES: tuple[str, ...] = ("sync", "async", "ssp")
+POLICIES: tuple[str, ...] = ("sync", "async", "ssp", "adaptive")
 """Policies this parameter server implements."""
 
 

@@ -43,6 +43,7 @@ from edgemesh.common.topics import Topics
 from edgemesh.services.operations import ControlResult, Operations, consume
 from edgemesh.services.parameter_server import policy as rules
 from edgemesh.services.parameter_server import store
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, AdaptiveSettings
 from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 
@@ -87,7 +88,14 @@ class ParameterServer:
         self._queue: deque[Pending] = deque()
         self._wake = asyncio.Event()
         self._round: dict[str, Pending] = {}
+        self._round_opened: float | None = None
+        """Adaptive: monotonic time the open round got its first update (its deadline runs from here)."""
         self._deferred: list[Pending] = []
+        p = config.ps
+        self.adaptive = AdaptiveDelay(AdaptiveSettings(
+            alpha=p.adaptive_alpha, quantile=p.adaptive_quantile, slack=p.adaptive_slack,
+            min_deadline_s=p.adaptive_min_deadline_s, max_deadline_s=p.adaptive_max_deadline_s,
+            min_bound=p.adaptive_min_bound, slow_factor=p.adaptive_slow_factor))
         self._since_checkpoint = 0
         self._last_eval_version = -1
         self.last_accuracy: float | None = None
@@ -115,6 +123,9 @@ class ParameterServer:
         self.m_policy = m.gauge("sync_policy_info", "1 for the active synchronization policy", ["policy"])
         self.m_paused = m.gauge("paused", "1 while paused by an operator")
         self.m_codec_bytes = m.counter("received_gradient_bytes", "Encoded gradient bytes received", ["codec"])
+        self.m_adaptive_bound = m.gauge("adaptive_bound_versions", "Adaptive policy: current delay bound D")
+        self.m_adaptive_deadline = m.gauge("adaptive_deadline_seconds", "Adaptive policy: current round deadline")
+        self.m_slow = m.gauge("slow_devices", "Adaptive policy: devices whose delay index is far above the median")
         self._set_policy_gauge()
 
     # ------------------------------------------------------------------ lifecycle
@@ -264,9 +275,30 @@ class ParameterServer:
             return list(self.plan.cluster_names)
         return sorted({p.update.cluster for p in self._round.values()} | set(self.clocks))
 
+    def _adaptive_refresh(self) -> None:
+        """Tell the adaptive rule who is live and what the max bound is; update its gauges."""
+        a = self.adaptive
+        a.max_bound = self.bound
+        a.live_devices = frozenset(d.device for d in self.plan.devices) if self.plan is not None else None
+        self.m_adaptive_bound.set(a.bound())
+        self.m_adaptive_deadline.set(a.deadline(self._live_clusters()))
+        self.m_slow.set(len(a.slow_devices()))
+
+    def _round_timeout(self) -> float | None:
+        """Adaptive: seconds until the open round's deadline (None when no round is open)."""
+        if self.policy != "adaptive" or self._round_opened is None or self.paused:
+            return None
+        deadline = self._round_opened + self.adaptive.deadline(self._live_clusters())
+        return max(0.0, deadline - time.monotonic())
+
     async def _step_loop(self) -> None:
         while True:
-            await self._wake.wait()
+            timeout = self._round_timeout()
+            if timeout is None:
+                await self._wake.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)  # an adaptive round's deadline
             self._wake.clear()
             if self._snapshot_requested:
                 self._snapshot_requested = False
@@ -288,6 +320,10 @@ class ParameterServer:
         steps: list[tuple[list[Pending], int]] = []  # (contributions, version after)
         version = self.version
         live = self._live_clusters()
+        adaptive = self.policy == "adaptive"
+        if adaptive:
+            self._adaptive_refresh()
+        bound = self.adaptive.bound() if adaptive else self.bound
 
         candidates = self._deferred + batch
         self._deferred = []
@@ -297,9 +333,29 @@ class ParameterServer:
             if mark is not None and (u.incarnation, u.seq) <= mark:
                 acks.append((u, "duplicate", "", 0, False))
                 continue
-            verdict = rules.judge(self.policy, version, u.base_version, self.bound)
+            if adaptive:
+                verdict = self.adaptive.judge(version, u.base_version, bound)
+            else:
+                verdict = rules.judge(self.policy, version, u.base_version, self.bound)
             if not verdict.accept:
+                if adaptive and verdict.reason == "stale":
+                    self.adaptive.observe_delay(u.device, verdict.delay)
                 acks.append((u, "discarded", verdict.reason, verdict.delay, True))
+                continue
+            if adaptive:
+                if u.cluster in self._round:
+                    self._deferred.append(item)  # the cluster's next update: it goes into the next round
+                    continue
+                now = time.monotonic()
+                if self._round_opened is None:
+                    self._round_opened = now
+                self.adaptive.observe_arrival(u.cluster, now - self._round_opened)
+                self._round[u.cluster] = item
+                if rules.round_complete(self._round, live):
+                    version += 1
+                    steps.append((list(self._round.values()), version))
+                    self._round = {}
+                    self._round_opened = None
                 continue
             if self.policy == "sync":
                 if u.cluster in self._round:
@@ -324,7 +380,15 @@ class ParameterServer:
             version += 1
             steps.append((list(self._round.values()), version))
             self._round = {}
-        if self.policy == "sync":
+        # an adaptive round closes when its deadline has passed, whoever is missing
+        if adaptive and self._round and (rules.round_complete(self._round, live) or (
+                self._round_opened is not None
+                and time.monotonic() - self._round_opened >= self.adaptive.deadline(live))):
+            version += 1
+            steps.append((list(self._round.values()), version))
+            self._round = {}
+            self._round_opened = None
+        if self.policy in ("sync", "adaptive"):
             for items, _ in steps:
                 for item in items:
                     u = item.update
@@ -337,7 +401,11 @@ class ParameterServer:
                 for item in items:
                     delay = v - 1 - item.update.base_version
                     self.m_delay.observe(delay)
-                    acks.append((item.update, "accepted", "", delay, self.policy == "sync"))
+                    if adaptive:
+                        self.adaptive.observe_delay(item.update.device, delay)
+                    acks.append((item.update, "accepted", "", delay, self.policy in ("sync", "adaptive")))
+        if adaptive:
+            self._adaptive_refresh()
         self.m_pending.set(len(self._queue) + len(self._round) + len(self._deferred))
         if steps:
             # the model goes out before the acks, so a worker acked for version v usually has v
@@ -359,7 +427,10 @@ class ParameterServer:
         for items, v in steps:
             total = sum(i.update.samples for i in items)
             weights = [i.update.samples / total for i in items]
-            if self.policy != "sync" and self.cfg.ps.staleness_weighting:
+            if self.policy == "adaptive":
+                weights = [w * self.adaptive.weight(v - 1 - i.update.base_version)
+                           for w, i in zip(weights, items, strict=True)]
+            elif self.policy != "sync" and self.cfg.ps.staleness_weighting:
                 weights = [w * rules.staleness_weight(v - 1 - i.update.base_version)
                            for w, i in zip(weights, items, strict=True)]
             contributions = list(zip(weights, (i.grads for i in items), strict=True))
@@ -498,7 +569,10 @@ class ParameterServer:
                 if value not in rules.POLICIES:
                     return False, f"policy must be one of {', '.join(rules.POLICIES)}", {}
                 self.policy = value  # type: ignore[assignment]
+                # an open round's updates are judged again under the new policy, not dropped
+                self._deferred = list(self._round.values()) + self._deferred
                 self._round = {}
+                self._round_opened = None
                 self._set_policy_gauge()
             case "set-bound":
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -514,8 +588,12 @@ class ParameterServer:
                 return False, f"unknown command {cmd.command!r} (status, pause, resume, set-sync-policy, " \
                               "set-bound, set-lr, stop)", {}
         self.m_paused.set(1 if self.paused else 0)
+        self._adaptive_refresh()
         return True, "ok", {"version": self.version, "policy": self.policy, "bound": self.bound, "lr": self.lr,
-                            "paused": self.paused, "accuracy": self.last_accuracy}
+                            "paused": self.paused, "accuracy": self.last_accuracy,
+                            "adaptive_bound": self.adaptive.bound(),
+                            "adaptive_deadline_s": self.adaptive.deadline(self._live_clusters()),
+                            "slow_devices": ",".join(self.adaptive.slow_devices())}
 
     def _set_policy_gauge(self) -> None:
         for p in rules.POLICIES:

@@ -1,0 +1,156 @@
+"""The ``adaptive`` synchronization rule (DESIGN.md §5, seed 001: adaptive bounded delay), pure.
+
+No I/O and no clocks of its own: the parameter server feeds it observations and asks it questions.
+
+* **Delay index.** Each device carries ``I = (1 - alpha) * I + alpha * d``, an exponential
+  moving average of the delays ``d = v - b`` of its updates (the first observation sets it;
+  applied and discarded updates both count, so a device whose updates are thrown away shows as slow).
+  Default ``alpha = 0.3``.
+* **Round deadline τ.** A round opens with its first update; each contribution's arrival time
+  (seconds since the round opened) is remembered per cluster (the last ``window = 32``).
+  ``τ = quantile_q(per-cluster median arrival) * slack``, clamped to ``[min_deadline_s,
+  max_deadline_s]``; with no observations yet ``τ = max_deadline_s``.
+  Defaults: ``q = 0.9``, ``slack = 1.5``, ``[0.5 s, 30 s]``.
+* **Delay bound D.** ``D = ceil(quantile_q(delay indices of live devices) * slack)``, clamped
+  to ``[min_bound, max_bound]`` (``max_bound`` is ``training.staleness_bound``, set at run time
+  with ``set-bound``); with no indices yet ``D = max_bound``. Default ``min_bound = 1``.
+* **Judging.** An update with ``d < 0`` is refused (``future``); ``d > D`` is discarded
+  (``stale``: its sender resyncs); otherwise it is applied, scaled by
+  :func:`policy.staleness_weight` ``1 / (1 + d)``.
+* **Slow devices.** Live devices whose delay index exceeds ``slow_factor`` times the fleet median
+  and the median plus one version (default ``slow_factor = 2``): candidates for a smaller batch
+  (planner) or harder compression (compressor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from edgemesh.services.parameter_server.policy import Verdict, staleness_weight
+
+
+@dataclass(frozen=True, slots=True)
+class AdaptiveSettings:
+    """Tuning of the adaptive rule; defaults as in the module docstring."""
+
+    alpha: float = 0.3
+    quantile: float = 0.9
+    slack: float = 1.5
+    min_deadline_s: float = 0.5
+    max_deadline_s: float = 30.0
+    min_bound: int = 1
+    slow_factor: float = 2.0
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        if not 0 <= self.quantile <= 1:
+            raise ValueError("quantile must be in [0, 1]")
+        if self.slack < 1:
+            raise ValueError("slack must be >= 1")
+        if not 0 < self.min_deadline_s <= self.max_deadline_s:
+            raise ValueError("need 0 < min_deadline_s <= max_deadline_s")
+        if self.min_bound < 0:
+            raise ValueError("min_bound must be >= 0")
+        if self.slow_factor < 1:
+            raise ValueError("slow_factor must be >= 1")
+        if self.window < 1:
+            raise ValueError("window must be >= 1")
+
+
+def quantile(values: Iterable[float], q: float) -> float:
+    """Linear-interpolated ``q`` quantile of ``values`` (0 for none)."""
+    xs = sorted(values)
+    if not xs:
+        return 0.0
+    pos = q * (len(xs) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+@dataclass(slots=True)
+class AdaptiveDelay:
+    """Delay indices, the round deadline and the delay bound of the adaptive policy."""
+
+    settings: AdaptiveSettings = field(default_factory=AdaptiveSettings)
+    indices: dict[str, float] = field(default_factory=dict)
+    arrivals: dict[str, deque[float]] = field(default_factory=dict)
+    max_bound: int = 4
+    """Upper clamp of D (the PS keeps it at ``training.staleness_bound`` / ``set-bound``)."""
+    live_devices: frozenset[str] | None = None
+    """Devices the bound and slow-device rule consider (None = every device with an index)."""
+
+    # ------------------------------------------------------------------ observations
+    def observe_delay(self, device: str, delay: int) -> float:
+        """Fold one update's delay into ``device``'s index; return the new index."""
+        d = float(max(0, delay))
+        old = self.indices.get(device)
+        new = d if old is None else (1 - self.settings.alpha) * old + self.settings.alpha * d
+        self.indices[device] = new
+        return new
+
+    def observe_arrival(self, cluster: str, seconds: float) -> None:
+        """Remember that ``cluster`` contributed ``seconds`` after its round opened."""
+        window = self.arrivals.setdefault(cluster, deque(maxlen=self.settings.window))
+        window.append(max(0.0, seconds))
+
+    def forget(self, device: str) -> None:
+        self.indices.pop(device, None)
+
+    # ------------------------------------------------------------------ adapted values
+    def deadline(self, live_clusters: Iterable[str] | None = None) -> float:
+        """τ in seconds: how long a round waits, after its first update, for the other clusters."""
+        s = self.settings
+        keys = self.arrivals.keys() if live_clusters is None else [c for c in live_clusters if c in self.arrivals]
+        typical = [quantile(self.arrivals[c], 0.5) for c in keys if self.arrivals[c]]
+        if not typical:
+            return s.max_deadline_s
+        return min(s.max_deadline_s, max(s.min_deadline_s, quantile(typical, s.quantile) * s.slack))
+
+    def _live_indices(self, live_devices: Iterable[str] | None) -> list[float]:
+        if live_devices is None:
+            return list(self.indices.values())
+        return [self.indices[d] for d in live_devices if d in self.indices]
+
+    def bound(self, max_bound: int | None = None, live_devices: Iterable[str] | None = None) -> int:
+        """D in versions: the largest delay an update may have and still be applied."""
+        max_bound = self.max_bound if max_bound is None else max_bound
+        live_devices = self.live_devices if live_devices is None else live_devices
+        lo = min(self.settings.min_bound, max_bound)
+        values = self._live_indices(live_devices)
+        if not values:
+            return max_bound
+        wanted = math.ceil(quantile(values, self.settings.quantile) * self.settings.slack - 1e-9)
+        return min(max_bound, max(lo, wanted))
+
+    def judge(self, version: int, base_version: int, bound: int | None = None) -> Verdict:
+        """Accept an update computed on ``base_version`` at ``version`` when its delay is within
+        ``bound`` (default: the adapted D)."""
+        bound = self.bound() if bound is None else bound
+        delay = version - base_version
+        if delay < 0:
+            return Verdict(False, delay, "future")
+        if delay > bound:
+            return Verdict(False, delay, "stale")
+        return Verdict(True, delay)
+
+    @staticmethod
+    def weight(delay: int) -> float:
+        """Scale of an update applied ``delay`` versions late (:func:`policy.staleness_weight`)."""
+        return staleness_weight(delay)
+
+    def slow_devices(self, live_devices: Iterable[str] | None = None) -> list[str]:
+        """Devices whose delay index exceeds ``slow_factor`` x the fleet median (and the median + 1)."""
+        live_devices = self.live_devices if live_devices is None else live_devices
+        pool = {d: self.indices[d] for d in (self.indices if live_devices is None else live_devices)
+                if d in self.indices}
+        if len(pool) < 2:
+            return []
+        median = quantile(pool.values(), 0.5)
+        limit = max(median * self.settings.slow_factor, median + 1.0)
+        return sorted(d for d, i in pool.items() if i > limit)

@@ -1,0 +1,185 @@
+"""The adaptive bounded-delay policy (DESIGN.md §5): the pure rule, then the PS against a real broker."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from edgemesh.common.broker import BrokerProcess
+from edgemesh.services.parameter_server import policy as rules
+from edgemesh.services.parameter_server import store
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, AdaptiveSettings, quantile
+from tests.test_parameter_server import client, gradient, make_config, publish_plan, running_ps
+
+# --------------------------------------------------------------------------- pure rule
+
+
+def test_delay_index_is_a_moving_average_of_each_devices_delays() -> None:
+    a = AdaptiveDelay(AdaptiveSettings(alpha=0.5))
+    assert a.observe_delay("pi", 4) == 4.0  # the first observation sets it
+    assert a.observe_delay("pi", 0) == 2.0
+    assert a.observe_delay("pi", 2) == 2.0
+    assert a.observe_delay("pi", -3) == 1.0  # negative delays count as 0
+    a.observe_delay("fast", 0)
+    assert a.indices == {"pi": 1.0, "fast": 0.0}
+
+
+def test_bound_follows_the_delay_indices_of_live_devices_within_its_clamp() -> None:
+    a = AdaptiveDelay(AdaptiveSettings(alpha=0.5, quantile=0.9, slack=1.5, min_bound=1), max_bound=6)
+    assert a.bound() == 6  # nothing observed yet: the max bound
+    # a homogeneous fleet, every update on the current version: the bound shrinks to its floor
+    trace = {f"d{i}": [0, 0, 0, 0] for i in range(8)}
+    for delays in zip(*trace.values(), strict=True):
+        for device, d in zip(trace, delays, strict=True):
+            a.observe_delay(device, d)
+    assert a.bound() == 1
+    # two devices fall behind by 3 versions per update: the bound rises to let them in ...
+    for _ in range(6):
+        a.observe_delay("d6", 3)
+        a.observe_delay("d7", 3)
+    wanted = quantile(a.indices.values(), 0.9) * 1.5
+    assert a.bound() == min(6, max(1, int(-(-wanted // 1)))) and 3 <= a.bound() <= 6
+    # ... but never past the max bound
+    for _ in range(20):
+        for d in ("d5", "d6", "d7"):
+            a.observe_delay(d, 30)
+    assert a.bound() == 6
+    assert a.bound(max_bound=2) == 2
+    # devices that left the plan do not count
+    assert a.bound(live_devices=["d0", "d1", "d2"]) == 1
+    # judging uses the adapted bound: d <= D applied, d > D discarded as stale
+    a.max_bound, a.live_devices = 6, frozenset({"d0", "d1"})
+    assert a.judge(10, 9) == rules.Verdict(True, 1)
+    assert a.judge(10, 8) == rules.Verdict(False, 2, "stale")
+    assert a.judge(10, 11).reason == "future"
+    assert a.weight(1) == rules.staleness_weight(1) == 0.5
+
+
+def test_slow_devices_are_far_above_the_fleet_median() -> None:
+    a = AdaptiveDelay(AdaptiveSettings(alpha=1.0, slow_factor=2.0))
+    assert a.slow_devices() == []
+    for device, index in {"a": 1, "b": 1, "c": 2, "d": 5, "e": 9}.items():
+        a.observe_delay(device, index)
+    assert a.slow_devices() == ["d", "e"]  # median 2: above max(2 * 2, 2 + 1) = 4
+    assert a.slow_devices(["a", "b", "e"]) == ["e"]
+    for device in ("a", "b", "c", "d", "e"):
+        a.observe_delay(device, 0)
+    assert a.slow_devices() == []  # all equal: nobody is slow (median 0 needs an excess of one version)
+
+
+def test_deadline_adapts_to_recent_cluster_arrival_times() -> None:
+    a = AdaptiveDelay(AdaptiveSettings(quantile=0.9, slack=1.5, min_deadline_s=0.2, max_deadline_s=10.0, window=4))
+    assert a.deadline() == 10.0  # no arrivals seen: wait the longest
+    # three clusters arrive within ~1 s of the round opening, one at ~2 s
+    for t in (0.0, 0.1, 0.05, 0.0):
+        a.observe_arrival("c0", t)
+    for t in (0.8, 1.0, 0.9, 1.1):
+        a.observe_arrival("c1", t)
+    for t in (0.5, 0.6, 0.4, 0.5):
+        a.observe_arrival("c2", t)
+    for t in (2.0, 2.2, 1.8, 2.0):
+        a.observe_arrival("c3", t)
+    typical = [0.025, 0.95, 0.5, 2.0]
+    assert a.deadline() == pytest.approx(quantile(typical, 0.9) * 1.5)
+    assert 2.0 < a.deadline() < 3.0
+    assert a.deadline(["c0", "c2"]) == pytest.approx(max(0.2, quantile([0.025, 0.5], 0.9) * 1.5))
+    # c3 speeds up: only the last `window` arrivals count, and the deadline shrinks
+    for _ in range(4):
+        a.observe_arrival("c3", 0.3)
+    assert a.deadline() == pytest.approx(quantile([0.025, 0.95, 0.5, 0.3], 0.9) * 1.5)
+    # everybody arrives at once: clamped to the shortest deadline; a very slow fleet: to the longest
+    b = AdaptiveDelay(AdaptiveSettings(min_deadline_s=0.2, max_deadline_s=10.0))
+    b.observe_arrival("c0", 0.0)
+    assert b.deadline() == 0.2
+    b.observe_arrival("c1", 60.0)
+    b.observe_arrival("c2", 60.0)
+    assert b.deadline() == 10.0
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError):
+        AdaptiveSettings(alpha=0.0)
+    with pytest.raises(ValueError):
+        AdaptiveSettings(min_deadline_s=2.0, max_deadline_s=1.0)
+
+
+# --------------------------------------------------------------------------- parameter server
+
+DEADLINE_S = 0.6
+
+
+async def test_adaptive_round_closes_at_the_deadline_and_bounds_late_updates(
+        broker: BrokerProcess, tmp_path: Path) -> None:
+    cfg = make_config(broker, tmp_path, **{
+        "training.sync_policy": "adaptive", "training.staleness_bound": "2",
+        "ps.adaptive_min_deadline_s": str(DEADLINE_S), "ps.adaptive_max_deadline_s": "5"})
+    async with client(cfg, ["a", "b"]) as c, running_ps(cfg) as ps:
+        await publish_plan(c, ["a", "b"])
+        await c.version_at_least(0)
+        await c.until("the plan", lambda: ps.plan is not None)
+        # round 1: only a sends; b is silent. The round waits for b until the deadline, not forever.
+        sent = time.monotonic()
+        ack_a = await c.push(gradient("a", 1, 0))
+        waited = time.monotonic() - sent
+        assert (ack_a.status, ack_a.version, ack_a.delay) == ("accepted", 1, 0)
+        assert DEADLINE_S - 0.05 <= waited < 3.0, waited
+        assert ps.metrics.value("edgemesh_ps_adaptive_deadline_seconds") == pytest.approx(DEADLINE_S)
+        # b's update on version 0 arrives late (d = 1 <= D): applied in the next round, weighted 1/2
+        ack_b = await c.push(gradient("b", 1, 0))
+        assert (ack_b.status, ack_b.delay, ack_b.version) == ("accepted", 1, 2)
+        # round 3: both on time, it closes as soon as both contributed (well before a deadline)
+        sent = time.monotonic()
+        await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 2, 2))
+        ack_b = await c.push(gradient("b", 2, 2))
+        assert (ack_b.status, ack_b.version) == ("accepted", 3)
+        assert (await c.ack_for("a", 2)).status == "accepted"
+        # an update beyond the bound is discarded, acked stale, and its sender resyncs
+        bound = int(ps.metrics.value("edgemesh_ps_adaptive_bound_versions"))
+        assert 1 <= bound <= 2
+        ack = await c.push(gradient("b", 3, 3 - bound - 1))
+        assert (ack.status, ack.reason, ack.resync, ack.delay) == ("discarded", "stale", True, bound + 1)
+        assert ps.version == 3
+        assert ps.metrics.value("edgemesh_ps_updates_total", status="discarded", reason="stale") == 1
+
+        # the log records the weights, so a replay is exact
+        weights = {(e["device"], int(r["version"])): e["weight"] for r in store.read_wal(tmp_path)
+                   for e in r["entries"]}
+        assert weights == {("a", 1): 1.0, ("b", 2): 0.5, ("a", 3): 0.5, ("b", 3): 0.5}
+        assert ps.adaptive.indices["b"] > ps.adaptive.indices["a"]
+
+
+async def test_switching_to_adaptive_mid_run_keeps_training(broker: BrokerProcess, tmp_path: Path) -> None:
+    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "sync",
+                                           "ps.adaptive_min_deadline_s": "0.3", "ps.adaptive_max_deadline_s": "2"})
+    async with client(cfg, ["a", "b"]) as c, running_ps(cfg) as ps:
+        await publish_plan(c, ["a", "b"])
+        await c.version_at_least(0)
+        await c.until("the plan", lambda: ps.plan is not None)
+        await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 1, 0))
+        assert (await c.push(gradient("b", 1, 0))).version == 1
+        # a's next update opens a sync round that b never completes ...
+        await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 2, 1))
+        await c.until("a's update in the open round", lambda: "c-a" in ps._round)
+        assert ps.version == 1
+        # ... until the operator switches to adaptive: the held update goes through at the deadline
+        await c.bus.publish(c.topics.control("ps"), b'{"command": "set-sync-policy", "value": "adaptive",'
+                                                    b' "requester": "tester", "request_id": "s1"}')
+        reply = await c.until("reply s1", lambda: next((r for r in c.replies if r.request_id == "s1"), None))
+        assert reply.ok and reply.result["policy"] == "adaptive" and ps.policy == "adaptive"
+        assert "adaptive_bound" in reply.result and "slow_devices" in reply.result
+        ack = await c.ack_for("a", 2)
+        assert (ack.status, ack.version) == ("accepted", 2)
+        # training goes on under the new policy
+        for seq in (3, 4):
+            v = ps.version
+            await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", seq, v))
+            assert (await c.push(gradient("b", seq, v))).status == "accepted"
+        await c.version_at_least(4)
+        assert ps.metrics.value("edgemesh_ps_sync_policy_info", policy="adaptive") == 1
+        # set-bound under adaptive sets the max bound
+        await c.bus.publish(c.topics.control("ps"), b'{"command": "set-bound", "value": 0, "requester": "tester",'
+                                                    b' "request_id": "s2"}')
+        reply = await c.until("reply s2", lambda: next((r for r in c.replies if r.request_id == "s2"), None))
+        assert reply.ok and reply.result["adaptive_bound"] == 0 and ps.adaptive.bound() == 0
