@@ -124,7 +124,9 @@ async def test_adaptive_round_closes_at_the_deadline_and_bounds_late_updates(
         ack_a = await c.push(gradient("a", 1, 0))
         waited = time.monotonic() - sent
         assert (ack_a.status, ack_a.version, ack_a.delay) == ("accepted", 1, 0)
-        assert DEADLINE_S - 0.05 <= waited < 3.0, waited
+        # it waited for b (at least the deadline), and closed at the adapted deadline rather than at
+        # ps.adaptive_max_deadline_s (5 s): a generous upper bound, not a speed requirement
+        assert DEADLINE_S - 0.05 <= waited < 5.0, waited
         assert ps.metrics.value("edgemesh_ps_adaptive_deadline_seconds") == pytest.approx(DEADLINE_S)
         # b's update on version 0 arrives late (d = 1 <= D): applied in the next round, weighted 1/2
         ack_b = await c.push(gradient("b", 1, 0))
