@@ -18,6 +18,7 @@ section of ``indices.py``)::
 
 from __future__ import annotations
 
+import abc
 import math
 import struct
 
@@ -132,7 +133,7 @@ def check_numel(numel: int, name: str) -> None:
         raise CodecError(f"{name} cannot decode {numel} values", "shape")
 
 
-class _Sparse:
+class _Sparse(abc.ABC):
     """Indices and float32 values of the selected entries."""
 
     lossless = False
@@ -140,8 +141,9 @@ class _Sparse:
     def __init__(self, name: str) -> None:
         self.name = name
 
+    @abc.abstractmethod
     def select(self, flat: np.ndarray, policy: CodecPolicy | None) -> np.ndarray:
-        raise NotImplementedError
+        """Sorted indices of the entries to send."""
 
     def encode(self, grad: np.ndarray, policy: CodecPolicy | None) -> bytes:
         return self._encode(flatten(grad, self.name), policy)[0]
