@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
 
-from edgemesh.common import wire
+from edgemesh.common import models, wire
 from edgemesh.common.broker import BrokerProcess
 from edgemesh.common.bus import Bus
-from edgemesh.common.codecs import get_codec
+from edgemesh.common.codecs import SMALL_TENSOR, get_codec
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.errors import ConfigError, WireError
 from edgemesh.common.messages import CodecPolicy, DeviceHello, DeviceStats, GradientUpdate, ShardUpdate
@@ -39,6 +40,7 @@ from edgemesh.services.worker.link import LinkMeter
 from edgemesh.services.worker.service import Worker
 
 WAIT_S = 30.0
+T = TypeVar("T")
 """Seconds any single expected event may take."""
 POLL_S = 0.05
 JOB = "t-adaptive"
@@ -48,6 +50,8 @@ SETTINGS = Adaptive(codec="grid", comm_share=0.5, min_density=0.001, max_density
 GRADIENT_BYTES = 4_000_000
 """A one-million-value model, for the pure policy tests."""
 STEP_S = 0.1
+
+LAYOUT = models.param_layout(models.build_model("digits-cnn"))
 
 
 def stats(rate: float, *, step: float = STEP_S, gradient_bytes: int = GRADIENT_BYTES, delay: float = 0.0,
@@ -260,28 +264,30 @@ async def services(*objs: Any) -> AsyncIterator[None]:
 
 
 class Tap:
-    """A test client that records every message on its subscriptions, decoded where it can."""
+    """A test client that records every message on its subscriptions, decoded as one of ``kinds`` where it can."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, kinds: tuple[type, ...]) -> None:
         self.bus = bus
+        self.kinds = kinds
         self.seen: list[tuple[str, Any]] = []
         self._task = asyncio.create_task(self._collect())
 
     async def _collect(self) -> None:
         async for msg in self.bus.messages():
             with contextlib.suppress(WireError):
-                self.seen.append((msg.topic, msg.decode((GradientUpdate, CodecPolicy))))
+                self.seen.append((msg.topic, msg.decode(self.kinds)))
 
-    def of(self, kind: type, topic_part: str = "") -> list[Any]:
+    def of(self, kind: type[T], topic_part: str = "") -> list[T]:
         return [m for t, m in self.seen if isinstance(m, kind) and topic_part in t]
 
 
 @contextlib.asynccontextmanager
-async def tap(config: Config, *filters: str) -> AsyncIterator[Tap]:
+async def tap(config: Config, *filters: str, kinds: tuple[type, ...] = (GradientUpdate, CodecPolicy)
+              ) -> AsyncIterator[Tap]:
     async with Bus(config.broker, client_id=f"tap-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("tap"),
                    subscriptions=list(filters)) as bus:
         await bus.wait_connected(WAIT_S)
-        t = Tap(bus)
+        t = Tap(bus, kinds)
         try:
             yield t
         finally:
@@ -299,7 +305,13 @@ def worker_config(config: Config, device: str, **extra: object) -> Config:
 
 
 def shard_bytes(update: GradientUpdate) -> int:
-    return sum(len(s.data) for s in update.shards)
+    """Bytes of the shards the policy's codec encoded (small tensors go fp16 whatever the density)."""
+    return sum(len(s.data) for s in update.shards if s.codec != "fp16")
+
+
+def expected_codecs(codec: str) -> set[tuple[str, str]]:
+    """(param, codec) of an update under a lossy ``codec``: fp16 for tensors under SMALL_TENSOR values."""
+    return {(name, codec if math.prod(shape) >= SMALL_TENSOR else "fp16") for name, (shape, _) in LAYOUT.items()}
 
 
 # --------------------------------------------------------------------------- services
@@ -334,7 +346,9 @@ async def test_the_compressor_lowers_the_density_when_the_link_slows_and_the_wor
         await until("grid updates at the PS", lambda: len([
             u for u in grads.of(GradientUpdate) if u.seq >= first_grid_seq]) >= 2)
         medium_sizes = [shard_bytes(u) for u in grads.of(GradientUpdate) if u.seq >= first_grid_seq]
-        assert {s.codec for u in grads.of(GradientUpdate) if u.seq >= first_grid_seq for s in u.shards} == {"grid"}
+        # large tensors go grid; the few small ones fp16, where grid's fixed cost buys nothing
+        assert {(s.param, s.codec) for u in grads.of(GradientUpdate) if u.seq >= first_grid_seq
+                for s in u.shards} == expected_codecs("grid")
 
         # twenty times slower: a new retained policy with a lower density, and smaller updates
         worker.link.declare(medium / 20)
@@ -378,7 +392,7 @@ async def test_a_device_that_cannot_encode_trains_through_the_gateway(
         forwarded = seen.of(GradientUpdate, "/grad/")
         assert raw and {s.codec for u in raw for s in u.shards} == {"none"}
         encoded = [u for u in forwarded if u.shards[0].codec != "none"]
-        assert encoded and {s.codec for u in encoded for s in u.shards} == {"grid"}
+        assert encoded and {(s.param, s.codec) for u in encoded for s in u.shards} == expected_codecs("grid")
         # forwarded as the same update: device, cluster, incarnation, seq, base version, samples
         by_seq = {u.seq: u for u in raw}
         for u in encoded:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from edgemesh.common.broker import BrokerProcess
+from edgemesh.common.bus import Bus
+from edgemesh.common.messages import SyncState
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import Topics
 from edgemesh.services.parameter_server import policy as rules
 from edgemesh.services.parameter_server import store
-from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, AdaptiveSettings, quantile
-from tests.test_parameter_server import client, gradient, make_config, publish_plan, running_ps
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, AdaptiveSettings, quantile, round_weights
+from tests.test_parameter_server import WAIT_S, client, gradient, make_config, publish_plan, running_ps
 
 # --------------------------------------------------------------------------- pure rule
 
@@ -145,10 +151,11 @@ async def test_adaptive_round_closes_at_the_deadline_and_bounds_late_updates(
         assert ps.version == 3
         assert ps.metrics.value("edgemesh_ps_updates_total", status="discarded", reason="stale") == 1
 
-        # the log records the weights, so a replay is exact
+        # the log records the weights, so a replay is exact: each contribution weighs its share of the
+        # 16 samples the plan expects per round, halved when one version late
         weights = {(e["device"], int(r["version"])): e["weight"] for r in store.read_wal(tmp_path)
                    for e in r["entries"]}
-        assert weights == {("a", 1): 1.0, ("b", 2): 0.5, ("a", 3): 0.5, ("b", 3): 0.5}
+        assert weights == {("a", 1): 0.5, ("b", 2): 0.25, ("a", 3): 0.5, ("b", 3): 0.5}
         assert ps.adaptive.indices["b"] > ps.adaptive.indices["a"]
 
 
@@ -185,3 +192,68 @@ async def test_switching_to_adaptive_mid_run_keeps_training(broker: BrokerProces
                                                     b' "request_id": "s2"}')
         reply = await c.until("reply s2", lambda: next((r for r in c.replies if r.request_id == "s2"), None))
         assert reply.ok and reply.result["adaptive_bound"] == 0 and ps.adaptive.bound() == 0
+
+
+def test_round_weights_are_shares_of_the_planned_samples_damped_by_delay() -> None:
+    # a full round on time: the usual sample-weighted mean
+    assert round_weights([8, 24], [0, 0], planned=32) == [0.25, 0.75]
+    # the deadline closed it with half the planned samples: half a step, not a whole one
+    assert round_weights([16], [0], planned=32) == [0.5]
+    # a late contribution counts 1 / (1 + d) of its share
+    assert round_weights([16, 16], [0, 1], planned=32) == [0.5, 0.25]
+    # more samples than planned (a late one on top of a full round): never more than one step
+    assert sum(round_weights([16, 16, 16], [0, 0, 0], planned=32)) == pytest.approx(1.0)
+    assert round_weights([8], [0], planned=0) == [1.0]  # no plan: the round is all there is
+
+
+async def test_the_ps_publishes_its_sync_state_and_keeps_delay_indices_across_a_restart(
+        broker: BrokerProcess, tmp_path: Path) -> None:
+    devices = ["a", "b", "c"]
+    cfg = make_config(broker, tmp_path, **{
+        "training.sync_policy": "sync", "training.staleness_bound": "4", "ps.sync_state_interval_s": "0",
+        "ps.checkpoint_every": "1", "ps.adaptive_min_deadline_s": "0.3", "ps.adaptive_max_deadline_s": "1"})
+    topics = Topics(cfg.job)
+    async with Bus(cfg.broker, client_id=f"sync-{time.monotonic_ns()}", metrics=ServiceMetrics("t"),
+                   subscriptions=[topics.sync()]) as watch:
+        states: list[SyncState] = []
+
+        async def collect() -> None:
+            async for msg in watch.messages():
+                states.append(msg.decode(SyncState))
+
+        collector = asyncio.create_task(collect())
+        try:
+            async with client(cfg, devices) as c, running_ps(cfg) as ps:
+                await publish_plan(c, devices)
+                await c.until("the first sync state", lambda: states and states[-1].policy == "sync")
+                assert (states[-1].bound, states[-1].slow, states[-1].delay_indices) == (4, (), {})
+                await c.bus.publish(c.topics.control("ps"), b'{"command": "set-sync-policy", "value": "adaptive",'
+                                                            b' "requester": "tester"}')
+                await c.until("the adaptive state", lambda: states[-1].policy == "adaptive")
+                # a and c train on the current model; b's updates are three versions late every round
+                # (applied, weighted, while within the adapted bound; discarded beyond it)
+                for seq in range(1, 7):
+                    v = ps.version
+                    await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", seq, v))
+                    await c.bus.publish(c.topics.grad("c-c", "c"), gradient("c", seq, v))
+                    ack = await c.push(gradient("b", seq, max(0, v - 3)))
+                    assert ack.status == "accepted" or (ack.status, ack.reason) == ("discarded", "stale")
+                    await c.until(f"round {v + 1}", lambda v=v: ps.version > v)
+                state = await c.until("b listed as slow", lambda: states[-1].slow == ("b",) and states[-1])
+                assert state.delay_indices["b"] > 1 >= state.delay_indices["a"] == state.delay_indices["c"]
+                assert state.version == ps.version and state.deadline_s > 0 and 1 <= state.bound <= 4
+                indices = dict(ps.adaptive.indices)
+            # a restarted PS has the indices of its checkpoint, and says so
+            restarted = make_config(broker, tmp_path, **{"training.sync_policy": "adaptive",
+                                                         "ps.sync_state_interval_s": "0"})
+            async with running_ps(restarted) as again:
+                await asyncio.wait_for(_wait(lambda: again.adaptive.indices == indices), WAIT_S)
+                await asyncio.wait_for(_wait(lambda: states[-1].policy == "adaptive"
+                                             and states[-1].delay_indices.get("b") == round(indices["b"], 3)), WAIT_S)
+        finally:
+            collector.cancel()
+
+
+async def _wait(predicate: Callable[[], object]) -> None:
+    while not predicate():
+        await asyncio.sleep(0.05)

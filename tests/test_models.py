@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from edgemesh.common import costs
 from edgemesh.common.data import BatchIterator, Dataset, load_dataset
 from edgemesh.common.errors import DataError, ModelError
 from edgemesh.common.models import (
@@ -16,6 +17,7 @@ from edgemesh.common.models import (
     evaluate,
     get_params,
     get_spec,
+    measure_cost,
     param_layout,
     set_params,
 )
@@ -211,3 +213,34 @@ def test_sgd_with_compute_gradients_learns_digits() -> None:
         if accuracy >= 0.95:
             break
     assert accuracy >= 0.95
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_SPECS))
+def test_the_torch_free_cost_table_matches_the_modules(name: str) -> None:
+    """The planner reads ``costs.COSTS`` (no torch); it must say what the modules do."""
+    assert costs.cost(name) == measure_cost(name)
+
+
+def test_digits_cnn_cost_by_hand() -> None:
+    c = measure_cost("digits-cnn")
+    conv1, conv2 = 16 * 8 * 8 * 1 * 9, 32 * 8 * 8 * 16 * 9
+    assert c.macs_per_sample == conv1 + conv2 + 512 * 64 + 64 * 10
+    assert c.params == sum(int(np.prod(shape)) for shape, _ in DIGITS_LAYOUT.values())
+    assert c.train_flops_per_sample == 6 * c.macs_per_sample
+
+
+def test_memory_estimate_grows_with_the_batch_and_bounds_it() -> None:
+    one, many = costs.training_memory_bytes("cifar-cnn", 1), costs.training_memory_bytes("cifar-cnn", 64)
+    per_sample = costs.ACTIVATION_COPIES * 4 * costs.cost("cifar-cnn").activations_per_sample
+    assert many - one == 63 * per_sample
+    budget = costs.training_memory_bytes("cifar-cnn", 100)
+    assert costs.max_batch_for_memory("cifar-cnn", budget) == 100
+    assert costs.max_batch_for_memory("cifar-cnn", budget - 1) == 99
+    assert costs.max_batch_for_memory("cifar-cnn", costs.RUNTIME_BYTES) == 0
+    with pytest.raises(ModelError, match="known"):
+        costs.cost("resnet-9000")
+    assert costs.step_seconds_estimate("digits-cnn", 32, 1e9) == pytest.approx(
+        32 * 6 * 337_536 / (1e9 * costs.TRAIN_EFFICIENCY))

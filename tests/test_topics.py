@@ -32,6 +32,7 @@ ROOT = f"edgemesh/v1/{JOB}/"
     (T.all_grad_raw(), "grad-raw/+/+"),
     (T.model(), "model"),
     (T.model_delta(), "model/delta"),
+    (T.sync(), "sync"),
     (T.ack("pi-07"), "ack/pi-07"),
     (T.mesh("c0", "conv2", "fwd", "pi-07"), "mesh/c0/conv2/fwd/pi-07"),
     (T.cluster_mesh("c0"), "mesh/c0/#"),

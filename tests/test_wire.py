@@ -34,6 +34,7 @@ from edgemesh.common.messages import (
     PlanCluster,
     PlanDevice,
     ShardUpdate,
+    SyncState,
     UpdateAck,
 )
 from edgemesh.common.wire import Chunk, Reassembler, Tensor
@@ -60,13 +61,14 @@ HELLO = DeviceHello(device="pi4-07", incarnation=3, flops=2.5e9, memory_bytes=3 
 STATUS = DeviceStatus(device="pi4-07", state="offline", incarnation=3, time=1_717_000_000.5)
 STATS = DeviceStats(device="jetson-1", incarnation=1, time=1_717_000_001.0, steps=420, step_time_s=0.031,
                     comm_time_s=0.012, delay_index=1.75, link_rate_bps=4e6, rss_bytes=512 << 20,
-                    cpu_temp_c=61.5, model_version=418, loss=0.3125, batch_size=32, bytes_sent=9_000_000)
+                    cpu_temp_c=61.5, model_version=418, loss=0.3125, batch_size=32, bytes_sent=9_000_000,
+                    upload_time_s=0.004)
 PLAN = Plan(version=7, created=1_717_000_002.0, model_spec="digits-cnn", dataset="digits",
             partition="dirichlet", partition_alpha=0.3, seed=11, sync_policy="adaptive", staleness_bound=3,
             devices=(PlanDevice(device="pi-a", cluster="c0", shard_index=0, shard_count=2, batch_size=16),
                      PlanDevice(device="pi-b", cluster="c1", shard_index=1, shard_count=2, batch_size=8)),
             clusters=(PlanCluster(cluster="c0", members=("pi-a",)), PlanCluster(cluster="c1", members=("pi-b",))),
-            reason="join pi-b", drained=("pi-z",))
+            reason="join pi-b", drained=("pi-z",), batching="balanced", round_time_s=0.05)
 CODEC = CodecPolicy(device="pi-a", codec="grid", density=0.05, grid_levels=4, version=2, gateway=True,
                     reason="link 0.3 MB/s")
 GRADIENT = GradientUpdate(
@@ -92,8 +94,13 @@ REPLY = ControlReply(request_id="r-1", source="ps", command="set-bound", ok=True
 EVENT = Event(kind="replan", source="planner", time=1_717_000_005.0, message="pi-b joined",
               data={"version": 7, "devices": 2, "reason": "join", "ratio": 0.5, "forced": True})
 CHUNK = Chunk(id="0123456789abcdef", index=1, count=3, size=2500, data=b"\x00\x01" * 500)
+SYNC = SyncState(policy="adaptive", version=420, bound=3, deadline_s=0.42,
+                 delay_indices={"pi-a": 0.25, "pi-b": 2.75}, slow=("pi-b",), time=1_717_000_006.0)
+REFUSAL = DeviceStatus(device="pi3-02", state="online", incarnation=4, time=1_717_000_007.0, refused_plan=9,
+                       reason="needs 812 MiB for batch 128, has 700 MiB")
 
-EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK]
+EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK, SYNC,
+            REFUSAL]
 
 
 def test_examples_cover_every_registered_kind() -> None:

@@ -166,10 +166,28 @@ class PlannerConfig:
     """Joins and leaves within this window produce one re-plan."""
     min_devices: int = 1
     """No plan is published before this many devices are online."""
+    batching: Literal["auto", "uniform", "balanced"] = "auto"
+    """Batch sizes: uniform (training.batch_size for all), balanced (sized to each device's speed so
+    all finish an iteration together), or auto (balanced under the adaptive policy, else uniform)."""
+    round_samples: int = 0
+    """Balanced batching: samples per round over all devices; 0 = devices x training.batch_size."""
+    min_batch: int = 4
+    """Balanced batching: smallest batch a device is given, however slow."""
+    max_batch: int = 128
+    """Balanced batching: largest batch a device is given, however fast (memory caps it too)."""
+    rebalance_threshold: float = 0.25
+    """Balanced batching: publish new batch sizes only when one moves by more than this share."""
+    rebalance_interval_s: float = 2.0
+    """Balanced batching: at most one re-plan for new batch sizes per this many seconds."""
 
     def __post_init__(self) -> None:
         _require(self.replan_debounce_s >= 0, "planner.replan_debounce_s", "must be >= 0")
         _require(self.min_devices >= 1, "planner.min_devices", "must be >= 1")
+        _require(self.round_samples >= 0, "planner.round_samples", "must be >= 0 (0 = devices x batch_size)")
+        _require(self.min_batch >= 1, "planner.min_batch", "must be >= 1")
+        _require(self.max_batch >= self.min_batch, "planner.max_batch", "must be >= planner.min_batch")
+        _require(0 <= self.rebalance_threshold < 10, "planner.rebalance_threshold", "must be in [0, 10)")
+        _require(self.rebalance_interval_s >= 0, "planner.rebalance_interval_s", "must be >= 0")
 
 
 @dataclass(slots=True)
@@ -205,7 +223,7 @@ class ParameterServerConfig:
     """Adaptive policy: quantile of cluster arrival times (deadline) and of delay indices (bound)."""
     adaptive_slack: float = 1.5
     """Adaptive policy: factor on that quantile before clamping the deadline and the bound."""
-    adaptive_min_deadline_s: float = 0.5
+    adaptive_min_deadline_s: float = 0.02
     """Adaptive policy: shortest round deadline in seconds."""
     adaptive_max_deadline_s: float = 30.0
     """Adaptive policy: longest round deadline in seconds (also the deadline before any arrival is seen)."""
@@ -213,6 +231,11 @@ class ParameterServerConfig:
     """Adaptive policy: smallest delay bound; the largest is training.staleness_bound (set-bound)."""
     adaptive_slow_factor: float = 2.0
     """Adaptive policy: a device is slow when its delay index exceeds the fleet median by this factor."""
+    sync_state_interval_s: float = 2.0
+    """Publish the retained sync state (policy, bound, deadline, delay indices) at most this often
+    while only the indices move; a change of policy, bound or slow devices goes out at once."""
+    eval_interval_s: float = 0.0
+    """Also evaluate when this many seconds passed since the last evaluation and the model moved (0 = off)."""
 
     def __post_init__(self) -> None:
         _require(0 < self.adaptive_alpha <= 1, "ps.adaptive_alpha", "must be in (0, 1]")
@@ -223,6 +246,8 @@ class ParameterServerConfig:
                  "must be >= ps.adaptive_min_deadline_s")
         _require(self.adaptive_min_bound >= 0, "ps.adaptive_min_bound", "must be >= 0")
         _require(self.adaptive_slow_factor >= 1, "ps.adaptive_slow_factor", "must be >= 1")
+        _require(self.sync_state_interval_s >= 0, "ps.sync_state_interval_s", "must be >= 0")
+        _require(self.eval_interval_s >= 0, "ps.eval_interval_s", "must be >= 0")
         _require(self.checkpoint_every >= 1, "ps.checkpoint_every", "must be >= 1")
         _require(self.eval_every >= 0, "ps.eval_every", "must be >= 0")
         _require(self.max_batch >= 1, "ps.max_batch", "must be >= 1")
@@ -295,6 +320,18 @@ class WorkerConfig:
     """Uplink rate to report, bytes/s; 0 = measure it from gradient publishes (time to the broker's PUBACK)."""
     can_encode: bool = True
     """False: send raw float32 gradients on ``grad-raw`` and let the compressor gateway encode them."""
+    emulate: str = ""
+    """Emulate this device profile (``edgemesh.common.emulation``: pi3, pi4, ...): its speed, memory and
+    link; empty = a real device (the default)."""
+    emulation_profiles: str = ""
+    """TOML file of device profiles to emulate from; empty = the built-in ``profiles.toml``."""
+    emulation_seed: int = 0
+    """Seed of the emulated link's disconnects (with the device name, so devices differ)."""
+    emulation_host_gflops: float = 0.0
+    """Emulation: this host's float32 GFLOP/s on one thread, the reference the profile's speed is scaled
+    from; 0 = measure it at start."""
+    emulation_max_outage_s: float = 0.0
+    """Emulation: cap on the length of one spontaneous disconnect, seconds (0 = no cap)."""
 
     def __post_init__(self) -> None:
         _require(not self.device or valid_name(self.device), "worker.device",
@@ -306,6 +343,8 @@ class WorkerConfig:
         _require(self.profile_seconds > 0, "worker.profile_seconds", "must be > 0")
         _require(self.max_steps >= 0, "worker.max_steps", "must be >= 0")
         _require(self.link_rate_bps >= 0, "worker.link_rate_bps", "must be >= 0 (0 = measure)")
+        _require(self.emulation_host_gflops >= 0, "worker.emulation_host_gflops", "must be >= 0 (0 = measure)")
+        _require(self.emulation_max_outage_s >= 0, "worker.emulation_max_outage_s", "must be >= 0")
 
 
 @dataclass(slots=True)
@@ -323,6 +362,8 @@ class DemoConfig:
     link_rate_bps: float = 1_000_000.0
     """Uplink every demo worker declares (bytes/s; 1 MB/s is a Pi on busy Wi-Fi), so the
     compressor picks codecs as it would at the edge; 0 = measure the loopback link."""
+    keep_logs: bool = False
+    """Keep the children's logs after a successful run too (a failed run always keeps them)."""
 
     def __post_init__(self) -> None:
         _require(1 <= self.workers <= 64, "demo.workers", "must be in [1, 64]")

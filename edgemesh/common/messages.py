@@ -76,9 +76,14 @@ class DeviceStatus:
     state: Literal["online", "offline"]
     incarnation: int = 0
     time: float = 0.0
+    refused_plan: int = 0
+    """Version of a plan whose share this device refused (it does not fit its memory); 0 = none."""
+    reason: str = ""
+    """Why it refused, for operators (``needs 812 MiB for batch 128, has 700 MiB``)."""
 
     def validate(self) -> None:
         _name("device", self.device)
+        _nonneg("refused_plan", self.refused_plan)
 
 
 @message("stats")
@@ -105,11 +110,13 @@ class DeviceStats:
     bytes_sent: int = 0
     gradient_bytes: int = 0
     """Size of one full gradient of this device's share of the model in float32, bytes (0 = unknown)."""
+    upload_time_s: float = 0.0
+    """Mean time to hand one update to the broker (publish to PUBACK), seconds (0 = unknown)."""
 
     def validate(self) -> None:
         _name("device", self.device)
         for name in ("steps", "step_time_s", "comm_time_s", "delay_index", "link_rate_bps", "rss_bytes",
-                     "gradient_bytes"):
+                     "gradient_bytes", "upload_time_s"):
             _nonneg(name, getattr(self, name))
 
 
@@ -163,9 +170,14 @@ class Plan:
     reason: str = ""
     drained: tuple[str, ...] = ()
     """Devices an operator drained: kept out of the plan until undrained (survives planner restarts)."""
+    batching: Literal["uniform", "balanced"] = "uniform"
+    """How batch sizes were chosen: ``training.batch_size`` for all, or sized to each device's speed."""
+    round_time_s: float = 0.0
+    """Balanced plans: the iteration time the batch sizes aim at, seconds (0 = not predicted)."""
 
     def validate(self) -> None:
         _nonneg("version", self.version)
+        _nonneg("round_time_s", self.round_time_s)
         if len(self.drained) > MAX_DEVICES:
             raise ValueError("too many drained devices")
         for name in self.drained:
@@ -187,6 +199,44 @@ class Plan:
     @property
     def cluster_names(self) -> tuple[str, ...]:
         return tuple(c.cluster for c in self.clusters)
+
+
+# --------------------------------------------------------------------------- synchronization state
+
+
+@message("sync_state")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncState:
+    """The parameter server's synchronization state, retained on ``sync``.
+
+    The planner sizes batches from it (``adaptive``: slow devices get smaller ones) and
+    operators read it; it changes when the policy or bound is switched and as delay indices move.
+    """
+
+    policy: SyncPolicy
+    version: int
+    """Model version when this state was published."""
+    bound: int
+    """Delay bound in force: the adapted D under ``adaptive``, ``training.staleness_bound`` otherwise."""
+    deadline_s: float = 0.0
+    """``adaptive``: the current round deadline τ, seconds (0 under other policies)."""
+    delay_indices: dict[str, float] = field(default_factory=dict)
+    """``adaptive``: the delay index (moving average of delays, in versions) of each live device."""
+    slow: tuple[str, ...] = ()
+    """``adaptive``: devices far behind the fleet, to be given a smaller batch and harder compression."""
+    time: float = 0.0
+
+    def validate(self) -> None:
+        _nonneg("version", self.version)
+        _nonneg("bound", self.bound)
+        _nonneg("deadline_s", self.deadline_s)
+        if len(self.delay_indices) > MAX_DEVICES or len(self.slow) > MAX_DEVICES:
+            raise ValueError("too many devices")
+        for name, index in self.delay_indices.items():
+            _name("device", name)
+            _nonneg(f"delay index of {name}", index)
+        for name in self.slow:
+            _name("device", name)
 
 
 # --------------------------------------------------------------------------- codec policy

@@ -7,6 +7,7 @@ Parameters cross process boundaries as ``dict[str, np.ndarray]`` (float32) keyed
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from edgemesh.common.costs import ModelCost
 from edgemesh.common.data import Dataset
 from edgemesh.common.errors import DataError, ModelError
 
@@ -144,6 +146,37 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         model = spec.builder()
     return model.to(torch.float32)
+
+
+def measure_cost(name: str) -> ModelCost:
+    """The per-sample training cost of spec ``name``, measured on its modules with one forward pass.
+
+    ``costs.COSTS`` holds the same figures for hosts without torch; a test keeps them equal.
+    """
+    spec = get_spec(name)
+    model = build_model(name)
+    macs = 0
+    activations = math.prod(spec.input_shape)
+
+    def count(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        nonlocal macs, activations
+        activations += output[0].numel()
+        if isinstance(module, nn.Conv2d):
+            per_output = module.in_channels // module.groups * math.prod(module.kernel_size)
+            macs += output[0].numel() * per_output
+        elif isinstance(module, nn.Linear):
+            macs += module.in_features * module.out_features
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(count) for m in leaves]
+    try:
+        with torch.no_grad():
+            model(torch.zeros((1, *spec.input_shape)))
+    finally:
+        for handle in handles:
+            handle.remove()
+    params = sum(p.numel() for p in model.parameters())
+    return ModelCost(params=params, macs_per_sample=macs, activations_per_sample=activations)
 
 
 def param_layout(model: nn.Module) -> ParamLayout:

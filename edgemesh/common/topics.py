@@ -75,6 +75,10 @@ class Topics:
     def model_delta(self) -> str:
         return f"{self.root}/model/delta"
 
+    def sync(self) -> str:
+        """The parameter server's retained ``SyncState`` (policy, bound, deadline, delay indices)."""
+        return f"{self.root}/sync"
+
     # --- gradients and acks ----------------------------------------------------------------
     def grad(self, cluster: str, device: str) -> str:
         return f"{self.root}/grad/{cluster}/{device}"

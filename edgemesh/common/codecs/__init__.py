@@ -8,7 +8,8 @@ did not send to the next gradient of the same shard; a lossy codec with
 directly instead of having it decode the payload again.
 
 Codecs: ``none`` and ``fp16`` (``dense``), ``threshold`` and ``topk`` (``sparse``), ``qsgd``,
-and the paper's ``grid`` (multi-resolution grid clustering). The sparse ones share the index
+and the paper's ``grid`` (multi-resolution grid clustering). ``codec_for`` sends tensors under
+``SMALL_TENSOR`` values as ``fp16`` whatever the lossy policy. The sparse ones share the index
 coding of ``indices``; ``bitpack`` holds the bit-level helpers every payload uses.
 """
 
@@ -18,6 +19,14 @@ from edgemesh.common.codecs import dense as _dense  # noqa: F401 - registers non
 from edgemesh.common.codecs import grid as _grid  # noqa: F401 - registers grid
 from edgemesh.common.codecs import qsgd as _qsgd  # noqa: F401 - registers qsgd
 from edgemesh.common.codecs import sparse as _sparse  # noqa: F401 - registers threshold, topk
-from edgemesh.common.codecs.base import Codec, ErrorFeedback, ResidualCodec, available_codecs, get_codec
+from edgemesh.common.codecs.base import (
+    SMALL_TENSOR,
+    Codec,
+    ErrorFeedback,
+    ResidualCodec,
+    available_codecs,
+    codec_for,
+    get_codec,
+)
 
-__all__ = ["Codec", "ErrorFeedback", "ResidualCodec", "available_codecs", "get_codec"]
+__all__ = ["SMALL_TENSOR", "Codec", "ErrorFeedback", "ResidualCodec", "available_codecs", "codec_for", "get_codec"]

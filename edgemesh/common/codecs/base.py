@@ -47,6 +47,21 @@ def get_codec(name: str) -> Codec:
                          "codec_unknown") from None
 
 
+SMALL_TENSOR = 1024
+"""Tensors of fewer values travel as ``fp16`` under any lossy policy: on a few hundred values a
+sparsifying or quantizing codec's fixed cost (about 0.4 ms an encode, 0.15 ms a decode on the
+development host) buys a few hundred bytes at most. Biases and small layers are most of a
+model's tensors and almost none of its values."""
+DENSE_FOR_SMALL = "fp16"
+
+
+def codec_for(name: str, numel: int) -> Codec:
+    """The codec that encodes a tensor of ``numel`` values under a policy naming ``name``."""
+    if numel < SMALL_TENSOR and name not in ("none", DENSE_FOR_SMALL):
+        return get_codec(DENSE_FOR_SMALL)
+    return get_codec(name)
+
+
 def available_codecs() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 
 from edgemesh.common import wire
 from edgemesh.common.bus import Bus, Incoming
-from edgemesh.common.codecs import ErrorFeedback, available_codecs, get_codec
+from edgemesh.common.codecs import ErrorFeedback, available_codecs, codec_for, get_codec
 from edgemesh.common.config import CODECS, Config
 from edgemesh.common.errors import BusError, ConfigError, WireError
 from edgemesh.common.messages import (
@@ -376,7 +376,7 @@ def _describe(policy: CodecPolicy) -> str:
 
 def _encode(update: GradientUpdate, policy: CodecPolicy, feedback: ErrorFeedback) -> GradientUpdate:
     """``update`` with every raw float32 shard encoded per ``policy`` (in a thread)."""
-    raw, codec = get_codec(RAW_CODEC), get_codec(policy.codec)
+    raw = get_codec(RAW_CODEC)
     decoded = []
     for s in update.shards:  # check every shard before error feedback changes for any
         if s.codec != RAW_CODEC:
@@ -387,11 +387,11 @@ def _encode(update: GradientUpdate, policy: CodecPolicy, feedback: ErrorFeedback
     keys = [(s.param, s.start, s.stop) for s, _ in decoded]
     if len(set(keys)) != len(keys):
         raise WireError("a grad-raw shard appears twice", "shape")
-    shards = [
-        ShardUpdate(param=s.param, start=s.start, stop=s.stop, codec=policy.codec,
-                    data=feedback.encode(f"{s.param}[{s.start}:{s.stop}]", values, codec, policy))
-        for s, values in decoded
-    ]
+    shards = []
+    for s, values in decoded:
+        codec = codec_for(policy.codec, values.size)
+        shards.append(ShardUpdate(param=s.param, start=s.start, stop=s.stop, codec=codec.name,  # type: ignore[arg-type]
+                                  data=feedback.encode(f"{s.param}[{s.start}:{s.stop}]", values, codec, policy)))
     return dataclasses.replace(update, shards=tuple(shards))
 
 

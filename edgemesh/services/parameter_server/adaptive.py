@@ -10,13 +10,18 @@ No I/O and no clocks of its own: the parameter server feeds it observations and 
   (seconds since the round opened) is remembered per cluster (the last ``window = 32``).
   ``τ = quantile_q(per-cluster median arrival) * slack``, clamped to ``[min_deadline_s,
   max_deadline_s]``; with no observations yet ``τ = max_deadline_s``.
-  Defaults: ``q = 0.9``, ``slack = 1.5``, ``[0.5 s, 30 s]``.
+  Defaults: ``q = 0.9``, ``slack = 1.5``, ``[0.02 s, 30 s]``.
 * **Delay bound D.** ``D = ceil(quantile_q(delay indices of live devices) * slack)``, clamped
   to ``[min_bound, max_bound]`` (``max_bound`` is ``training.staleness_bound``, set at run time
   with ``set-bound``); with no indices yet ``D = max_bound``. Default ``min_bound = 1``.
 * **Judging.** An update with ``d < 0`` is refused (``future``); ``d > D`` is discarded
   (``stale``: its sender resyncs); otherwise it is applied, scaled by
   :func:`policy.staleness_weight` ``1 / (1 + d)``.
+* **Weights of a round** (:func:`round_weights`). Contribution *i* with ``s_i`` samples and delay
+  ``d_i`` weighs ``s_i / max(S, sum s) x 1 / (1 + d_i)``, where ``S`` is the samples the plan
+  expects per round (the batch sizes of its devices). A round the deadline closes with half
+  the fleet's samples takes half a step, not a whole one on half the data: cutting rounds short
+  then trades waiting for more, smaller steps, instead of for noisier ones.
 * **Slow devices.** Live devices whose delay index exceeds ``slow_factor`` times the fleet median
   and the median plus one version (default ``slow_factor = 2``): candidates for a smaller batch
   (planner) or harder compression (compressor).
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from edgemesh.services.parameter_server.policy import Verdict, staleness_weight
@@ -39,7 +44,7 @@ class AdaptiveSettings:
     alpha: float = 0.3
     quantile: float = 0.9
     slack: float = 1.5
-    min_deadline_s: float = 0.5
+    min_deadline_s: float = 0.02
     max_deadline_s: float = 30.0
     min_bound: int = 1
     slow_factor: float = 2.0
@@ -60,6 +65,13 @@ class AdaptiveSettings:
             raise ValueError("slow_factor must be >= 1")
         if self.window < 1:
             raise ValueError("window must be >= 1")
+
+
+def round_weights(samples: Sequence[int], delays: Sequence[int], planned: int) -> list[float]:
+    """Weights of one adaptive round's contributions (module docstring): their share of the
+    ``planned`` samples (at most the whole round), damped by their delays."""
+    total = max(planned, sum(samples))
+    return [n / total * staleness_weight(d) for n, d in zip(samples, delays, strict=True)]
 
 
 def quantile(values: Iterable[float], q: float) -> float:

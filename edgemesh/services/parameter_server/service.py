@@ -6,7 +6,9 @@ Backbone, top to bottom:
 3. consume: plan, gradients, control; each gradient is decoded and checked against the model
    (unknown device, wrong shard, codec errors, NaN -> counted rejection and a ``discarded`` ack);
 4. step loop: take the queued updates, judge each under the policy (``policy``), apply the
-   accepted ones (``optimizer``), log them durably, ack, publish a snapshot, evaluate, checkpoint.
+   accepted ones (``optimizer``), log them durably, ack, publish a snapshot, evaluate, checkpoint;
+5. publish the retained ``sync`` state (policy, bound, and under ``adaptive`` the deadline, the
+   delay indices and the slow devices) for the planner, which shrinks slow devices' batches.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -24,7 +27,7 @@ import numpy as np
 
 from edgemesh.common import models, wire
 from edgemesh.common.bus import Bus, Incoming
-from edgemesh.common.codecs import get_codec
+from edgemesh.common.codecs import codec_for, get_codec
 from edgemesh.common.config import Config
 from edgemesh.common.data import load_dataset
 from edgemesh.common.errors import ConfigError, WireError
@@ -36,6 +39,7 @@ from edgemesh.common.messages import (
     ModelSnapshot,
     Plan,
     ShardUpdate,
+    SyncState,
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
@@ -43,7 +47,7 @@ from edgemesh.common.topics import Topics
 from edgemesh.services.operations import ControlResult, Operations, consume
 from edgemesh.services.parameter_server import policy as rules
 from edgemesh.services.parameter_server import store
-from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, AdaptiveSettings
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, AdaptiveSettings, round_weights
 from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 
@@ -97,7 +101,17 @@ class ParameterServer:
             min_deadline_s=p.adaptive_min_deadline_s, max_deadline_s=p.adaptive_max_deadline_s,
             min_bound=p.adaptive_min_bound, slow_factor=p.adaptive_slow_factor))
         self._since_checkpoint = 0
+        self._state_lock = threading.Lock()
+        """Held by the thread that steps and logs and by the one that checkpoints: a step of a step loop
+        cancelled at shutdown still runs in its thread while the final checkpoint is written."""
         self._last_eval_version = -1
+        self._last_eval_time = -float("inf")
+        self._eval_wake = asyncio.Event()
+        self._to_evaluate: tuple[int, dict[str, np.ndarray]] | None = None
+        """(version, weights) the evaluation loop is to evaluate next."""
+        self._sync_published: tuple[object, ...] | None = None
+        """(policy, bound, slow devices, delay indices) of the last published sync state."""
+        self._sync_published_at = -float("inf")
         self.last_accuracy: float | None = None
         self._model: Any = None
         self._test_set: Any = None
@@ -152,6 +166,9 @@ class ParameterServer:
             self.version = snap.version
             self.high_water = dict(snap.high_water)
             self.clocks = dict(snap.clocks)
+            indices = snap.settings.get("delay_indices", {})
+            if isinstance(indices, dict):
+                self.adaptive.indices.update({str(k): float(v) for k, v in indices.items()})
             logger.info("resumed from checkpoint at version %d", self.version)
         else:
             self.state = ModelState(models.get_params(model))
@@ -202,7 +219,8 @@ class ParameterServer:
             logger.info("parameter server up: model %s, version %d, policy %s, bound %d",
                         self.cfg.training.model_spec, self.version, self.policy, self.bound)
             try:
-                await supervise(self.stop, consume(self.bus, self.metrics, self._dispatch), self._step_loop())
+                await supervise(self.stop, consume(self.bus, self.metrics, self._dispatch), self._step_loop(),
+                                self._eval_loop())
             finally:
                 self.metrics.up.set(0)
                 await asyncio.to_thread(self._checkpoint)
@@ -303,6 +321,8 @@ class ParameterServer:
             if self._snapshot_requested:
                 self._snapshot_requested = False
                 await self._publish_snapshot()
+            if self._sync_published is None:
+                await self._publish_sync_state()
             if self.paused:
                 continue
             batch: list[Pending] = []
@@ -339,7 +359,9 @@ class ParameterServer:
                 verdict = rules.judge(self.policy, version, u.base_version, self.bound)
             if not verdict.accept:
                 if adaptive and verdict.reason == "stale":
-                    self.adaptive.observe_delay(u.device, verdict.delay)
+                    # "later than the bound" is what a discard says; a device back from a long
+                    # outage would otherwise carry a huge index for many rounds
+                    self.adaptive.observe_delay(u.device, min(verdict.delay, bound + 1))
                 acks.append((u, "discarded", verdict.reason, verdict.delay, True))
                 continue
             if adaptive:
@@ -395,8 +417,8 @@ class ParameterServer:
                     self.clocks[u.cluster] = self.clocks.get(u.cluster, 0) + 1
                     self.high_water[u.device] = (u.incarnation, u.seq)
 
+        model_message = await asyncio.to_thread(self._step, steps) if steps else None
         if steps:
-            await asyncio.to_thread(self._apply_and_log, steps)
             for items, v in steps:
                 for item in items:
                     delay = v - 1 - item.update.base_version
@@ -406,15 +428,17 @@ class ParameterServer:
                     acks.append((item.update, "accepted", "", delay, self.policy in ("sync", "adaptive")))
         if adaptive:
             self._adaptive_refresh()
+            await self._publish_sync_state()
         self.m_pending.set(len(self._queue) + len(self._round) + len(self._deferred))
-        if steps:
+        if model_message is not None:
             # the model goes out before the acks, so a worker acked for version v usually has v
-            await self._publish_model()
-        for u, status, reason, delay, resync in acks:
-            await self._ack(u, status, reason, delay=delay, resync=resync)
+            await self._publish_model(model_message)
+        # acks go to different devices: out at once, not one PUBACK after another
+        await asyncio.gather(*(self._ack(u, status, reason, delay=delay, resync=resync)
+                               for u, status, reason, delay, resync in acks))
         if steps:
             self.m_step.observe(time.perf_counter() - started)
-            await self._maybe_evaluate()
+            self._maybe_evaluate()
             self._since_checkpoint += len(steps)
             if self._since_checkpoint >= self.cfg.ps.checkpoint_every:
                 await asyncio.to_thread(self._checkpoint)
@@ -424,12 +448,13 @@ class ParameterServer:
         assert self.state is not None and self._wal is not None
         t = self.cfg.training
         records = []
+        planned = sum(d.batch_size for d in self.plan.devices) if self.plan is not None else 0
         for items, v in steps:
             total = sum(i.update.samples for i in items)
             weights = [i.update.samples / total for i in items]
             if self.policy == "adaptive":
-                weights = [w * self.adaptive.weight(v - 1 - i.update.base_version)
-                           for w, i in zip(weights, items, strict=True)]
+                weights = round_weights([i.update.samples for i in items],
+                                        [v - 1 - i.update.base_version for i in items], planned)
             elif self.policy != "sync" and self.cfg.ps.staleness_weighting:
                 weights = [w * rules.staleness_weight(v - 1 - i.update.base_version)
                            for w, i in zip(weights, items, strict=True)]
@@ -455,6 +480,11 @@ class ParameterServer:
         self.m_version.set(self.version)
 
     def _checkpoint(self) -> None:
+        """Write a checkpoint and start a fresh log (in a thread, never during a step)."""
+        with self._state_lock:
+            self._write_checkpoint()
+
+    def _write_checkpoint(self) -> None:
         if self.state is None or self._wal is None:
             return
         store.write_checkpoint(self.state_dir, store.Snapshot(
@@ -464,7 +494,8 @@ class ParameterServer:
             momentum=self.state.momentum,
             high_water=self.high_water,
             clocks=self.clocks,
-            settings={"policy": self.policy, "bound": self.bound, "lr": self.lr},
+            settings={"policy": self.policy, "bound": self.bound, "lr": self.lr,
+                      "delay_indices": dict(self.adaptive.indices)},
         ))
         self._wal.reset()
         self._since_checkpoint = 0
@@ -499,15 +530,15 @@ class ParameterServer:
     def _delta(self) -> bytes:
         """The encoded change from the workers' view to the model; the view takes what was sent."""
         assert self.state is not None and self._view is not None
-        codec = get_codec(self.cfg.ps.delta_codec)
         policy = CodecPolicy(device="ps", codec=self.cfg.ps.delta_codec, density=self.cfg.ps.delta_density)
         shards = []
         for name, param in self.state.params.items():
             change = (param - self._view[name]).reshape(-1)
+            codec = codec_for(self.cfg.ps.delta_codec, change.size)
             data = codec.encode(change, policy)
             self._view[name] += codec.decode(data, change.size).reshape(param.shape)
             shards.append(ShardUpdate(param=name, start=0, stop=int(param.shape[0]),
-                                      codec=self.cfg.ps.delta_codec, data=data))
+                                      codec=codec.name, data=data))  # type: ignore[arg-type]
         delta = ModelDelta(version=self.version, base_version=self._view_version,
                            model_spec=self.cfg.training.model_spec, shards=tuple(shards), created=time.time())
         self._view_version = self.version
@@ -515,7 +546,35 @@ class ParameterServer:
 
     async def _on_connect(self) -> None:
         self._request_snapshot()  # the first, or a restarted broker has lost the retained model
+        self._sync_published = None  # and the retained sync state
 
+    def sync_state(self) -> SyncState:
+        """What the parameter server tells the planner about synchronization now."""
+        adaptive = self.policy == "adaptive"
+        a = self.adaptive
+        live = a.live_devices
+        return SyncState(
+            policy=self.policy, version=self.version, time=time.time(),
+            bound=a.bound() if adaptive else self.bound,
+            deadline_s=a.deadline(self._live_clusters()) if adaptive else 0.0,
+            delay_indices={d: round(i, 3) for d, i in a.indices.items() if live is None or d in live} if adaptive
+            else {},
+            slow=tuple(a.slow_devices()) if adaptive else ())
+
+    async def _publish_sync_state(self) -> None:
+        """Publish the retained sync state when the policy, bound or slow devices changed, or, when
+        only delay indices moved, at most every ``ps.sync_state_interval_s``."""
+        assert self.bus is not None
+        state = self.sync_state()
+        key = (state.policy, state.bound, state.slow)
+        now = time.monotonic()
+        if self._sync_published is not None:
+            if self._sync_published[:3] == key and (
+                    self._sync_published[3] == state.delay_indices
+                    or now - self._sync_published_at < self.cfg.ps.sync_state_interval_s):
+                return
+        self._sync_published, self._sync_published_at = (*key, state.delay_indices), now
+        await self.bus.publish(self.topics.sync(), state, retain=True)
     def _request_snapshot(self) -> None:
         """Have the step loop publish a snapshot: model publishing is serialized with stepping."""
         self._snapshot_requested = True
@@ -526,32 +585,62 @@ class ParameterServer:
         payload = await asyncio.to_thread(self._snapshot)
         await self.bus.publish(self.topics.model(), payload, retain=True, kind="model")
 
-    async def _publish_model(self) -> None:
-        """After a step: a snapshot, or in delta mode a delta (a snapshot when one is due)."""
-        assert self.bus is not None
+    def _model_message(self) -> tuple[bytes, bool]:
+        """After a step: the encoded snapshot or, in delta mode, delta (a snapshot when one is due);
+        True for a snapshot."""
         if self.cfg.ps.broadcast == "snapshot" or self._view is None or \
                 self.version - self._last_full >= self.cfg.ps.snapshot_every:
-            await self._publish_snapshot()
-            return
-        payload = await asyncio.to_thread(self._delta)
-        await self.bus.publish(self.topics.model_delta(), payload, kind="model_delta")
+            return self._snapshot(), True
+        return self._delta(), False
 
-    async def _maybe_evaluate(self) -> None:
-        every = self.cfg.ps.eval_every
-        if not every or self.version - self._last_eval_version < every:
-            return
-        self._last_eval_version = self.version
-        version = self.version
-        loss, accuracy = await asyncio.to_thread(self._evaluate)
-        self.last_accuracy = accuracy
-        self.m_accuracy.set(accuracy)
-        self.m_loss.set(loss)
-        await self.ops.event("evaluation", f"version {version}: accuracy {accuracy:.4f}, loss {loss:.4f}",
-                          version=version, accuracy=accuracy, loss=loss)
+    def _step(self, steps: list[tuple[list[Pending], int]]) -> tuple[bytes, bool]:
+        """Apply and log ``steps``, then encode the model to broadcast (one thread hop for both)."""
+        with self._state_lock:
+            self._apply_and_log(steps)
+        return self._model_message()
 
-    def _evaluate(self) -> tuple[float, float]:
+    async def _publish_model(self, message: tuple[bytes, bool]) -> None:
+        assert self.bus is not None
+        payload, snapshot = message
+        if snapshot:
+            await self.bus.publish(self.topics.model(), payload, retain=True, kind="model")
+        else:
+            await self.bus.publish(self.topics.model_delta(), payload, kind="model_delta")
+
+    def _maybe_evaluate(self) -> None:
+        """Hand the model to the evaluation loop every ``ps.eval_every`` versions, and every
+        ``ps.eval_interval_s`` seconds the model moved."""
+        every, interval = self.cfg.ps.eval_every, self.cfg.ps.eval_interval_s
+        by_count = bool(every) and self.version - self._last_eval_version >= every
+        by_time = bool(interval) and self.version != self._last_eval_version and \
+            time.monotonic() - self._last_eval_time >= interval
+        if not (by_count or by_time):
+            return
         assert self.state is not None
-        models.set_params(self._model, self.state.params)
+        self._last_eval_version = self.version
+        self._last_eval_time = time.monotonic()
+        # a copy: the step loop goes on changing the weights while the evaluation runs
+        self._to_evaluate = (self.version, {k: v.copy() for k, v in self.state.params.items()})
+        self._eval_wake.set()
+
+    async def _eval_loop(self) -> None:
+        """Evaluate the latest model handed over, off the step loop (stepping does not wait for it)."""
+        while True:
+            await self._eval_wake.wait()
+            self._eval_wake.clear()
+            if self._to_evaluate is None:
+                continue
+            version, params = self._to_evaluate
+            self._to_evaluate = None
+            loss, accuracy = await asyncio.to_thread(self._evaluate, params)
+            self.last_accuracy = accuracy
+            self.m_accuracy.set(accuracy)
+            self.m_loss.set(loss)
+            await self.ops.event("evaluation", f"version {version}: accuracy {accuracy:.4f}, loss {loss:.4f}",
+                                 version=version, accuracy=accuracy, loss=loss)
+
+    def _evaluate(self, params: dict[str, np.ndarray]) -> tuple[float, float]:
+        models.set_params(self._model, params)
         return models.evaluate(self._model, self._test_set)
 
     # ------------------------------------------------------------------ control
@@ -589,6 +678,8 @@ class ParameterServer:
                               "set-bound, set-lr, stop)", {}
         self.m_paused.set(1 if self.paused else 0)
         self._adaptive_refresh()
+        if cmd.command in ("set-sync-policy", "set-bound"):
+            self._sync_published = None  # the step loop publishes the new state (woken above)
         return True, "ok", {"version": self.version, "policy": self.policy, "bound": self.bound, "lr": self.lr,
                             "paused": self.paused, "accuracy": self.last_accuracy,
                             "adaptive_bound": self.adaptive.bound(),

@@ -4,16 +4,17 @@ Pure functions, no I/O: the planner service wires them to the bus, tests and ben
 them directly.
 
 This release plans plain data parallelism (DESIGN.md §4, "single-device clusters"): every
-device is its own cluster and one data-parallel replica. The hybrid training-grid strategy
-(multi-device clusters sized from FLOPS, memory and link rate, with filter division inside a
-cluster) comes with the adaptive policy; ``DeviceInfo`` already carries what it needs.
+device is its own cluster and one data-parallel replica, with the batch size ``batching``
+chose for it. The hybrid training grid (multi-device clusters with filter division inside a
+cluster) is issue 5; ``DeviceInfo`` already carries what it needs.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from edgemesh.common.config import TrainingConfig
 from edgemesh.common.messages import DeviceHello, Plan, PlanCluster, PlanDevice
@@ -64,15 +65,19 @@ def plan_data_parallel(
     training: TrainingConfig,
     reason: str,
     created: float = 0.0,
+    batches: Mapping[str, int] | None = None,
+    batching: Literal["uniform", "balanced"] = "uniform",
+    round_time_s: float = 0.0,
+    sync_policy: str | None = None,
 ) -> Plan:
     """A data-parallel plan: one cluster per device, one data shard per device.
 
     Devices are ordered by name, so the same live set always yields the same layout:
     the device at position *i* gets ``shard_index`` *i* of ``shard_count`` *n* and
-    cluster ``c-<device>``. Every device gets ``training.batch_size``: sizing batches to
-    each device's speed (so that clusters finish an iteration together) comes with the
-    adaptive policy. An empty ``devices`` gives a plan with no devices and no clusters
-    (everyone left). ``created`` is the plan's timestamp, passed in to keep this pure.
+    cluster ``c-<device>``. Each device gets its size from ``batches`` (see ``batching``),
+    else ``training.batch_size``. An empty ``devices`` gives a plan with no devices and no
+    clusters (everyone left). ``created`` is the plan's timestamp, passed in to keep this pure;
+    ``sync_policy`` is the policy in force at the parameter server (default: the configured one).
 
     Raises ValueError if a device name appears twice.
     """
@@ -83,7 +88,7 @@ def plan_data_parallel(
     count = len(ordered)
     members = tuple(
         PlanDevice(device=d.device, cluster=cluster_name(d.device), shard_index=i, shard_count=count,
-                   batch_size=training.batch_size)
+                   batch_size=(batches or {}).get(d.device, training.batch_size))
         for i, d in enumerate(ordered)
     )
     clusters = tuple(PlanCluster(cluster=cluster_name(d.device), members=(d.device,)) for d in ordered)
@@ -95,11 +100,13 @@ def plan_data_parallel(
         partition=training.partition,
         partition_alpha=training.partition_alpha,
         seed=training.seed,
-        sync_policy=training.sync_policy,
+        sync_policy=sync_policy or training.sync_policy,  # type: ignore[arg-type]
         staleness_bound=training.staleness_bound,
         devices=members,
         clusters=clusters,
         reason=reason,
+        batching=batching,
+        round_time_s=round_time_s,
     )
     for member in members:
         member.validate()

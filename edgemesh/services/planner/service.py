@@ -6,9 +6,19 @@ Backbone, top to bottom:
 2. consume: keep the registry (latest hello, status and stats per device) and mark the live
    set dirty when it changes;
 3. replan loop: once retained state has settled after start-up, and then at most once per
-   debounce window, compute the layout of the live, undrained devices (``layout``) and
-   publish it retained on ``plan`` with the next version, plus a ``replan`` event;
+   debounce window, compute the layout of the live, undrained devices (``layout``) with their
+   batch sizes (``batching``) and publish it retained on ``plan`` with the next version, plus a
+   ``replan`` event;
 4. control: status, replan, drain-device, undrain-device, stop.
+
+Batch sizes are uniform, or balanced to each device's measured speed (``planner.batching``;
+``auto`` balances under the ``adaptive`` policy, read from the parameter server's retained
+``sync`` state). Balanced batches follow the stats: a new plan goes out when a batch would move
+by more than ``planner.rebalance_threshold``, at most once per ``planner.rebalance_interval_s``.
+Devices the parameter server lists as slow get smaller batches.
+
+A device whose memory holds no batch of the model, or that refused its share (its status
+names the plan it refused), is left out of plans until it restarts with a new incarnation.
 
 A device is *live* when its latest status is ``online`` and its hello has been seen with the
 same incarnation (any hello when the status carries incarnation 0). Incarnations grow with
@@ -29,14 +39,15 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from edgemesh.common import wire
+from edgemesh.common import costs, wire
 from edgemesh.common.bus import Bus, Incoming
 from edgemesh.common.config import Config
-from edgemesh.common.errors import BusError, WireError
+from edgemesh.common.errors import BusError, ModelError, WireError
 from edgemesh.common.messages import (
     ControlCommand,
     DeviceHello,
@@ -44,10 +55,12 @@ from edgemesh.common.messages import (
     DeviceStatus,
     Plan,
     Scalar,
+    SyncState,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics, valid_name
 from edgemesh.services.operations import Operations, consume
+from edgemesh.services.planner import batching
 from edgemesh.services.planner.layout import DeviceInfo, plan_data_parallel
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 
@@ -62,7 +75,7 @@ UNKNOWN_INCARNATION = -1
 LIST_MAX_CHARS = 2000
 """Longest list of device names in a ``status`` reply or ``replan`` event (wire strings are bounded);
 the names that do not fit are counted instead."""
-REPLAN_REASONS = ("join", "leave", "control", "start")
+REPLAN_REASONS = ("join", "leave", "control", "start", "rebalance")
 COMMANDS = ("status", "replan", "drain-device", "undrain-device", "stop")
 
 
@@ -78,7 +91,15 @@ class Planner:
         self.hellos: dict[str, DeviceHello] = {}
         self.statuses: dict[str, DeviceStatus] = {}
         self.stats: dict[str, DeviceStats] = {}
-        """Latest measurements per device; the adaptive layout will use them."""
+        """Latest measurements per device."""
+        self.speeds = batching.SpeedTracker()
+        """Step times and uploads each device reported, for balanced batches."""
+        self.sync_state: SyncState | None = None
+        """The parameter server's latest retained sync state (policy, slow devices)."""
+        self._unfit: dict[str, int] = {}
+        """Devices left out because their memory holds no batch, with the incarnation that said so."""
+        self._last_rebalance = -math.inf
+        self._rebalance_timer: asyncio.TimerHandle | None = None
         self.drained: set[str] = set()
         self.plan: Plan | None = None
         """The current plan: the last one published, or the retained one adopted at start."""
@@ -98,6 +119,9 @@ class Planner:
         self.m_replans = m.counter("replans", "Plans published, by cause", ["reason"])
         for reason in REPLAN_REASONS:
             self.m_replans.labels(reason=reason)
+        self.m_excluded = m.gauge("devices_excluded", "Live devices left out of the plan: their memory holds "
+                                  "no batch, or they refused their share")
+        self.m_round = m.gauge("predicted_round_seconds", "Balanced plans: the iteration time the batches aim at")
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
@@ -109,7 +133,7 @@ class Planner:
                 client_id=client_id(SERVICE, self.cfg),
                 metrics=self.metrics,
                 subscriptions=[
-                    self.topics.plan(),
+                    self.topics.plan(), self.topics.sync(),
                     self.topics.all_hello(), self.topics.all_status(), self.topics.all_stats(),
                     self.topics.control(SERVICE), self.topics.control("all"),
                 ],
@@ -124,6 +148,8 @@ class Planner:
                 await supervise(self.stop, consume(self.bus, self.metrics, self._dispatch), self._replan_loop())
             finally:
                 self.metrics.up.set(0)
+                if self._rebalance_timer is not None:
+                    self._rebalance_timer.cancel()
 
     async def _on_connect(self) -> None:
         """First connect: let the replan loop start. Reconnects: restore the retained plan
@@ -145,10 +171,11 @@ class Planner:
                 status = _for_device(msg.decode(DeviceStatus), device)
                 self._registry_update(device, lambda: self._on_status(status))
             case ["device", device, "stats"]:
-                self.stats[device] = _for_device(msg.decode(DeviceStats), device)
-                self.metrics.received_messages.labels(kind="stats").inc()
+                self._on_stats(_for_device(msg.decode(DeviceStats), device))
             case ["plan"]:
                 self._on_plan(msg.decode(Plan))
+            case ["sync"]:
+                self._on_sync(msg.decode(SyncState))
             case ["control", *_]:
                 await self.ops.control(msg.decode(ControlCommand), self._apply_control)
             case _:
@@ -179,6 +206,24 @@ class Planner:
                          status.incarnation)
             return
         self.statuses[status.device] = status
+
+    def _on_stats(self, stats: DeviceStats) -> None:
+        self.metrics.received_messages.labels(kind="stats").inc()
+        hello = self.hellos.get(stats.device)
+        if hello is not None and 0 < stats.incarnation < hello.incarnation:
+            return  # a previous run's
+        self.stats[stats.device] = stats
+        self.speeds.observe(stats.device, stats.batch_size, stats.step_time_s, stats.upload_time_s)
+        if self._batching() == "balanced" and self.plan is not None and self.plan.device(stats.device):
+            self._dirty.set()
+
+    def _on_sync(self, state: SyncState) -> None:
+        """The parameter server's policy or its slow devices changed: batches may change."""
+        self.metrics.received_messages.labels(kind="sync_state").inc()
+        before = self.sync_state
+        self.sync_state = state
+        if before is None or (before.policy, before.slow) != (state.policy, state.slow):
+            self._dirty.set()
 
     def _on_plan(self, plan: Plan) -> None:
         """A plan on the plan topic: our own echo, or the retained plan of a previous run."""
@@ -213,15 +258,103 @@ class Planner:
         return out
 
     def _plannable(self) -> dict[str, DeviceHello]:
-        return {name: hello for name, hello in self.live().items() if name not in self.drained}
+        return {name: hello for name, hello in self.live().items()
+                if name not in self.drained and not self._excluded(name, hello)}
 
     def _plannable_incarnation(self, name: str) -> int | None:
         hello = self._live_hello(name)
-        return None if hello is None or name in self.drained else hello.incarnation
+        return None if hello is None or name in self.drained or self._excluded(name, hello) else hello.incarnation
+
+    def _excluded(self, name: str, hello: DeviceHello) -> bool:
+        """Whether a live device is left out: it refused a share, or its memory holds no batch."""
+        status = self.statuses.get(name)
+        if status is not None and status.refused_plan:
+            return True
+        return self._unfit.get(name) == hello.incarnation
+
+    def _refusals(self) -> list[str]:
+        return sorted(name for name, status in self.statuses.items()
+                      if status.refused_plan and self._live_hello(name) is not None)
+
+    # ------------------------------------------------------------------ batches
+    def _policy(self) -> str:
+        """The synchronization policy in force: the parameter server's, else the configured one."""
+        return self.sync_state.policy if self.sync_state is not None else self.cfg.training.sync_policy
+
+    def _batching(self) -> str:
+        mode = self.cfg.planner.batching
+        if mode == "auto":
+            return "balanced" if self._policy() == "adaptive" else "uniform"
+        return mode
+
+    def _check_memory(self) -> None:
+        """Mark live devices whose memory holds no batch of the model (they are left out of plans)."""
+        spec = self.cfg.training.model_spec
+        for name, hello in self.live().items():
+            if self._unfit.get(name) == hello.incarnation:
+                continue
+            try:
+                fits = costs.max_batch_for_memory(spec, hello.memory_bytes) >= 1
+            except ModelError:
+                return  # a model without cost figures: nothing to check against
+            if not fits:
+                logger.warning("%s: %.0f MiB cannot hold a batch of %s (one sample needs %.0f MiB); leaving it out",
+                               name, hello.memory_bytes / 2**20, spec, costs.training_memory_bytes(spec, 1) / 2**20)
+                self._unfit[name] = hello.incarnation
+
+    def _speeds(self, devices: dict[str, DeviceHello]) -> list[batching.DeviceSpeed]:
+        """Every device's speed (empty for a model without cost figures: batches stay uniform)."""
+        spec = self.cfg.training.model_spec
+        slow = self.sync_state.slow if self.sync_state is not None else ()
+        lags = self.sync_state.delay_indices if self.sync_state is not None else {}
+        out = []
+        for name, hello in sorted(devices.items()):
+            try:
+                speed = self.speeds.speed(name, spec=spec, matmul_flops=hello.flops, memory_bytes=hello.memory_bytes,
+                                          lag=lags.get(name, 0.0) if name in slow else 0.0,
+                                          reference_batch=self.cfg.training.batch_size)
+            except ModelError:
+                return []
+            if speed is not None:
+                out.append(speed)
+        return out
+
+    def _batches(self, devices: dict[str, DeviceHello], current: Plan | None,
+                 membership_changed: bool) -> tuple[str, batching.Batches | None]:
+        """(mode, batches) for ``devices``; None batches mean ``training.batch_size`` for all.
+
+        A balanced proposal that moves no batch by more than the threshold keeps the current
+        sizes; one that does, but comes sooner than the rebalance interval after the last, is
+        put off (a timer marks the plan dirty when it is due).
+        """
+        mode = self._batching()
+        speeds = self._speeds(devices)
+        p = self.cfg.planner
+        if mode != "balanced" or not speeds:
+            return "uniform", batching.uniform(speeds, self.cfg.training.batch_size) if speeds else None
+        total = p.round_samples or self.cfg.training.batch_size * len(speeds)
+        proposal = batching.balanced(speeds, total=total, min_batch=p.min_batch, max_batch=p.max_batch)
+        logger.debug("balanced batches for a %.1f ms round: %s", proposal.round_time_s * 1e3, ", ".join(
+            f"{s.device} {proposal.sizes[s.device]} ({s.fixed_s * 1e3:.1f} ms + {s.sample_s * 1e3:.2f} ms/sample)"
+            for s in speeds))
+        if membership_changed or current is None or current.batching != "balanced":
+            return mode, proposal
+        sizes = {d.device: d.batch_size for d in current.devices}
+        if not batching.needs_rebalance(sizes, proposal.sizes, p.rebalance_threshold):
+            by_name = {s.device: s for s in speeds}
+            return mode, batching.Batches(sizes, max(by_name[n].iteration_s(b) for n, b in sizes.items()))
+        wait = self._last_rebalance + p.rebalance_interval_s - time.monotonic()
+        if wait > 0:
+            if self._rebalance_timer is None or self._rebalance_timer.when() <= asyncio.get_running_loop().time():
+                self._rebalance_timer = asyncio.get_running_loop().call_later(wait, self._dirty.set)
+            return mode, batching.Batches(sizes, current.round_time_s)
+        return mode, proposal
 
     def _update_gauges(self) -> None:
-        self.m_live.set(len(self.live()))
+        live = self.live()
+        self.m_live.set(len(live))
         self.m_drained.set(len(self.drained))
+        self.m_excluded.set(sum(1 for name, hello in live.items() if self._excluded(name, hello)))
 
     # ------------------------------------------------------------------ planning
     async def _replan_loop(self) -> None:
@@ -245,6 +378,7 @@ class Planner:
         """
         assert self.bus is not None
         async with self._lock:
+            self._check_memory()
             devices = self._plannable()
             current = {name: hello.incarnation for name, hello in devices.items()}
             joined = sorted(
@@ -258,19 +392,31 @@ class Planner:
                     logger.info("%d device(s) live; waiting for %d before planning", len(current),
                                 self.cfg.planner.min_devices)
                 return None, f"no plan: {len(current)} device(s) live, {self.cfg.planner.min_devices} needed"
-            reason = cause or ("join" if joined else "leave" if left else "start")
+            mode, batches = self._batches(devices, self.plan, bool(joined or left))
+            self._update_gauges()
             plan = plan_data_parallel(
                 [DeviceInfo.from_hello(h) for h in devices.values()],
                 version=self.version + 1,
                 training=self.cfg.training,
-                reason=reason,
+                reason="",
                 created=time.time(),
+                batches=batches.sizes if batches is not None else None,
+                batching=mode,  # type: ignore[arg-type]
+                round_time_s=batches.round_time_s if batches is not None and mode == "balanced" else 0.0,
+                sync_policy=self._policy(),
             )
             plan = dataclasses.replace(plan, drained=tuple(sorted(self.drained)))
             if not (force or joined or left or not _same_layout(plan, self.plan)):
                 self._planned = current  # learn incarnations of a plan adopted from the broker
                 return None, f"plan version {self.version} is current"
+            rebalanced = self.plan is not None and not (joined or left) and _same_members(plan, self.plan) \
+                and _batch_sizes(plan) != _batch_sizes(self.plan)
+            reason = cause or ("join" if joined else "leave" if left else "rebalance" if rebalanced else "start")
+            plan = dataclasses.replace(plan, reason=reason)
+            if rebalanced:
+                self._last_rebalance = time.monotonic()
             self.plan, self.version, self._planned = plan, plan.version, current
+            self.m_round.set(plan.round_time_s)
             self.m_version.set(plan.version)
             self.m_replans.labels(reason=reason).inc()
             await self.bus.publish(self.topics.plan(), plan, retain=True)
@@ -278,6 +424,9 @@ class Planner:
                     f"{len(plan.clusters)} cluster(s); joined {_listing(joined) or '-'}; "
                     f"left {_listing(left) or '-'}")
             logger.info("%s", text)
+            if plan.batching == "balanced":
+                logger.info("batches for a %.1f ms round: %s", plan.round_time_s * 1e3,
+                            _listing([f"{d.device}={d.batch_size}" for d in plan.devices]))
             await self.ops.event("replan", text, version=plan.version, reason=reason, joined=_listing(joined),
                               left=_listing(left), devices=len(plan.devices), clusters=len(plan.clusters))
             return plan, text
@@ -321,6 +470,10 @@ class Planner:
             "live": _listing(live),
             "devices_live": len(live),
             "drained": _listing(sorted(self.drained)),
+            "refused": _listing(self._refusals()),
+            "unfit": _listing(sorted(self._unfit)),
+            "batching": self.plan.batching if self.plan is not None else self._batching(),
+            "policy": self._policy(),
             "known": len(self.hellos),
             "plan_version": self.version,
             "plan_devices": len(self.plan.devices) if self.plan is not None else 0,
@@ -353,6 +506,14 @@ def _for_device(msg: M, topic_device: str) -> M:
     if msg.device != topic_device:
         raise WireError(f"{wire.kind_of(msg)} for {msg.device!r} on the topic of {topic_device!r}", "topic")
     return msg
+
+
+def _same_members(a: Plan, b: Plan) -> bool:
+    return [d.device for d in a.devices] == [d.device for d in b.devices]
+
+
+def _batch_sizes(plan: Plan) -> dict[str, int]:
+    return {d.device: d.batch_size for d in plan.devices}
 
 
 def _same_layout(new: Plan, old: Plan | None) -> bool:

@@ -25,6 +25,8 @@ class LinkMeter:
         self.declared_bps = declared_bps
         self.smoothing = smoothing
         self.measured_bps = 0.0
+        self.upload_s = 0.0
+        """Moving average of the time from publish to PUBACK of one update, seconds (0 = none yet)."""
         self.samples = 0
 
     def declare(self, rate_bps: float) -> None:
@@ -39,9 +41,10 @@ class LinkMeter:
             return
         sample = nbytes / seconds
         if self.samples == 0:
-            self.measured_bps = sample
+            self.measured_bps, self.upload_s = sample, seconds
         else:
             self.measured_bps += self.smoothing * (sample - self.measured_bps)
+            self.upload_s += self.smoothing * (seconds - self.upload_s)
         self.samples += 1
 
     @property

@@ -68,9 +68,11 @@ def cpu_temperature() -> float | None:
 
 
 def measure(seconds: float, memory_override: int = 0) -> Profile:
+    """The device as it is: FLOPS, and the memory training may use (what is free plus what this
+    process already holds, since the memory estimate of a share counts the process itself)."""
     return Profile(
         flops=measure_flops(seconds),
-        memory_bytes=memory_override or available_memory(),
+        memory_bytes=memory_override or available_memory() + rss_bytes(),
         cores=os.cpu_count() or 1,
         platform=f"{platform.system()}-{platform.machine()}",
     )

@@ -11,6 +11,15 @@ Backbone, top to bottom:
    rate (``worker.link_rate_bps``, or measured: see ``link``) with the float32 size of one
    gradient, from which the compressor picks this device's codec and density.
 
+A plan share whose estimated memory (``costs.training_memory_bytes``) exceeds what the device
+offers is refused: the retained status names the refused plan and why, and the worker waits
+for a plan that gives it less.
+
+With ``worker.emulate = PROFILE`` (``--emulate``) the device stands in for a board of
+``edgemesh.common.emulation``: its hello reports the profile's speed, memory and uplink, every
+training step is held until it would have ended on that board, and its MQTT connection goes
+through an :class:`EmulatedLink` with the board's rates, latency and disconnects. Off by default.
+
 The codec policy is read afresh for every update, so a new codec or density applies from the
 next one; error feedback is keyed by parameter and survives such changes. A policy with
 ``gateway = true`` (the device said ``can_encode = false``) makes the worker send raw float32
@@ -22,21 +31,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import importlib.metadata
 import logging
+import os
 import socket
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from edgemesh.common import models
+from edgemesh.common import costs, models
 from edgemesh.common.bus import Bus, Incoming
-from edgemesh.common.codecs import ErrorFeedback, get_codec
-from edgemesh.common.config import Config
+from edgemesh.common.codecs import ErrorFeedback, codec_for, get_codec
+from edgemesh.common.config import BrokerConfig, Config
 from edgemesh.common.data import BatchIterator, load_dataset, shard
-from edgemesh.common.errors import WireError
+from edgemesh.common.emulation.compute import ComputeStretch, measure_host_gflops
+from edgemesh.common.emulation.link import EmulatedLink
+from edgemesh.common.emulation.profiles import DeviceProfile, get_profile
+from edgemesh.common.errors import BusError, ConfigError, ModelError, WireError
 from edgemesh.common.messages import (
     CodecPolicy,
     ControlCommand,
@@ -116,6 +131,19 @@ class Worker:
         self._last_loss: float | None = None
         self.profile: prof.Profile | None = None
         self.bus: Bus | None = None
+        self.emulated: DeviceProfile | None = None
+        """The board this worker emulates (``worker.emulate``), or None for a real device."""
+        if config.worker.emulate:
+            self.emulated = get_profile(config.worker.emulate, config.worker.emulation_profiles or None)
+            if config.broker.tls:
+                raise ConfigError("worker.emulate: the emulated link relays plain TCP; use mqtt://, not mqtts://")
+            if not config.worker.link_rate_bps:
+                self.link.declare(self.emulated.uplink_bps)
+        self.stretch: ComputeStretch | None = None
+        self.emulated_link: EmulatedLink | None = None
+        self._refused = 0
+        """Version of the last plan whose share did not fit this device's memory (0 = none)."""
+        self._refusal = ""
 
         m = self.metrics = ServiceMetrics(SERVICE)
         self.m_steps = m.counter("steps", "Training steps computed")
@@ -127,22 +155,31 @@ class Worker:
         self.m_version = m.gauge("model_version", "Version of the model this worker trains on")
         self.m_ack = m.histogram("ack_seconds", "Time from publishing an update to its ack", STEP_BUCKETS)
         self.m_loss = m.gauge("loss", "Training loss of the last batch")
+        self.m_refused = m.counter("refused_shares", "Plan shares refused because they do not fit in memory")
+        self.m_overruns = m.counter("emulation_overruns", "Emulated steps the host could not compute in the "
+                                    "emulated time (the device then ran at the host's pace)")
+        self.m_link_cuts = m.gauge("emulation_link_disconnects", "Emulated link: connections cut (spontaneous "
+                                   "or forced) so far")
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> None:
         import torch  # heavy: only the training processes pay for it
 
         torch.set_num_threads(self.cfg.worker.threads)
-        self.profile = await asyncio.to_thread(prof.measure, self.cfg.worker.profile_seconds,
-                                               self.cfg.worker.memory_bytes)
-        logger.info("%s: %.2f GFLOP/s, %.0f MiB available", self.device, self.profile.flops / 1e9,
-                    self.profile.memory_bytes / 2**20)
+        self.profile = await asyncio.to_thread(self._measure)
+        logger.info("%s: %.2f GFLOP/s, %.0f MiB available%s", self.device, self.profile.flops / 1e9,
+                    self.profile.memory_bytes / 2**20,
+                    f" (emulating {self.emulated.name}: steps {self.stretch.ratio:.1f}x the host's)"
+                    if self.emulated is not None and self.stretch is not None else "")
         will = encode(DeviceStatus(device=self.device, state="offline", incarnation=self.incarnation))
         async with contextlib.AsyncExitStack() as stack:
             self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port_file)
             stack.callback(self.metrics.close)
+            broker = self.cfg.broker
+            if self.emulated is not None:
+                broker = await self._enter_emulated_link(stack, broker)
             self.bus = await stack.enter_async_context(Bus(
-                self.cfg.broker,
+                broker,
                 client_id=client_id(SERVICE, self.cfg, self.device),
                 metrics=self.metrics,
                 subscriptions=[
@@ -168,20 +205,53 @@ class Worker:
                                 device=self.device, state="offline", incarnation=self.incarnation,
                                 time=time.time()), retain=True)
 
+    def _measure(self) -> prof.Profile:
+        """The device's profile: measured, or the emulated board's (in a thread: it benchmarks)."""
+        w = self.cfg.worker
+        if self.emulated is None:
+            return prof.measure(w.profile_seconds, w.memory_bytes)
+        host = w.emulation_host_gflops or measure_host_gflops(w.threads)
+        self.stretch = ComputeStretch.for_device(host, self.emulated.train_gflops)
+        if self.stretch.ratio < 1:
+            logger.warning("%s: this host (%.1f GFLOP/s) is slower than an emulated %s (%.1f): steps run at the "
+                           "host's pace", self.device, host, self.emulated.name, self.emulated.train_gflops)
+        return prof.Profile(flops=self.emulated.train_gflops * 1e9,
+                            memory_bytes=w.memory_bytes or self.emulated.memory_bytes,
+                            cores=os.cpu_count() or 1, platform=f"emulated-{self.emulated.name}")
+
+    async def _enter_emulated_link(self, stack: contextlib.AsyncExitStack, broker: BrokerConfig) -> BrokerConfig:
+        """Start the emulated link in front of the broker; the bus connects to it instead."""
+        assert self.emulated is not None
+        w = self.cfg.worker
+        seed = int.from_bytes(hashlib.sha256(f"{w.emulation_seed}/{self.device}".encode()).digest()[:4], "big")
+        self.emulated_link = await stack.enter_async_context(EmulatedLink(
+            self.emulated.link(), upstream_host=broker.host, upstream_port=broker.port, seed=seed, name=self.device,
+            max_outage_s=w.emulation_max_outage_s or None))
+        link = self.emulated_link
+        logger.info("%s: emulated link %s:%d -> %s (%s)", self.device, link.host, link.port, broker.url,
+                    self.emulated.description or self.emulated.name)
+        return replace(broker, url=f"mqtt://{link.host}:{link.port}")
+
     async def _on_connect(self) -> None:
         """(Re)announce the device; resend the update still waiting for its ack."""
         assert self.bus is not None and self.profile is not None
-        await self.bus.publish(self.topics.status(self.device), DeviceStatus(
-            device=self.device, state="online", incarnation=self.incarnation, time=time.time()), retain=True)
+        await self._publish_status()
         await self.bus.publish(self.topics.hello(self.device), DeviceHello(
             device=self.device, incarnation=self.incarnation, flops=self.profile.flops,
             memory_bytes=self.profile.memory_bytes, cores=self.profile.cores, platform=self.profile.platform,
             software=_software(), can_encode=self.cfg.worker.can_encode,
-            link_rate_bps=self.link.declared_bps), retain=True)
+            link_rate_bps=self.link.declared_bps, profile=self.emulated.name if self.emulated else ""), retain=True)
         if self.pending is not None and self._pending_payload is not None and self.bus.connections > 1:
             self.m_resends.inc()
             logger.info("%s: resending update %d after reconnect", self.device, self.pending.seq)
             await self.bus.publish(self._pending_topic, self._pending_payload, kind="gradient")
+
+    async def _publish_status(self) -> None:
+        """The retained ``online`` status, naming the plan this device refused if it did."""
+        assert self.bus is not None
+        await self.bus.publish(self.topics.status(self.device), DeviceStatus(
+            device=self.device, state="online", incarnation=self.incarnation, time=time.time(),
+            refused_plan=self._refused, reason=self._refusal), retain=True)
 
     # ------------------------------------------------------------------ consuming
     async def _dispatch(self, msg: Incoming) -> None:
@@ -209,8 +279,8 @@ class Worker:
                 self.view.load(snap)
             case ["model", "delta"]:
                 delta = msg.decode(ModelDelta)
-                if delta.model_spec == self._spec() and self.view.apply(delta):
-                    self.metrics.received_messages.labels(kind="model_delta").inc()
+                if delta.model_spec == self._spec():
+                    self.view.apply(delta)
             case ["ack", _]:
                 ack = msg.decode(UpdateAck)
                 future = self._acks.get(ack.seq)
@@ -262,38 +332,59 @@ class Worker:
                     logger.info("%s: waiting for %s", self.device, what)
 
     # ------------------------------------------------------------------ training
-    def _prepare(self) -> None:
-        """Build the model and this device's shard for the current plan (in a thread)."""
-        assert self.plan is not None and self.me is not None
+    def _prepare(self, plan: Plan, me: PlanDevice) -> None:
+        """Build the model and this device's shard for ``plan`` (in the training thread)."""
         if self._model is None:
-            self._model = models.build_model(self.plan.model_spec, seed=self.plan.seed)
+            self._model = models.build_model(plan.model_spec, seed=plan.seed)
             self._layout = models.param_layout(self._model)
-        key = (self.plan.dataset, self.plan.partition, self.plan.partition_alpha, self.plan.seed,
-               self.me.shard_index, self.me.shard_count)
+            if self.stretch is not None:
+                self._calibrate(self.stretch, plan.model_spec)
+        key = (plan.dataset, plan.partition, plan.partition_alpha, plan.seed, me.shard_index, me.shard_count)
         if key != self._shard_key:
-            train, _ = load_dataset(self.plan.dataset, self.cfg.training.dataset_path or None, seed=self.plan.seed)
-            mine = shard(train, self.me.shard_index, self.me.shard_count, scheme=self.plan.partition,
-                         alpha=self.plan.partition_alpha, seed=self.plan.seed)
-            self._batches = BatchIterator(mine, self.me.batch_size, seed=self.plan.seed + self.me.shard_index)
+            train, _ = load_dataset(plan.dataset, self.cfg.training.dataset_path or None, seed=plan.seed)
+            mine = shard(train, me.shard_index, me.shard_count, scheme=plan.partition, alpha=plan.partition_alpha,
+                         seed=plan.seed)
+            self._batches = BatchIterator(mine, me.batch_size, seed=plan.seed + me.shard_index)
             self._shard_key = key
-            logger.info("%s: shard %d/%d of %s, %d samples, batch %d", self.device, self.me.shard_index,
-                        self.me.shard_count, self.plan.dataset, len(mine), self.me.batch_size)
+            logger.info("%s: shard %d/%d of %s, %d samples, batch %d", self.device, me.shard_index, me.shard_count,
+                        plan.dataset, len(mine), me.batch_size)
         assert self._batches is not None
-        if self._batches.batch_size != self.me.batch_size:
-            self._batches.batch_size = self.me.batch_size
+        if self._batches.batch_size != me.batch_size:
+            logger.info("%s: batch %d -> %d (plan version %d)", self.device, self._batches.batch_size,
+                        me.batch_size, plan.version)
+            self._batches.batch_size = me.batch_size
+            self._step_times.clear()  # stats report the step time of the batch size in use
+
+    def _calibrate(self, stretch: ComputeStretch, model_spec: str) -> None:
+        """Time real steps of this model on random inputs: the host's step time by batch size."""
+        spec = models.get_spec(model_spec)
+        rng = np.random.default_rng(0)
+
+        def step(batch: int) -> float:
+            x = rng.random((batch, *spec.input_shape), dtype=np.float32)
+            y = rng.integers(0, spec.num_classes, size=batch)
+            started = time.perf_counter()
+            models.compute_gradients(self._model, x, y)
+            return time.perf_counter() - started
+
+        overhead, per_sample = stretch.calibrate(step)
+        logger.info("%s: host step %.2f ms + %.4f ms/sample, emulated x%.1f", self.device, overhead * 1e3,
+                    per_sample * 1e3, stretch.ratio)
 
     def _raw(self, policy: CodecPolicy | None) -> bool:
         """Whether updates go raw (float32) to the compressor gateway."""
         return policy is not None and policy.gateway
 
     def _compute(
-        self, params: dict[str, np.ndarray], version: int, policy: CodecPolicy | None
+        self, plan: Plan, me: PlanDevice, params: dict[str, np.ndarray], version: int, policy: CodecPolicy | None
     ) -> tuple[list[ShardUpdate], int, float, float]:
-        """Load the model if newer, take a batch, compute and encode the gradient (in a thread).
+        """Follow the plan, load the model if newer, take a batch, compute and encode the gradient
+        (in a thread: one hop per step).
 
         Encodes with ``none`` when the policy routes through the gateway, when there is no policy
         yet, and on a device that cannot encode.
         """
+        self._prepare(plan, me)
         assert self._batches is not None
         if version != self._model_version:
             models.set_params(self._model, params)
@@ -305,10 +396,10 @@ class Worker:
         codec_name = "none"
         if policy is not None and not policy.gateway and self.cfg.worker.can_encode:
             codec_name = policy.codec
-        codec = get_codec(codec_name)
         self._gradient_bytes = sum(int(g.size) for g in grads.values()) * FP32_BYTES
         shards = []
         for name, g in grads.items():
+            codec = codec_for(codec_name, g.size)
             data = self._feedback.encode(name, g, codec, policy)
             shards.append(ShardUpdate(param=name, start=0, stop=int(g.shape[0]), codec=codec.name,  # type: ignore[arg-type]
                                       data=data))
@@ -323,17 +414,27 @@ class Worker:
                     await self._wait_for("a codec policy", lambda: self.policy is not None)
             if self.policy is None:
                 logger.info("%s: no codec policy yet; sending uncompressed", self.device)
-        await self._wait_for("the model", lambda: self.view.ready)
         min_version = 0
         while True:
-            await self._wait_for("a plan naming this device", lambda: self.me is not None)
+            await self._wait_for("a plan naming this device", self._has_share)
+            assert self.plan is not None
+            refusal = self._share_refusal()
+            if refusal:
+                await self._refuse(refusal)
+                continue
             await self._wait_for(f"model version {min_version}",
                                  lambda v=min_version: self.view.ready and (self.view.version >= v or self.view.gap))
-            await asyncio.to_thread(self._prepare)
             assert self.view.params is not None and self.me is not None
             params, version, gap = self.view.params, self.view.version, self.view.gap
-            policy, cluster = self.policy, self.me.cluster
-            shards, samples, loss, elapsed = await asyncio.to_thread(self._compute, params, version, policy)
+            plan, me, policy = self.plan, self.me, self.policy
+            shards, samples, loss, elapsed = await asyncio.to_thread(self._compute, plan, me, params, version, policy)
+            cluster = me.cluster
+            if self.stretch is not None:
+                overruns = self.stretch.overruns
+                hold = self.stretch.hold_s(samples, elapsed)
+                self.m_overruns.inc(self.stretch.overruns - overruns)
+                await asyncio.sleep(hold)  # the rest of the step, at the emulated board's speed
+                elapsed += hold
             self.m_steps.inc()
             self.m_step.observe(elapsed)
             self.m_loss.set(loss)
@@ -363,6 +464,33 @@ class Worker:
             elif ack.reason not in ("stale", "round_full", "future"):
                 logger.warning("%s: update %d discarded: %s", self.device, update.seq, ack.reason)
 
+    def _has_share(self) -> bool:
+        """A plan names this device, and it is newer than the last one it refused."""
+        return self.me is not None and self.plan is not None and self.plan.version > self._refused
+
+    def _share_refusal(self) -> str:
+        """Why this device's share of the current plan does not fit its memory ('' if it fits)."""
+        assert self.plan is not None and self.me is not None and self.profile is not None
+        try:
+            need = costs.training_memory_bytes(self.plan.model_spec, self.me.batch_size)
+        except ModelError:
+            return ""  # no cost figures for this model: nothing to check against
+        if need <= self.profile.memory_bytes:
+            return ""
+        return (f"needs {need / 2**20:.0f} MiB for batch {self.me.batch_size} of {self.plan.model_spec}, "
+                f"has {self.profile.memory_bytes / 2**20:.0f} MiB")
+
+    async def _refuse(self, reason: str) -> None:
+        """Refuse the current plan's share: say so in the retained status and an event; wait for another plan."""
+        assert self.plan is not None
+        self._refused, self._refusal = self.plan.version, reason
+        self.m_refused.inc()
+        logger.warning("%s: refusing my share of plan version %d: %s", self.device, self.plan.version, reason)
+        with contextlib.suppress(BusError):
+            await self._publish_status()
+            await self.ops.event("share_refused", f"{self.device} refused plan version {self.plan.version}: {reason}",
+                                 device=self.device, plan_version=self.plan.version)
+
     async def _send(self, update: GradientUpdate, topic: str) -> UpdateAck:
         """Publish ``update`` on ``topic`` and wait for its ack, resending on timeout (the PS applies
         it at most once). The first publish, if the connection held throughout, is a link sample."""
@@ -381,7 +509,12 @@ class Worker:
                                 self.cfg.worker.ack_timeout_s)
                 connection = self.bus.connections if self.bus.is_connected else -1
                 publish_started = time.perf_counter()
-                sent = await self.bus.publish(topic, payload, kind="gradient")
+                try:
+                    sent = await self.bus.publish(topic, payload, kind="gradient")
+                except BusError as exc:  # a long outage: keep the update and try again
+                    logger.warning("%s: update %d not sent yet (%s); still trying", self.device, update.seq, exc)
+                    attempt += 1
+                    continue
                 if not attempt and connection == self.bus.connections and self.bus.is_connected:
                     self.link.observe(sent, time.perf_counter() - publish_started)
                 attempt += 1
@@ -418,10 +551,13 @@ class Worker:
                 delay_index=float(np.mean(self._delays)) if self._delays else 0.0,
                 rss_bytes=prof.rss_bytes(), cpu_temp_c=prof.cpu_temperature(),
                 model_version=max(self._model_version, 0), loss=self._last_loss,
-                batch_size=self.me.batch_size if self.me else 0,
+                batch_size=self._batches.batch_size if self._batches else 0,
                 bytes_sent=int(self.metrics.value("edgemesh_worker_published_bytes_total")),
                 link_rate_bps=self.link.rate_bps, gradient_bytes=self._gradient_bytes,
+                upload_time_s=self.link.upload_s,
             )
+            if self.emulated_link is not None:
+                self.m_link_cuts.set(self.emulated_link.disconnects)
             with contextlib.suppress(Exception):
                 await self.bus.publish(self.topics.stats(self.device), stats)
             await asyncio.sleep(self.cfg.worker.stats_interval_s)
