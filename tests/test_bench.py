@@ -35,3 +35,39 @@ def test_bench_codecs_report_layout(tmp_path: Path) -> None:
         assert {"density", "grid_bytes", "threshold_bytes"} <= same.keys()
         assert same["grid_bytes"] < same["threshold_bytes"]
     assert report.with_suffix(".png").stat().st_size > 1000
+
+
+FLEET_KEYS = {"time_to_target_s", "avg_iteration_delay_s", "final_accuracy", "updates_discarded", "bytes_published"}
+
+
+def test_bench_fleet_report_layout(tmp_path: Path) -> None:
+    """A short run of two policies on a small fleet: the layout the issue fixes, real figures, a plot."""
+    report = tmp_path / "fleet.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh.services.cli", "bench", "fleet", "--report", str(report),
+         "--fleet", "pi5,laptop", "--policies", "single,adaptive", "--budget-s", "4", "--target", "0.5"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["target_accuracy"] == 0.5
+    assert [d["profile"] for d in data["fleet"]] == ["pi5", "laptop"]
+    assert {"device", "gflops", "memory_mib", "uplink_mbit", "latency_ms"} <= data["fleet"][0].keys()
+    assert set(data["policies"]) == {"single", "adaptive"}
+    for name, entry in data["policies"].items():
+        assert FLEET_KEYS <= entry.keys(), name
+        assert entry["failure"] is None
+        assert entry["avg_iteration_delay_s"] > 0 and entry["bytes_published"] > 0 and entry["model_versions"] > 0
+        assert entry["curve"] and 0.0 <= entry["final_accuracy"] <= 1.0
+    assert data["policies"]["single"]["devices"] == 1 and data["policies"]["adaptive"]["devices"] == 2
+    assert data["policies"]["adaptive"]["batching"] == "balanced"
+    assert "single_over_adaptive_time_to_target" in data["ratios"]
+    assert report.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_fleet_refuses_unknown_profiles_and_policies(tmp_path: Path) -> None:
+    for args, message in ((["--fleet", "pi3,pi9"], "unknown device profile(s) pi9"),
+                          (["--policies", "sync,bogus"], "unknown polic")):
+        result = subprocess.run([sys.executable, "-m", "edgemesh.services.cli", "bench", "fleet",
+                                 "--report", str(tmp_path / "x.json"), *args],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 2 and message in result.stderr, result.stderr

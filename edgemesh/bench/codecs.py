@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from edgemesh.bench.plotting import pyplot
 from edgemesh.common.codecs import ErrorFeedback, available_codecs, get_codec
 from edgemesh.common.messages import CodecPolicy
 
@@ -186,13 +187,8 @@ def run(report: Path, s: Settings, *, progress: Callable[[str], None] = print) -
 
 
 def _plot(result: dict[str, Any], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        logger.warning("matplotlib is not installed (pip install -e '.[bench]'): no PNG")
+    plt = pyplot()
+    if plt is None:
         return False
     names = list(result["codecs"])
     ratios = [result["codecs"][n]["compression_ratio"] for n in names]

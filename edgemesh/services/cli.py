@@ -55,7 +55,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
                       ("log_level", "log_level"), ("device", "worker.device"), ("state_dir", "ps.state_dir"),
                       ("workers", "demo.workers"), ("target_accuracy", "demo.target_accuracy"),
                       ("max_versions", "demo.max_versions"), ("timeout", "demo.timeout_s"),
-                      ("policy", "training.sync_policy"), ("link_rate", "demo.link_rate_bps")):
+                      ("policy", "training.sync_policy"), ("link_rate", "demo.link_rate_bps"),
+                      ("emulate", "worker.emulate"), ("keep_logs", "demo.keep_logs")):
         value = getattr(args, flag, None)
         if value is not None:
             out[key] = str(value)
@@ -124,6 +125,17 @@ def _bench_codecs(args: argparse.Namespace) -> int:
     return bench_main(args.report, rounds=args.rounds, density=args.density, elements=args.elements)
 
 
+def _bench_fleet(args: argparse.Namespace) -> int:
+    from edgemesh.bench.fleet import main as bench_main
+
+    _setup_logging(args.log_level or "WARNING")
+    if args.budget_s <= 0 or not 0 < args.target <= 1:
+        raise EdgeMeshError("--budget-s must be > 0 and --target in (0, 1]")
+    overrides = _overrides(args)
+    return bench_main(args.report, fleet=args.fleet, policies=args.policies, target=args.target,
+                      budget_s=args.budget_s, seed=args.seed, overrides=overrides, keep_logs=args.keep_logs)
+
+
 def _config(args: argparse.Namespace) -> int:
     config = _load(args)
     for key, value, _ in describe(config):
@@ -150,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         _common_flags(p)
         if name == "worker":
             p.add_argument("--device", help="device name (default: host name)")
+            p.add_argument("--emulate", metavar="PROFILE",
+                           help="emulate a device profile (pi3, pi4, pi5, jetson-nano, laptop): its speed, memory "
+                                "and link; off by default")
         if name == "ps":
             p.add_argument("--state-dir", help="directory of checkpoint and write-ahead log")
             p.add_argument("--policy", help="sync, async, ssp or adaptive")
@@ -166,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-rate", type=float, dest="link_rate",
                    help="uplink bytes/s each worker declares (default 1e6; 0 = measure loopback)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--keep-logs", action="store_true", default=None,
+                   help="keep the children's logs after a successful run too (demo.keep_logs)")
     p.add_argument("--embedded-broker", action="store_true",
                    help="use the embedded amqtt broker even if mosquitto is installed")
     p.set_defaults(func=_demo)
@@ -193,6 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--elements", type=int, default=10_000_000, help="size of the synthetic tensor")
     b.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     b.set_defaults(func=_bench_codecs)
+    from edgemesh.bench.fleet import DEFAULT_BUDGET_S, DEFAULT_FLEET, DEFAULT_TARGET, POLICIES
+
+    b = bench.add_parser("fleet", help="an emulated fleet under every sync policy: time to accuracy, delays, bytes")
+    b.add_argument("--report", default="bench/reports/fleet.json", help="JSON report path (PNG beside it)")
+    b.add_argument("--fleet", default=",".join(DEFAULT_FLEET), help="device profiles, comma-separated")
+    b.add_argument("--policies", default=",".join(POLICIES), help="runs, comma-separated")
+    b.add_argument("--target", type=float, default=DEFAULT_TARGET, help="target held-out accuracy")
+    b.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds of training per run")
+    b.add_argument("--seed", type=int, default=0, help="seed of the emulated links' disconnects")
+    b.add_argument("--keep-logs", action="store_true", help="keep every process's log (failed runs always do)")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any setting")
+    b.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    b.set_defaults(func=_bench_fleet)
 
     p = sub.add_parser("config", help="print the effective configuration")
     _common_flags(p)

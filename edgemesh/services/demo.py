@@ -13,44 +13,29 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from edgemesh.common.broker import BrokerProcess, parent_death_signal
+from edgemesh.common.broker import BrokerProcess
 from edgemesh.common.bus import Bus
-from edgemesh.common.config import Config, to_toml
+from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError, WireError
 from edgemesh.common.messages import Event
-from edgemesh.common.metrics import ServiceMetrics, parse_metrics, sum_samples
+from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
+from edgemesh.services.cluster import LocalCluster
 
 logger = logging.getLogger(__name__)
 
-STOP_GRACE_S = 10.0
-"""How long children get to exit after SIGTERM before SIGKILL."""
-SCRAPE_TIMEOUT_S = 3.0
 PROGRESS_WIDTH = 30
-
-
-@dataclass(slots=True)
-class Child:
-    role: str
-    name: str
-    proc: subprocess.Popen[bytes]
-    port_file: Path
-    log_path: Path
-    peak_rss_kb: int = 0
-    samples: dict[Any, float] = field(default_factory=dict)
+GUARD_INTERVAL_S = 0.5
+"""How often the demo checks that its children still run."""
 
 
 @dataclass(slots=True)
@@ -63,32 +48,13 @@ class Progress:
     stopped_by: str = ""
 
 
-def _peak_rss_kb(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _scrape(port_file: Path) -> dict[Any, float]:
-    """The child's metrics; its port is in the file it wrote once serving."""
-    port = int(port_file.read_text().strip())
-    url = f"http://127.0.0.1:{port}/metrics"
-    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # noqa: S310 - our own child
-        return parse_metrics(resp.read().decode())
-
-
 class Demo:
     def __init__(self, config: Config, *, external_broker: bool, quiet: bool, embedded_broker: bool = False) -> None:
         self.cfg = config
         self.external_broker = external_broker
         self.embedded_broker = embedded_broker
         self.quiet = quiet or not sys.stderr.isatty()
-        self.children: list[Child] = []
+        self.cluster: LocalCluster | None = None
         self.broker: BrokerProcess | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="edgemesh-demo-"))
         self.progress = Progress()
@@ -97,52 +63,21 @@ class Demo:
         self._last_line = 0.0
 
     # ------------------------------------------------------------------ processes
-    def _spawn(self, role: str, name: str, extra: list[str]) -> Child:
-        log_path = self.workdir / f"{name}.log"
-        port_file = self.workdir / f"{name}.port"
-        cmd = [sys.executable, "-m", "edgemesh.services.cli", role,
-               "--broker", self.cfg.broker.url, "--job", self.cfg.job,
-               "--metrics", "127.0.0.1:0", "--set", f"metrics.port_file={port_file}",
-               "--log-level", self.cfg.log_level, *extra]
-        log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - handed to the child
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, preexec_fn=parent_death_signal(), env=env)
-        log.close()
-        child = Child(role=role, name=name, proc=proc, port_file=port_file, log_path=log_path)
-        self.children.append(child)
-        return child
-
     def _start_all(self) -> None:
         if not self.external_broker:
             self.broker = BrokerProcess.embedded() if self.embedded_broker else BrokerProcess.default()
             self.broker.start()
             self.cfg = replace(self.cfg, broker=replace(self.cfg.broker, url=self.broker.url))
         # every child gets the demo's whole configuration (file, environment, flags)
-        config_file = self.workdir / "edgemesh.toml"
-        config_file.write_text(to_toml(self.cfg))
-        common = ["--config", str(config_file)]
-        self._spawn("planner", "planner", common + ["--set", f"planner.min_devices={self.cfg.demo.workers}"])
-        self._spawn("ps", "ps", common + ["--state-dir", str(self.workdir / "ps")])
-        self._spawn("compressor", "compressor", common)
+        self.cluster = LocalCluster(self.cfg, self.workdir)
+        self.cluster.start_services(min_devices=self.cfg.demo.workers)
         link = ["--set", f"worker.link_rate_bps={self.cfg.demo.link_rate_bps}"] if self.cfg.demo.link_rate_bps else []
         for i in range(self.cfg.demo.workers):
-            self._spawn("worker", f"worker-{i}", common + link + ["--device", f"w{i}"])
+            self.cluster.spawn("worker", f"worker-{i}", link + ["--device", f"w{i}"])
 
     def _stop_all(self) -> None:
-        for child in self.children:
-            child.peak_rss_kb = max(child.peak_rss_kb, _peak_rss_kb(child.proc.pid))
-            if child.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for child in self.children:
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("%s did not stop in %.0fs; killing it", child.name, STOP_GRACE_S)
-                child.proc.kill()
-                child.proc.wait()
+        if self.cluster is not None:
+            self.cluster.stop()
         if self.broker is not None:
             self.broker.stop()
 
@@ -175,17 +110,15 @@ class Demo:
 
     async def _guard(self) -> None:
         """Fail fast when a child dies on its own; keep peak memory readings."""
+        assert self.cluster is not None
         while not self.stop.is_set():
-            for child in self.children:
-                child.peak_rss_kb = max(child.peak_rss_kb, _peak_rss_kb(child.proc.pid))
-                code = child.proc.poll()
-                if code is not None:
-                    tail = child.log_path.read_text(errors="replace").splitlines()[-15:]
-                    self.failure = f"{child.name} exited with code {code}:\n  " + "\n  ".join(tail)
-                    self.stop.set()
-                    return
+            failure = self.cluster.failure()
+            if failure is not None:
+                self.failure = failure
+                self.stop.set()
+                return
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.5):
+                async with asyncio.timeout(GUARD_INTERVAL_S):
                     await self.stop.wait()
 
     async def _show(self, started: float) -> None:
@@ -231,10 +164,8 @@ class Demo:
             self.failure = self.failure or f"timed out after {self.cfg.demo.timeout_s:.0f}s"
             self.stop.set()
         wall = time.monotonic() - started
-        for child in self.children:
-            if child.proc.poll() is None:
-                with contextlib.suppress(Exception):
-                    child.samples = await asyncio.to_thread(_scrape, child.port_file)
+        assert self.cluster is not None
+        await asyncio.to_thread(self.cluster.scrape_all)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -242,33 +173,18 @@ class Demo:
 
     # ------------------------------------------------------------------ report
     def report(self, wall: float) -> dict[str, Any]:
-        def total(name: str, role: str | None = None) -> float:
-            return sum(sum_samples(c.samples, name) for c in self.children if role is None or c.role == role)
-
-        ps = next((c for c in self.children if c.role == "ps"), None)
+        cluster = self.cluster or LocalCluster.empty(self.cfg, self.workdir)
         by_codec: dict[str, int] = {}
-        accepted = discarded = 0.0
         version = self.progress.version
+        ps = next((c for c in cluster.children if c.role == "ps"), None)
         if ps is not None:
             for (name, labels), value in ps.samples.items():
-                if name == "edgemesh_ps_updates_total":
-                    status = dict(labels).get("status")
-                    if status == "accepted":
-                        accepted += value
-                    elif status == "discarded":
-                        discarded += value
-                elif name == "edgemesh_ps_received_gradient_bytes_total" and value:
+                if name == "edgemesh_ps_received_gradient_bytes_total" and value:
                     codec = dict(labels).get("codec", "?")
                     by_codec[codec] = by_codec.get(codec, 0) + int(value)
             version = int(ps.samples.get(("edgemesh_ps_model_version", ()), version))
-        def over_services(suffix: str) -> int:
-            return int(sum(v for c in self.children for (n, _), v in c.samples.items()
-                           if n.startswith("edgemesh_") and n.endswith(suffix)))
-
-        published = over_services("_published_bytes_total")
-        rss: dict[str, float] = {}
-        for c in self.children:
-            rss[c.role] = max(rss.get(c.role, 0.0), c.peak_rss_kb / 1024)
+        accepted = cluster.total("edgemesh_ps_updates_total", "ps", status="accepted")
+        discarded = cluster.total("edgemesh_ps_updates_total", "ps", status="discarded")
         return {
             "final_accuracy": round(self.progress.accuracy, 4),
             "target_accuracy": self.cfg.demo.target_accuracy,
@@ -278,16 +194,16 @@ class Demo:
             "evaluated_version": self.progress.version,
             "updates_accepted": int(accepted),
             "updates_discarded": int(discarded),
-            "bytes_published": published,
-            "bytes_received": over_services("_received_bytes_total"),
-            "gradient_bytes": int(total("edgemesh_worker_gradient_bytes_total", "worker")),
+            "bytes_published": cluster.over_services("_published_bytes_total"),
+            "bytes_received": cluster.over_services("_received_bytes_total"),
+            "gradient_bytes": int(cluster.total("edgemesh_worker_gradient_bytes_total", "worker")),
             "workers": self.cfg.demo.workers,
             "declared_link_rate_bps": self.cfg.demo.link_rate_bps,
             "sync_policy": self.cfg.training.sync_policy,
             "codec": self.cfg.compressor.default_codec,
             "gradient_bytes_by_codec": by_codec,
             "broker": self.broker.kind if self.broker is not None else self.cfg.broker.url,
-            "peak_rss_mb": {k: round(v, 1) for k, v in rss.items()},
+            "peak_rss_mb": cluster.peak_rss_mb(),
             "stopped_by": self.progress.stopped_by or ("failure" if self.failure else "signal"),
             "failure": self.failure,
         }
@@ -346,6 +262,8 @@ def run_demo(config: Config, *, report: str | None, external_broker: bool, quiet
               file=sys.stderr)
         if result["stopped_by"] != "max_versions":
             return 3
-    if os.environ.get("EDGEMESH_KEEP_LOGS") != "1":
+    if demo.cfg.demo.keep_logs:
+        print(f"\n  logs kept in {demo.workdir}")
+    else:
         shutil.rmtree(demo.workdir, ignore_errors=True)
     return 0

@@ -1,0 +1,170 @@
+"""A local cluster of EdgeMesh processes: the services and workers of one job on this host.
+
+``edgemesh demo`` and ``edgemesh bench fleet`` both run one. Each child is its own Python
+process (``python -m edgemesh.services.cli ROLE``) with the cluster's whole configuration in a
+TOML file, its own log, and its metrics on a free port written to a port file. Children die
+with the parent (parent-death signal) and are stopped with SIGTERM, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from edgemesh.common.broker import parent_death_signal
+from edgemesh.common.config import Config, to_toml
+from edgemesh.common.metrics import parse_metrics
+
+logger = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0
+"""How long children get to exit after SIGTERM before SIGKILL."""
+SCRAPE_TIMEOUT_S = 3.0
+"""Timeout of one ``/metrics`` request to a child."""
+LOG_TAIL_LINES = 15
+"""Lines of a failed child's log shown in its failure."""
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@dataclass(slots=True)
+class Child:
+    role: str
+    name: str
+    proc: subprocess.Popen[bytes]
+    port_file: Path
+    log_path: Path
+    peak_rss_kb: int = 0
+    samples: Samples = field(default_factory=dict)
+    """The child's metrics, as last scraped."""
+
+
+def peak_rss_kb(pid: int) -> int:
+    """Peak resident size of a process (``VmHWM``), KiB; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def scrape(port_file: Path) -> Samples:
+    """A child's metrics; its port is in the file it wrote once serving."""
+    port = int(port_file.read_text().strip())
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as resp:  # noqa: S310 - our own child
+        return parse_metrics(resp.read().decode())
+
+
+class LocalCluster:
+    """The processes of one job. ``config.broker.url`` must point at a running broker."""
+
+    def __init__(self, config: Config, workdir: Path, *, write_config: bool = True) -> None:
+        self.cfg = config
+        self.workdir = workdir
+        self.children: list[Child] = []
+        self.config_file = workdir / f"{config.job}.toml"
+        if write_config:
+            self.config_file.write_text(to_toml(config))
+
+    @classmethod
+    def empty(cls, config: Config, workdir: Path) -> LocalCluster:
+        """A cluster that started nothing (for reports of a run that failed early)."""
+        return cls(config, workdir, write_config=False)
+
+    def spawn(self, role: str, name: str, extra: list[str] | None = None) -> Child:
+        """Start ``edgemesh ROLE`` with the cluster's configuration plus ``extra`` flags.
+
+        Call from the main thread: the parent-death signal of a child is tied to the spawning thread.
+        """
+        log_path = self.workdir / f"{self.cfg.job}-{name}.log"
+        port_file = self.workdir / f"{self.cfg.job}-{name}.port"
+        # job and broker are in the file too; on the command line they tell processes apart in `ps`
+        cmd = [sys.executable, "-m", "edgemesh.services.cli", role, "--config", str(self.config_file),
+               "--job", self.cfg.job, "--broker", self.cfg.broker.url,
+               "--metrics", "127.0.0.1:0", "--set", f"metrics.port_file={port_file}",
+               "--log-level", self.cfg.log_level, *(extra or [])]
+        log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - handed to the child
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=parent_death_signal(), env=env)
+        log.close()
+        child = Child(role=role, name=name, proc=proc, port_file=port_file, log_path=log_path)
+        self.children.append(child)
+        return child
+
+    def start_services(self, *, min_devices: int) -> None:
+        """The planner (waiting for ``min_devices`` before its first plan), the PS and the compressor."""
+        self.spawn("planner", "planner", ["--set", f"planner.min_devices={min_devices}"])
+        self.spawn("ps", "ps", ["--state-dir", str(self.workdir / f"{self.cfg.job}-ps")])
+        self.spawn("compressor", "compressor")
+
+    def failure(self) -> str | None:
+        """The first child that exited on its own, with the end of its log; None while all run.
+
+        Also records every child's peak memory.
+        """
+        for child in self.children:
+            child.peak_rss_kb = max(child.peak_rss_kb, peak_rss_kb(child.proc.pid))
+            code = child.proc.poll()
+            if code is not None:
+                tail = child.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+                return f"{child.name} exited with code {code}:\n  " + "\n  ".join(tail)
+        return None
+
+    def scrape_all(self) -> None:
+        """Read every running child's metrics into ``Child.samples`` (blocking: call in a thread)."""
+        for child in self.children:
+            if child.proc.poll() is None:
+                with contextlib.suppress(Exception):
+                    child.samples = scrape(child.port_file)
+
+    def stop(self) -> None:
+        """SIGTERM every child, SIGKILL those that do not exit within ``STOP_GRACE_S``."""
+        for child in self.children:
+            child.peak_rss_kb = max(child.peak_rss_kb, peak_rss_kb(child.proc.pid))
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("%s did not stop in %.0fs; killing it", child.name, STOP_GRACE_S)
+                child.proc.kill()
+                child.proc.wait()
+
+    # ------------------------------------------------------------------ reading
+    def total(self, name: str, role: str | None = None, **labels: str) -> float:
+        """Sum of a metric over the children (of ``role``), over samples whose labels include ``labels``."""
+        want = set(labels.items())
+        return sum(v for c in self.children if role is None or c.role == role
+                   for (n, lab), v in c.samples.items() if n == name and want <= set(lab))
+
+    def over_services(self, suffix: str) -> int:
+        """Sum of every ``edgemesh_*{suffix}`` metric of every child (bytes published, received)."""
+        return int(sum(v for c in self.children for (n, _), v in c.samples.items()
+                       if n.startswith("edgemesh_") and n.endswith(suffix)))
+
+    def peak_rss_mb(self) -> dict[str, float]:
+        """Largest peak RSS per role, MiB."""
+        rss: dict[str, float] = {}
+        for c in self.children:
+            rss[c.role] = max(rss.get(c.role, 0.0), c.peak_rss_kb / 1024)
+        return {k: round(v, 1) for k, v in rss.items()}
+
+    def samples_of(self, role: str) -> list[Any]:
+        return [c.samples for c in self.children if c.role == role]
