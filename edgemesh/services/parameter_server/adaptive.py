@@ -6,8 +6,9 @@ No I/O and no clocks of its own: the parameter server feeds it observations and 
   moving average of the delays ``d = v - b`` of its updates (the first observation sets it;
   applied and discarded updates both count, so a device whose updates are thrown away shows as slow).
   Default ``alpha = 0.3``.
-* **Round deadline τ.** A round opens with its first update; each contribution's arrival time
-  (seconds since the round opened) is remembered per cluster (the last ``window = 32``).
+* **Round deadline τ.** A round opens when the model of the previous round is published (the
+  first round: with its first update); the arrival time of each contribution computed on that
+  model (seconds since the round opened) is remembered per cluster (the last ``window = 32``).
   ``τ = quantile_q(per-cluster median arrival) * slack``, clamped to ``[min_deadline_s,
   max_deadline_s]``; with no observations yet ``τ = max_deadline_s``.
   Defaults: ``q = 0.9``, ``slack = 1.5``, ``[0.02 s, 30 s]``.

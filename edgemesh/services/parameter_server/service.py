@@ -93,7 +93,8 @@ class ParameterServer:
         self._wake = asyncio.Event()
         self._round: dict[str, Pending] = {}
         self._round_opened: float | None = None
-        """Adaptive: monotonic time the open round got its first update (its deadline runs from here)."""
+        """Adaptive: monotonic time the open round began, when the model of the previous one went out (or
+        its first update, for the first round); its deadline and the clusters' arrival times run from here."""
         self._deferred: list[Pending] = []
         p = config.ps
         self.adaptive = AdaptiveDelay(AdaptiveSettings(
@@ -303,8 +304,8 @@ class ParameterServer:
         self.m_slow.set(len(a.slow_devices()))
 
     def _round_timeout(self) -> float | None:
-        """Adaptive: seconds until the open round's deadline (None when no round is open)."""
-        if self.policy != "adaptive" or self._round_opened is None or self.paused:
+        """Adaptive: seconds until the open round's deadline (None when no round holds an update)."""
+        if self.policy != "adaptive" or self._round_opened is None or self.paused or not self._round:
             return None
         deadline = self._round_opened + self.adaptive.deadline(self._live_clusters())
         return max(0.0, deadline - time.monotonic())
@@ -371,7 +372,8 @@ class ParameterServer:
                 now = time.monotonic()
                 if self._round_opened is None:
                     self._round_opened = now
-                self.adaptive.observe_arrival(u.cluster, now - self._round_opened)
+                if verdict.delay == 0:  # how long a cluster takes from the model it trained on to its update
+                    self.adaptive.observe_arrival(u.cluster, now - self._round_opened)
                 self._round[u.cluster] = item
                 if rules.round_complete(self._round, live):
                     version += 1
@@ -433,6 +435,8 @@ class ParameterServer:
         if model_message is not None:
             # the model goes out before the acks, so a worker acked for version v usually has v
             await self._publish_model(model_message)
+            if adaptive:
+                self._round_opened = time.monotonic()  # the next round's deadline runs from its model
         # acks go to different devices: out at once, not one PUBACK after another
         await asyncio.gather(*(self._ack(u, status, reason, delay=delay, resync=resync)
                                for u, status, reason, delay, resync in acks))

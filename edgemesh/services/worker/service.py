@@ -126,6 +126,8 @@ class Worker:
         self._shard_key: tuple[Any, ...] | None = None
         self._feedback = ErrorFeedback()
         self._step_times: deque[float] = deque(maxlen=AVERAGE_WINDOW)
+        self._stepped_batch = 0
+        """Batch size of the steps in ``_step_times``."""
         self._comm_times: deque[float] = deque(maxlen=AVERAGE_WINDOW)
         self._delays: deque[int] = deque(maxlen=AVERAGE_WINDOW)
         self._last_loss: float | None = None
@@ -353,7 +355,6 @@ class Worker:
             logger.info("%s: batch %d -> %d (plan version %d)", self.device, self._batches.batch_size,
                         me.batch_size, plan.version)
             self._batches.batch_size = me.batch_size
-            self._step_times.clear()  # stats report the step time of the batch size in use
 
     def _calibrate(self, stretch: ComputeStretch, model_spec: str) -> None:
         """Time real steps of this model on random inputs: the host's step time by batch size."""
@@ -435,6 +436,9 @@ class Worker:
                 self.m_overruns.inc(self.stretch.overruns - overruns)
                 await asyncio.sleep(hold)  # the rest of the step, at the emulated board's speed
                 elapsed += hold
+            if me.batch_size != self._stepped_batch:  # stats report the step time of the batch size in use
+                self._step_times.clear()
+                self._stepped_batch = me.batch_size
             self.m_steps.inc()
             self.m_step.observe(elapsed)
             self.m_loss.set(loss)
@@ -551,7 +555,7 @@ class Worker:
                 delay_index=float(np.mean(self._delays)) if self._delays else 0.0,
                 rss_bytes=prof.rss_bytes(), cpu_temp_c=prof.cpu_temperature(),
                 model_version=max(self._model_version, 0), loss=self._last_loss,
-                batch_size=self._batches.batch_size if self._batches else 0,
+                batch_size=self._stepped_batch,
                 bytes_sent=int(self.metrics.value("edgemesh_worker_published_bytes_total")),
                 link_rate_bps=self.link.rate_bps, gradient_bytes=self._gradient_bytes,
                 upload_time_s=self.link.upload_s,
