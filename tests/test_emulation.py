@@ -4,13 +4,12 @@ Mosquitto the test starts; the link emulator itself is tested in ``test_emulatio
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -26,11 +25,9 @@ from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.service import Worker
-from tests.test_adaptive_compression import Tap, tap
+from tests.test_adaptive_compression import Tap, services, tap, until
 
-T = TypeVar("T")
 WAIT_S = 30.0
-POLL_S = 0.05
 OUTAGE_S = 30.0
 """How long the straggler drops off (the issue's scenario)."""
 PROFILES = ("pi3", "pi4", "pi5", "jetson-nano", "laptop")
@@ -154,28 +151,6 @@ def quiet_profiles(tmp_path: Path) -> Path:
                     'disconnects_per_hour = 0\noutage_s = 0\n[profiles.quiet-pi5.sources]\n'
                     + "".join(f'{k} = "the built-in pi5 (drops off)"\n' for k in FIGURES))
     return path
-
-
-@contextlib.asynccontextmanager
-async def services(*objs: Any) -> AsyncIterator[None]:
-    tasks = [asyncio.create_task(o.run()) for o in objs]
-    try:
-        yield
-    finally:
-        for o in objs:
-            o.stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S)
-
-
-async def until(what: str, predicate: Callable[[], T | None], timeout_s: float = WAIT_S) -> T:
-    """Wait for ``predicate`` (services run in this process: their state is polled)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not (result := predicate()):
-                await asyncio.sleep(POLL_S)
-            return result
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
 
 
 @contextlib.asynccontextmanager

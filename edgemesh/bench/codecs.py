@@ -16,7 +16,6 @@ grid at about half the bytes of threshold at equal accuracy).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from edgemesh.bench.plotting import pyplot
+from edgemesh.bench.reporting import pyplot, write_report
 from edgemesh.common.codecs import ErrorFeedback, available_codecs, get_codec
 from edgemesh.common.messages import CodecPolicy
 
@@ -177,12 +176,7 @@ def run(report: Path, s: Settings, *, progress: Callable[[str], None] = print) -
             "synthetic_grid_bytes": g_syn, "synthetic_threshold_bytes": t_syn,
             "synthetic_ratio": round(g_syn / t_syn, 4),
         }
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(json.dumps(result, indent=2) + "\n")
-    png = report.with_suffix(".png")
-    if _plot(result, png):
-        progress(f"plot written to {png}")
-    progress(f"report written to {report}")
+    write_report(report, result, _plot, progress)
     return result
 
 

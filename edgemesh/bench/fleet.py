@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import shutil
 import sys
@@ -38,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgemesh.bench.plotting import pyplot
+from edgemesh.bench.reporting import pyplot, write_report
 from edgemesh.common.broker import BrokerProcess
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config, load_config
@@ -271,12 +270,7 @@ def run_bench(report: Path, *, fleet: list[str], policies: list[str], target: fl
     finally:
         broker.stop()
     result["ratios"] = ratios(result["policies"])
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(json.dumps(result, indent=2) + "\n")
-    png = report.with_suffix(".png")
-    if _plot(result, png):
-        progress(f"plot written to {png}")
-    progress(f"report written to {report}")
+    write_report(report, result, _plot, progress)
     if failed or keep_logs:
         progress(f"logs kept in {workdir}")
     else:

@@ -1,0 +1,36 @@
+"""What every benchmark does with its results: a JSON report and a PNG beside it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def pyplot() -> ModuleType | None:
+    """``matplotlib.pyplot`` on the Agg backend, or None (logged) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed (pip install -e '.[bench]'): no PNG")
+        return None
+    return plt
+
+
+def write_report(report: Path, result: dict[str, Any], plot: Callable[[dict[str, Any], Path], bool],
+                 progress: Callable[[str], None]) -> None:
+    """``result`` as JSON at ``report`` and ``plot`` of it as the PNG beside it."""
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps(result, indent=2) + "\n")
+    png = report.with_suffix(".png")
+    if plot(result, png):
+        progress(f"plot written to {png}")
+    progress(f"report written to {report}")
