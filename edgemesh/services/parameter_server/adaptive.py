@@ -152,11 +152,6 @@ class AdaptiveDelay:
             return Verdict(False, delay, "stale")
         return Verdict(True, delay)
 
-    @staticmethod
-    def weight(delay: int) -> float:
-        """Scale of an update applied ``delay`` versions late (:func:`policy.staleness_weight`)."""
-        return staleness_weight(delay)
-
     def slow_devices(self, live_devices: Iterable[str] | None = None) -> list[str]:
         """Devices whose delay index exceeds ``slow_factor`` x the fleet median (and the median + 1)."""
         live_devices = self.live_devices if live_devices is None else live_devices

@@ -148,10 +148,6 @@ class SpeedTracker:
         if upload_time_s > 0:
             self.uploads[device] = upload_time_s
 
-    def forget(self, device: str) -> None:
-        self.steps.pop(device, None)
-        self.uploads.pop(device, None)
-
     def fit(self, device: str) -> tuple[float, float] | None:
         """(step overhead s, seconds per sample) from the device's observations, or None."""
         kept = self.steps.get(device)
