@@ -28,6 +28,9 @@ from edgemesh.common.messages import (
     DeviceStatus,
     Event,
     GradientUpdate,
+    LayerDivision,
+    MeshBegin,
+    MeshSlice,
     ModelDelta,
     ModelSnapshot,
     Plan,
@@ -99,8 +102,28 @@ SYNC = SyncState(policy="adaptive", version=420, bound=3, deadline_s=0.42,
 REFUSAL = DeviceStatus(device="pi3-02", state="online", incarnation=4, time=1_717_000_007.0, refused_plan=9,
                        reason="needs 812 MiB for batch 128, has 700 MiB")
 
+MESH_PLAN = Plan(version=12, created=1_717_000_008.0, model_spec="cifar-cnn", dataset="synthetic-cifar",
+                 sync_policy="sync", devices=(
+                     PlanDevice(device="pi3-0", cluster="m-pi3-0", shard_index=0, shard_count=2, batch_size=32),
+                     PlanDevice(device="pi5-0", cluster="m-pi3-0", shard_index=0, shard_count=2, batch_size=32),
+                     PlanDevice(device="laptop-0", cluster="c-laptop-0", shard_index=1, shard_count=2, batch_size=32)),
+                 clusters=(PlanCluster(cluster="m-pi3-0", members=("pi3-0", "pi5-0"), predicted_iteration_s=0.21,
+                                       division=(LayerDivision(layer="conv1", counts=(9, 23)),
+                                                 LayerDivision(layer="fc2", counts=(3, 7)))),
+                           PlanCluster(cluster="c-laptop-0", members=("laptop-0",))),
+                 round_time_s=0.21)
+MESH_BEGIN = MeshBegin(cluster="m-pi3-0", device="pi3-0", plan_version=12, step=1_717_000_008_123, model_version=40)
+MESH_SLICE = MeshSlice(cluster="m-pi3-0", plan_version=12, step=1_717_000_008_123, layer="conv2", phase="bwd",
+                       sender=1, tensor=_f32(4, 9, 16, 16))
+MESH_STATS = DeviceStats(device="pi5-0", incarnation=2, steps=10, step_time_s=0.2, compute_flops=8.1e9,
+                         mesh_layer_busy_s={"conv1": 0.012, "conv2": 0.031})
+MESH_GRADIENT = GradientUpdate(device="pi5-0", cluster="m-pi3-0", incarnation=2, seq=5, base_version=40, samples=32,
+                               shards=(ShardUpdate(param="conv1.bias", start=9, stop=32, codec="none",
+                                                   data=_grad_bytes(23)),), mesh_step=1_717_000_008_123,
+                               plan_version=12)
+
 EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK, SYNC,
-            REFUSAL]
+            REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_SLICE, MESH_STATS, MESH_GRADIENT]
 
 
 def test_examples_cover_every_registered_kind() -> None:

@@ -25,9 +25,7 @@ Accuracy against time per policy goes to a PNG beside the report.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import shutil
 import sys
 import tempfile
 import time
@@ -37,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edgemesh.bench.reporting import pyplot, write_report
+from edgemesh.bench.reporting import finish, pyplot
+from edgemesh.bench.runs import drive
 from edgemesh.common.broker import BrokerProcess
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config, load_config
@@ -64,8 +63,6 @@ MILESTONES = (0.9, 0.95, 0.96, 0.97)
 """Accuracies whose first time is reported for every policy besides the target."""
 START_TIMEOUT_S = 120.0
 """Longest wait for the plan to name every device."""
-GUARD_INTERVAL_S = 0.5
-"""How often a run checks that its processes still run."""
 
 
 @dataclass(slots=True)
@@ -132,36 +129,18 @@ async def _run_policy(cluster: LocalCluster, devices: list[tuple[str, str]], bud
                       progress: Callable[[str], None], label: str) -> Run:
     run = Run()
     stop = asyncio.Event()
-    cfg = cluster.cfg
-    watcher = asyncio.create_task(_watch(cfg, run, {name for name, _ in devices}, stop))
+
+    def status(elapsed: float) -> str:
+        accuracy = run.evaluations[-1][2] if run.evaluations else 0.0
+        return f"{label}: {elapsed:5.1f}s of {budget_s:.0f}s, accuracy {accuracy:.4f}"
+
+    watch = _watch(cluster.cfg, run, {name for name, _ in devices}, stop)
     try:
-        cluster.start_services(min_devices=len(devices))
-        for name, profile in devices:
-            cluster.spawn("worker", name, ["--device", name, "--emulate", profile])
-        started = time.monotonic()
-        shown = 0.0
-        while True:
-            run.failure = cluster.failure()
-            if run.failure is not None:
-                break
-            now = time.monotonic()
-            if run.t0 is None and now - started > START_TIMEOUT_S:
-                run.failure = f"the plan did not name all {len(devices)} devices within {START_TIMEOUT_S:.0f}s"
-                break
-            if run.t0 is not None and now - run.t0 >= budget_s:
-                break
-            if run.t0 is not None and now - shown >= 5.0:
-                shown = now
-                acc = run.evaluations[-1][2] if run.evaluations else 0.0
-                progress(f"  {label}: {now - run.t0:5.1f}s of {budget_s:.0f}s, accuracy {acc:.4f}")
-            await asyncio.sleep(GUARD_INTERVAL_S)
-        await asyncio.to_thread(cluster.scrape_all)
+        run.failure = await drive(cluster, devices, watch, started=lambda: run.t0,
+                                  done=lambda elapsed: elapsed >= budget_s, status=status, progress=progress,
+                                  start_timeout_s=START_TIMEOUT_S)
     finally:
         stop.set()
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await watcher
-        cluster.stop()
     return run
 
 
@@ -270,11 +249,7 @@ def run_bench(report: Path, *, fleet: list[str], policies: list[str], target: fl
     finally:
         broker.stop()
     result["ratios"] = ratios(result["policies"])
-    write_report(report, result, _plot, progress)
-    if failed or keep_logs:
-        progress(f"logs kept in {workdir}")
-    else:
-        shutil.rmtree(workdir, ignore_errors=True)
+    finish(report, result, _plot, progress, workdir, keep_logs=failed or keep_logs)
     return result
 
 

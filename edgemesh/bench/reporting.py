@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -34,3 +35,14 @@ def write_report(report: Path, result: dict[str, Any], plot: Callable[[dict[str,
     if plot(result, png):
         progress(f"plot written to {png}")
     progress(f"report written to {report}")
+
+
+def finish(report: Path, result: dict[str, Any], plot: Callable[[dict[str, Any], Path], bool],
+           progress: Callable[[str], None], workdir: Path, *, keep_logs: bool) -> None:
+    """Write the report and its plot; keep the runs' logs in ``workdir`` when asked or when a run
+    failed (``result`` says so), else remove them."""
+    write_report(report, result, plot, progress)
+    if keep_logs:
+        progress(f"logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)

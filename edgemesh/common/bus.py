@@ -214,6 +214,26 @@ class Bus:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter
                 delay = min(delay * 2, self.config.backoff_max_s)
 
+    async def subscribe(self, filters: Sequence[str]) -> None:
+        """Add subscriptions, now if connected and on every reconnect."""
+        new = [e for f in filters for e in Topics.with_chunks(f) if e not in self._filters]
+        self._filters.extend(new)
+        client = self._client
+        if client is not None and self._connected.is_set():
+            for f in new:
+                with contextlib.suppress(aiomqtt.MqttError):  # a lost connection re-subscribes all
+                    await client.subscribe(f, qos=QOS_STATE)
+
+    async def unsubscribe(self, filters: Sequence[str]) -> None:
+        """Drop subscriptions added with :meth:`subscribe`."""
+        gone = [e for f in filters for e in Topics.with_chunks(f) if e in self._filters]
+        self._filters = [f for f in self._filters if f not in gone]
+        client = self._client
+        if client is not None and self._connected.is_set():
+            for f in gone:
+                with contextlib.suppress(aiomqtt.MqttError):
+                    await client.unsubscribe(f)
+
     # --- receiving -------------------------------------------------------------------------
     async def _receive(self, msg: aiomqtt.Message) -> None:
         topic = msg.topic.value

@@ -170,7 +170,8 @@ class PlannerConfig:
     """Batch sizes: uniform (training.batch_size for all), balanced (sized to each device's speed so
     all finish an iteration together), or auto (balanced under the adaptive policy, else uniform)."""
     round_samples: int = 0
-    """Balanced batching: samples per round over all devices; 0 = devices x training.batch_size."""
+    """Samples per iteration over all devices. Balanced batching: 0 = devices x training.batch_size.
+    Mesh parallelism (the iteration's batch, split among the clusters): 0 = training.batch_size."""
     min_batch: int = 4
     """Balanced batching: smallest batch a device is given, however slow."""
     max_batch: int = 128
@@ -179,6 +180,14 @@ class PlannerConfig:
     """Balanced batching: publish new batch sizes only when one moves by more than this share."""
     rebalance_interval_s: float = 2.0
     """Balanced batching: at most one re-plan for new batch sizes per this many seconds."""
+    parallelism: Literal["data", "mesh"] = "data"
+    """data: every device is its own cluster (data parallelism); mesh: the hybrid training grid of Edge
+    Mesh, clusters of devices that divide the model's filters among them (DESIGN.md §4)."""
+    max_cluster_size: int = 8
+    """Mesh: most devices in one model-parallel cluster."""
+    replan_threshold: float = 0.25
+    """Mesh: re-plan when the current layout's predicted time per sample, under the devices' measured
+    speeds, is this share above the best new layout's (a device slowed down)."""
 
     def __post_init__(self) -> None:
         _require(self.replan_debounce_s >= 0, "planner.replan_debounce_s", "must be >= 0")
@@ -188,6 +197,8 @@ class PlannerConfig:
         _require(self.max_batch >= self.min_batch, "planner.max_batch", "must be >= planner.min_batch")
         _require(0 <= self.rebalance_threshold < 10, "planner.rebalance_threshold", "must be in [0, 10)")
         _require(self.rebalance_interval_s >= 0, "planner.rebalance_interval_s", "must be >= 0")
+        _require(self.max_cluster_size >= 1, "planner.max_cluster_size", "must be >= 1")
+        _require(self.replan_threshold > 0, "planner.replan_threshold", "must be > 0")
 
 
 @dataclass(slots=True)
@@ -202,6 +213,8 @@ class ParameterServerConfig:
     """Evaluate on the held-out split every this many versions (0 = never)."""
     max_batch: int = 64
     """Most queued updates handled in one step before publishing a snapshot."""
+    mesh_assembly_timeout_s: float = 30.0
+    """Model-parallel clusters: an update whose members' shards are not all in after this long is discarded."""
     fsync: bool = True
     """fsync the log before acking (turn off only for throwaway runs)."""
     broadcast: Literal["snapshot", "delta"] = "delta"
@@ -238,6 +251,7 @@ class ParameterServerConfig:
     """Also evaluate when this many seconds passed since the last evaluation and the model moved (0 = off)."""
 
     def __post_init__(self) -> None:
+        _require(self.mesh_assembly_timeout_s > 0, "ps.mesh_assembly_timeout_s", "must be > 0")
         _require(0 < self.adaptive_alpha <= 1, "ps.adaptive_alpha", "must be in (0, 1]")
         _require(0 <= self.adaptive_quantile <= 1, "ps.adaptive_quantile", "must be in [0, 1]")
         _require(self.adaptive_slack >= 1, "ps.adaptive_slack", "must be >= 1")
@@ -316,6 +330,10 @@ class WorkerConfig:
     """Stop after this many accepted updates (0 = run until stopped)."""
     codec_wait_s: float = 2.0
     """How long to wait for a codec policy before using ``none``."""
+    mesh_timeout_s: float = 10.0
+    """Model-parallel clusters: how long a member waits for another member's slice before it abandons the step."""
+    mesh_dtype: Literal["float32", "float16"] = "float32"
+    """Model-parallel clusters: the type activation and gradient slices travel in (float16 halves the traffic)."""
     link_rate_bps: float = 0.0
     """Uplink rate to report, bytes/s; 0 = measure it from gradient publishes (time to the broker's PUBACK)."""
     can_encode: bool = True
@@ -332,6 +350,10 @@ class WorkerConfig:
     from; 0 = measure it at start."""
     emulation_max_outage_s: float = 0.0
     """Emulation: cap on the length of one spontaneous disconnect, seconds (0 = no cap)."""
+    emulation_dilation: float = 1.0
+    """Emulation: time dilation, >= 1. The board runs this many times slower in every respect (compute,
+    link rates, latency), so a host slower than the fleet it emulates keeps up; durations are then this
+    many times the board's (benchmarks report the factor)."""
 
     def __post_init__(self) -> None:
         _require(not self.device or valid_name(self.device), "worker.device",
@@ -339,12 +361,14 @@ class WorkerConfig:
         _require(self.memory_bytes >= 0, "worker.memory_bytes", "must be >= 0")
         _require(self.threads >= 1, "worker.threads", "must be >= 1")
         _require(self.ack_timeout_s > 0, "worker.ack_timeout_s", "must be > 0")
+        _require(self.mesh_timeout_s > 0, "worker.mesh_timeout_s", "must be > 0")
         _require(self.stats_interval_s > 0, "worker.stats_interval_s", "must be > 0")
         _require(self.profile_seconds > 0, "worker.profile_seconds", "must be > 0")
         _require(self.max_steps >= 0, "worker.max_steps", "must be >= 0")
         _require(self.link_rate_bps >= 0, "worker.link_rate_bps", "must be >= 0 (0 = measure)")
         _require(self.emulation_host_gflops >= 0, "worker.emulation_host_gflops", "must be >= 0 (0 = measure)")
         _require(self.emulation_max_outage_s >= 0, "worker.emulation_max_outage_s", "must be >= 0")
+        _require(self.emulation_dilation >= 1, "worker.emulation_dilation", "must be >= 1 (1 = real time)")
 
 
 @dataclass(slots=True)

@@ -21,6 +21,7 @@ Cost model
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from edgemesh.common.errors import ModelError
@@ -63,6 +64,55 @@ COSTS: dict[str, ModelCost] = {
 """Cost of every spec in ``models.MODEL_SPECS`` (checked against the modules by the tests)."""
 
 
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """One conv or linear layer as model parallelism divides it: by output units (filters or features).
+
+    Per-sample figures; a member holding ``n`` of the ``units`` does ``n x macs_per_unit`` MACs
+    per sample forward, holds ``n x params_per_unit`` parameters, keeps ``n x out_per_unit``
+    values before the layer's channel-wise tail (ReLU, pooling) and sends ``n x gathered_per_unit``
+    values after it to the other members (the forward all-gather). In the backward pass it computes
+    a partial gradient of the whole input (``in_values``) and sends the other members their
+    channels of it (the reduce-scatter); the first layer, whose input is the data, sends none.
+    """
+
+    name: str
+    """Module name in the spec (``conv1``, ``fc2``): parameters are ``<name>.weight`` and ``<name>.bias``."""
+    units: int
+    """Output filters (conv) or features (linear): what the filter division divides."""
+    macs_per_unit: int
+    params_per_unit: int
+    out_per_unit: int
+    gathered_per_unit: int
+    in_values: int
+    """float32 values of the layer's whole input, for one sample."""
+
+
+LAYERS: dict[str, tuple[LayerCost, ...]] = {
+    "digits-cnn": (
+        LayerCost("conv1", 16, 576, 10, 64, 64, 64),
+        LayerCost("conv2", 32, 9_216, 145, 64, 16, 1_024),
+        LayerCost("fc1", 64, 512, 513, 1, 1, 512),
+        LayerCost("fc2", 10, 64, 65, 1, 1, 64),
+    ),
+    "cifar-cnn": (
+        LayerCost("conv1", 32, 27_648, 28, 1_024, 256, 3_072),
+        LayerCost("conv2", 64, 73_728, 289, 256, 64, 8_192),
+        LayerCost("conv3", 128, 36_864, 577, 64, 16, 4_096),
+        LayerCost("fc1", 256, 2_048, 2_049, 1, 1, 2_048),
+        LayerCost("fc2", 10, 256, 257, 1, 1, 256),
+    ),
+}
+"""The divisible layers of every spec, in forward order (checked against the modules by the tests)."""
+
+
+def layers(spec: str) -> tuple[LayerCost, ...]:
+    try:
+        return LAYERS[spec]
+    except KeyError:
+        raise ModelError(f"no layer figures for model {spec!r}; known: {', '.join(sorted(LAYERS))}") from None
+
+
 def cost(spec: str) -> ModelCost:
     try:
         return COSTS[spec]
@@ -75,6 +125,18 @@ def training_memory_bytes(spec: str, batch: int) -> int:
     c = cost(spec)
     return (RUNTIME_BYTES + PARAM_COPIES * FLOAT32_BYTES * c.params
             + ACTIVATION_COPIES * FLOAT32_BYTES * batch * c.activations_per_sample)
+
+
+def member_memory_bytes(layer_costs: Sequence[LayerCost], held: Sequence[int], batch: int) -> int:
+    """Estimated peak memory of a model-parallel member holding ``held[l]`` units of every layer
+    (forward order) at ``batch``: its parameter rows (``PARAM_COPIES`` copies), the layer outputs
+    it computes before their channel-wise tail and their gradients, its gathered slices, and the
+    whole gathered input of every layer (kept for the weight gradient). With every unit held it
+    is a data-parallel worker's memory under the same accounting."""
+    params = sum(n * la.params_per_unit for la, n in zip(layer_costs, held, strict=True))
+    activations = sum(n * (2 * la.out_per_unit + la.gathered_per_unit) + la.in_values
+                      for la, n in zip(layer_costs, held, strict=True))
+    return RUNTIME_BYTES + (PARAM_COPIES * params + batch * activations) * FLOAT32_BYTES
 
 
 def max_batch_for_memory(spec: str, memory_bytes: int) -> int:

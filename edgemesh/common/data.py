@@ -27,7 +27,7 @@ from edgemesh.common.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-DATASET_NAMES: Final = ("digits", "mnist-idx", "cifar10")
+DATASET_NAMES: Final = ("digits", "mnist-idx", "cifar10", "synthetic-cifar")
 SPLIT_SCHEMES: Final = ("iid", "dirichlet")
 
 MNIST_FILES: Final = {
@@ -135,6 +135,8 @@ def load_dataset(
         return _load_mnist_idx(_require_dir(name, path))
     if name == "cifar10":
         return _load_cifar10(_require_dir(name, path))
+    if name == "synthetic-cifar":
+        return synthetic_cifar(seed=int(seed))
     raise DataError(f"unknown dataset {name!r}; known: {', '.join(DATASET_NAMES)}")
 
 
@@ -197,6 +199,27 @@ def _load_digits(test_fraction: float, seed: int) -> tuple[Dataset, Dataset]:
         Dataset("digits-train", np.ascontiguousarray(x_train), np.ascontiguousarray(y_train), num_classes),
         Dataset("digits-test", np.ascontiguousarray(x_test), np.ascontiguousarray(y_test), num_classes),
     )
+
+
+# --- synthetic CIFAR-shaped images
+
+SYNTHETIC_TRAIN = 2048
+SYNTHETIC_TEST = 512
+
+
+def synthetic_cifar(*, seed: int = 0, train: int = SYNTHETIC_TRAIN, test: int = SYNTHETIC_TEST) -> tuple[Dataset,
+                                                                                                        Dataset]:
+    """Random 3x32x32 images in [0, 1] labelled by a fixed random linear teacher (10 classes).
+
+    For timing and memory benchmarks of CIFAR-shaped models where CIFAR-10 itself cannot be
+    downloaded: the shapes and the work per sample are CIFAR's, the accuracy means nothing.
+    """
+    rng = np.random.default_rng(seed)
+    x = rng.random((train + test, 3, 32, 32), dtype=np.float32)
+    teacher = rng.standard_normal((3 * 32 * 32, 10)).astype(np.float32)
+    y = np.argmax((x.reshape(len(x), -1) - 0.5) @ teacher, axis=1).astype(np.int64)
+    return (Dataset("synthetic-cifar-train", x[:train], y[:train], 10),
+            Dataset("synthetic-cifar-test", x[train:], y[train:], 10))
 
 
 # --- MNIST IDX
@@ -551,3 +574,15 @@ def _check_batch_size(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
         raise DataError(f"batch_size must be a positive int, got {value!r}")
     return int(value)
+
+
+def batch_at(dataset: Dataset, batch_size: int, *, seed: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """The batch of ``step``: a pure function of ``(seed, step)``, so every member of a
+    model-parallel cluster draws the same samples without talking (``batch_size`` samples without
+    replacement, the whole set if it is smaller)."""
+    if len(dataset) == 0:
+        raise DataError(f"cannot draw batches from empty dataset {dataset.name!r}")
+    size = min(_check_batch_size(batch_size), len(dataset))
+    rng = np.random.default_rng([seed, step])
+    index = np.sort(rng.choice(len(dataset), size=size, replace=False))
+    return dataset.x[index], dataset.y[index]

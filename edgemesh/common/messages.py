@@ -19,6 +19,7 @@ Scalar = str | int | float | bool | None
 
 MAX_DEVICES = 10_000
 MAX_SHARDS = 4096
+MAX_CLUSTER_MEMBERS = 256
 
 
 def _name(kind: str, value: str) -> None:
@@ -54,10 +55,16 @@ class DeviceHello:
     """Measured or configured uplink rate, bytes/s (0 = unknown)."""
     profile: str = ""
     """Emulated device profile name, empty when real."""
+    downlink_rate_bps: float = 0.0
+    """Measured or configured downlink rate, bytes/s (0 = unknown: taken as the uplink rate)."""
+    latency_s: float = 0.0
+    """One-way latency to the broker, seconds (0 = unknown)."""
 
     def validate(self) -> None:
         _name("device", self.device)
         _nonneg("incarnation", self.incarnation)
+        _nonneg("downlink_rate_bps", self.downlink_rate_bps)
+        _nonneg("latency_s", self.latency_s)
         if self.flops <= 0:
             raise ValueError("flops must be > 0")
         if self.memory_bytes <= 0:
@@ -112,12 +119,22 @@ class DeviceStats:
     """Size of one full gradient of this device's share of the model in float32, bytes (0 = unknown)."""
     upload_time_s: float = 0.0
     """Mean time to hand one update to the broker (publish to PUBACK), seconds (0 = unknown)."""
+    compute_flops: float = 0.0
+    """Training FLOP/s this device reached computing its share (waits for other members left out), 0 = unknown."""
+    mesh_layer_busy_s: dict[str, float] = field(default_factory=dict)
+    """Model-parallel members: median seconds per step each layer kept this member busy, forward and
+    backward: computing its units, and publishing its slices (waits for the other members left out)."""
 
     def validate(self) -> None:
         _name("device", self.device)
         for name in ("steps", "step_time_s", "comm_time_s", "delay_index", "link_rate_bps", "rss_bytes",
-                     "gradient_bytes", "upload_time_s"):
+                     "gradient_bytes", "upload_time_s", "compute_flops"):
             _nonneg(name, getattr(self, name))
+        if len(self.mesh_layer_busy_s) > MAX_SHARDS:
+            raise ValueError("too many layers")
+        for layer, seconds in self.mesh_layer_busy_s.items():
+            if not layer or len(layer) > 256 or not seconds >= 0:
+                raise ValueError(f"bad layer busy time {layer!r}: {seconds!r}")
 
 
 # --------------------------------------------------------------------------- plan
@@ -141,14 +158,46 @@ class PlanDevice:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LayerDivision:
+    """How many output units (filters or features) of ``layer`` each cluster member computes, in member order."""
+
+    layer: str
+    counts: tuple[int, ...]
+
+    def validate(self) -> None:
+        if not self.layer or len(self.layer) > 256:
+            raise ValueError("layer name length out of range")
+        if any(n < 0 for n in self.counts) or sum(self.counts) < 1:
+            raise ValueError(f"division of {self.layer} must be counts >= 0 with a positive sum")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PlanCluster:
     cluster: str
     members: tuple[str, ...]
+    division: tuple[LayerDivision, ...] = ()
+    """Model-parallel clusters (more than one member): every divisible layer's filter division."""
+    predicted_iteration_s: float = 0.0
+    """The planner's predicted time of one iteration of this cluster, seconds (0 = not predicted)."""
 
     def validate(self) -> None:
         _name("cluster", self.cluster)
         if not self.members:
             raise ValueError(f"cluster {self.cluster} has no members")
+        if len(set(self.members)) != len(self.members):
+            raise ValueError(f"a device appears twice in cluster {self.cluster}")
+        if len(self.members) > 1 and not self.division:
+            raise ValueError(f"cluster {self.cluster} has {len(self.members)} members and no filter division")
+        for d in self.division:
+            d.validate()
+            if len(d.counts) != len(self.members):
+                raise ValueError(f"division of {d.layer} in {self.cluster} has {len(d.counts)} counts for "
+                                 f"{len(self.members)} members")
+        _nonneg("predicted_iteration_s", self.predicted_iteration_s)
+
+    @property
+    def counts(self) -> dict[str, tuple[int, ...]]:
+        return {d.layer: d.counts for d in self.division}
 
 
 @message("plan")
@@ -188,13 +237,21 @@ class Plan:
         names = [d.device for d in self.devices]
         if len(set(names)) != len(names):
             raise ValueError("a device appears twice in the plan")
-        clusters = {c.cluster for c in self.clusters}
+        clusters = {c.cluster: c for c in self.clusters}
         for d in self.devices:
-            if d.cluster not in clusters:
+            c = clusters.get(d.cluster)
+            if c is None:
                 raise ValueError(f"device {d.device} is in undeclared cluster {d.cluster}")
+            if d.device not in c.members:
+                raise ValueError(f"device {d.device} is not a member of its cluster {d.cluster}")
+        for c in self.clusters:
+            c.validate()
 
     def device(self, name: str) -> PlanDevice | None:
         return next((d for d in self.devices if d.device == name), None)
+
+    def cluster(self, name: str) -> PlanCluster | None:
+        return next((c for c in self.clusters if c.cluster == name), None)
 
     @property
     def cluster_names(self) -> tuple[str, ...]:
@@ -302,6 +359,11 @@ class GradientUpdate:
     sent_at: float = 0.0
     need_snapshot: bool = False
     """The sender missed a model delta and asks for a full snapshot."""
+    mesh_step: int = 0
+    """Model-parallel clusters: the cluster step these shards belong to (the PS joins the members'
+    updates of one step into the cluster's update); 0 for a single-device cluster."""
+    plan_version: int = 0
+    """Model-parallel clusters: the plan whose filter division the shards follow."""
 
     def validate(self) -> None:
         _name("device", self.device)
@@ -309,10 +371,66 @@ class GradientUpdate:
         _nonneg("incarnation", self.incarnation)
         _nonneg("seq", self.seq)
         _nonneg("base_version", self.base_version)
+        _nonneg("mesh_step", self.mesh_step)
+        _nonneg("plan_version", self.plan_version)
         if self.samples < 1:
             raise ValueError("samples must be >= 1")
         if not 0 < len(self.shards) <= MAX_SHARDS:
             raise ValueError("shard count out of range")
+
+
+@message("mesh_begin")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshBegin:
+    """A model-parallel cluster's first member starts ``step`` on ``model_version``, on
+    ``mesh/{cluster}/step/begin/{device}``; the others follow with the same batch."""
+
+    cluster: str
+    device: str
+    plan_version: int
+    step: int
+    model_version: int
+
+    def validate(self) -> None:
+        _name("cluster", self.cluster)
+        _name("device", self.device)
+        _nonneg("plan_version", self.plan_version)
+        if self.step < 1:
+            raise ValueError("step must be >= 1")
+        _nonneg("model_version", self.model_version)
+
+
+@message("mesh_slice")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshSlice:
+    """One member's slice within a model-parallel step (DESIGN.md §4).
+
+    ``fwd``: its output slice of ``layer``, on ``mesh/{cluster}/{layer}/fwd/{sender}``, for all members.
+    ``bwd``: the receiver's channels of its partial input gradient of ``layer``, on
+    ``mesh/{cluster}/{layer}/bwd/{receiver}``.
+    """
+
+    cluster: str
+    plan_version: int
+    step: int
+    layer: str
+    phase: Literal["fwd", "bwd"]
+    sender: int
+    """Member index of the sender in the cluster."""
+    tensor: Tensor
+
+    def validate(self) -> None:
+        _name("cluster", self.cluster)
+        _name("layer", self.layer)
+        _nonneg("plan_version", self.plan_version)
+        if self.step < 1:
+            raise ValueError("step must be >= 1")
+        if self.phase not in ("fwd", "bwd"):
+            raise ValueError(f"phase {self.phase!r} is not fwd or bwd")
+        if not 0 <= self.sender < MAX_CLUSTER_MEMBERS:
+            raise ValueError("sender index out of range")
+        if self.tensor.dtype not in ("float32", "float16"):
+            raise ValueError(f"mesh tensors are float32 or float16, not {self.tensor.dtype}")
 
 
 @message("model")

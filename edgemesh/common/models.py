@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from edgemesh.common.costs import ModelCost
+from edgemesh.common.costs import LayerCost, ModelCost
 from edgemesh.common.data import Dataset
 from edgemesh.common.errors import DataError, ModelError
 
@@ -168,15 +168,108 @@ def measure_cost(name: str) -> ModelCost:
             macs += module.in_features * module.out_features
 
     leaves = [m for m in model.modules() if not list(m.children())]
-    handles = [m.register_forward_hook(count) for m in leaves]
+    _forward_once(model, spec, [(m, count) for m in leaves])
+    params = sum(p.numel() for p in model.parameters())
+    return ModelCost(params=params, macs_per_sample=macs, activations_per_sample=activations)
+
+
+def _forward_once(model: nn.Module, spec: ModelSpec, hooks: list[tuple[nn.Module, Callable[..., None]]]) -> None:
+    """One forward pass of a zero sample with ``hooks`` on their modules (removed afterwards)."""
+    handles = [module.register_forward_hook(hook) for module, hook in hooks]
     try:
         with torch.no_grad():
             model(torch.zeros((1, *spec.input_shape)))
     finally:
         for handle in handles:
             handle.remove()
-    params = sum(p.numel() for p in model.parameters())
-    return ModelCost(params=params, macs_per_sample=macs, activations_per_sample=activations)
+
+
+CHANNELWISE: Final = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.MaxPool2d, nn.AvgPool2d)
+"""Modules that act on each channel alone: model parallelism runs them on a member's slice."""
+REPLICATED: Final = (Standardize, nn.Flatten, nn.Identity)
+"""Parameterless modules that mix channels or positions: every member runs them on the whole input."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """One divisible layer of a spec, as model parallelism runs it (DESIGN.md §4).
+
+    A member applies ``pre`` to the whole (gathered) input, its slice of ``layer``'s output
+    units, then ``tail`` to that slice; the slices are then all-gathered along dim 1.
+    """
+
+    layer: str
+    """Name of the conv or linear module; its output units are what the filter division divides."""
+    pre: tuple[str, ...]
+    tail: tuple[str, ...]
+
+
+def mesh_stages(model: nn.Module) -> tuple[Stage, ...]:
+    """Split a sequential model into its divisible stages.
+
+    Raises ModelError for a model model parallelism cannot divide: not sequential, a module with
+    parameters that is neither conv nor linear (batch norm), or one that is random (dropout)
+    or unknown, since each member must compute exactly what one process would.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise ModelError("model parallelism needs a sequential model")
+    stages: list[Stage] = []
+    layer: str | None = None  # the stage being built
+    pre: list[str] = []
+    tail: list[str] = []
+    pending: list[str] = []  # replicated modules before the next layer
+    for name, module in model.named_children():
+        if isinstance(module, nn.Conv2d | nn.Linear):
+            if layer is not None:
+                stages.append(Stage(layer, tuple(pre), tuple(tail)))
+            layer, pre, tail, pending = name, pending, [], []
+        elif isinstance(module, CHANNELWISE):
+            (tail if layer is not None else pending).append(name)
+        elif isinstance(module, REPLICATED):
+            if layer is not None:
+                stages.append(Stage(layer, tuple(pre), tuple(tail)))
+                layer = None
+            pending.append(name)
+        else:
+            raise ModelError(f"model parallelism cannot divide module {name!r} ({type(module).__name__})")
+    if layer is None:
+        raise ModelError("the model must end with a conv or linear layer (and channel-wise modules)")
+    stages.append(Stage(layer, tuple(pre), tuple(tail)))
+    return tuple(stages)
+
+
+def measure_layers(name: str) -> tuple[LayerCost, ...]:
+    """Per-layer division figures of spec ``name`` (``costs.LAYERS`` holds the same; a test keeps them equal)."""
+    spec = get_spec(name)
+    model = build_model(name)
+    stages = {s.layer: s for s in mesh_stages(model)}
+    modules = dict(model.named_children())
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def keep(module_name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            shapes[module_name] = tuple(output.shape[1:])
+            shapes[module_name + ":in"] = tuple(inputs[0].shape[1:])
+        return hook
+
+    _forward_once(model, spec, [(m, keep(n)) for n, m in modules.items()])
+    out = []
+    for stage in stages.values():
+        module = modules[stage.layer]
+        assert isinstance(module, nn.Conv2d | nn.Linear)
+        units = shapes[stage.layer][0]
+        per_unit_out = math.prod(shapes[stage.layer][1:])
+        last = stage.tail[-1] if stage.tail else stage.layer
+        gathered = math.prod(shapes[last][1:])
+        first = stage.pre[0] if stage.pre else stage.layer
+        in_values = math.prod(shapes[first + ":in"])
+        if isinstance(module, nn.Conv2d):
+            macs = per_unit_out * module.in_channels // module.groups * math.prod(module.kernel_size)
+        else:
+            macs = module.in_features
+        params = sum(p.numel() for p in module.parameters()) // units
+        out.append(LayerCost(stage.layer, units, macs, params, per_unit_out, gathered, in_values))
+    return tuple(out)
 
 
 def param_layout(model: nn.Module) -> ParamLayout:

@@ -8,6 +8,7 @@ Large retained messages are chunked onto ``{topic}/chunk/{index}`` (see ``wire``
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 PREFIX = "edgemesh/v1"
@@ -101,6 +102,14 @@ class Topics:
 
     def cluster_mesh(self, cluster: str) -> str:
         return f"{self.root}/mesh/{cluster}/#"
+
+    def mesh_member(self, cluster: str, device: str, members: Sequence[str]) -> list[str]:
+        """What a member of ``cluster`` subscribes to: the other members' forward slices and step
+        starts (one filter each, so its own do not come back), and the backward slices addressed to it."""
+        others = [m for m in members if m != device]
+        return [*(f"{self.root}/mesh/{cluster}/+/fwd/{m}" for m in others),
+                *(f"{self.root}/mesh/{cluster}/step/begin/{m}" for m in others),
+                f"{self.root}/mesh/{cluster}/+/bwd/{device}"]
 
     # --- operations ------------------------------------------------------------------------
     def control(self, target: str) -> str:

@@ -136,6 +136,15 @@ def _bench_fleet(args: argparse.Namespace) -> int:
                       budget_s=args.budget_s, seed=args.seed, overrides=overrides, keep_logs=args.keep_logs)
 
 
+def _bench_mesh(args: argparse.Namespace) -> int:
+    from edgemesh.bench.mesh import main as bench_main
+
+    _setup_logging(args.log_level or "WARNING")
+    return bench_main(args.report, fleet=args.fleet, modes=args.modes, batch=args.batch, dilation=args.dilation,
+                      iterations=args.iterations, accuracy_iterations=args.accuracy_iterations, seed=args.seed,
+                      overrides=_overrides(args), keep_logs=args.keep_logs)
+
+
 def _config(args: argparse.Namespace) -> int:
     config = _load(args)
     for key, value, _ in describe(config):
@@ -223,6 +232,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any setting")
     b.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     b.set_defaults(func=_bench_fleet)
+    from edgemesh.bench import mesh as mesh_bench
+
+    b = bench.add_parser("mesh", help="single device, data parallelism and Edge Mesh: iteration delay, memory, "
+                                      "accuracy, load balance")
+    b.add_argument("--report", default="bench/reports/mesh.json", help="JSON report path (PNG beside it)")
+    b.add_argument("--fleet", default=",".join(mesh_bench.DEFAULT_FLEET), help="device profiles, comma-separated")
+    b.add_argument("--modes", default=",".join(mesh_bench.MODES), help="runs, comma-separated")
+    b.add_argument("--batch", type=int, default=mesh_bench.DEFAULT_BATCH,
+                   help="samples per iteration in every mode (a multiple of the fleet size)")
+    b.add_argument("--dilation", type=float, default=mesh_bench.DEFAULT_DILATION,
+                   help="emulated boards run this many times slower (compute and links), so the host keeps up")
+    b.add_argument("--iterations", type=int, default=mesh_bench.DEFAULT_ITERATIONS,
+                   help="timed model versions per mode (after a warm-up)")
+    b.add_argument("--accuracy-iterations", type=int, default=mesh_bench.DEFAULT_ACCURACY_ITERATIONS,
+                   help="model versions of each digits accuracy run (0 = skip accuracy)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the emulated links and the 1,000-device fleet")
+    b.add_argument("--keep-logs", action="store_true", help="keep every process's log (failed runs always do)")
+    b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any setting")
+    b.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    b.set_defaults(func=_bench_mesh)
 
     p = sub.add_parser("config", help="print the effective configuration")
     _common_flags(p)

@@ -25,8 +25,10 @@ from edgemesh.common.codecs.base import (
     ErrorFeedback,
     ResidualCodec,
     available_codecs,
+    bytes_per_value,
     codec_for,
     get_codec,
 )
 
-__all__ = ["SMALL_TENSOR", "Codec", "ErrorFeedback", "ResidualCodec", "available_codecs", "codec_for", "get_codec"]
+__all__ = ["SMALL_TENSOR", "Codec", "ErrorFeedback", "ResidualCodec", "available_codecs", "bytes_per_value",
+           "codec_for", "get_codec"]

@@ -62,6 +62,18 @@ def codec_for(name: str, numel: int) -> Codec:
     return get_codec(name)
 
 
+PROBE_VALUES = 65_536
+"""Values of the random tensor ``bytes_per_value`` encodes."""
+
+
+def bytes_per_value(name: str, density: float = 1.0) -> float:
+    """Bytes codec ``name`` spends per float32 value at ``density`` (sparsifying codecs), measured by
+    encoding a random tensor of ``PROBE_VALUES``: what the planner's cost model charges a transfer."""
+    probe = np.random.default_rng(0).standard_normal(PROBE_VALUES).astype(np.float32)
+    policy = CodecPolicy(device="probe", codec=name, density=density)  # type: ignore[arg-type]
+    return len(get_codec(name).encode(probe, policy)) / PROBE_VALUES
+
+
 def available_codecs() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,19 @@ class DeviceProfile:
     def train_gflops(self) -> float:
         """The float32 rate a training process of this device reaches, GFLOP/s."""
         return self.gflops * parallel_efficiency(self.cores, self.thread_scaling)
+
+    def dilated(self, factor: float) -> DeviceProfile:
+        """The same board with time running ``factor`` times slower: compute and link rates divided,
+        latency and outages stretched, disconnects rarer per second (time dilation, Gupta et al.,
+        "To infinity and beyond: time-warped network emulation", NSDI 2006). A host slower than the
+        fleet it emulates can then keep up; every emulated duration is ``factor`` times the board's."""
+        if not factor >= 1:
+            raise ValueError("time dilation must be >= 1")
+        if factor == 1:
+            return self
+        return replace(self, gflops=self.gflops / factor, uplink_bps=self.uplink_bps / factor,
+                       downlink_bps=self.downlink_bps / factor, latency_s=self.latency_s * factor,
+                       disconnects_per_hour=self.disconnects_per_hour / factor, outage_s=self.outage_s * factor)
 
     def link(self) -> LinkShape:
         return LinkShape(uplink_bps=self.uplink_bps, downlink_bps=self.downlink_bps, latency_s=self.latency_s,

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,20 @@ class Pending:
     update: GradientUpdate
     grads: list[ShardGrad]
     received: float
+    parts: tuple[GradientUpdate, ...] = ()
+    """A model-parallel cluster's update: the members' updates it joins (``update`` is the first's)."""
+
+    @property
+    def updates(self) -> tuple[GradientUpdate, ...]:
+        return self.parts or (self.update,)
+
+
+@dataclass(slots=True)
+class Assembly:
+    """The members' shards of one model-parallel step, until they cover the whole model."""
+
+    opened: float
+    parts: dict[str, Pending] = field(default_factory=dict)
 
 
 class ParameterServer:
@@ -96,6 +110,8 @@ class ParameterServer:
         """Adaptive: monotonic time the open round began, when the model of the previous one went out (or
         its first update, for the first round); its deadline and the clusters' arrival times run from here."""
         self._deferred: list[Pending] = []
+        self._assembling: dict[tuple[str, int, int], Assembly] = {}
+        """Model-parallel steps waiting for the rest of their members' shards, by (cluster, plan, step)."""
         p = config.ps
         self.adaptive = AdaptiveDelay(AdaptiveSettings(
             alpha=p.adaptive_alpha, quantile=p.adaptive_quantile, slack=p.adaptive_slack,
@@ -128,6 +144,7 @@ class ParameterServer:
         m = self.metrics = ServiceMetrics(SERVICE)
         self.m_version = m.gauge("model_version", "Current global model version")
         self.m_updates = m.counter("updates", "Gradient updates by outcome", ["status", "reason"])
+        self.m_assembling = m.gauge("mesh_assembling_steps", "Model-parallel steps waiting for members' shards")
         self.m_delay = m.histogram("update_delay_versions", "Delay of accepted updates in versions", DELAY_BUCKETS)
         self.m_step = m.histogram("step_seconds", "Time to apply one batch of updates", STEP_BUCKETS)
         self.m_accuracy = m.gauge("eval_accuracy_ratio", "Held-out accuracy of the current model")
@@ -187,12 +204,14 @@ class ParameterServer:
     def _replay(self, record: dict[str, Any]) -> None:
         assert self.state is not None
         contributions = []
+        clusters = set()
         for entry in record["entries"]:
             grads = [self._decode_shard(s["param"], s["start"], s["stop"], s["codec"], s["data"])
                      for s in entry["shards"]]
             contributions.append((float(entry["weight"]), grads))
             self.high_water[entry["device"]] = (int(entry["incarnation"]), int(entry["seq"]))
-            cluster = entry.get("cluster", "")
+            clusters.add(entry.get("cluster", ""))
+        for cluster in clusters:  # one tick per cluster, however many members logged a part
             self.clocks[cluster] = self.clocks.get(cluster, 0) + 1
         self.state.step(contributions, lr=float(record["lr"]), momentum=float(record["momentum"]),
                         weight_decay=float(record.get("weight_decay", 0.0)))
@@ -268,8 +287,73 @@ class ParameterServer:
             self.m_codec_bytes.labels(codec=shard.codec).inc(len(shard.data))
         if update.need_snapshot and self.cfg.ps.broadcast == "delta" and self._last_full != self.version:
             self._request_snapshot()  # the sender missed a delta
-        self._queue.append(Pending(update, grads, time.monotonic()))
-        self._wake.set()
+        received = Pending(update, grads, time.monotonic())
+        item = await self._assemble(received) if update.mesh_step else received
+        if item is not None:
+            self._queue.append(item)
+            self._wake.set()
+
+    async def _assemble(self, item: Pending) -> Pending | None:
+        """Hold a model-parallel member's shards until its cluster's shards of that step cover the
+        whole model; then the cluster's update, which the policies treat like any other."""
+        u = item.update
+        mark = self.high_water.get(u.device)
+        if mark is not None and (u.incarnation, u.seq) <= mark:
+            await self._ack(u, "duplicate", "", resync=False)
+            return None
+        await self._expire_assemblies()
+        key = (u.cluster, u.plan_version, u.mesh_step)
+        assembly = self._assembling.setdefault(key, Assembly(time.monotonic()))
+        assembly.parts[u.device] = item
+        self.m_assembling.set(len(self._assembling))
+        coverage = self._coverage([g for part in assembly.parts.values() for g in part.grads])
+        if coverage == "partial":
+            return None
+        del self._assembling[key]
+        self.m_assembling.set(len(self._assembling))
+        parts = sorted(assembly.parts.values(), key=lambda part: part.update.device)
+        if coverage == "overlap":
+            for part in parts:
+                self.metrics.reject("shape", self.topics.grad(u.cluster, part.update.device),
+                                    f"step {u.mesh_step}: members' shards overlap")
+                await self._ack(part.update, "discarded", "shape", resync=True)
+            return None
+        first = parts[0].update
+        merged = replace(first, base_version=min(part.update.base_version for part in parts),
+                         need_snapshot=any(part.update.need_snapshot for part in parts),
+                         shards=tuple(sh for part in parts for sh in part.update.shards))
+        return Pending(merged, [g for part in parts for g in part.grads], max(part.received for part in parts),
+                       parts=tuple(part.update for part in parts))
+
+    def _coverage(self, grads: list[ShardGrad]) -> str:
+        """``full`` if the shards tile every parameter exactly, ``overlap`` if two cover one row, else ``partial``."""
+        assert self.state is not None
+        rows: dict[str, list[tuple[int, int]]] = {}
+        for g in grads:
+            rows.setdefault(g.param, []).append((g.start, g.stop))
+        full = len(rows) == len(self.state.params)
+        for param, ranges in rows.items():
+            ranges.sort()
+            end = 0
+            for start, stop in ranges:
+                if start < end:
+                    return "overlap"
+                full = full and start == end
+                end = stop
+            full = full and end == self.state.params[param].shape[0]
+        return "full" if full else "partial"
+
+    async def _expire_assemblies(self) -> None:
+        """Discard model-parallel steps whose members did not all report in time (one left or lags)."""
+        now = time.monotonic()
+        for key in [k for k, a in self._assembling.items() if now - a.opened > self.cfg.ps.mesh_assembly_timeout_s]:
+            assembly = self._assembling.pop(key)
+            for part in assembly.parts.values():
+                self.metrics.reject("incomplete", self.topics.grad(key[0], part.update.device),
+                                    f"step {key[2]} of {key[0]} incomplete after "
+                                    f"{self.cfg.ps.mesh_assembly_timeout_s:g}s")
+                await self._ack(part.update, "discarded", "incomplete", resync=True)
+        self.m_assembling.set(len(self._assembling))
 
     def _decode_update(self, update: GradientUpdate) -> list[ShardGrad]:
         seen: set[tuple[str, int, int]] = set()
@@ -352,18 +436,19 @@ class ParameterServer:
             u = item.update
             mark = self.high_water.get(u.device)
             if mark is not None and (u.incarnation, u.seq) <= mark:
-                acks.append((u, "duplicate", "", 0, False))
+                acks += [(part, "duplicate", "", 0, False) for part in item.updates]
                 continue
             if adaptive:
                 verdict = self.adaptive.judge(version, u.base_version, bound)
             else:
                 verdict = rules.judge(self.policy, version, u.base_version, self.bound)
             if not verdict.accept:
-                if adaptive and verdict.reason == "stale":
-                    # "later than the bound" is what a discard says; a device back from a long
-                    # outage would otherwise carry a huge index for many rounds
-                    self.adaptive.observe_delay(u.device, min(verdict.delay, bound + 1))
-                acks.append((u, "discarded", verdict.reason, verdict.delay, True))
+                for part in item.updates:
+                    if adaptive and verdict.reason == "stale":
+                        # "later than the bound" is what a discard says; a device back from a long
+                        # outage would otherwise carry a huge index for many rounds
+                        self.adaptive.observe_delay(part.device, min(verdict.delay, bound + 1))
+                    acks.append((part, "discarded", verdict.reason, verdict.delay, True))
                 continue
             if adaptive:
                 if u.cluster in self._round:
@@ -384,7 +469,7 @@ class ParameterServer:
             if self.policy == "sync":
                 if u.cluster in self._round:
                     # the cluster already contributed to this round: a second member or a repeat
-                    acks.append((u, "discarded", "round_full", verdict.delay, True))
+                    acks += [(part, "discarded", "round_full", verdict.delay, True) for part in item.updates]
                     continue
                 self._round[u.cluster] = item
                 if rules.round_complete(self._round, live):
@@ -398,7 +483,8 @@ class ParameterServer:
             version += 1
             steps.append(([item], version))
             self.clocks[u.cluster] = self.clocks.get(u.cluster, 0) + 1
-            self.high_water[u.device] = (u.incarnation, u.seq)
+            for part in item.updates:
+                self.high_water[part.device] = (part.incarnation, part.seq)
         # a sync round can also complete because a cluster left the plan
         if self.policy == "sync" and self._round and rules.round_complete(self._round, live):
             version += 1
@@ -417,7 +503,8 @@ class ParameterServer:
                 for item in items:
                     u = item.update
                     self.clocks[u.cluster] = self.clocks.get(u.cluster, 0) + 1
-                    self.high_water[u.device] = (u.incarnation, u.seq)
+                    for part in item.updates:
+                        self.high_water[part.device] = (part.incarnation, part.seq)
 
         model_message = await asyncio.to_thread(self._step, steps) if steps else None
         if steps:
@@ -425,9 +512,10 @@ class ParameterServer:
                 for item in items:
                     delay = v - 1 - item.update.base_version
                     self.m_delay.observe(delay)
-                    if adaptive:
-                        self.adaptive.observe_delay(item.update.device, delay)
-                    acks.append((item.update, "accepted", "", delay, self.policy in ("sync", "adaptive")))
+                    for part in item.updates:
+                        if adaptive:
+                            self.adaptive.observe_delay(part.device, delay)
+                        acks.append((part, "accepted", "", delay, self.policy in ("sync", "adaptive")))
         if adaptive:
             self._adaptive_refresh()
             await self._publish_sync_state()
@@ -452,7 +540,9 @@ class ParameterServer:
         assert self.state is not None and self._wal is not None
         t = self.cfg.training
         records = []
-        planned = sum(d.batch_size for d in self.plan.devices) if self.plan is not None else 0
+        planned = 0  # samples the plan expects per round: one batch per cluster (its members share it)
+        if self.plan is not None:
+            planned = sum({d.cluster: d.batch_size for d in self.plan.devices}.values())
         for items, v in steps:
             total = sum(i.update.samples for i in items)
             weights = [i.update.samples / total for i in items]
@@ -469,15 +559,17 @@ class ParameterServer:
                 "lr": self.lr,
                 "momentum": t.momentum,
                 "weight_decay": t.weight_decay,
+                # a model-parallel cluster's update is logged per member, each with the cluster's weight:
+                # members' shards are disjoint, so replaying them applies the same step
                 "entries": [{
-                    "device": i.update.device,
-                    "cluster": i.update.cluster,
-                    "incarnation": i.update.incarnation,
-                    "seq": i.update.seq,
+                    "device": part.device,
+                    "cluster": part.cluster,
+                    "incarnation": part.incarnation,
+                    "seq": part.seq,
                     "weight": w,
                     "shards": [{"param": s.param, "start": s.start, "stop": s.stop, "codec": s.codec,
-                                "data": s.data} for s in i.update.shards],
-                } for w, i in zip(weights, items, strict=True)],
+                                "data": s.data} for s in part.shards],
+                } for w, i in zip(weights, items, strict=True) for part in i.updates],
             })
         self.m_wal.inc(self._wal.append(records))
         self.version = steps[-1][1]
@@ -675,11 +767,14 @@ class ParameterServer:
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 10:
                     return False, "lr must be a number in (0, 10)", {}
                 self.lr = float(value)
+            case "snapshot":  # a device whose view lacks rows (a new filter division), or an operator
+                if self._last_full != self.version:
+                    self._request_snapshot()
             case "stop":
                 pass  # Operations.control stops the service once the reply is out
             case _:
                 return False, f"unknown command {cmd.command!r} (status, pause, resume, set-sync-policy, " \
-                              "set-bound, set-lr, stop)", {}
+                              "set-bound, set-lr, snapshot, stop)", {}
         self.m_paused.set(1 if self.paused else 0)
         self._adaptive_refresh()
         if cmd.command in ("set-sync-policy", "set-bound"):

@@ -46,8 +46,9 @@ from typing import Protocol, TypeVar
 
 from edgemesh.common import costs, wire
 from edgemesh.common.bus import Bus, Incoming
+from edgemesh.common.codecs import bytes_per_value
 from edgemesh.common.config import Config
-from edgemesh.common.errors import BusError, ModelError, WireError
+from edgemesh.common.errors import BusError, ConfigError, ModelError, WireError
 from edgemesh.common.messages import (
     ControlCommand,
     DeviceHello,
@@ -60,8 +61,8 @@ from edgemesh.common.messages import (
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics, valid_name
 from edgemesh.services.operations import Operations, consume
-from edgemesh.services.planner import batching
-from edgemesh.services.planner.layout import DeviceInfo, plan_data_parallel
+from edgemesh.services.planner import batching, mesh
+from edgemesh.services.planner.layout import DeviceInfo, plan_data_parallel, plan_mesh
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ UNKNOWN_INCARNATION = -1
 LIST_MAX_CHARS = 2000
 """Longest list of device names in a ``status`` reply or ``replan`` event (wire strings are bounded);
 the names that do not fit are counted instead."""
-REPLAN_REASONS = ("join", "leave", "control", "start", "rebalance")
+REPLAN_REASONS = ("join", "leave", "control", "start", "rebalance", "slowdown")
 COMMANDS = ("status", "replan", "drain-device", "undrain-device", "stop")
 
 
@@ -111,6 +112,16 @@ class Planner:
         self._online = asyncio.Event()
         self._dirty = asyncio.Event()
         self._lock = asyncio.Lock()
+        self.grid: mesh.Grid | None = None
+        """Mesh parallelism: the training grid of the current plan."""
+        self.wire = mesh_wire(config)
+        """Mesh parallelism: bytes per value on the wire, from the configured codecs."""
+        self._last_grid_check = -math.inf
+        if config.planner.parallelism == "mesh":
+            try:
+                costs.layers(config.training.model_spec)
+            except ModelError as exc:
+                raise ConfigError(f"planner.parallelism = mesh: {exc}") from None
 
         m = self.metrics = ServiceMetrics(SERVICE)
         self.m_live = m.gauge("devices_live", "Devices online with a matching hello")
@@ -214,8 +225,14 @@ class Planner:
             return  # a previous run's
         self.stats[stats.device] = stats
         self.speeds.observe(stats.device, stats.batch_size, stats.step_time_s, stats.upload_time_s)
-        if self._batching() == "balanced" and self.plan is not None and self.plan.device(stats.device):
+        planned = self.plan is not None and self.plan.device(stats.device) is not None
+        if self._batching() == "balanced" and planned:
             self._dirty.set()
+        if self.cfg.planner.parallelism == "mesh" and planned and stats.compute_flops > 0:
+            now = time.monotonic()
+            if now - self._last_grid_check >= self.cfg.planner.rebalance_interval_s:
+                self._last_grid_check = now
+                self._dirty.set()  # the replan checks whether the measured speeds warrant a new grid
 
     def _on_sync(self, state: SyncState) -> None:
         """The parameter server's policy or its slow devices changed: batches may change."""
@@ -288,7 +305,10 @@ class Planner:
         return mode
 
     def _check_memory(self) -> None:
-        """Mark live devices whose memory holds no batch of the model (they are left out of plans)."""
+        """Mark live devices whose memory holds no batch of the model (they are left out of plans).
+        Mesh parallelism leaves this to the grid: a device too small for the model may hold a share."""
+        if self.cfg.planner.parallelism == "mesh":
+            return
         spec = self.cfg.training.model_spec
         for name, hello in self.live().items():
             if self._unfit.get(name) == hello.incarnation:
@@ -392,26 +412,19 @@ class Planner:
                     logger.info("%d device(s) live; waiting for %d before planning", len(current),
                                 self.cfg.planner.min_devices)
                 return None, f"no plan: {len(current)} device(s) live, {self.cfg.planner.min_devices} needed"
-            mode, batches = self._batches(devices, self.plan, bool(joined or left))
-            self._update_gauges()
-            plan = plan_data_parallel(
-                [DeviceInfo.from_hello(h) for h in devices.values()],
-                version=self.version + 1,
-                training=self.cfg.training,
-                reason="",
-                created=time.time(),
-                batches=batches.sizes if batches is not None else None,
-                batching=mode,  # type: ignore[arg-type]
-                round_time_s=batches.round_time_s if batches is not None and mode == "balanced" else 0.0,
-                sync_policy=self._policy(),
-            )
+            slowdown = False
+            if self.cfg.planner.parallelism == "mesh":
+                plan, slowdown = await self._plan_grid(devices, force or bool(joined or left))
+            else:
+                plan = self._plan_data(devices, bool(joined or left))
             plan = dataclasses.replace(plan, drained=tuple(sorted(self.drained)))
             if not (force or joined or left or not _same_layout(plan, self.plan)):
                 self._planned = current  # learn incarnations of a plan adopted from the broker
                 return None, f"plan version {self.version} is current"
             rebalanced = self.plan is not None and not (joined or left) and _same_members(plan, self.plan) \
                 and _batch_sizes(plan) != _batch_sizes(self.plan)
-            reason = cause or ("join" if joined else "leave" if left else "rebalance" if rebalanced else "start")
+            reason = cause or ("join" if joined else "leave" if left else "slowdown" if slowdown
+                               else "rebalance" if rebalanced else "start")
             plan = dataclasses.replace(plan, reason=reason)
             if rebalanced:
                 self._last_rebalance = time.monotonic()
@@ -427,9 +440,72 @@ class Planner:
             if plan.batching == "balanced":
                 logger.info("batches for a %.1f ms round: %s", plan.round_time_s * 1e3,
                             _listing([f"{d.device}={d.batch_size}" for d in plan.devices]))
+            meshes = [c for c in plan.clusters if len(c.members) > 1]
+            if meshes:
+                logger.info("model-parallel clusters, predicted %.1f ms per iteration: %s", plan.round_time_s * 1e3,
+                            _listing([f"{c.cluster}={'+'.join(c.members)}" for c in meshes]))
             await self.ops.event("replan", text, version=plan.version, reason=reason, joined=_listing(joined),
                               left=_listing(left), devices=len(plan.devices), clusters=len(plan.clusters))
             return plan, text
+
+    def _plan_data(self, devices: dict[str, DeviceHello], membership_changed: bool) -> Plan:
+        """Data parallelism: one cluster per device, batches uniform or balanced."""
+        mode, batches = self._batches(devices, self.plan, membership_changed)
+        self._update_gauges()
+        return plan_data_parallel(
+            [DeviceInfo.from_hello(h) for h in devices.values()],
+            version=self.version + 1,
+            training=self.cfg.training,
+            reason="",
+            created=time.time(),
+            batches=batches.sizes if batches is not None else None,
+            batching=mode,  # type: ignore[arg-type]
+            round_time_s=batches.round_time_s if batches is not None and mode == "balanced" else 0.0,
+            sync_policy=self._policy(),
+        )
+
+    def _mesh_infos(self, devices: dict[str, DeviceHello]) -> list[DeviceInfo]:
+        """What the grid plans with: each device's hello, its speed replaced by the one it measured."""
+        out = []
+        for name, hello in sorted(devices.items()):
+            info = DeviceInfo.from_hello(hello)
+            stats = self.stats.get(name)
+            if stats is not None and stats.compute_flops > 0 and stats.incarnation == hello.incarnation:
+                info = dataclasses.replace(info, flops=stats.compute_flops / costs.TRAIN_EFFICIENCY)
+            out.append(info)
+        return out
+
+    async def _plan_grid(self, devices: dict[str, DeviceHello], changed: bool) -> tuple[Plan, bool]:
+        """Mesh parallelism: the training grid of ``devices`` (kept while it is still good enough) as a
+        plan, and whether a slowdown made a new grid."""
+        p, t = self.cfg.planner, self.cfg.training
+        batch = p.round_samples or t.batch_size  # the iteration's samples over all clusters
+        infos = self._mesh_infos(devices)
+        self._update_gauges()
+        slowdown = False
+        if changed or self.grid is None or not infos:
+            grid = await asyncio.to_thread(mesh.training_grid, t.model_spec, infos, batch=batch,
+                                           max_cluster_size=p.max_cluster_size, wire=self.wire)
+        elif await asyncio.to_thread(mesh.needs_replan, self.grid, infos, t.model_spec, batch,
+                                     p.replan_threshold, max_cluster_size=p.max_cluster_size, wire=self.wire):
+            grid = await asyncio.to_thread(mesh.training_grid, t.model_spec, infos, batch=batch,
+                                           max_cluster_size=p.max_cluster_size, wire=self.wire)
+            slowdown = True
+            logger.info("measured speeds call for a new grid: %s", _listing([
+                f"{i.device} {i.flops / 1e9:.2f}/{devices[i.device].flops / 1e9:.2f} GFLOP/s" for i in infos
+                if abs(i.flops - devices[i.device].flops) > 0.05 * devices[i.device].flops]))
+        else:
+            grid = self.grid
+        if grid.excluded and (self.grid is None or grid.excluded != self.grid.excluded):
+            logger.warning("training grid leaves out %s: too little memory for even a share of %s",
+                           _listing(list(grid.excluded)), t.model_spec)
+        if grid.idle and (self.grid is None or grid.idle != self.grid.idle):
+            logger.info("training grid leaves %s idle: they would slow their cluster down", _listing(list(grid.idle)))
+        self.grid = grid
+        self.m_round.set(grid.predicted_iteration_s)
+        plan = plan_mesh(grid, version=self.version + 1, training=t, reason="", created=time.time(),
+                         sync_policy=self._policy())
+        return plan, slowdown
 
     # ------------------------------------------------------------------ control
     async def _apply_control(self, cmd: ControlCommand) -> tuple[bool, str, dict[str, Scalar]]:
@@ -478,6 +554,18 @@ class Planner:
             "plan_version": self.version,
             "plan_devices": len(self.plan.devices) if self.plan is not None else 0,
         }
+
+
+def mesh_wire(config: Config) -> mesh.Wire:
+    """Bytes per value the cost model charges, from the configured codecs: activations as
+    ``worker.mesh_dtype``, gradients as the compressor's default codec (the adaptive compressor may
+    compress harder on slow links), model updates as the parameter server's delta codec."""
+    c = config
+    density = c.compressor.static_density if c.compressor.default_codec in ("topk", "threshold") else 1.0
+    model = bytes_per_value(c.ps.delta_codec, c.ps.delta_density) if c.ps.broadcast == "delta" else \
+        costs.FLOAT32_BYTES
+    return mesh.Wire(activation=2.0 if c.worker.mesh_dtype == "float16" else float(costs.FLOAT32_BYTES),
+                     gradient=bytes_per_value(c.compressor.default_codec, density), model=model)
 
 
 def _listing(names: list[str]) -> str:

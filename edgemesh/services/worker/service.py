@@ -16,9 +16,12 @@ offers is refused: the retained status names the refused plan and why, and the w
 for a plan that gives it less.
 
 With ``worker.emulate = PROFILE`` (``--emulate``) the device stands in for a board of
-``edgemesh.common.emulation``: its hello reports the profile's speed, memory and uplink, every
-training step is held until it would have ended on that board, and its MQTT connection goes
-through an :class:`EmulatedLink` with the board's rates, latency and disconnects. Off by default.
+``edgemesh.common.emulation``: its hello reports the profile's speed, memory and links, every
+training step (or piece of a model-parallel step) is held until it would have ended on that
+board (its training FLOPs at ``costs.TRAIN_EFFICIENCY`` of the board's rate: the planner's cost
+model, whatever the load of the host; models without cost figures use the calibrated host step
+times the board's slowness), and its MQTT connection goes through an :class:`EmulatedLink` with
+the board's rates, latency and disconnects. Off by default.
 
 The codec policy is read afresh for every update, so a new codec or density applies from the
 next one; error feedback is keyed by parameter and survives such changes. A policy with
@@ -47,7 +50,7 @@ from edgemesh.common import costs, models
 from edgemesh.common.bus import Bus, Incoming
 from edgemesh.common.codecs import ErrorFeedback, codec_for, get_codec
 from edgemesh.common.config import BrokerConfig, Config
-from edgemesh.common.data import BatchIterator, load_dataset, shard
+from edgemesh.common.data import BatchIterator, Dataset, batch_at, load_dataset, shard
 from edgemesh.common.emulation.compute import ComputeStretch, measure_host_gflops
 from edgemesh.common.emulation.link import EmulatedLink
 from edgemesh.common.emulation.profiles import DeviceProfile, get_profile
@@ -59,9 +62,12 @@ from edgemesh.common.messages import (
     DeviceStats,
     DeviceStatus,
     GradientUpdate,
+    MeshBegin,
+    MeshSlice,
     ModelDelta,
     ModelSnapshot,
     Plan,
+    PlanCluster,
     PlanDevice,
     Scalar,
     ShardUpdate,
@@ -74,6 +80,7 @@ from edgemesh.services.operations import ControlResult, Operations, consume
 from edgemesh.services.runtime import client_id, install_stop_signals, supervise
 from edgemesh.services.worker import profile as prof
 from edgemesh.services.worker.link import LinkMeter
+from edgemesh.services.worker.mesh import BusExchange, MeshMember
 from edgemesh.services.worker.view import ModelView
 
 logger = logging.getLogger(__name__)
@@ -84,6 +91,8 @@ WAIT_LOG_INTERVAL_S = 10.0
 """How often a worker waiting for a plan, model or ack says so."""
 AVERAGE_WINDOW = 20
 """Steps over which step and communication times are averaged for stats."""
+MIN_MEASURED_SHARE = 0.1
+"""Model-parallel members doing less than this share of the model's work report no measured speed."""
 FP32_BYTES = 4
 """Bytes of one float32 gradient value (``DeviceStats.gradient_bytes`` counts these)."""
 
@@ -136,7 +145,8 @@ class Worker:
         self.emulated: DeviceProfile | None = None
         """The board this worker emulates (``worker.emulate``), or None for a real device."""
         if config.worker.emulate:
-            self.emulated = get_profile(config.worker.emulate, config.worker.emulation_profiles or None)
+            self.emulated = get_profile(config.worker.emulate, config.worker.emulation_profiles or None).dilated(
+                config.worker.emulation_dilation)
             if config.broker.tls:
                 raise ConfigError("worker.emulate: the emulated link relays plain TCP; use mqtt://, not mqtts://")
             if not config.worker.link_rate_bps:
@@ -145,6 +155,22 @@ class Worker:
         self.emulated_link: EmulatedLink | None = None
         self._refused = 0
         """Version of the last plan whose share did not fit this device's memory (0 = none)."""
+        self._mesh: MeshMember | None = None
+        """This device's part of a model-parallel cluster (None in a single-device cluster)."""
+        self._mesh_key: tuple[Any, ...] | None = None
+        self._exchange: BusExchange | None = None
+        self._mesh_topics: list[str] = []
+        self._mesh_data: Dataset | None = None
+        self._mesh_data_key: tuple[Any, ...] | None = None
+        self._begin: MeshBegin | None = None
+        """The latest step start announced by this device's cluster leader."""
+        self._mesh_step = 0
+        """The last step this device took part in, in the current exchange (0 = none yet)."""
+        self._mesh_started = asyncio.Event()
+
+        self._work: deque[tuple[float, float]] = deque(maxlen=AVERAGE_WINDOW)
+        """(training FLOPs, compute seconds) of recent steps: the measured speed in stats."""
+        self._layer_busy: dict[str, deque[float]] = {}
         self._refusal = ""
 
         m = self.metrics = ServiceMetrics(SERVICE)
@@ -160,6 +186,9 @@ class Worker:
         self.m_refused = m.counter("refused_shares", "Plan shares refused because they do not fit in memory")
         self.m_overruns = m.counter("emulation_overruns", "Emulated steps the host could not compute in the "
                                     "emulated time (the device then ran at the host's pace)")
+        self.m_mesh_steps = m.counter("mesh_steps", "Model-parallel steps by outcome", ["outcome"])
+        self.m_mesh_wait = m.histogram("mesh_wait_seconds", "Time of a model-parallel step spent waiting for "
+                                       "other members", STEP_BUCKETS)
         self.m_link_cuts = m.gauge("emulation_link_disconnects", "Emulated link: connections cut (spontaneous "
                                    "or forced) so far")
 
@@ -242,7 +271,9 @@ class Worker:
             device=self.device, incarnation=self.incarnation, flops=self.profile.flops,
             memory_bytes=self.profile.memory_bytes, cores=self.profile.cores, platform=self.profile.platform,
             software=_software(), can_encode=self.cfg.worker.can_encode,
-            link_rate_bps=self.link.declared_bps, profile=self.emulated.name if self.emulated else ""), retain=True)
+            link_rate_bps=self.link.declared_bps, profile=self.emulated.name if self.emulated else "",
+            downlink_rate_bps=self.emulated.downlink_bps if self.emulated else 0.0,
+            latency_s=self.emulated.latency_s if self.emulated else 0.0), retain=True)
         if self.pending is not None and self._pending_payload is not None and self.bus.connections > 1:
             self.m_resends.inc()
             logger.info("%s: resending update %d after reconnect", self.device, self.pending.seq)
@@ -258,12 +289,18 @@ class Worker:
     # ------------------------------------------------------------------ consuming
     async def _dispatch(self, msg: Incoming) -> None:
         parts = self.topics.relative(msg.topic)
+        if parts[0] == "mesh" and len(parts) == 5:
+            self._on_mesh(parts, msg)
+            return
         match parts:
             case ["plan"]:
                 plan = msg.decode(Plan)
                 if self.plan is None or plan.version >= self.plan.version:
                     self.plan = plan
                     self.me = plan.device(self.device)
+                    if self._exchange is not None and self._exchange.plan_version != plan.version:
+                        self._exchange.abort(f"plan version {plan.version} replaced {self._exchange.plan_version}")
+                    self._mesh_started.set()
             case ["codec", _]:
                 policy = msg.decode(CodecPolicy)
                 if policy.device != self.device:
@@ -298,6 +335,23 @@ class Worker:
         self.metrics.received_messages.labels(kind=msg.kind).inc()
         async with self._changed:
             self._changed.notify_all()
+
+    def _on_mesh(self, parts: list[str], msg: Incoming) -> None:
+        """A step start or a slice from another member of this device's cluster."""
+        _, cluster, layer, phase, _device = parts
+        if layer == "step" and phase == "begin":
+            begin = msg.decode(MeshBegin)
+            if begin.cluster != cluster:
+                raise WireError("step start for another cluster on this topic", "topic")
+            self._begin = begin
+            self.metrics.received_messages.labels(kind=msg.kind).inc()
+            self._mesh_started.set()
+            return
+        piece = msg.decode(MeshSlice)
+        if piece.cluster != cluster or piece.layer != layer or piece.phase != phase:
+            raise WireError("mesh slice disagrees with its topic", "topic")
+        if self._exchange is not None and self._exchange.deliver(piece):
+            self.metrics.received_messages.labels(kind=msg.kind).inc()
 
     def _spec(self) -> str:
         return self.plan.model_spec if self.plan else self.cfg.training.model_spec
@@ -339,8 +393,8 @@ class Worker:
         if self._model is None:
             self._model = models.build_model(plan.model_spec, seed=plan.seed)
             self._layout = models.param_layout(self._model)
-            if self.stretch is not None:
-                self._calibrate(self.stretch, plan.model_spec)
+            if self.stretch is not None and plan.model_spec not in costs.COSTS:
+                self._calibrate(self.stretch, plan.model_spec)  # no cost figures: emulate from host steps
         key = (plan.dataset, plan.partition, plan.partition_alpha, plan.seed, me.shard_index, me.shard_count)
         if key != self._shard_key:
             train, _ = load_dataset(plan.dataset, self.cfg.training.dataset_path or None, seed=plan.seed)
@@ -428,14 +482,24 @@ class Worker:
             assert self.view.params is not None and self.me is not None
             params, version, gap = self.view.params, self.view.version, self.view.gap
             plan, me, policy = self.plan, self.me, self.policy
-            shards, samples, loss, elapsed = await asyncio.to_thread(self._compute, plan, me, params, version, policy)
             cluster = me.cluster
-            if self.stretch is not None:
-                overruns = self.stretch.overruns
-                hold = self.stretch.hold_s(samples, elapsed)
-                self.m_overruns.inc(self.stretch.overruns - overruns)
-                await asyncio.sleep(hold)  # the rest of the step, at the emulated board's speed
-                elapsed += hold
+            mesh_cluster = plan.cluster(cluster)
+            mesh_step = 0
+            if mesh_cluster is not None and len(mesh_cluster.members) > 1:
+                result = await self._mesh_compute(plan, me, mesh_cluster, policy)
+                if result is None:
+                    continue  # abandoned: a member left or lags; the planner re-plans
+                shards, samples, loss, elapsed, version, gap, mesh_step = result
+            else:
+                await self._leave_mesh()
+                shards, samples, loss, elapsed = await asyncio.to_thread(self._compute, plan, me, params, version,
+                                                                         policy)
+                if self.stretch is not None:
+                    hold = self._hold_s(plan.model_spec, samples, elapsed)
+                    await asyncio.sleep(hold)  # the rest of the step, at the emulated board's speed
+                    elapsed += hold
+                with contextlib.suppress(ModelError):  # no cost figures: no measured speed
+                    self._work.append((costs.cost(plan.model_spec).train_flops_per_sample * samples, elapsed))
             if me.batch_size != self._stepped_batch:  # stats report the step time of the batch size in use
                 self._step_times.clear()
                 self._stepped_batch = me.batch_size
@@ -448,7 +512,8 @@ class Worker:
             self.seq += 1
             update = GradientUpdate(device=self.device, cluster=cluster, incarnation=self.incarnation,
                                     seq=self.seq, base_version=version, samples=samples, need_snapshot=gap,
-                                    shards=tuple(shards), loss=loss, step_time_s=elapsed, sent_at=time.time())
+                                    shards=tuple(shards), loss=loss, step_time_s=elapsed, sent_at=time.time(),
+                                    mesh_step=mesh_step, plan_version=plan.version if mesh_step else 0)
             for s in shards:
                 self.m_grad_bytes.labels(codec=s.codec).inc(len(s.data))
             topic = (self.topics.grad_raw if self._raw(policy) else self.topics.grad)(cluster, self.device)
@@ -468,6 +533,192 @@ class Worker:
             elif ack.reason not in ("stale", "round_full", "future"):
                 logger.warning("%s: update %d discarded: %s", self.device, update.seq, ack.reason)
 
+    # ------------------------------------------------------------------ model parallelism
+    async def _join_mesh(self, plan: Plan, me: PlanDevice, cluster: PlanCluster) -> None:
+        """Be member ``me`` of model-parallel ``cluster`` under ``plan``: its slices, topics and data."""
+        assert self.bus is not None
+        index = cluster.members.index(self.device)
+        key = (plan.model_spec, plan.seed, cluster.cluster, index, tuple(sorted(cluster.counts.items())))
+        if key != self._mesh_key:
+            self._mesh = await asyncio.to_thread(MeshMember, plan.model_spec, cluster.counts, index, seed=plan.seed)
+            self._mesh_key = key
+            self._layer_busy.clear()
+            if not self.view.restrict(self._mesh.rows()):  # keep this member's rows of the model only
+                await self._refresh_model()
+            logger.info("%s: member %d of %s (%s), %d parameters", self.device, index, cluster.cluster,
+                        ", ".join(f"{k} {v[index]}/{sum(v)}" for k, v in cluster.counts.items()),
+                        self._mesh.param_count)
+        if not self._layout:
+            await asyncio.to_thread(self._mesh_layout, plan.model_spec, plan.seed)
+        topics = self.topics.mesh_member(cluster.cluster, self.device, cluster.members)
+        if topics != self._mesh_topics:
+            await self.bus.unsubscribe(self._mesh_topics)
+            await self.bus.subscribe(topics)
+            self._mesh_topics = topics
+        if self._exchange is None or (self._exchange.plan_version, self._exchange.cluster) != (plan.version,
+                                                                                              cluster.cluster):
+            assert self._mesh is not None
+            if self._exchange is not None:
+                self._exchange.abort(f"plan version {plan.version} replaced {self._exchange.plan_version}")
+            self._mesh_step = 0  # step numbers belong to one leader and plan
+            self._exchange = BusExchange(self.bus, self.topics, cluster=cluster.cluster, device=self.device,
+                                         members=cluster.members, counts=cluster.counts, order=self._mesh.order,
+                                         plan_version=plan.version, timeout_s=self.cfg.worker.mesh_timeout_s,
+                                         dtype=self.cfg.worker.mesh_dtype)
+        data_key = (plan.dataset, plan.partition, plan.partition_alpha, plan.seed, me.shard_index, me.shard_count)
+        if data_key != self._mesh_data_key:
+            train, _ = await asyncio.to_thread(load_dataset, plan.dataset, self.cfg.training.dataset_path or None,
+                                               seed=plan.seed)
+            self._mesh_data = shard(train, me.shard_index, me.shard_count, scheme=plan.partition,
+                                    alpha=plan.partition_alpha, seed=plan.seed)
+            self._mesh_data_key = data_key
+
+    def _hold_s(self, model_spec: str, samples: int, real_s: float) -> float:
+        """How long an emulated board's step of ``samples`` still runs after ``real_s`` on the host.
+
+        With the model's cost figures the step lasts what the planner's cost model says it lasts on
+        the board (its training FLOPs at ``costs.TRAIN_EFFICIENCY`` of the board's rate), whatever
+        the host's load; otherwise the calibrated host step times the board's slowness."""
+        assert self.stretch is not None and self.emulated is not None
+        try:
+            flops = costs.cost(model_spec).train_flops_per_sample * samples
+        except ModelError:
+            overruns = self.stretch.overruns
+            hold = self.stretch.hold_s(samples, real_s)
+            self.m_overruns.inc(self.stretch.overruns - overruns)
+            return hold
+        target = flops / (costs.TRAIN_EFFICIENCY * self.emulated.train_gflops * 1e9)
+        if real_s > target:
+            self.m_overruns.inc()
+        return max(target - real_s, 0.0)
+
+    def _mesh_layout(self, model_spec: str, seed: int) -> None:
+        """The model's parameter layout, to check snapshots against (the model is built for this and dropped)."""
+        self._layout = models.param_layout(models.build_model(model_spec, seed=seed))
+
+    async def _refresh_model(self) -> None:
+        """Get a whole snapshot again: the view lacks rows it now needs. Subscribing anew makes the
+        broker send the retained one; the parameter server publishes a newer one if that is old."""
+        assert self.bus is not None
+        logger.info("%s: the new division needs other rows of the model: fetching a snapshot", self.device)
+        await self.bus.unsubscribe([self.topics.model()])
+        await self.bus.subscribe([self.topics.model()])
+        with contextlib.suppress(BusError):
+            await self.bus.publish(self.topics.control("ps"), ControlCommand(
+                command="snapshot", requester=self.device, request_id=f"{self.device}-{time.time_ns()}"))
+
+    async def _leave_mesh(self) -> None:
+        if self._mesh is not None and not self.view.restrict(None):
+            await self._refresh_model()
+        if self._mesh_topics and self.bus is not None:
+            await self.bus.unsubscribe(self._mesh_topics)
+        self._mesh_topics, self._mesh, self._mesh_key, self._exchange = [], None, None, None
+        self._layer_busy.clear()
+
+    async def _mesh_start(self, plan: Plan, cluster: PlanCluster) -> tuple[int, int] | None:
+        """Agree on the step and model version with the cluster: the first member announces them,
+        the others wait for the announcement and that model. None if none came in time."""
+        assert self.bus is not None
+        timeout = self.cfg.worker.mesh_timeout_s
+        if cluster.members[0] == self.device:
+            # milliseconds since the epoch at the first step: a restarted leader never reuses a step number
+            step = self._mesh_step + 1 if self._mesh_step else time.time_ns() // 1_000_000
+            version = self.view.version
+            await self.bus.publish(self.topics.mesh(cluster.cluster, "step", "begin", self.device), MeshBegin(
+                cluster=cluster.cluster, device=self.device, plan_version=plan.version, step=step,
+                model_version=version))
+            return step, version
+
+        def announced() -> MeshBegin | None:
+            b = self._begin
+            ok = b is not None and b.cluster == cluster.cluster and b.plan_version == plan.version and (
+                b.step > self._mesh_step)
+            return b if ok else None
+
+        try:
+            async with asyncio.timeout(timeout):
+                while announced() is None:
+                    if self.plan is not None and self.plan.version != plan.version:
+                        return None  # a new plan: start over with it
+                    self._mesh_started.clear()
+                    await self._mesh_started.wait()
+                begin = announced()
+                assert begin is not None
+                await self._wait_for(f"model version {begin.model_version}",
+                                     lambda: self.view.version >= begin.model_version or self.view.gap)
+        except TimeoutError:
+            logger.info("%s: no step start from %s within %.0fs", self.device, cluster.members[0], timeout)
+            return None
+        return begin.step, begin.model_version
+
+    async def _mesh_runner(self, fn: Any, *args: Any, flops: float = 0.0) -> Any:
+        """Run one piece of a model-parallel step in a thread; on an emulated board, hold it until it
+        would have ended there: ``flops`` at ``costs.TRAIN_EFFICIENCY`` of the board's rate, the
+        planner's cost model (a host busier than the board could be shows as overruns). Its reported
+        seconds become the emulated ones."""
+        result = await asyncio.to_thread(fn, *args)
+        if self.emulated is None:
+            return result
+        took = result[-1]
+        target = flops / (costs.TRAIN_EFFICIENCY * self.emulated.train_gflops * 1e9)
+        if took > target and flops:
+            self.m_overruns.inc()
+        await asyncio.sleep(max(target - took, 0.0))
+        return (*result[:-1], max(took, target))
+
+    async def _mesh_compute(self, plan: Plan, me: PlanDevice, cluster: PlanCluster, policy: CodecPolicy | None,
+                            ) -> tuple[list[ShardUpdate], int, float, float, int, bool, int] | None:
+        """One step of this device's slice with the rest of its cluster; None if it was abandoned."""
+        await self._join_mesh(plan, me, cluster)
+        member, exchange, data = self._mesh, self._exchange, self._mesh_data
+        assert member is not None and exchange is not None and data is not None
+        await self._wait_for("a model snapshot", lambda: self.view.ready)
+        started = time.perf_counter()
+        agreed = await self._mesh_start(plan, cluster)
+        if agreed is None:
+            self.m_mesh_steps.labels(outcome="no_start").inc()
+            return None
+        step, _ = agreed
+        self._mesh_step = step
+        assert self.view.params is not None
+        params, version, gap = self.view.params, self.view.version, self.view.gap
+        if member.version != version:
+            await asyncio.to_thread(member.load, params, version)
+        x, y = batch_at(data, me.batch_size, seed=plan.seed + me.shard_index, step=step)
+        exchange.begin(step, len(y))
+        try:
+            result = await member.step(step, x, y, exchange, run=self._mesh_runner)
+        except ModelError as exc:  # a member timed out, or sent what does not fit
+            self.m_mesh_steps.labels(outcome="abandoned").inc()
+            logger.warning("%s: model-parallel step abandoned: %s", self.device, exc)
+            return None
+        elapsed = time.perf_counter() - started
+        self.m_mesh_steps.labels(outcome="done").inc()
+        compute = result.compute_s  # emulated seconds on an emulated board (see _mesh_runner)
+        self.m_mesh_wait.observe(max(elapsed - compute, 0.0))
+        with contextlib.suppress(ModelError):  # a small share's speed is its per-call overhead: not reported
+            if member.flops_per_sample() >= MIN_MEASURED_SHARE * costs.cost(plan.model_spec).train_flops_per_sample:
+                self._work.append((member.flops_per_sample() * len(y), compute))
+        for layer, seconds in result.layer_s.items():  # busy: computing, or sending its own slices
+            busy = seconds + exchange.send_s.get(layer, 0.0)
+            self._layer_busy.setdefault(layer, deque(maxlen=AVERAGE_WINDOW)).append(busy)
+        shards = await asyncio.to_thread(self._encode_slices, result.grads, policy)
+        return shards, len(y), result.loss, elapsed, version, gap, step
+
+    def _encode_slices(self, grads: dict[str, tuple[int, int, np.ndarray]],
+                       policy: CodecPolicy | None) -> list[ShardUpdate]:
+        codec_name = "none"
+        if policy is not None and not policy.gateway and self.cfg.worker.can_encode:
+            codec_name = policy.codec
+        self._gradient_bytes = sum(int(g.size) for _, _, g in grads.values()) * FP32_BYTES
+        shards = []
+        for name, (start, stop, g) in grads.items():
+            codec = codec_for(codec_name, g.size)
+            data = self._feedback.encode(f"{name}[{start}:{stop}]", g, codec, policy)
+            shards.append(ShardUpdate(param=name, start=start, stop=stop, codec=codec.name,  # type: ignore[arg-type]
+                                      data=data))
+        return shards
+
     def _has_share(self) -> bool:
         """A plan names this device, and it is newer than the last one it refused."""
         return self.me is not None and self.plan is not None and self.plan.version > self._refused
@@ -475,8 +726,18 @@ class Worker:
     def _share_refusal(self) -> str:
         """Why this device's share of the current plan does not fit its memory ('' if it fits)."""
         assert self.plan is not None and self.me is not None and self.profile is not None
+        cluster = self.plan.cluster(self.me.cluster)
         try:
-            need = costs.training_memory_bytes(self.plan.model_spec, self.me.batch_size)
+            if cluster is not None and len(cluster.members) > 1:  # its share of a model-parallel cluster
+                index = cluster.members.index(self.device)
+                layers = costs.layers(self.plan.model_spec)
+                counts = cluster.counts
+                if set(counts) != {la.name for la in layers}:
+                    return f"the filter division of {cluster.cluster} does not match {self.plan.model_spec}"
+                need = costs.member_memory_bytes(layers, [counts[la.name][index] for la in layers],
+                                                 self.me.batch_size)
+            else:
+                need = costs.training_memory_bytes(self.plan.model_spec, self.me.batch_size)
         except ModelError:
             return ""  # no cost figures for this model: nothing to check against
         if need <= self.profile.memory_bytes:
@@ -537,6 +798,10 @@ class Worker:
         return ack
 
     # ------------------------------------------------------------------ reporting
+    def _compute_flops(self) -> float:
+        seconds = sum(t for _, t in self._work)
+        return sum(f for f, _ in self._work) / seconds if seconds > 0 else 0.0
+
     async def _report(self) -> None:
         """Stats after the first update (the compressor needs step time and gradient size to
         choose a codec at once), then every ``worker.stats_interval_s``."""
@@ -559,6 +824,9 @@ class Worker:
                 bytes_sent=int(self.metrics.value("edgemesh_worker_published_bytes_total")),
                 link_rate_bps=self.link.rate_bps, gradient_bytes=self._gradient_bytes,
                 upload_time_s=self.link.upload_s,
+                compute_flops=self._compute_flops(),
+                mesh_layer_busy_s={k: float(np.median(v)) for k, v in self._layer_busy.items() if v}
+                if self._mesh is not None else {},
             )
             if self.emulated_link is not None:
                 self.m_link_cuts.set(self.emulated_link.disconnects)

@@ -1,0 +1,492 @@
+"""``edgemesh bench mesh``: single device, data parallelism and Edge Mesh on one emulated fleet.
+
+Three modes, each a whole local cluster on one broker (planner, parameter server, compressor and
+one ``--emulate PROFILE`` worker process per device), all under the ``sync`` policy, every
+iteration training the same number of samples (``batch``), so that an iteration is the same SGD
+step in every mode and iteration times compare directly:
+
+* ``single``: one ``pi4`` trains the whole batch alone;
+* ``data_parallel``: every device of the fleet is its own cluster (``planner.parallelism = data``)
+  and trains an equal part of the batch;
+* ``edge_mesh``: the planner's hybrid training grid (``planner.parallelism = mesh``): clusters of
+  devices that divide the model's filters among them, data parallel across clusters, the batch
+  split among the clusters so that they finish together.
+
+Two runs per mode:
+
+* **time and memory**: the CIFAR-shaped CNN (``cifar-cnn``, 620k parameters) on synthetic 32x32x3
+  images, until ``iterations`` model versions after ``WARMUP_VERSIONS``. An *iteration* is one
+  model version: every cluster trained one batch and the PS applied their gradients.
+  ``avg_iteration_delay_s`` is the mean time between versions, ``measured_iteration_s`` the
+  median, ``predicted_iteration_s`` the planner's cost model (``planner.mesh``) for the layout;
+* **accuracy**: the digits CNN on digits, ``accuracy_iterations`` versions; ``final_accuracy`` is
+  the mean of the PS's last evaluations.
+
+Also per mode: ``load_imbalance``, the slowest over the fastest member's busy time (computing
+its units and publishing its slices, per layer, summed over layers, worst cluster; members with
+no unit of a layer left out; for data parallelism the slowest over the fastest
+device's step); ``peak_rss_mb_per_device``, the largest peak RSS of a worker process; and
+``param_optimizer_activation_bytes_per_device``, measured in this process on real tensors, the
+mean over devices (seed 000 reports average memory; ``..._max_device`` is the largest): the rows
+of the model a worker keeps in its view and trains, their gradients and error-feedback residual
+(the optimizer's momentum lives on the parameter server), and every activation autograd saved
+for the backward pass (torch saved-tensor hooks) plus the layer outputs kept for it.
+``planner_1000_devices_s`` times the training grid of 1,000 devices.
+
+Emulation runs ``dilation`` times slower than the boards (``worker.emulation_dilation``: compute
+and links alike), so that two host cores can stand in for eight boards; times in the report are
+dilated, ratios are not affected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edgemesh.bench.reporting import finish, pyplot
+from edgemesh.bench.runs import drive
+from edgemesh.common import costs
+from edgemesh.common.broker import BrokerProcess
+from edgemesh.common.bus import Bus
+from edgemesh.common.config import Config, load_config
+from edgemesh.common.emulation.compute import measure_host_gflops
+from edgemesh.common.emulation.profiles import load_profiles
+from edgemesh.common.errors import ConfigError, EdgeMeshError, WireError
+from edgemesh.common.messages import DeviceHello, DeviceStats, Event, Plan, UpdateAck
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import Topics
+from edgemesh.services.cluster import LocalCluster
+from edgemesh.services.planner import mesh as planning
+from edgemesh.services.planner.layout import DeviceInfo
+from edgemesh.services.planner.service import mesh_wire
+
+logger = logging.getLogger(__name__)
+
+MODES = ("single", "data_parallel", "edge_mesh")
+DEFAULT_FLEET = ("pi3", "pi3", "pi4", "pi4", "pi5", "pi5", "jetson-nano", "laptop")
+SINGLE_PROFILE = "pi4"
+TIME_SPEC, TIME_DATA = "cifar-cnn", "synthetic-cifar"
+ACCURACY_SPEC, ACCURACY_DATA = "digits-cnn", "digits"
+DEFAULT_BATCH = 64
+"""Samples per iteration, whatever the mode (the same SGD step for all three)."""
+DEFAULT_DILATION = 4.0
+DEFAULT_ITERATIONS = 15
+DEFAULT_ACCURACY_ITERATIONS = 120
+WARMUP_VERSIONS = 2
+"""Model versions before timing starts (the first steps build models and warm caches)."""
+FINAL_EVALUATIONS = 3
+EVAL_INTERVAL_S = 0.5
+START_TIMEOUT_S = 180.0
+RUN_TIMEOUT_S = 900.0
+"""Longest a run may take once the plan names every device."""
+
+
+@dataclass(slots=True)
+class Run:
+    """What one run observed on the bus."""
+
+    t0: float | None = None
+    plan: Plan | None = None
+    versions: dict[int, float] = field(default_factory=dict)
+    """Model version -> when an ack first named it (seconds since t0)."""
+    evaluations: list[tuple[float, int, float]] = field(default_factory=list)
+    stats: dict[str, DeviceStats] = field(default_factory=dict)
+    hellos: dict[str, DeviceHello] = field(default_factory=dict)
+    failure: str | None = None
+
+    @property
+    def version(self) -> int:
+        return max(self.versions, default=0)
+
+
+async def _watch(cfg: Config, run: Run, devices: set[str], stop: asyncio.Event) -> None:
+    topics = Topics(cfg.job)
+    subs = [topics.plan(), topics.events(), f"{topics.root}/ack/+", f"{topics.root}/device/+/stats",
+            f"{topics.root}/device/+/hello"]
+    async with Bus(cfg.broker, client_id=f"edgemesh-bench-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("bench"),
+                   subscriptions=subs) as bus:
+        async for msg in bus.messages():
+            if stop.is_set():
+                return
+            try:
+                match msg.kind:
+                    case "plan":
+                        plan = msg.decode(Plan)
+                        run.plan = plan
+                        if run.t0 is None and {d.device for d in plan.devices} >= devices:
+                            run.t0 = time.monotonic()
+                    case "ack":
+                        ack = msg.decode(UpdateAck)
+                        if run.t0 is not None and ack.status == "accepted":
+                            run.versions.setdefault(ack.version, time.monotonic() - run.t0)
+                    case "stats":
+                        stats = msg.decode(DeviceStats)
+                        run.stats[stats.device] = stats
+                    case "hello":
+                        hello = msg.decode(DeviceHello)
+                        run.hellos[hello.device] = hello
+                    case "event":
+                        event = msg.decode(Event)
+                        if event.kind == "evaluation" and event.source == "ps" and run.t0 is not None:
+                            run.evaluations.append((time.monotonic() - run.t0, int(event.data.get("version") or 0),
+                                                    float(event.data.get("accuracy") or 0.0)))
+            except WireError:
+                continue
+
+
+async def _run(cluster: LocalCluster, devices: list[tuple[str, str]], versions: int,
+               progress: Callable[[str], None], label: str) -> Run:
+    """Start the cluster, wait until the PS reached ``versions``, stop; what the bus showed."""
+    run = Run()
+    stop = asyncio.Event()
+    watch = _watch(cluster.cfg, run, {name for name, _ in devices}, stop)
+    try:
+        run.failure = await drive(cluster, devices, watch, started=lambda: run.t0,
+                                  done=lambda _: run.version >= versions,
+                                  status=lambda elapsed: f"{label}: version {run.version} of {versions}, "
+                                                         f"{elapsed:.0f}s",
+                                  progress=progress, start_timeout_s=START_TIMEOUT_S, run_timeout_s=RUN_TIMEOUT_S)
+    finally:
+        stop.set()
+    return run
+
+
+def run_config(base: dict[str, str], *, mode: str, job: str, broker_url: str, spec: str, dataset: str,
+               batch: int, devices: int, dilation: float, host_gflops: float, seed: int, evaluate: bool) -> Config:
+    # every mode trains ``batch`` samples per iteration: one device all of them, data parallelism
+    # an equal part per device, Edge Mesh the grid's split among its clusters
+    per_device = batch if mode != "data_parallel" else batch // devices
+    overrides = {
+        "job": job, "broker.url": broker_url, "log_level": "INFO",
+        "training.model_spec": spec, "training.dataset": dataset, "training.batch_size": str(per_device),
+        "planner.round_samples": str(batch if mode == "edge_mesh" else 0),
+        "training.sync_policy": "sync", "planner.batching": "uniform",
+        "planner.parallelism": "mesh" if mode == "edge_mesh" else "data",
+        "ps.eval_every": "0", "ps.eval_interval_s": str(EVAL_INTERVAL_S if evaluate else 0),
+        "worker.emulation_host_gflops": str(host_gflops), "worker.emulation_seed": str(seed),
+        "worker.emulation_dilation": str(dilation),
+    }
+    overrides.update(base)
+    return load_config(env={}, overrides=overrides)
+
+
+# --------------------------------------------------------------------------- summaries
+
+
+def iteration_times(run: Run) -> list[float]:
+    """Seconds between consecutive model versions, after the warm-up."""
+    times = [run.versions[v] for v in sorted(run.versions) if v > WARMUP_VERSIONS]
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def load_imbalance(run: Run) -> tuple[float | None, dict[str, float]]:
+    """Slowest over fastest member's compute time: per layer of every model-parallel cluster
+    (overall: summed over layers, worst cluster), or per device step for single-device clusters."""
+    plan = run.plan
+    if plan is None:
+        return None, {}
+    worst, per_layer = 1.0, {}
+    meshes = [c for c in plan.clusters if len(c.members) > 1]
+    for c in meshes:
+        busy = [run.stats[m].mesh_layer_busy_s for m in c.members if m in run.stats]
+        if len(busy) != len(c.members):
+            continue
+        slow = fast = 0.0
+        for layer, counts in c.counts.items():
+            times = [b.get(layer, 0.0) for b, n in zip(busy, counts, strict=True) if n > 0]
+            if not times or min(times) <= 0:
+                continue
+            per_layer[f"{c.cluster}/{layer}"] = round(max(times) / min(times), 3)
+            slow, fast = slow + max(times), fast + min(times)
+        if fast > 0:
+            worst = max(worst, slow / fast)
+    singles = [run.stats[c.members[0]].step_time_s for c in plan.clusters
+               if len(c.members) == 1 and c.members[0] in run.stats and run.stats[c.members[0]].step_time_s > 0]
+    if not meshes and len(singles) > 1:
+        worst = max(singles) / min(singles)
+    return round(worst, 3), per_layer
+
+
+def predicted_iteration_s(run: Run, spec: str, wire: planning.Wire) -> float | None:
+    """The cost model's iteration time for the run's layout and the devices' announced figures."""
+    plan = run.plan
+    if plan is None or not plan.clusters:
+        return None
+    infos = {n: DeviceInfo.from_hello(h) for n, h in run.hellos.items()}
+    full = {layer.name: (layer.units,) for layer in costs.layers(spec)}
+    batches = {d.cluster: d.batch_size for d in plan.devices}
+    worst = 0.0
+    for c in plan.clusters:
+        if any(m not in infos for m in c.members):
+            return None
+        counts = c.counts if len(c.members) > 1 else full
+        worst = max(worst, planning.cluster_iteration_s(spec, [infos[m] for m in c.members], counts,
+                                                        batch=batches[c.cluster], wire=wire))
+    return round(worst, 4)
+
+
+def held_bytes(spec: str, batch: int, plan: Plan | None) -> dict[str, Any]:
+    """Bytes of parameters, optimizer-like state and activations per device, measured on real
+    tensors: every cluster of ``plan`` runs one step of its batch (at most ``batch``) in this process
+    (saved-tensor hooks). ``mean`` over the devices (seed 000 reports average memory), ``max``, and
+    the parts of the largest holder."""
+    import numpy as np
+
+    from edgemesh.common import models
+
+    shape = models.get_spec(spec).input_shape
+    rng = np.random.default_rng(0)
+    x = rng.random((batch, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, batch)
+    params = models.get_params(models.build_model(spec))
+    full: dict[str, tuple[int, ...]] = {layer.name: (layer.units,) for layer in costs.layers(spec)}
+    batches = {d.cluster: d.batch_size for d in plan.devices} if plan else {}
+    clusters = [(c.counts if len(c.members) > 1 else full, batches.get(c.cluster, batch))
+                for c in (plan.clusters if plan else ())] or [(full, batch)]
+    out: list[dict[str, int]] = []
+    measured: dict[tuple[Any, int], list[dict[str, int]]] = {}
+    for counts, b in clusters:
+        key = (tuple(sorted(counts.items())), b)
+        if key not in measured:
+            measured[key] = _cluster_bytes(spec, counts, params, x[:b], y[:b])
+        out += measured[key]
+    totals = [sum(d.values()) for d in out]
+    largest = out[totals.index(max(totals))]
+    return {"mean": round(statistics.fmean(totals)), "max": max(totals), "devices": len(out), "largest": largest}
+
+
+def _cluster_bytes(spec: str, counts: dict[str, tuple[int, ...]], params: dict[str, Any], x: Any,
+                   y: Any) -> list[dict[str, int]]:
+    """What every member of a cluster dividing ``spec`` by ``counts`` holds during one step."""
+    import torch
+
+    from edgemesh.services.worker.mesh import LocalHub, MeshMember
+
+    k = len(next(iter(counts.values())))
+    members = [MeshMember(spec, counts, i) for i in range(k)]
+    for m in members:
+        m.load(params, 0)
+    saved: list[dict[int, int]] = [{} for _ in range(k)]
+
+    def runner(i: int) -> Callable[..., Any]:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            saved[i][storage.data_ptr()] = storage.nbytes()
+            return t
+
+        async def run(fn: Callable[..., Any], *args: Any, flops: float = 0.0) -> Any:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                result = fn(*args)
+            for layer in members[i].layers.values():  # outputs kept for the backward pass
+                if layer.saved is not None:
+                    storage = layer.saved[1].untyped_storage()
+                    saved[i].setdefault(storage.data_ptr(), storage.nbytes())
+            return result
+        return run
+
+    hub = LocalHub(k)
+
+    async def step() -> None:
+        await asyncio.gather(*(m.step(1, x, y, hub.member(i), run=runner(i)) for i, m in enumerate(members)))
+
+    asyncio.run(step())
+    out = []
+    for i, m in enumerate(members):  # the model view keeps exactly the rows a member trains
+        trained = m.param_count * costs.FLOAT32_BYTES
+        out.append({"view": trained, "parameters": trained, "gradients": trained, "residual": trained,
+                    "activations": sum(saved[i].values())})
+    return out
+
+
+def summarize(run: Run, cluster: LocalCluster, *, spec: str, batch: int) -> dict[str, Any]:
+    times = iteration_times(run)
+    imbalance, per_layer = load_imbalance(run)
+    plan = run.plan
+    workers = cluster.samples_of("worker")
+    steps = sum(v for s in workers for (n, _), v in s.items() if n == "edgemesh_worker_steps_total")
+    overruns = sum(v for s in workers for (n, _), v in s.items() if n == "edgemesh_worker_emulation_overruns_total")
+    rss = [c.peak_rss_kb / 1024 for c in cluster.children if c.role == "worker"]
+    return {
+        "avg_iteration_delay_s": round(statistics.fmean(times), 4) if times else None,
+        "measured_iteration_s": round(statistics.median(times), 4) if times else None,
+        "predicted_iteration_s": predicted_iteration_s(run, spec, mesh_wire(cluster.cfg)),
+        "iterations_timed": len(times),
+        "samples_per_iteration": sum({d.cluster: d.batch_size for d in plan.devices}.values()) if plan else None,
+        "load_imbalance": imbalance,
+        "load_imbalance_by_layer": per_layer,
+        "peak_rss_mb_per_device": round(max(rss), 1) if rss else None,
+        "clusters": [{"cluster": c.cluster, "members": list(c.members), "division": c.counts,
+                      "predicted_iteration_s": c.predicted_iteration_s} for c in plan.clusters] if plan else [],
+        "mesh_steps_abandoned": int(cluster.total("edgemesh_worker_mesh_steps_total", "worker", outcome="abandoned")),
+        "updates_discarded": int(cluster.total("edgemesh_ps_updates_total", "ps", status="discarded")),
+        "bytes_published": cluster.over_services("_published_bytes_total"),
+        "emulation_overrun_share": round(overruns / steps, 4) if steps else None,
+        "failure": run.failure,
+    }
+
+
+def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    def get(mode: str, key: str) -> float | None:
+        value = modes.get(mode, {}).get(key)
+        return float(value) if value else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    mesh_delay = get("edge_mesh", "avg_iteration_delay_s")
+    mesh_bytes = get("edge_mesh", "param_optimizer_activation_bytes_per_device")
+    dp_bytes = get("data_parallel", "param_optimizer_activation_bytes_per_device")
+    return {
+        "single_over_edge_mesh_delay": ratio(get("single", "avg_iteration_delay_s"), mesh_delay),
+        "data_parallel_over_edge_mesh_delay": ratio(get("data_parallel", "avg_iteration_delay_s"), mesh_delay),
+        "edge_mesh_bytes_below_data_parallel": round(1 - mesh_bytes / dp_bytes, 3) if mesh_bytes and dp_bytes
+        else None,
+        "edge_mesh_predicted_over_measured": ratio(get("edge_mesh", "predicted_iteration_s"),
+                                                   get("edge_mesh", "measured_iteration_s")),
+        "accuracy_edge_mesh_minus_data_parallel": round(modes["edge_mesh"]["final_accuracy"]
+                                                        - modes["data_parallel"]["final_accuracy"], 4)
+        if modes.get("edge_mesh", {}).get("final_accuracy") is not None
+        and modes.get("data_parallel", {}).get("final_accuracy") is not None else None,
+    }
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def run_bench(report: Path, *, fleet: list[str], modes: list[str], batch: int, dilation: float, iterations: int,
+              accuracy_iterations: int, seed: int, overrides: dict[str, str], progress: Callable[[str], None],
+              keep_logs: bool = False) -> dict[str, Any]:
+    profiles = load_profiles(overrides.get("worker.emulation_profiles") or None)
+    unknown = sorted({p for p in [*fleet, SINGLE_PROFILE] if p not in profiles})
+    if unknown:
+        raise ConfigError(f"unknown device profile(s) {', '.join(unknown)}; known: {', '.join(sorted(profiles))}")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ConfigError(f"unknown mode(s) {', '.join(bad)}; known: {', '.join(MODES)}")
+    if batch < len(fleet) or batch % len(fleet) or iterations < 2 or accuracy_iterations < 0 or dilation < 1:
+        raise ConfigError(f"need --batch a multiple of the fleet's {len(fleet)} devices (data parallelism splits it "
+                          "evenly), --iterations >= 2, --accuracy-iterations >= 0, --dilation >= 1")
+    host = measure_host_gflops(1)
+    devices = [(f"{p}-{i}", p) for p, i in _numbered(fleet)]
+    progress(f"fleet of {len(devices)}: {', '.join(fleet)}; host {host:.1f} GFLOP/s per thread; time dilation "
+             f"{dilation:g}")
+    planner_s = planning.time_layout(1000, seed=seed)
+    progress(f"planner: 1,000 devices laid out in {planner_s:.3f}s")
+    workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-mesh-"))
+    broker = BrokerProcess.default()
+    broker.start()
+    result: dict[str, Any] = {
+        "fleet": [{"device": name, **profiles[p].summary()} for name, p in devices],
+        "single": {"device": f"{SINGLE_PROFILE}-0", **profiles[SINGLE_PROFILE].summary()},
+        "settings": {"time_model": TIME_SPEC, "time_dataset": TIME_DATA, "accuracy_model": ACCURACY_SPEC,
+                     "accuracy_dataset": ACCURACY_DATA, "batch_per_iteration": batch, "sync_policy": "sync",
+                     "time_dilation": dilation, "iterations": iterations, "warmup_versions": WARMUP_VERSIONS,
+                     "accuracy_iterations": accuracy_iterations, "overrides": overrides},
+        "host_gflops": round(host, 2),
+        "broker": broker.kind,
+        "modes": {},
+        "planner_1000_devices_s": round(planner_s, 4),
+    }
+    failed = False
+    try:
+        for mode in modes:
+            members = [(f"{SINGLE_PROFILE}-0", SINGLE_PROFILE)] if mode == "single" else devices
+            job = f"mesh-{mode.replace('_', '-')}-{uuid.uuid4().hex[:6]}"
+            cfg = run_config(overrides, mode=mode, job=job, broker_url=broker.url, spec=TIME_SPEC, dataset=TIME_DATA,
+                             batch=batch, devices=len(members), dilation=dilation, host_gflops=host, seed=seed,
+                             evaluate=False)
+            progress(f"{mode}: {len(members)} device(s), {TIME_SPEC} on {TIME_DATA}")
+            cluster = LocalCluster(cfg, _made(workdir / f"{mode}-time"))
+            run = asyncio.run(_run(cluster, members, WARMUP_VERSIONS + iterations + 1, progress, mode))
+            entry = summarize(run, cluster, spec=TIME_SPEC, batch=batch)
+            held = held_bytes(TIME_SPEC, batch, run.plan)
+            entry["param_optimizer_activation_bytes_per_device"] = held["mean"]
+            entry["param_optimizer_activation_bytes_max_device"] = held["max"]
+            entry["held_bytes"] = held
+            failed = failed or run.failure is not None
+            if accuracy_iterations:
+                cfg = run_config(overrides, mode=mode, job=job + "-acc", broker_url=broker.url, spec=ACCURACY_SPEC,
+                                 dataset=ACCURACY_DATA, batch=batch, devices=len(members), dilation=1.0,
+                                 host_gflops=host, seed=seed, evaluate=True)
+                progress(f"{mode}: accuracy, {ACCURACY_SPEC} on {ACCURACY_DATA}, {accuracy_iterations} versions")
+                cluster = LocalCluster(cfg, _made(workdir / f"{mode}-accuracy"))
+                acc = asyncio.run(_run(cluster, members, accuracy_iterations, progress, mode))
+                last = [a for _, _, a in acc.evaluations[-FINAL_EVALUATIONS:]]
+                entry["final_accuracy"] = round(statistics.fmean(last), 4) if last else None
+                entry["accuracy_curve"] = [[round(t, 3), v, round(a, 4)] for t, v, a in acc.evaluations]
+                entry["accuracy_failure"] = acc.failure
+                failed = failed or acc.failure is not None
+            result["modes"][mode] = entry
+            progress(f"{mode}: iteration {entry['avg_iteration_delay_s']}s (predicted "
+                     f"{entry['predicted_iteration_s']}s), {entry['param_optimizer_activation_bytes_per_device']} "
+                     f"bytes/device, imbalance {entry['load_imbalance']}, accuracy {entry.get('final_accuracy')}"
+                     + (f"; FAILED: {run.failure}" if run.failure else ""))
+    finally:
+        broker.stop()
+    result["ratios"] = ratios(result["modes"])
+    finish(report, result, _plot, progress, workdir, keep_logs=failed or keep_logs)
+    return result
+
+
+def _made(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _numbered(fleet: list[str]) -> list[tuple[str, int]]:
+    seen: dict[str, int] = {}
+    out = []
+    for p in fleet:
+        out.append((p, seen.get(p, 0)))
+        seen[p] = seen.get(p, 0) + 1
+    return out
+
+
+def _plot(result: dict[str, Any], path: Path) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    modes = result["modes"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(modes)
+    left.bar(names, [modes[m]["avg_iteration_delay_s"] or 0 for m in names], color="#4878a8", label="measured")
+    left.scatter(names, [modes[m]["predicted_iteration_s"] or 0 for m in names], color="#c44e52", zorder=3,
+                 label="predicted")
+    left.set_ylabel(f"seconds per iteration (dilated x{result['settings']['time_dilation']:g})")
+    left.set_title(f"{result['settings']['time_model']}, {result['settings']['batch_per_iteration']} samples per "
+                   "iteration")
+    left.legend()
+    right.bar(names, [modes[m]["param_optimizer_activation_bytes_per_device"] / 2**20 for m in names],
+              color="#55a868")
+    right.set_ylabel("MiB per device: parameters, state, activations")
+    right.set_title("memory of the largest holder")
+    for ax in (left, right):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(report: str, *, fleet: str, modes: str, batch: int, dilation: float, iterations: int,
+         accuracy_iterations: int, seed: int, overrides: dict[str, str], keep_logs: bool = False) -> int:
+    try:
+        result = run_bench(Path(report), fleet=[p.strip() for p in fleet.split(",") if p.strip()],
+                           modes=[m.strip() for m in modes.split(",") if m.strip()], batch=batch, dilation=dilation,
+                           iterations=iterations, accuracy_iterations=accuracy_iterations, seed=seed,
+                           overrides=overrides, keep_logs=keep_logs,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except EdgeMeshError as exc:
+        print(f"edgemesh bench mesh: {exc}", file=sys.stderr)
+        return 2
+    failures = [e.get("failure") or e.get("accuracy_failure") for e in result["modes"].values()]
+    return 1 if any(failures) else 0

@@ -1,0 +1,63 @@
+"""What the cluster benchmarks share: one run of a local cluster of emulated devices."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from edgemesh.services.cluster import LocalCluster
+
+GUARD_INTERVAL_S = 0.25
+"""How often a run checks that its processes still run and whether it is done."""
+PROGRESS_INTERVAL_S = 5.0
+"""How often a run says how far it got."""
+
+
+async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Coroutine[Any, Any, None], *,
+                started: Callable[[], float | None], done: Callable[[float], bool], status: Callable[[float], str],
+                progress: Callable[[str], None], start_timeout_s: float,
+                run_timeout_s: float | None = None) -> str | None:
+    """Start ``cluster``'s services and one ``--emulate`` worker per ``(device, profile)``, with ``watch``
+    (the run's bus observer) alongside, until ``done(seconds since started())``; then scrape every
+    process's metrics and stop them all. Returns why the run failed, or None.
+
+    ``started()`` is None until the run's clock starts (the plan names every device); the run fails
+    if that takes over ``start_timeout_s`` or, once started, lasts over ``run_timeout_s``."""
+    watcher = asyncio.create_task(watch)
+    failure: str | None = None
+    try:
+        cluster.start_services(min_devices=len(devices))
+        for name, profile in devices:
+            cluster.spawn("worker", name, ["--device", name, "--emulate", profile])
+        launched = time.monotonic()
+        shown = 0.0
+        while True:
+            failure = cluster.failure()
+            if failure is not None:
+                break
+            now = time.monotonic()
+            t0 = started()
+            if t0 is None:
+                if now - launched > start_timeout_s:
+                    failure = f"the plan did not name all {len(devices)} devices within {start_timeout_s:.0f}s"
+                    break
+            else:
+                if done(now - t0):
+                    break
+                if run_timeout_s is not None and now - t0 > run_timeout_s:
+                    failure = f"not done within {run_timeout_s:.0f}s: {status(now - t0)}"
+                    break
+                if now - shown >= PROGRESS_INTERVAL_S:
+                    shown = now
+                    progress(f"  {status(now - t0)}")
+            await asyncio.sleep(GUARD_INTERVAL_S)
+        await asyncio.to_thread(cluster.scrape_all)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await watcher
+        cluster.stop()
+    return failure

@@ -1,0 +1,744 @@
+"""Edge Mesh planning (DESIGN.md §4): the filter division inside a cluster and the hybrid training grid.
+
+Pure functions, no I/O and no torch: the planner service wires them to the bus, tests and
+``bench/`` call them directly. ``divide_filters`` splits every divisible layer of a model among
+the members of one cluster; ``training_grid`` chooses the clusters of a whole fleet.
+
+Cost model
+----------
+One member of a cluster of ``k`` members trains one step on a batch of ``b`` samples and holds
+``n_l`` of the ``U_l`` output units of every divisible layer ``l`` (``costs.layers(spec)``, in
+forward order ``l = 0 .. L-1``; the other members hold the rest). ``F`` is its matrix-multiply
+rate (``DeviceInfo.flops``), ``up`` / ``down`` its uplink / downlink rates in bytes/s and ``lat``
+its one-way latency to the broker. An unknown uplink (0) is ``DEFAULT_LINK_BPS``, an unknown
+downlink is the uplink, an unknown latency is 0. ``V``, ``G`` and ``M`` are the bytes one value
+takes on the wire (``Wire``): an activation or activation gradient (4 as float32, 2 as float16),
+a gradient pushed to the parameter server and a model update pulled from it (what their codecs
+make of a float32: 2 for fp16, 0.3 for grid-coded deltas at density 0.3). Per layer, ``macs``,
+``params``, ``out``, ``gathered`` are the ``LayerCost`` figures per unit and ``in`` its
+``in_values``. The member's step time is the sum of four parts (no overlap assumed):
+
+* **compute**: ``sum_l n_l x macs_l x FLOPS_PER_MAC x b / (F x TRAIN_EFFICIENCY)``.
+* **forward all-gather** (``k > 1``; MQTT through a broker: a member publishes its slice once,
+  the broker fans it out), every layer:
+  ``n_l x gathered_l x b x V / up + (U_l - n_l) x gathered_l x b x V / down + lat``.
+* **backward reduce-scatter** (``k > 1``), every layer but the first (its input is the data):
+  the member publishes the other members' channels of its partial input gradient and receives
+  its own channels from each of them. With ``share = n_{l-1} x gathered_{l-1}`` (its part of the
+  layer's input; ``in_l = U_{l-1} x gathered_{l-1}`` for every spec):
+  ``(in_l - share) x b x V / up + (k - 1) x share x b x V / down + lat``.
+* **parameter server**: push the gradient of the parameters it holds and pull their update,
+  ``held x G / up + held x M / down + 2 x lat`` with ``held = sum_l n_l x params_l``
+  (the whole model in a single-device cluster: plain data parallelism); one push and one pull
+  message per step, hence the two latencies.
+
+A single-member cluster has no intra-cluster traffic. The cluster's iteration time is its
+slowest member's step time (``cluster_iteration_s``): members meet at every layer's exchange, and
+a division that gives every member the same share of every layer keeps those meetings short.
+
+**Memory** of a member, bytes:
+``RUNTIME_BYTES + PARAM_COPIES_MESH x 4 x held + 4 x b x (sum_l n_l x (2 x out_l + gathered_l) + sum_l in_l)``:
+the layer outputs it computes before their channel-wise tail and their gradients, its gathered
+slices, and the whole gathered input of every layer (kept for the weight gradient).
+``PARAM_COPIES_MESH`` is ``costs.PARAM_COPIES`` (weights, gradients, error-feedback residual,
+model view: a shard needs all four). Everything in the time and memory is linear in the counts:
+``time_i = c_i + sum_l w_il x n_l`` and ``memory = m0 + sum_l q_l x n_l``, which the algorithms use.
+
+Filter division (``divide_filters``)
+------------------------------------
+1. Every member *i* takes the same fraction ``x_i`` of every layer. With ``W_i = sum_l w_il x U_l``
+   and the memory cap ``cap_i = min(1, (memory_i - m0) / sum_l q_l x U_l)``, the makespan ``T``
+   is the water level at which ``sum_i clamp((T - c_i) / W_i, 0, cap_i) = 1``: found exactly by a
+   scan of the breakpoints of that piecewise-linear function.
+2. Integer counts: ``floor(x_i x U_l)``; the units left of every layer go one at a time to the
+   member whose time grows least and whose memory still holds them (water-filling: the exact
+   search over ``T`` is step 1, this only rounds).
+3. Local search: while moving one unit from the slowest member to another lowers the slower of
+   the two below the current makespan (memory permitting), make the best such move. Counts stay
+   within ``ROUNDING_SLACK`` of ``x_i x U_l`` rounded, so no member gets a layer it has no share of
+   and none piles up a cheap layer to shave microseconds.
+If the members' memory cannot hold the model even together, the memory caps are dropped, the
+division minimises time alone and ``fits`` is False.
+
+Training grid (``training_grid``)
+---------------------------------
+An iteration trains ``batch`` samples in all (the global batch: the same SGD step whatever the
+fleet), split among the clusters, which run synchronous rounds: the iteration lasts as long as
+the slowest cluster. The grid chooses the number of clusters ``K``, their members, each cluster's
+share ``b_c`` of the batch and the division inside each for the shortest predicted iteration:
+
+* A device whose memory cannot hold ``1 / max_cluster_size`` of the model is excluded. When
+  there are more devices than ``batch x max_cluster_size``, only the fastest take part (the
+  others are ``idle``).
+* For each candidate ``K`` (every count from ``ceil(n / max_cluster_size)`` to ``min(n, batch)``
+  for small fleets; a geometric ladder of ``GRID_CANDIDATES`` and ``GRID_REFINE`` more around the
+  best for large ones), devices go to ``K`` clusters of about equal total FLOPS (fastest first,
+  each to the cluster with the least so far). The batch is split so that the clusters finish
+  together: a cluster's time is about ``a_c + s_c x b`` (compute and exchange traffic grow with
+  its batch, the parameter traffic does not), fitted from two estimates of the continuous
+  division (step 1 above), and ``a_c + s_c x b_c = T`` with ``sum b_c = batch`` gives ``T`` and
+  the ``b_c`` (at least 1 each, largest remainder).
+* The ``K`` with the shortest ``T`` wins (another ``K`` must be ``GRID_TIE`` shorter to replace
+  a smaller one); its clusters are divided exactly (``divide_filters``), and members the
+  division gives no unit at all (a link too slow to be worth its exchange traffic) are dropped
+  from their cluster as ``idle``.
+
+One cluster per device is among the candidates (``K = n``), with batches balanced to speed, so
+the grid is never predicted slower than balanced data parallelism.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import heapq
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgemesh.common import costs
+from edgemesh.common.costs import LayerCost
+from edgemesh.services.planner.layout import MAX_NAME, NAME_HASH_CHARS, DeviceInfo, cluster_name
+
+PARAM_COPIES_MESH = costs.PARAM_COPIES
+"""float32 copies of its parameter shard a member holds (the same four as a data-parallel worker)."""
+DEFAULT_LINK_BPS = 12.5e6
+"""Link rate assumed when a device has not measured its uplink: 100 Mbit/s, in bytes/s."""
+MESH_PREFIX = "m-"
+"""A cluster of several devices is named ``m-<first member>``."""
+DEFAULT_MAX_CLUSTER_SIZE = 8
+"""Most members of one cluster: beyond, every member spends its step receiving the others' slices."""
+GRID_TIE = 0.01
+"""A layout with more clusters must predict an iteration this share shorter to be chosen."""
+GRID_CANDIDATES = 12
+"""Cluster counts tried on a geometric ladder for a large fleet (all of them for a fleet with fewer choices)."""
+GRID_REFINE = 6
+"""Cluster counts tried again, evenly, between the ladder neighbours of the best count."""
+REPLAN_THRESHOLD = 0.25
+"""Default relative slowdown of the current layout, against the best new one, that warrants a new plan."""
+ROUNDING_SLACK = 1
+"""Units by which the local search may move a member's count of a layer beyond the floor or ceiling of
+its continuous share: enough to even out rounding, too little to pile a layer on one member."""
+_MIN_WEIGHT = 1e-15
+"""Floor of a member's seconds per whole model share, so that a share always costs time."""
+_TOLERANCE = 1e-12
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """Bytes one value takes on the wire: an activation or activation gradient between members, a
+    gradient pushed to the parameter server, a model update pulled from it (what the codecs make of
+    a float32)."""
+
+    activation: float = costs.FLOAT32_BYTES
+    gradient: float = costs.FLOAT32_BYTES
+    model: float = costs.FLOAT32_BYTES
+
+
+FLOAT32_WIRE = Wire()
+"""Every value as float32: the default."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepTime:
+    """The parts of one member's predicted step time, seconds."""
+
+    compute_s: float
+    gather_s: float
+    """Forward all-gather of every layer's output slices, latency included."""
+    scatter_s: float
+    """Backward reduce-scatter of the partial input gradients, latency included."""
+    ps_s: float
+    """Gradient push and parameter pull of the member's shard."""
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.gather_s + self.scatter_s + self.ps_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Division:
+    """How one cluster divides the model: output units of every layer per member, in member order."""
+
+    members: tuple[str, ...]
+    counts: dict[str, tuple[int, ...]]
+    """Layer name -> units of each member (every layer's counts add up to its units)."""
+    member_seconds: tuple[float, ...]
+    """Predicted step time of each member."""
+    predicted_s: float
+    """Predicted iteration time of the cluster: its slowest member's step."""
+    member_memory_bytes: tuple[int, ...]
+    fits: bool
+    """Whether every member's memory holds its share (False: even the best division overflows one)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GridCluster:
+    """One cluster of the training grid."""
+
+    name: str
+    members: tuple[str, ...]
+    """Devices in member order (by name): the order of ``division.counts``."""
+    division: Division
+    batch: int
+    """Samples of the iteration's batch this cluster trains."""
+    predicted_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Grid:
+    """The chosen clusters of a fleet and what they are predicted to achieve."""
+
+    clusters: tuple[GridCluster, ...]
+    excluded: tuple[str, ...]
+    """Devices whose memory holds too little of the model to be useful anywhere."""
+    idle: tuple[str, ...]
+    """Devices the best layout gives no work: on their links or at their speed they would only slow
+    their cluster down."""
+    predicted_iteration_s: float
+    """The slowest cluster's iteration: the length of a synchronous round."""
+    throughput_samples_s: float
+    """Samples trained per second: the batch over the round time."""
+
+    @property
+    def members(self) -> frozenset[str]:
+        return frozenset(m for c in self.clusters for m in c.members)
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def _rates(device: DeviceInfo) -> tuple[float, float, float]:
+    up = device.link_rate_bps if device.link_rate_bps > 0 else DEFAULT_LINK_BPS
+    down = device.downlink_rate_bps if device.downlink_rate_bps > 0 else up
+    return up, down, max(0.0, device.latency_s)
+
+
+def _check_batch(batch: int) -> None:
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+
+
+def _check_devices(devices: Sequence[DeviceInfo]) -> None:
+    names = {d.device for d in devices}
+    if len(names) != len(devices):
+        raise ValueError(f"a device appears twice in {sorted(d.device for d in devices)}")
+    for d in devices:
+        if not (0 < d.flops < math.inf):
+            raise ValueError(f"{d.device}: flops must be a positive number, got {d.flops}")
+        if not (d.memory_bytes >= 0 and 0 <= d.link_rate_bps < math.inf and 0 <= d.downlink_rate_bps < math.inf
+                and 0 <= d.latency_s < math.inf):
+            raise ValueError(f"{d.device}: memory, link rates and latency must be finite numbers >= 0")
+
+
+def _held(layers: Sequence[LayerCost], held: Sequence[int]) -> None:
+    if len(held) != len(layers):
+        raise ValueError(f"{len(held)} counts for {len(layers)} layers")
+    for layer, n in zip(layers, held, strict=True):
+        if not 0 <= n <= layer.units:
+            raise ValueError(f"{layer.name}: {n} units held of {layer.units}")
+
+
+def member_step(spec: str, device: DeviceInfo, held: Sequence[int], *, batch: int, cluster_size: int,
+                wire: Wire = FLOAT32_WIRE) -> StepTime:
+    """The predicted step time of ``device`` holding ``held[l]`` units of every layer of ``spec``
+    (forward order) in a cluster of ``cluster_size`` members (module docstring, "Cost model")."""
+    layers = costs.layers(spec)
+    _check_batch(batch)
+    _check_devices([device])
+    _held(layers, held)
+    if cluster_size < 1:
+        raise ValueError("cluster_size must be >= 1")
+    return _step(layers, device, held, batch, cluster_size, wire)
+
+
+def _step(layers: Sequence[LayerCost], device: DeviceInfo, held: Sequence[int], batch: int, k: int,
+          wire: Wire) -> StepTime:
+    up, down, lat = _rates(device)
+    value_bytes = wire.activation * batch
+    compute = sum(n * la.macs_per_unit for la, n in zip(layers, held, strict=True)) * costs.FLOPS_PER_MAC * batch
+    gather = scatter = 0.0
+    if k > 1:
+        for i, (layer, n) in enumerate(zip(layers, held, strict=True)):
+            gather += (n * layer.gathered_per_unit * value_bytes / up
+                       + (layer.units - n) * layer.gathered_per_unit * value_bytes / down + lat)
+            if i > 0:
+                share = held[i - 1] * layers[i - 1].gathered_per_unit
+                scatter += ((layer.in_values - share) * value_bytes / up
+                            + (k - 1) * share * value_bytes / down + lat)
+    params = sum(n * la.params_per_unit for la, n in zip(layers, held, strict=True))
+    return StepTime(compute_s=compute / (device.flops * costs.TRAIN_EFFICIENCY), gather_s=gather,
+                    scatter_s=scatter, ps_s=params * (wire.gradient / up + wire.model / down) + 2 * lat)
+
+
+def member_time(spec: str, device: DeviceInfo, held: Sequence[int], *, batch: int, cluster_size: int,
+                wire: Wire = FLOAT32_WIRE) -> float:
+    """``member_step(...).total_s``: the member's predicted step time, seconds."""
+    return member_step(spec, device, held, batch=batch, cluster_size=cluster_size, wire=wire).total_s
+
+
+def member_memory(spec: str, held: Sequence[int], *, batch: int) -> int:
+    """Predicted peak memory, bytes, of a member holding ``held[l]`` units of every layer of ``spec``."""
+    layers = costs.layers(spec)
+    _check_batch(batch)
+    _held(layers, held)
+    return _memory(layers, held, batch)
+
+
+def _memory(layers: Sequence[LayerCost], held: Sequence[int], batch: int) -> int:
+    return costs.member_memory_bytes(layers, held, batch)
+
+
+def cluster_iteration_s(spec: str, members: Sequence[DeviceInfo], counts: Mapping[str, Sequence[int]], *,
+                        batch: int, wire: Wire = FLOAT32_WIRE) -> float:
+    """Predicted iteration time of a cluster: the slowest member's step, with ``counts`` as in ``Division``."""
+    layers = costs.layers(spec)
+    if not members:
+        raise ValueError("a cluster needs members")
+    if set(counts) != {la.name for la in layers}:
+        raise ValueError(f"counts name layers {sorted(counts)}, the model has {[la.name for la in layers]}")
+    for layer in layers:
+        if len(counts[layer.name]) != len(members) or sum(counts[layer.name]) != layer.units:
+            raise ValueError(f"{layer.name}: counts {tuple(counts[layer.name])} do not divide {layer.units} units "
+                             f"among {len(members)} members")
+    return max(member_time(spec, d, [counts[la.name][i] for la in layers], batch=batch, cluster_size=len(members),
+                           wire=wire) for i, d in enumerate(members))
+
+
+def _coefficients(layers: Sequence[LayerCost], device: DeviceInfo, batch: int, k: int,
+                  wire: Wire) -> tuple[float, list[float]]:
+    """``(c, w)`` with ``member_time = c + sum_l w[l] x n_l`` for a member of a cluster of ``k``."""
+    up, down, lat = _rates(device)
+    value_bytes = wire.activation * batch
+    rate = device.flops * costs.TRAIN_EFFICIENCY
+    const = 2 * lat
+    weights = []
+    last = len(layers) - 1
+    for i, layer in enumerate(layers):
+        w = (layer.macs_per_unit * costs.FLOPS_PER_MAC * batch / rate
+             + layer.params_per_unit * (wire.gradient / up + wire.model / down))
+        if k > 1:
+            g = layer.gathered_per_unit * value_bytes
+            w += g * (1 / up - 1 / down)
+            const += layer.units * g / down + lat
+            if i < last:
+                w += g * ((k - 1) / down - 1 / up)
+            if i > 0:
+                const += layer.in_values * value_bytes / up + lat
+        weights.append(w)
+    return const, weights
+
+
+def _memory_coefficients(layers: Sequence[LayerCost], batch: int) -> tuple[int, list[int]]:
+    """``(m0, q)`` with ``member_memory = m0 + sum_l q[l] x n_l``."""
+    m0 = costs.RUNTIME_BYTES + costs.FLOAT32_BYTES * batch * sum(la.in_values for la in layers)
+    q = [costs.FLOAT32_BYTES * (PARAM_COPIES_MESH * la.params_per_unit
+                                + batch * (2 * la.out_per_unit + la.gathered_per_unit)) for la in layers]
+    return m0, q
+
+
+def _water_level(const: Sequence[float], weight: Sequence[float], cap: Sequence[float]) -> float:
+    """The smallest ``T`` with ``sum_i clamp((T - const_i) / weight_i, 0, cap_i) >= 1`` (inf if the caps
+    add up to less than 1): exact, from the breakpoints of the piecewise-linear sum."""
+    events: list[tuple[float, float]] = []
+    for c, w, x in zip(const, weight, cap, strict=True):
+        if x > 0:
+            events.append((c, 1.0 / w))
+            events.append((c + x * w, -1.0 / w))
+    events.sort()
+    covered = slope = 0.0
+    prev = events[0][0] if events else math.inf
+    for at, change in events:
+        reached = covered + slope * (at - prev)
+        if reached >= 1.0 - _TOLERANCE:
+            return prev + max(0.0, 1.0 - covered) / slope
+        covered, prev = reached, at
+        slope += change
+    return math.inf
+
+
+# --------------------------------------------------------------------------- filter division
+
+
+def slices(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` ranges of the units of one layer, member by member in member order."""
+    out = []
+    start = 0
+    for n in counts:
+        if n < 0:
+            raise ValueError(f"negative count in {tuple(counts)}")
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def divide_filters(spec: str, members: Sequence[DeviceInfo], batch: int, wire: Wire = FLOAT32_WIRE) -> Division:
+    """Divide every divisible layer of ``spec`` among ``members`` (in the given order) so that the
+    slowest member's step is as short as possible within every member's memory (module docstring).
+
+    Raises ValueError for no members, a batch below 1, a duplicate member or a non-positive flops;
+    ModelError for an unknown spec.
+    """
+    layers = costs.layers(spec)
+    _check_batch(batch)
+    if not members:
+        raise ValueError("a cluster needs members")
+    _check_devices(members)
+    return _divide(layers, members, batch, wire)
+
+
+def _divide(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], batch: int, wire: Wire) -> Division:
+    k = len(members)
+    units = [la.units for la in layers]
+    m0, q = _memory_coefficients(layers, batch)
+    full_memory = sum(qi * u for qi, u in zip(q, units, strict=True))
+    caps = [min(1.0, max(0.0, (d.memory_bytes - m0) / full_memory)) for d in members]
+    memory_bound = sum(caps) >= 1.0 - _TOLERANCE
+    if k == 1:
+        counts = [[u] for u in units]  # counts[l][i]
+    else:
+        if not memory_bound:
+            caps = [1.0] * k  # nothing fits: divide for time alone (fits will say so)
+        coeffs = [_coefficients(layers, d, batch, k, wire) for d in members]
+        const = [c for c, _ in coeffs]
+        weights = [w for _, w in coeffs]
+        per_share = [max(_MIN_WEIGHT, sum(wl * u for wl, u in zip(w, units, strict=True))) for w in weights]
+        level = _water_level(const, per_share, caps)
+        if math.isinf(level):  # the caps add up to 1 only within rounding
+            shares = list(caps)
+        else:
+            shares = [min(x, max(0.0, (level - c) / w)) for c, w, x in zip(const, per_share, caps, strict=True)]
+        total = sum(shares)
+        shares = [s / total for s in shares]
+        counts = _integer_counts(units, shares, const, weights, q,
+                                 [d.memory_bytes - m0 if memory_bound else math.inf for d in members])
+    division = {la.name: tuple(counts[li]) for li, la in enumerate(layers)}
+    held = [[counts[li][i] for li in range(len(layers))] for i in range(k)]
+    seconds = tuple(_step(layers, d, held[i], batch, k, wire).total_s for i, d in enumerate(members))
+    memory = tuple(_memory(layers, held[i], batch) for i in range(k))
+    return Division(members=tuple(d.device for d in members), counts=division, member_seconds=seconds,
+                    predicted_s=max(seconds), member_memory_bytes=memory,
+                    fits=all(m <= d.memory_bytes for m, d in zip(memory, members, strict=True)))
+
+
+def _integer_counts(units: Sequence[int], shares: Sequence[float], const: Sequence[float],
+                    weights: Sequence[Sequence[float]], q: Sequence[int], room: Sequence[float]) -> list[list[int]]:
+    """Whole units per layer and member from the continuous ``shares``: floors, water-filling of the
+    rest, then single-unit moves off the slowest member (steps 2 and 3 of the module docstring).
+    Every count stays within ``ROUNDING_SLACK`` of its continuous target."""
+    k = len(shares)
+    n_layers = len(units)
+    targets = [[s * u for s in shares] for u in units]
+    counts = [[math.floor(t + 1e-9) for t in row] for row in targets]
+    low = [[max(0, math.floor(t + 1e-9) - ROUNDING_SLACK) for t in row] for row in targets]
+    high = [[min(u, math.ceil(t - 1e-9) + ROUNDING_SLACK) for t in row] for row, u in zip(targets, units, strict=True)]
+    times = [const[i] + sum(weights[i][li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
+    used = [sum(q[li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
+    for li, u in enumerate(units):
+        for _ in range(u - sum(counts[li])):
+            fitting = ([i for i in range(k) if used[i] + q[li] <= room[i] and counts[li][i] < high[li][i]]
+                       or [i for i in range(k) if used[i] + q[li] <= room[i]] or list(range(k)))
+            i = min(fitting, key=lambda j: (times[j] + weights[j][li], j))
+            counts[li][i] += 1
+            times[i] += weights[i][li]
+            used[i] += q[li]
+    for _ in range(k * sum(units)):  # each move lowers the makespan or the number of members at it
+        slow = max(range(k), key=lambda j: (times[j], -j))
+        best: tuple[float, int, int] | None = None
+        for li in range(n_layers):
+            if counts[li][slow] <= low[li][slow]:
+                continue
+            for j in range(k):
+                if j == slow or counts[li][j] >= high[li][j] or used[j] + q[li] > room[j]:
+                    continue
+                after = max(times[slow] - weights[slow][li], times[j] + weights[j][li])
+                if best is None or after < best[0]:
+                    best = (after, li, j)
+        if best is None or best[0] >= times[slow] * (1 - 1e-9):
+            break
+        _, li, j = best
+        counts[li][slow] -= 1
+        counts[li][j] += 1
+        times[slow] -= weights[slow][li]
+        times[j] += weights[j][li]
+        used[slow] -= q[li]
+        used[j] += q[li]
+    return counts
+
+
+# --------------------------------------------------------------------------- training grid
+
+
+def _estimate(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], batch: int, wire: Wire,
+              lines: dict[tuple[str, int], tuple[float, float, float, float]] | None = None) -> float:
+    """A cluster's iteration time with the continuous division (step 1 of the division): inf if
+    the members' memory cannot hold the model at ``batch``. ``lines`` caches every member's cost
+    coefficients, which are affine in the batch."""
+    k = len(members)
+    m0, full_memory = _model_memory(tuple(layers), batch)
+    caps = [min(1.0, max(0.0, (d.memory_bytes - m0) / full_memory)) for d in members]
+    if sum(caps) < 1.0 - _TOLERANCE:
+        return math.inf
+    const, per_share = [], []
+    for d in members:
+        key = (d.device, k)
+        line = lines.get(key) if lines is not None else None
+        if line is None:
+            line = _line(layers, d, k, wire)
+            if lines is not None:
+                lines[key] = line
+        c0, c1, p0, p1 = line
+        const.append(c0 + c1 * batch)
+        per_share.append(max(_MIN_WEIGHT, p0 + p1 * batch))
+    return _water_level(const, per_share, caps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _model_memory(layers: tuple[LayerCost, ...], batch: int) -> tuple[int, int]:
+    """``(m0, bytes of the whole model's share)`` of the memory form at ``batch``."""
+    m0, q = _memory_coefficients(layers, batch)
+    return m0, sum(qi * la.units for qi, la in zip(q, layers, strict=True))
+
+
+def _line(layers: Sequence[LayerCost], device: DeviceInfo, k: int, wire: Wire) -> tuple[float, float, float, float]:
+    """``(c0, c1, p0, p1)``: a member's fixed seconds are ``c0 + c1 x b`` and its seconds per whole
+    model ``p0 + p1 x b`` at batch ``b`` (``_coefficients`` is affine in the batch)."""
+    units = [la.units for la in layers]
+    c_a, w_a = _coefficients(layers, device, 1, k, wire)
+    c_b, w_b = _coefficients(layers, device, 2, k, wire)
+    p_a = sum(w * u for w, u in zip(w_a, units, strict=True))
+    p_b = sum(w * u for w, u in zip(w_b, units, strict=True))
+    return 2 * c_a - c_b, c_b - c_a, 2 * p_a - p_b, p_b - p_a
+
+
+def _split(total: int, weights: Sequence[float]) -> list[int]:
+    """``total`` samples in proportion to ``weights``, at least one each (largest remainder)."""
+    n = len(weights)
+    spare = total - n
+    whole = sum(weights)
+    exact = [spare * w / whole for w in weights]
+    out = [1 + math.floor(e) for e in exact]
+    order = sorted(range(n), key=lambda i: (-(exact[i] - math.floor(exact[i])), i))
+    for i in order[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _groups(devices: Sequence[DeviceInfo], k: int, max_size: int) -> list[list[DeviceInfo]]:
+    """``devices`` in ``k`` clusters of at most ``max_size`` with about equal total FLOPS: fastest first,
+    each to the cluster with the least so far (longest processing time first)."""
+    heap = [(0.0, i) for i in range(k)]
+    groups: list[list[DeviceInfo]] = [[] for _ in range(k)]
+    for d in sorted(devices, key=lambda d: (-d.flops, d.device)):
+        full: list[tuple[float, int]] = []
+        while True:
+            total, i = heapq.heappop(heap)
+            if len(groups[i]) < max_size:
+                break
+            full.append((total, i))
+        groups[i].append(d)
+        heapq.heappush(heap, (total + d.flops, i))
+        for entry in full:
+            heapq.heappush(heap, entry)
+    return [sorted(g, key=lambda d: d.device) for g in groups if g]
+
+
+def _balance(layers: Sequence[LayerCost], groups: Sequence[Sequence[DeviceInfo]], total: int, wire: Wire,
+             lines: dict[tuple[str, int], tuple[float, float, float, float]]) -> tuple[list[int], list[float]]:
+    """Split ``total`` samples among ``groups`` so that they finish together; (batches, times).
+
+    A cluster's time is about ``a + s x b`` in its batch ``b`` (compute and exchange traffic grow
+    with ``b``, the parameter traffic does not): fitted from two estimates, then the batches
+    solve ``a_c + s_c x b_c = T`` with ``sum b_c = total``."""
+    flops = [sum(d.flops for d in g) for g in groups]
+    batches = _split(total, flops)
+    fits = []
+    for g, b in zip(groups, batches, strict=True):
+        t1, t2 = _estimate(layers, g, b, wire, lines), _estimate(layers, g, 2 * b, wire, lines)
+        if math.isinf(t1) or math.isinf(t2):
+            return batches, [math.inf] * len(groups)
+        slope = max((t2 - t1) / b, _MIN_WEIGHT)
+        fits.append((t1 - slope * b, slope))
+    level = (total + sum(a / s for a, s in fits)) / sum(1 / s for _, s in fits)
+    batches = _split(total, [max((level - a) / s, 0.0) + 1e-9 for a, s in fits])
+    return batches, [_estimate(layers, g, b, wire, lines) for g, b in zip(groups, batches, strict=True)]
+
+
+def _sizes(n: int, total: int, max_size: int) -> list[int]:
+    """Cluster counts worth trying for ``n`` devices: every one for small fleets, a geometric ladder
+    of about ``GRID_CANDIDATES`` for large ones; at least ``n / max_size``, at most the samples."""
+    low, high = max(1, math.ceil(n / max_size)), min(n, total)
+    if n == 0 or low > high:
+        return []
+    if high - low < GRID_CANDIDATES:
+        return list(range(low, high + 1))
+    ratio = (high / low) ** (1 / (GRID_CANDIDATES - 1))
+    return sorted({min(high, round(low * ratio**s)) for s in range(GRID_CANDIDATES)} | {low, high})
+
+
+def mesh_cluster_name(members: Sequence[str]) -> str:
+    """The name of the cluster of ``members`` (member order): ``c-<device>`` for one device, as in
+    ``layout.cluster_name``; ``m-<first member>`` for several, shortened with a hash like it."""
+    if not members:
+        raise ValueError("a cluster needs members")
+    if len(members) == 1:
+        return cluster_name(members[0])
+    name = f"{MESH_PREFIX}{members[0]}"
+    if len(name) <= MAX_NAME:
+        return name
+    digest = hashlib.sha256(members[0].encode()).hexdigest()[:NAME_HASH_CHARS]
+    return f"{name[:MAX_NAME - NAME_HASH_CHARS - 1]}-{digest}"
+
+
+def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
+                  max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE, wire: Wire = FLOAT32_WIRE) -> Grid:
+    """The hybrid training grid of ``devices`` for iterations of ``batch`` samples in all: clusters of
+    at most ``max_cluster_size`` members that each hold ``spec``, their share of the batch, and the
+    filter division inside each, for the shortest predicted iteration (module docstring).
+    Deterministic: ties go to fewer clusters, devices are taken in name order.
+
+    No devices gives an empty grid. Raises ValueError for a batch or ``max_cluster_size`` below 1,
+    a device named twice or a device with non-positive flops; ModelError for an unknown spec.
+    """
+    layers = costs.layers(spec)
+    _check_batch(batch)
+    if max_cluster_size < 1:
+        raise ValueError(f"max_cluster_size must be >= 1, got {max_cluster_size}")
+    _check_devices(devices)
+    ordered = sorted(devices, key=lambda d: d.device)
+    m0, q = _memory_coefficients(layers, 1)
+    full_memory = sum(qi * la.units for qi, la in zip(q, layers, strict=True))
+    useful = [d for d in ordered if (d.memory_bytes - m0) / full_memory >= 1.0 / max_cluster_size - _TOLERANCE]
+    spare: list[str] = []
+    if len(useful) > batch * max_cluster_size:  # more devices than the batch has work for: the fastest
+        fastest = sorted(useful, key=lambda d: (-d.flops, d.device))
+        spare = [d.device for d in fastest[batch * max_cluster_size:]]
+        useful = sorted(fastest[:batch * max_cluster_size], key=lambda d: d.device)
+    best: tuple[float, list[list[DeviceInfo]], list[int]] | None = None
+    lines: dict[tuple[str, int], tuple[float, float, float, float]] = {}
+    tried: dict[int, float] = {}
+
+    def attempt(k: int) -> None:
+        nonlocal best
+        if k in tried:
+            return
+        groups = _groups(useful, k, max_cluster_size)
+        batches, times = _balance(layers, groups, batch, wire, lines)
+        tried[k] = round_s = max(times)
+        if math.isfinite(round_s) and (best is None or round_s < best[0] * (1 - GRID_TIE)
+                                       or (round_s <= best[0] * (1 + GRID_TIE) and len(groups) < len(best[1]))):
+            best = (round_s, groups, batches)
+
+    sizes = _sizes(len(useful), batch, max_cluster_size)
+    for k in sizes:
+        attempt(k)
+    if best is not None and len(sizes) > 1:  # a large fleet: every count between the best's neighbours
+        at = sizes.index(len(best[1])) if len(best[1]) in sizes else 0
+        low, high = sizes[max(0, at - 1)], sizes[min(len(sizes) - 1, at + 1)]
+        step = max(1, (high - low) // GRID_REFINE)
+        for k in range(low, high + 1, step):
+            attempt(k)
+    if best is None:
+        return Grid(clusters=(), excluded=tuple(d.device for d in ordered), idle=(), predicted_iteration_s=0.0,
+                    throughput_samples_s=0.0)
+    _, groups, batches = best
+    clusters, idle = [], list(spare)
+    for group, b in zip(groups, batches, strict=True):
+        division = _divide(layers, group, b, wire)
+        while True:  # members the division gives nothing would only wait: drop them, divide again
+            busy = [d for i, d in enumerate(group) if any(n[i] for n in division.counts.values())]
+            if len(busy) == len(group):
+                break
+            working = {d.device for d in busy}
+            idle += [d.device for d in group if d.device not in working]
+            group = busy
+            division = _divide(layers, group, b, wire)
+        clusters.append(GridCluster(name=mesh_cluster_name(division.members), members=division.members,
+                                    division=division, batch=b, predicted_s=division.predicted_s))
+    clusters.sort(key=lambda c: c.name)
+    round_s = max(c.predicted_s for c in clusters)
+    kept = {d.device for d in useful} | set(spare)
+    excluded = sorted(d.device for d in ordered if d.device not in kept)
+    return Grid(clusters=tuple(clusters), excluded=tuple(excluded), idle=tuple(sorted(idle)),
+                predicted_iteration_s=round_s, throughput_samples_s=batch / round_s)
+
+
+def grid_iteration_s(spec: str, grid: Grid, devices: Sequence[DeviceInfo], wire: Wire = FLOAT32_WIRE) -> float:
+    """The predicted iteration of ``grid``'s layout (its clusters, batches and divisions) for the
+    figures in ``devices``."""
+    by_name = {d.device: d for d in devices}
+    return max(cluster_iteration_s(spec, [by_name[m] for m in c.members], c.division.counts, batch=c.batch,
+                                   wire=wire) for c in grid.clusters) if grid.clusters else 0.0
+
+
+def needs_replan(old: Grid, devices: Sequence[DeviceInfo], spec: str, batch: int,
+                 threshold: float = REPLAN_THRESHOLD, *, max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE,
+                 wire: Wire = FLOAT32_WIRE) -> bool:
+    """Whether ``old`` should give way to a new grid: a device joined or left, a member's memory no
+    longer holds its share, or the old layout's predicted iteration under the new measurements is
+    more than ``threshold`` (relative) above the best new layout's (a device slowed down)."""
+    by_name = {d.device: d for d in devices}
+    if len(by_name) != len(devices):
+        raise ValueError("a device appears twice")
+    if set(by_name) != old.members | set(old.excluded) | set(old.idle):
+        return True
+    layers = costs.layers(spec)
+    for cluster in old.clusters:
+        counts = cluster.division.counts
+        for i, m in enumerate(cluster.members):
+            need = member_memory(spec, [counts[la.name][i] for la in layers], batch=cluster.batch)
+            if need > by_name[m].memory_bytes:
+                return True
+    new = training_grid(spec, devices, batch=batch, max_cluster_size=max_cluster_size, wire=wire)
+    if not old.clusters or not new.clusters:
+        return bool(old.clusters) != bool(new.clusters)
+    return grid_iteration_s(spec, old, devices, wire) > (1 + threshold) * new.predicted_iteration_s
+
+
+# --------------------------------------------------------------------------- benchmark hooks
+
+
+FLEET_CLASSES: tuple[tuple[str, float, float, float, float], ...] = (
+    # name, weight, matmul FLOP/s, memory bytes, uplink bytes/s
+    ("pi3", 0.25, 9.2e9, 566 * 2**20, 6.25e6),
+    ("pi4", 0.25, 23.8e9, 3.3 * 2**30, 4.8e6),
+    ("pi5", 0.2, 60.5e9, 7 * 2**30, 14e6),
+    ("laptop", 0.1, 115e9, 8 * 2**30, 25e6),
+    ("zero", 0.15, 4e9, 270 * 2**20, 4e6),
+    ("tiny", 0.05, 2e9, 262 * 2**20, 2e6),
+)
+"""Device classes of ``sample_fleet``: Raspberry Pi 3/4/5, a laptop, and two boards too small to
+hold ``cifar-cnn`` alone (``tiny`` cannot even hold a useful share of it)."""
+
+
+def sample_fleet(n: int, seed: int = 0) -> list[DeviceInfo]:
+    """``n`` random devices of ``FLEET_CLASSES``, with ±20 % flops, ×0.5-1.5 links and 1-10 ms latency."""
+    rng = np.random.default_rng(seed)
+    weights = np.array([c[1] for c in FLEET_CLASSES])
+    kinds = rng.choice(len(FLEET_CLASSES), size=n, p=weights / weights.sum())
+    flops_jitter = rng.uniform(0.8, 1.2, size=n)
+    link_jitter = rng.uniform(0.5, 1.5, size=(n, 2))
+    latency = rng.uniform(0.001, 0.010, size=n)
+    fleet = []
+    for i in range(n):
+        name, _, flops, memory, up = FLEET_CLASSES[int(kinds[i])]
+        fleet.append(DeviceInfo(device=f"{name}-{i:05d}", flops=flops * flops_jitter[i], memory_bytes=int(memory),
+                                link_rate_bps=up * link_jitter[i, 0], downlink_rate_bps=up * 2 * link_jitter[i, 1],
+                                latency_s=float(latency[i])))
+    return fleet
+
+
+def time_layout(n: int = 1000, seed: int = 0, *, spec: str = "cifar-cnn", batch: int = 0) -> float:
+    """Seconds ``training_grid`` takes to lay out ``sample_fleet(n, seed)`` for iterations of ``batch``
+    samples (0: four per device) (for ``bench/``)."""
+    fleet = sample_fleet(n, seed)
+    batch = batch or 4 * n
+    start = time.perf_counter()
+    training_grid(spec, fleet, batch=batch)
+    return time.perf_counter() - start

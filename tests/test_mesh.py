@@ -1,0 +1,437 @@
+"""Model parallelism inside a cluster: exactness, the MQTT exchange, the PS joining members' shards,
+and a cluster of three workers training together."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from edgemesh.common import costs, models
+from edgemesh.common.broker import BrokerProcess
+from edgemesh.common.bus import Bus
+from edgemesh.common.codecs import get_codec
+from edgemesh.common.config import Config, load_config
+from edgemesh.common.errors import ModelError, WireError
+from edgemesh.common.messages import (
+    ControlCommand,
+    DeviceHello,
+    DeviceStatus,
+    GradientUpdate,
+    LayerDivision,
+    MeshSlice,
+    ModelDelta,
+    ModelSnapshot,
+    Plan,
+    PlanCluster,
+    PlanDevice,
+    ShardUpdate,
+)
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import Topics
+from edgemesh.common.wire import Tensor
+from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.planner.service import Planner
+from edgemesh.services.worker.mesh import BusExchange, LocalHub, MeshMember, MeshTimeout, slices
+from edgemesh.services.worker.service import Worker
+from edgemesh.services.worker.view import ModelView
+from tests.test_parameter_server import Client, client, make_config, running_ps
+
+WAIT_S = 30.0
+UNEVEN = {
+    "digits-cnn": {"conv1": (7, 5, 4), "conv2": (3, 20, 9), "fc1": (30, 4, 30), "fc2": (5, 0, 5)},
+    "cifar-cnn": {"conv1": (20, 8, 4), "conv2": (10, 30, 24), "conv3": (64, 1, 63), "fc1": (100, 100, 56),
+                  "fc2": (3, 3, 4)},
+}
+"""Three uneven members; member 1 has no unit of digits' last layer."""
+
+
+def reference(spec: str, seed: int, batch: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, float,
+                                                           np.ndarray, dict[str, np.ndarray]]:
+    """Parameters, a batch, and what one process computes on it: loss, logits, gradients."""
+    model = models.build_model(spec, seed=seed)
+    params = models.get_params(model)
+    shape = models.get_spec(spec).input_shape
+    rng = np.random.default_rng(seed)
+    x = rng.random((batch, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, batch)
+    loss, grads = models.compute_gradients(model, x, y)
+    with torch.no_grad():
+        logits = model(torch.tensor(x)).numpy()
+    return params, x, y, loss, logits, grads
+
+
+def assert_matches_one_process(results: list, loss: float, logits: np.ndarray, grads: dict[str, np.ndarray]) -> None:
+    covered = {name: np.zeros(g.shape[0], bool) for name, g in grads.items()}
+    for r in results:
+        assert r.loss == pytest.approx(loss, abs=1e-5)
+        np.testing.assert_allclose(r.logits, logits, rtol=1e-4, atol=1e-5)
+        for name, (start, stop, g) in r.grads.items():
+            assert not covered[name][start:stop].any(), f"{name}[{start}:{stop}] computed twice"
+            covered[name][start:stop] = True
+            np.testing.assert_allclose(g, grads[name][start:stop], rtol=1e-4, atol=1e-6)
+    assert all(c.all() for c in covered.values()), "some gradient rows were computed by no member"
+
+
+# --------------------------------------------------------------------------- pure
+
+
+@pytest.mark.parametrize("spec", sorted(UNEVEN))
+async def test_three_uneven_members_compute_what_one_process_does(spec: str) -> None:
+    params, x, y, loss, logits, grads = reference(spec, seed=3, batch=16)
+    hub = LocalHub(3)
+    members = [MeshMember(spec, UNEVEN[spec], i, seed=3) for i in range(3)]
+    for m in members:
+        m.load(params, version=0)
+    results = await asyncio.gather(*(m.step(1, x, y, hub.member(i)) for i, m in enumerate(members)))
+    assert_matches_one_process(list(results), loss, logits, grads)
+    # a member holds its slices only
+    assert sum(m.param_count for m in members) == costs.cost(spec).params
+
+
+def test_layer_figures_match_the_modules() -> None:
+    for spec in models.MODEL_SPECS:
+        assert models.measure_layers(spec) == costs.layers(spec)
+
+
+def test_models_that_cannot_be_divided_are_refused() -> None:
+    with pytest.raises(ModelError, match="BatchNorm2d"):
+        models.mesh_stages(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+    with pytest.raises(ModelError, match="Dropout"):
+        models.mesh_stages(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2)))
+    with pytest.raises(ModelError, match="sequential"):
+        models.mesh_stages(nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("counts, match", [
+    ({"conv1": (8, 8), "conv2": (16, 16), "fc1": (32, 32)}, "division names layers"),
+    ({"conv1": (8, 7), "conv2": (16, 16), "fc1": (32, 32), "fc2": (5, 5)}, "add up to 16"),
+    ({"conv1": (17, -1), "conv2": (16, 16), "fc1": (32, 32), "fc2": (5, 5)}, "must be >= 0"),
+    ({"conv1": (8, 8), "conv2": (16, 16), "fc1": (32, 32), "fc2": (10,)}, "one count per member"),
+])
+def test_bad_divisions_are_refused(counts: dict, match: str) -> None:
+    with pytest.raises(ModelError, match=match):
+        MeshMember("digits-cnn", counts, 0)
+
+
+def test_slices_are_contiguous_in_member_order() -> None:
+    assert slices([3, 0, 2]) == [(0, 3), (3, 3), (3, 5)]
+
+
+# --------------------------------------------------------------------------- over a broker
+
+
+@contextlib.asynccontextmanager
+async def member_buses(broker: BrokerProcess, job: str, cluster: str, devices: list[str], counts: dict,
+                       timeout_s: float = 10.0, dtype: str = "float32",
+                       batch: int = 12) -> AsyncIterator[list[BusExchange]]:
+    """One MQTT connection and :class:`BusExchange` per member, fed by its own consume loop."""
+    cfg = load_config(env={}, overrides={"broker.url": broker.url, "job": job})
+    topics = Topics(job)
+    order = list(counts)
+    async with contextlib.AsyncExitStack() as stack:
+        exchanges, tasks = [], []
+        for device in devices:
+            bus = await stack.enter_async_context(Bus(
+                cfg.broker, client_id=f"{device}-{os.getpid()}-{time.monotonic_ns()}",
+                metrics=ServiceMetrics("worker"), subscriptions=topics.mesh_member(cluster, device, devices)))
+            await bus.wait_connected(WAIT_S)
+            ex = BusExchange(bus, topics, cluster=cluster, device=device, members=devices, counts=counts,
+                             order=order, plan_version=1, timeout_s=timeout_s, dtype=dtype)
+            ex.begin(1, batch)
+
+            async def feed(bus: Bus = bus, ex: BusExchange = ex) -> None:
+                async for msg in bus.messages():
+                    ex.deliver(msg.decode(MeshSlice))
+
+            tasks.append(asyncio.create_task(feed()))
+            exchanges.append(ex)
+        try:
+            yield exchanges
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_members_over_mqtt_compute_what_one_process_does(broker: BrokerProcess) -> None:
+    spec = "digits-cnn"
+    params, x, y, loss, logits, grads = reference(spec, seed=5, batch=12)
+    devices = ["m0", "m1", "m2"]
+    members = [MeshMember(spec, UNEVEN[spec], i, seed=5) for i in range(3)]
+    for m in members:
+        m.load(params, version=0)
+    async with member_buses(broker, "meshx", "m-m0", devices, UNEVEN[spec]) as exchanges:
+        results = await asyncio.wait_for(asyncio.gather(
+            *(m.step(1, x, y, ex) for m, ex in zip(members, exchanges, strict=True))), WAIT_S)
+    assert_matches_one_process(list(results), loss, logits, grads)
+    # the member without units of fc2 sends nothing for it
+    assert all(ex.bytes_sent > 0 for ex in exchanges)
+
+
+async def test_a_missing_member_times_the_step_out(mosquitto_broker: BrokerProcess) -> None:
+    spec = "digits-cnn"
+    params, x, y, *_ = reference(spec, seed=5, batch=4)
+    devices = ["m0", "m1", "m2"]
+    members = [MeshMember(spec, UNEVEN[spec], i, seed=5) for i in range(2)]  # m2 never shows up
+    for m in members:
+        m.load(params, version=0)
+    async with member_buses(mosquitto_broker, "meshy", "m-m0", devices, UNEVEN[spec], timeout_s=0.5,
+                            batch=4) as exchanges:
+        with pytest.raises(MeshTimeout, match="from m2"):
+            await asyncio.gather(*(m.step(1, x, y, ex) for m, ex in zip(members, exchanges[:2], strict=True)))
+
+
+# --------------------------------------------------------------------------- parameter server
+
+LAYOUT = models.param_layout(models.build_model("digits-cnn"))
+SPLIT = {"conv1": (10, 6), "conv2": (12, 20), "fc1": (40, 24), "fc2": (4, 6)}
+
+
+def mesh_plan(devices: list[str], counts: dict, *, cluster: str = "m-a", batch: int = 8, version: int = 1) -> Plan:
+    return Plan(version=version, created=time.time(), model_spec="digits-cnn", dataset="digits",
+                sync_policy="sync", devices=tuple(PlanDevice(device=d, cluster=cluster, shard_index=0, shard_count=1,
+                                                             batch_size=batch) for d in devices),
+                clusters=(PlanCluster(cluster=cluster, members=tuple(devices), division=tuple(
+                    LayerDivision(layer=k, counts=tuple(v)) for k, v in counts.items())),))
+
+
+def member_update(device: str, index: int, seq: int, base: int, *, step: int = 1, counts: dict = SPLIT,
+                  cluster: str = "m-a") -> GradientUpdate:
+    enc = get_codec("none")
+    shards = []
+    for layer, c in counts.items():
+        start, stop = slices(c)[index]
+        for part in ("weight", "bias"):
+            shape = LAYOUT[f"{layer}.{part}"][0]
+            n = (stop - start) * int(np.prod(shape[1:]))
+            shards.append(ShardUpdate(param=f"{layer}.{part}", start=start, stop=stop, codec="none",
+                                      data=enc.encode(np.full(n, 0.01, np.float32), None)))
+    return GradientUpdate(device=device, cluster=cluster, incarnation=1, seq=seq, base_version=base, samples=8,
+                          shards=tuple(shards), mesh_step=step, plan_version=1)
+
+
+def ps_config(broker: BrokerProcess, tmp_path: Path, **extra: object) -> Config:
+    return make_config(broker, tmp_path / "ps", **{"training.sync_policy": "sync", **extra})
+
+
+async def test_ps_applies_a_cluster_step_once_all_members_shards_are_in(broker: BrokerProcess,
+                                                                         tmp_path: Path) -> None:
+    cfg = ps_config(broker, tmp_path)
+    async with running_ps(cfg) as ps, client(cfg, ["a", "b"]) as c:
+        await c.bus.publish(c.topics.plan(), mesh_plan(["a", "b"], SPLIT), retain=True)
+        await c.version_at_least(0)
+        before = {k: v.copy() for k, v in ps.state.params.items()}  # type: ignore[union-attr]
+        await c.bus.publish(c.topics.grad("m-a", "a"), member_update("a", 0, 1, 0))
+        await c.until("a's shards held", lambda: ps.metrics.value("edgemesh_ps_mesh_assembling_steps") == 1)
+        assert ps.version == 0  # half a model is not an update
+        acks = await asyncio.gather(c.push(member_update("b", 1, 1, 0)), c.ack_for("a", 1))
+        assert {a.status for a in acks} == {"accepted"}
+        assert ps.version == 1  # one version for the cluster, not one per member
+        after = ps.state.params  # type: ignore[union-attr]
+        assert all(not np.array_equal(before[k], after[k]) for k in before), "every parameter moved"
+        # a resent member update is a duplicate, not a new half-step
+        seen = len(c.acks)
+        await c.bus.publish(c.topics.grad("m-a", "b"), member_update("b", 1, 1, 0))
+        again = await c.until("the resend's ack", lambda: next(
+            (a for a in c.acks[seen:] if (a.device, a.seq) == ("b", 1)), None))
+        assert again.status == "duplicate"
+        assert ps.version == 1
+
+
+async def test_ps_discards_an_incomplete_or_overlapping_cluster_step(mosquitto_broker: BrokerProcess,
+                                                                     tmp_path: Path) -> None:
+    cfg = ps_config(mosquitto_broker, tmp_path, **{"ps.mesh_assembly_timeout_s": "0.3"})
+    async with running_ps(cfg) as ps, client(cfg, ["a", "b"]) as c:
+        await c.bus.publish(c.topics.plan(), mesh_plan(["a", "b"], SPLIT), retain=True)
+        await c.version_at_least(0)
+        await c.bus.publish(c.topics.grad("m-a", "a"), member_update("a", 0, 1, 0, step=7))
+        await c.until("a's shards held", lambda: ps.metrics.value("edgemesh_ps_mesh_assembling_steps") == 1)
+        await asyncio.sleep(0.4)  # noqa: ASYNC110 - let the assembly age past its timeout: the event is its absence
+        # the next arrival sweeps it out; b's update of another step starts its own assembly
+        await c.bus.publish(c.topics.grad("m-a", "b"), member_update("b", 1, 1, 0, step=8))
+        ack = await c.ack_for("a", 1)
+        assert (ack.status, ack.reason, ack.resync) == ("discarded", "incomplete", True)
+        # two members claiming the same rows: both told, nothing applied
+        await c.bus.publish(c.topics.grad("m-a", "a"), member_update("a", 0, 2, 0, step=9))
+        overlap = await c.push(member_update("b", 0, 2, 0, step=9))
+        assert (overlap.status, overlap.reason) == ("discarded", "shape")
+        assert ps.version == 0
+        assert ps.metrics.value("edgemesh_ps_rejected_total", reason="incomplete") >= 1
+
+
+# --------------------------------------------------------------------------- three workers, one cluster
+
+
+def worker_config(broker: BrokerProcess, device: str, **extra: str) -> Config:
+    return load_config(env={}, overrides={
+        "broker.url": broker.url, "job": "meshe2e", "metrics.address": "127.0.0.1:0", "worker.device": device,
+        "broker.backoff_max_s": "0.5", "worker.ack_timeout_s": "5", "worker.codec_wait_s": "0.1",
+        "worker.mesh_timeout_s": "10", **extra})
+
+
+async def test_three_workers_train_one_model_parallel_cluster(broker: BrokerProcess, tmp_path: Path) -> None:
+    counts = {"conv1": (8, 5, 3), "conv2": (4, 18, 10), "fc1": (30, 20, 14), "fc2": (4, 3, 3)}
+    devices = ["w0", "w1", "w2"]
+    cfg = make_config(broker, tmp_path / "ps", job="meshe2e", **{"training.sync_policy": "sync",
+                                                                  "ps.broadcast": "delta"})
+    ps = ParameterServer(cfg)
+    workers = [Worker(worker_config(broker, d)) for d in devices]
+    tasks = [asyncio.create_task(s.run()) for s in (ps, *workers)]
+    try:
+        async with client(cfg, []) as c:
+            await c.bus.publish(c.topics.plan(), mesh_plan(devices, counts, cluster="m-w0", batch=16), retain=True)
+            await until(c, "ten cluster steps", lambda: ps.version >= 10 and all(w.accepted >= 10 for w in workers))
+    finally:
+        for s in (ps, *workers):
+            s.stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S)
+    # one version per cluster step: every member's update of a step went into the same version
+    assert ps.version <= min(w.accepted for w in workers) + 1
+    assert all(w.metrics.value("edgemesh_worker_mesh_steps_total", outcome="done") >= 10 for w in workers)
+    # each member pushed only its slices
+    sizes = [w._gradient_bytes for w in workers]
+    assert sum(sizes) == costs.cost("digits-cnn").params * 4
+
+
+async def until(c: Client, what: str, predicate: object) -> None:
+    await c.until(what, predicate, timeout_s=WAIT_S * 2)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- a member's view of the model
+
+
+def snapshot(params: dict[str, np.ndarray], version: int) -> ModelSnapshot:
+    return ModelSnapshot(version=version, model_spec="digits-cnn",
+                         tensors={k: Tensor.from_numpy(v) for k, v in params.items()})
+
+
+def test_a_members_view_keeps_only_its_rows_and_follows_deltas_on_them() -> None:
+    params = models.get_params(models.build_model("digits-cnn"))
+    member = MeshMember("digits-cnn", SPLIT, 1)
+    rows = member.rows()
+    view = ModelView()
+    assert view.restrict(rows)  # nothing held yet: the next snapshot comes in sliced
+    view.load(snapshot(params, 3))
+    assert view.params is not None
+    for name, (a, b) in rows.items():
+        np.testing.assert_array_equal(view.params[name], params[name][a:b])
+    held = sum(v.nbytes for v in view.params.values())
+    assert held == member.param_count * 4 < sum(v.nbytes for v in params.values()) / 2
+    member.load(view.params, 3)  # a member loads from its rows as from the whole model
+    # a delta of the whole conv1.bias moves only this member's rows of it
+    change = np.arange(16, dtype=np.float32)
+    delta = ModelDelta(version=4, base_version=3, model_spec="digits-cnn", shards=(
+        ShardUpdate(param="conv1.bias", start=0, stop=16, codec="none", data=get_codec("none").encode(change, None)),))
+    assert view.apply(delta) and view.version == 4
+    a, b = rows["conv1.bias"]
+    np.testing.assert_allclose(view.params["conv1.bias"], params["conv1.bias"][a:b] + change[a:b])
+    bad = ModelDelta(version=5, base_version=4, model_spec="digits-cnn", shards=(
+        ShardUpdate(param="conv1.bias", start=0, stop=17, codec="none",
+                    data=get_codec("none").encode(np.zeros(17, np.float32), None)),))
+    with pytest.raises(WireError, match="does not fit"):
+        view.apply(bad)
+    # fewer rows: sliced in place; other rows: emptied until the next snapshot
+    assert view.restrict({k: (a, a + min(1, b - a)) for k, (a, b) in rows.items()})
+    assert view.ready
+    assert not view.restrict(None)
+    assert not view.ready
+
+
+async def test_a_parameter_server_publishes_a_snapshot_on_request(mosquitto_broker: BrokerProcess,
+                                                                   tmp_path: Path) -> None:
+    async def run() -> None:
+        cfg = make_config(mosquitto_broker, tmp_path / "ps", **{"ps.broadcast": "delta",
+                                                                "training.sync_policy": "async"})
+        async with running_ps(cfg) as ps, client(cfg, ["a", "b"]) as c:
+            await c.bus.publish(c.topics.plan(), mesh_plan(["a", "b"], SPLIT), retain=True)
+            await c.version_at_least(0)
+            await c.bus.publish(c.topics.grad("m-a", "a"), member_update("a", 0, 1, 0))
+            await c.push(member_update("b", 1, 1, 0))
+            assert ps.version == 1 and c.snapshots[-1].version == 0  # version 1 went out as a delta
+            await c.bus.publish(c.topics.control("ps"), ControlCommand(command="snapshot", requester="a"))
+            assert (await c.version_at_least(1)).version == 1
+
+    await asyncio.wait_for(run(), WAIT_S)
+
+
+def test_plans_refuse_a_model_parallel_cluster_without_a_sound_division() -> None:
+    with pytest.raises(ValueError, match="no filter division"):
+        PlanCluster(cluster="m-a", members=("a", "b")).validate()
+    with pytest.raises(ValueError, match="3 counts for 2 members"):
+        PlanCluster(cluster="m-a", members=("a", "b"),
+                    division=(LayerDivision(layer="conv1", counts=(1, 2, 13)),)).validate()
+    with pytest.raises(ValueError, match="appears twice"):
+        PlanCluster(cluster="m-a", members=("a", "a"),
+                    division=(LayerDivision(layer="conv1", counts=(8, 8)),)).validate()
+    plan = mesh_plan(["a", "b"], SPLIT)
+    with pytest.raises(ValueError, match="not a member"):
+        replace(plan, devices=(*plan.devices, PlanDevice(device="c", cluster="m-a", shard_index=0, shard_count=1,
+                                                         batch_size=8))).validate()
+
+
+# --------------------------------------------------------------------------- the planner lays out a mesh
+
+
+async def test_the_planner_lays_out_a_training_grid_and_re_plans_when_a_member_leaves(
+        mosquitto_broker: BrokerProcess) -> None:
+    job = "meshplan"
+    cfg = load_config(env={}, overrides={
+        "broker.url": mosquitto_broker.url, "job": job, "metrics.address": "127.0.0.1:0",
+        "planner.parallelism": "mesh", "planner.round_samples": "64", "planner.replan_debounce_s": "0.05",
+        "training.model_spec": "cifar-cnn", "training.dataset": "synthetic-cifar"})
+    topics = Topics(job)
+    # gigabit boards, two of which cannot hold the model alone
+    boards = {"big-0": (60e9, 7 << 30), "big-1": (60e9, 7 << 30), "small-0": (20e9, 268 << 20),
+              "small-1": (20e9, 268 << 20), "small-2": (20e9, 268 << 20)}
+    planner = Planner(cfg)
+    task = asyncio.create_task(planner.run())
+    plans: list[Plan] = []
+    try:
+        async with Bus(cfg.broker, client_id=f"meshplan-{os.getpid()}", metrics=ServiceMetrics("test"),
+                       subscriptions=[topics.plan()]) as bus:
+            await bus.wait_connected(WAIT_S)
+            for name, (flops, memory) in boards.items():
+                await bus.publish(topics.hello(name), DeviceHello(
+                    device=name, incarnation=1, flops=flops, memory_bytes=memory, link_rate_bps=117e6,
+                    latency_s=0.0002), retain=True)
+                await bus.publish(topics.status(name), DeviceStatus(device=name, state="online", incarnation=1),
+                                  retain=True)
+
+            async def next_plan(predicate: object) -> Plan:
+                async with asyncio.timeout(WAIT_S):
+                    while True:
+                        plan = (await bus.next_message(WAIT_S)).decode(Plan)
+                        plans.append(plan)
+                        if predicate(plan):  # type: ignore[operator]
+                            return plan
+
+            first = await next_plan(lambda p: len(p.devices) + len(planner.grid.idle if planner.grid else ()) == 5)
+            await bus.publish(topics.status("small-1"), DeviceStatus(device="small-1", state="offline", incarnation=1),
+                              retain=True)
+            second = await next_plan(lambda p: p.device("small-1") is None and p.version > first.version)
+    finally:
+        planner.stop.set()
+        await asyncio.wait_for(task, WAIT_S)
+    for plan in (first, second):
+        batches = {d.cluster: d.batch_size for d in plan.devices}
+        assert sum(batches.values()) == 64  # the iteration's samples, split among the clusters
+        for c in plan.clusters:
+            assert [d.cluster for d in plan.devices if d.device in c.members] == [c.cluster] * len(c.members)
+            assert c.predicted_iteration_s > 0
+            if len(c.members) > 1:
+                assert {d.layer for d in c.division} == {la.name for la in costs.layers("cifar-cnn")}
+        # the small boards are never alone: they cannot hold the model
+        assert all(len(c.members) > 1 for c in plan.clusters if any(m.startswith("small") for m in c.members))
+        assert plan.round_time_s == max(c.predicted_iteration_s for c in plan.clusters)
+    assert any(len(c.members) > 1 for c in first.clusters)
+    assert second.reason == "leave"
