@@ -71,3 +71,41 @@ def test_bench_fleet_refuses_unknown_profiles_and_policies(tmp_path: Path) -> No
                                  "--report", str(tmp_path / "x.json"), *args],
                                 capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+MESH_KEYS = {"avg_iteration_delay_s", "peak_rss_mb_per_device", "param_optimizer_activation_bytes_per_device",
+             "final_accuracy", "load_imbalance", "predicted_iteration_s", "measured_iteration_s"}
+
+
+def test_bench_mesh_report_layout(tmp_path: Path) -> None:
+    """A short run of two modes on two boards: the layout the issue fixes, measured figures, a plot."""
+    report = tmp_path / "mesh.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh.services.cli", "bench", "mesh", "--report", str(report),
+         "--fleet", "pi5,laptop", "--modes", "single,edge_mesh", "--batch", "8", "--iterations", "2",
+         "--accuracy-iterations", "3", "--dilation", "1"],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert set(data["modes"]) == {"single", "edge_mesh"}
+    assert 0 < data["planner_1000_devices_s"] < 60
+    assert [d["profile"] for d in data["fleet"]] == ["pi5", "laptop"]
+    for name, entry in data["modes"].items():
+        assert MESH_KEYS <= entry.keys(), name
+        assert entry["failure"] is None and entry["accuracy_failure"] is None
+        assert entry["avg_iteration_delay_s"] > 0 and entry["predicted_iteration_s"] > 0
+        assert entry["param_optimizer_activation_bytes_per_device"] > 0 and entry["peak_rss_mb_per_device"] > 0
+        assert 0.0 <= entry["final_accuracy"] <= 1.0
+        assert entry["samples_per_iteration"] == 8  # every mode trains the same batch per iteration
+    assert "single_over_edge_mesh_delay" in data["ratios"]
+    assert report.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_mesh_refuses_bad_arguments(tmp_path: Path) -> None:
+    for args, message in ((["--fleet", "pi3,pi9"], "unknown device profile(s) pi9"),
+                          (["--modes", "single,bogus"], "unknown mode(s) bogus"),
+                          (["--batch", "12"], "a multiple of the fleet's 8 devices")):
+        result = subprocess.run([sys.executable, "-m", "edgemesh.services.cli", "bench", "mesh",
+                                 "--report", str(tmp_path / "x.json"), *args],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 2 and message in result.stderr, result.stderr

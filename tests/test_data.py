@@ -534,3 +534,16 @@ def test_batches_are_writable_copies() -> None:
     x, _ = next(BatchIterator(ds, 4))
     x[:] = -1.0
     assert ds.x.min() == 0.0
+
+
+def test_iid_shards_can_follow_uneven_batches() -> None:
+    """A shard that trains three times the samples per iteration holds three times the data."""
+    from edgemesh.common.data import split_indices
+
+    labels = np.arange(600) % 10
+    sizes = [len(s) for s in split_indices(labels, 3, seed=2, weights=[30, 10, 20])]
+    assert sizes == [300, 100, 200]
+    together = np.sort(np.concatenate(split_indices(labels, 3, seed=2, weights=[30, 10, 20])))
+    np.testing.assert_array_equal(together, np.arange(600))
+    with pytest.raises(DataError, match="positive shard weights"):
+        split_indices(labels, 3, weights=[1, 0, 1])

@@ -291,16 +291,27 @@ async def test_three_workers_train_one_model_parallel_cluster(broker: BrokerProc
         async with client(cfg, []) as c:
             await c.bus.publish(c.topics.plan(), mesh_plan(devices, counts, cluster="m-w0", batch=16), retain=True)
             await until(c, "ten cluster steps", lambda: ps.version >= 10 and all(w.accepted >= 10 for w in workers))
+            cluster_steps = ps.version
+            sizes = [w._gradient_bytes for w in workers]
+            # a new plan makes every member its own cluster: each goes back to the whole model
+            alone = Plan(version=2, created=time.time(), model_spec="digits-cnn", dataset="digits", sync_policy="sync",
+                         devices=tuple(PlanDevice(device=d, cluster=f"c-{d}", shard_index=i, shard_count=3,
+                                                  batch_size=16) for i, d in enumerate(devices)),
+                         clusters=tuple(PlanCluster(cluster=f"c-{d}", members=(d,)) for d in devices))
+            await c.bus.publish(c.topics.plan(), alone, retain=True)
+            before = [w.accepted for w in workers]
+            await until(c, "data-parallel steps", lambda: all(
+                w.accepted >= b + 5 and w._mesh is None for w, b in zip(workers, before, strict=True)))
     finally:
         for s in (ps, *workers):
             s.stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S)
     # one version per cluster step: every member's update of a step went into the same version
-    assert ps.version <= min(w.accepted for w in workers) + 1
+    assert cluster_steps <= min(before) + 1
     assert all(w.metrics.value("edgemesh_worker_mesh_steps_total", outcome="done") >= 10 for w in workers)
-    # each member pushed only its slices
-    sizes = [w._gradient_bytes for w in workers]
+    # each member pushed only its slices; alone, the whole model
     assert sum(sizes) == costs.cost("digits-cnn").params * 4
+    assert all(w._gradient_bytes == costs.cost("digits-cnn").params * 4 for w in workers)
 
 
 async def until(c: Client, what: str, predicate: object) -> None:
@@ -435,3 +446,29 @@ async def test_the_planner_lays_out_a_training_grid_and_re_plans_when_a_member_l
         assert plan.round_time_s == max(c.predicted_iteration_s for c in plan.clusters)
     assert any(len(c.members) > 1 for c in first.clusters)
     assert second.reason == "leave"
+
+
+# --------------------------------------------------------------------------- small pieces
+
+
+def test_codec_sizes_the_cost_model_charges_are_measured_from_the_codecs() -> None:
+    from edgemesh.common.codecs import bytes_per_value
+    from edgemesh.services.planner.service import mesh_wire
+
+    assert bytes_per_value("none") == 4.0 and bytes_per_value("fp16") == 2.0
+    assert bytes_per_value("grid", 0.3) < bytes_per_value("grid", 0.9) < 4.0
+    wire = mesh_wire(load_config(env={}, overrides={"worker.mesh_dtype": "float16", "ps.delta_codec": "fp16"}))
+    assert (wire.activation, wire.gradient, wire.model) == (2.0, 2.0, 2.0)
+    assert mesh_wire(load_config(env={}, overrides={"ps.broadcast": "snapshot"})).model == 4.0
+
+
+def test_members_draw_the_same_batch_for_a_step_and_other_batches_for_other_steps() -> None:
+    from edgemesh.common.data import batch_at, synthetic_cifar
+
+    train, test = synthetic_cifar(seed=1, train=256, test=64)
+    assert train.x.shape == (256, 3, 32, 32) and test.x.shape == (64, 3, 32, 32)
+    assert 0.0 <= train.x.min() and train.x.max() <= 1.0 and len(set(train.y.tolist())) > 5
+    a, b = batch_at(train, 16, seed=3, step=7), batch_at(train, 16, seed=3, step=7)
+    np.testing.assert_array_equal(a[0], b[0])
+    assert not np.array_equal(a[0], batch_at(train, 16, seed=3, step=8)[0])
+    assert batch_at(train, 1000, seed=3, step=1)[0].shape[0] == 256  # at most the whole set

@@ -173,8 +173,9 @@ class Bus:
             fallback = self._make_client(aiomqtt.ProtocolVersion.V311)
             await fallback.__aenter__()
             self._protocol = aiomqtt.ProtocolVersion.V311
+            fallback.timeout = self.config.operation_timeout_s
             return fallback
-        client.timeout = self.config.connect_timeout_s
+        client.timeout = self.config.operation_timeout_s  # connected: answers may queue behind retained data
         return client
 
     async def _run(self) -> None:

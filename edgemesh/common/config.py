@@ -55,6 +55,9 @@ class BrokerConfig:
     """MQTT keepalive interval."""
     connect_timeout_s: float = 10.0
     """Timeout of one connection attempt."""
+    operation_timeout_s: float = 60.0
+    """How long a subscribe or a QoS 1 publish of a connected client may wait for the broker's answer: on a
+    slow link it queues behind the retained model the broker sends first."""
     backoff_initial_s: float = 0.2
     """First reconnect delay; doubles up to ``backoff_max_s``, with jitter."""
     backoff_max_s: float = 10.0
@@ -81,6 +84,7 @@ class BrokerConfig:
             path = getattr(self, key)
             _require(not path or os.path.isfile(path), f"broker.{key}", f"{path!r} is not a readable file")
         _require(self.connect_timeout_s > 0, "broker.connect_timeout_s", "must be > 0")
+        _require(self.operation_timeout_s > 0, "broker.operation_timeout_s", "must be > 0")
         _require(0 < self.backoff_initial_s <= self.backoff_max_s, "broker.backoff_initial_s",
                  "must be > 0 and <= backoff_max_s")
         _require(1024 <= self.chunk_bytes <= 16 << 20, "broker.chunk_bytes", "must be in [1 KiB, 16 MiB]")

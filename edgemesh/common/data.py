@@ -16,7 +16,7 @@ import io
 import logging
 import pickle
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -456,11 +456,15 @@ def split_indices(
     scheme: str = "iid",
     alpha: float = 0.5,
     seed: int = 0,
+    weights: Sequence[float] | None = None,
 ) -> list[np.ndarray]:
     """Split sample indices into ``num_shards`` disjoint, non-empty, sorted int64 arrays.
 
-    ``"iid"`` shuffles and cuts into near-equal parts. ``"dirichlet"`` draws, for each class,
-    the proportions of that class given to each shard from Dirichlet(alpha): small alpha
+    ``"iid"`` shuffles and cuts into near-equal parts, or into parts in proportion to
+    ``weights`` (one per shard: a shard that trains more samples per iteration holds more, so
+    that every sample is drawn about as often and uneven batches do not bias the gradient).
+    ``"dirichlet"`` draws, for each class, the proportions of that class given to each shard
+    from Dirichlet(alpha) (``weights`` do not apply): small alpha
     means each shard sees few classes. Empty shards are repaired by moving samples from the
     largest shard. The result depends only on the arguments.
     """
@@ -475,8 +479,14 @@ def split_indices(
         raise DataError(f"unknown split scheme {scheme!r}; known: {', '.join(SPLIT_SCHEMES)}")
     if not (alpha > 0 and np.isfinite(alpha)):
         raise DataError(f"alpha must be a positive finite number, got {alpha}")
+    if weights is not None and (len(weights) != num_shards or not all(w > 0 and np.isfinite(w) for w in weights)):
+        raise DataError(f"need {num_shards} positive shard weights, got {list(weights)}")
     rng = np.random.default_rng(seed)
-    if scheme == "iid":
+    if scheme == "iid" and weights is not None:
+        order = rng.permutation(labels.shape[0])
+        cuts = np.round(np.cumsum(weights)[:-1] / sum(weights) * labels.shape[0]).astype(np.int64)
+        shards = np.split(order, cuts)
+    elif scheme == "iid":
         shards = np.array_split(rng.permutation(labels.shape[0]), int(num_shards))
     else:
         shards = _dirichlet_shards(labels, int(num_shards), float(alpha), rng)
@@ -516,11 +526,12 @@ def shard(
     scheme: str = "iid",
     alpha: float = 0.5,
     seed: int = 0,
+    weights: Sequence[float] | None = None,
 ) -> Dataset:
     """Return the ``index``-th of ``count`` shards of ``dataset`` (see :func:`split_indices`)."""
     if not isinstance(index, int | np.integer) or not 0 <= index < count:
         raise DataError(f"shard index must lie in [0, {count}), got {index!r}")
-    indices = split_indices(dataset.y, count, scheme=scheme, alpha=alpha, seed=seed)[index]
+    indices = split_indices(dataset.y, count, scheme=scheme, alpha=alpha, seed=seed, weights=weights)[index]
     return Dataset(
         f"{dataset.name}[{index}/{count}]", dataset.x[indices], dataset.y[indices], dataset.num_classes
     )

@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ctl", help="send a control command and print the reply")
     _common_flags(p)
-    p.add_argument("command", help="e.g. status, pause, resume, set-sync-policy, set-bound, set-lr, stop")
+    p.add_argument("command", help="e.g. status, pause, resume, set-sync-policy, set-bound, set-lr, snapshot, stop")
     p.add_argument("--target", default="ps", help="planner | ps | compressor | all | device/ID")
     p.add_argument("--value", help="command argument (numbers are sent as numbers)")
     p.add_argument("--device", dest="device_name", help="device the command is about")

@@ -91,7 +91,7 @@ class LinkClock:
     occupies it for ``size / rate_bps`` and arrives ``latency_s`` after that.
     """
 
-    __slots__ = ("rate_bps", "latency_s", "free_at")
+    __slots__ = ("rate_bps", "latency_s", "free_at", "busy_s")
 
     def __init__(self, rate_bps: float, latency_s: float) -> None:
         self.rate_bps = rate_bps
@@ -100,11 +100,14 @@ class LinkClock:
         """Propagation delay, seconds."""
         self.free_at = -math.inf
         """When the radio has sent everything handed to it so far."""
+        self.busy_s = 0.0
+        """Seconds the radio has been booked for so far: how long it was (or will be) busy sending."""
 
     def deliver_at(self, size: int, now: float) -> float:
         """The time a chunk of ``size`` bytes handed over at ``now`` arrives; books the radio for it."""
         start = max(now, self.free_at)
         self.free_at = start + size / self.rate_bps if self.rate_bps > 0 else start
+        self.busy_s += self.free_at - start
         return self.free_at + self.latency_s
 
     def reset(self) -> None:
@@ -258,6 +261,11 @@ class EmulatedLink:
         self._server: asyncio.Server | None = None
         self._dropper: asyncio.Task[None] | None = None
         self._closing = False
+
+    @property
+    def busy_s(self) -> tuple[float, float]:
+        """Seconds the uplink and the downlink have been busy sending so far."""
+        return self._uplink.clock.busy_s, self._downlink.clock.busy_s
 
     @property
     def bytes_up(self) -> int:

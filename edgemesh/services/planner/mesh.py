@@ -32,9 +32,11 @@ make of a float32: 2 for fp16, 0.3 for grid-coded deltas at density 0.3). Per la
   (the whole model in a single-device cluster: plain data parallelism); one push and one pull
   message per step, hence the two latencies.
 
-A single-member cluster has no intra-cluster traffic. The cluster's iteration time is its
-slowest member's step time (``cluster_iteration_s``): members meet at every layer's exchange, and
-a division that gives every member the same share of every layer keeps those meetings short.
+A single-member cluster has no intra-cluster traffic. Members meet at every layer's exchange, so
+the cluster's iteration (``cluster_iteration_s``) is the sum over layers of the slowest member's
+time on that layer, plus the slowest member's parameter-server traffic: at least its slowest
+member's step. The division minimises the slowest member's step (linear in the counts); giving
+every member the same share of every layer keeps the meetings at each layer short.
 
 **Memory** of a member, bytes:
 ``RUNTIME_BYTES + PARAM_COPIES_MESH x 4 x held + 4 x b x (sum_l n_l x (2 x out_l + gathered_l) + sum_l in_l)``:
@@ -115,6 +117,10 @@ GRID_TIE = 0.01
 """A layout with more clusters must predict an iteration this share shorter to be chosen."""
 GRID_CANDIDATES = 12
 """Cluster counts tried on a geometric ladder for a large fleet (all of them for a fleet with fewer choices)."""
+GRID_FINALISTS = 2
+"""Layouts with the best estimates that are divided exactly before one is chosen (one for a fleet of
+more than ``LARGE_FLEET``, besides one cluster per device)."""
+LARGE_FLEET = 200
 GRID_REFINE = 6
 """Cluster counts tried again, evenly, between the ladder neighbours of the best count."""
 REPLAN_THRESHOLD = 0.25
@@ -172,7 +178,8 @@ class Division:
     member_seconds: tuple[float, ...]
     """Predicted step time of each member."""
     predicted_s: float
-    """Predicted iteration time of the cluster: its slowest member's step."""
+    """Predicted iteration time of the cluster: every layer as long as its slowest member there, plus the
+    slowest parameter-server exchange (at least the slowest member's step)."""
     member_memory_bytes: tuple[int, ...]
     fits: bool
     """Whether every member's memory holds its share (False: even the best division overflows one)."""
@@ -258,6 +265,36 @@ def member_step(spec: str, device: DeviceInfo, held: Sequence[int], *, batch: in
     return _step(layers, device, held, batch, cluster_size, wire)
 
 
+def _layer_seconds(layers: Sequence[LayerCost], device: DeviceInfo, held: Sequence[int], batch: int, k: int,
+                   wire: Wire) -> list[float]:
+    """The member's seconds on every layer: its compute there, forward and backward, and that layer's
+    forward all-gather and backward reduce-scatter (the parameter-server traffic left out)."""
+    up, down, lat = _rates(device)
+    value_bytes = wire.activation * batch
+    rate = device.flops * costs.TRAIN_EFFICIENCY
+    out = []
+    for i, (layer, n) in enumerate(zip(layers, held, strict=True)):
+        t = n * layer.macs_per_unit * costs.FLOPS_PER_MAC * batch / rate
+        if k > 1:
+            t += (n * layer.gathered_per_unit * value_bytes / up
+                  + (layer.units - n) * layer.gathered_per_unit * value_bytes / down + lat)
+            if i > 0:
+                share = held[i - 1] * layers[i - 1].gathered_per_unit
+                t += (layer.in_values - share) * value_bytes / up + (k - 1) * share * value_bytes / down + lat
+        out.append(t)
+    return out
+
+
+def _cluster_seconds(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], held: Sequence[Sequence[int]],
+                     batch: int, wire: Wire) -> float:
+    """A cluster's iteration: its members meet at every layer's exchange, so each layer lasts as long
+    as its slowest member there; then each pushes its gradient and pulls the model."""
+    k = len(members)
+    per_layer = [_layer_seconds(layers, d, held[i], batch, k, wire) for i, d in enumerate(members)]
+    ps = [_step(layers, d, held[i], batch, k, wire).ps_s for i, d in enumerate(members)]
+    return sum(max(times[li] for times in per_layer) for li in range(len(layers))) + max(ps)
+
+
 def _step(layers: Sequence[LayerCost], device: DeviceInfo, held: Sequence[int], batch: int, k: int,
           wire: Wire) -> StepTime:
     up, down, lat = _rates(device)
@@ -297,7 +334,8 @@ def _memory(layers: Sequence[LayerCost], held: Sequence[int], batch: int) -> int
 
 def cluster_iteration_s(spec: str, members: Sequence[DeviceInfo], counts: Mapping[str, Sequence[int]], *,
                         batch: int, wire: Wire = FLOAT32_WIRE) -> float:
-    """Predicted iteration time of a cluster: the slowest member's step, with ``counts`` as in ``Division``."""
+    """Predicted iteration time of a cluster with ``counts`` as in ``Division``: every layer as long as its
+    slowest member there (they meet at its exchange), plus the slowest gradient push and model pull."""
     layers = costs.layers(spec)
     if not members:
         raise ValueError("a cluster needs members")
@@ -307,8 +345,8 @@ def cluster_iteration_s(spec: str, members: Sequence[DeviceInfo], counts: Mappin
         if len(counts[layer.name]) != len(members) or sum(counts[layer.name]) != layer.units:
             raise ValueError(f"{layer.name}: counts {tuple(counts[layer.name])} do not divide {layer.units} units "
                              f"among {len(members)} members")
-    return max(member_time(spec, d, [counts[la.name][i] for la in layers], batch=batch, cluster_size=len(members),
-                           wire=wire) for i, d in enumerate(members))
+    return _cluster_seconds(layers, members, [[counts[la.name][i] for la in layers] for i in range(len(members))],
+                            batch, wire)
 
 
 def _coefficients(layers: Sequence[LayerCost], device: DeviceInfo, batch: int, k: int,
@@ -416,15 +454,40 @@ def _divide(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], batch: i
             shares = [min(x, max(0.0, (level - c) / w)) for c, w, x in zip(const, per_share, caps, strict=True)]
         total = sum(shares)
         shares = [s / total for s in shares]
-        counts = _integer_counts(units, shares, const, weights, q,
-                                 [d.memory_bytes - m0 if memory_bound else math.inf for d in members])
+        room = [d.memory_bytes - m0 if memory_bound else math.inf for d in members]
+        counts = _integer_counts(units, shares, const, weights, q, room)
+        # the splits by speed and the even split, when the layer-by-layer meetings favour them
+        best_s = _cluster_seconds(layers, members, _by_member(counts, k), batch, wire)
+        for other in (_proportional(units, [d.flops for d in members]), _proportional(units, [1.0] * k)):
+            fits = all(sum(q[li] * other[li][i] for li in range(len(units))) <= room[i] for i in range(k))
+            other_s = _cluster_seconds(layers, members, _by_member(other, k), batch, wire) if fits else math.inf
+            if other_s < best_s:
+                counts, best_s = other, other_s
     division = {la.name: tuple(counts[li]) for li, la in enumerate(layers)}
-    held = [[counts[li][i] for li in range(len(layers))] for i in range(k)]
+    held = _by_member(counts, k)
     seconds = tuple(_step(layers, d, held[i], batch, k, wire).total_s for i, d in enumerate(members))
+    predicted = _cluster_seconds(layers, members, held, batch, wire)
     memory = tuple(_memory(layers, held[i], batch) for i in range(k))
     return Division(members=tuple(d.device for d in members), counts=division, member_seconds=seconds,
-                    predicted_s=max(seconds), member_memory_bytes=memory,
+                    predicted_s=predicted, member_memory_bytes=memory,
                     fits=all(m <= d.memory_bytes for m, d in zip(memory, members, strict=True)))
+
+
+def _by_member(counts: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+    """``counts[l][i]`` (layer by member) as ``held[i][l]`` (member by layer)."""
+    return [[row[i] for row in counts] for i in range(k)]
+
+
+def _proportional(units: Sequence[int], weights: Sequence[float]) -> list[list[int]]:
+    """Every layer's units in proportion to ``weights`` (largest remainder), ``[l][i]``."""
+    out = []
+    for u in units:
+        exact = [u * w / sum(weights) for w in weights]
+        row = [math.floor(x) for x in exact]
+        for i in sorted(range(len(weights)), key=lambda j: (row[j] - exact[j], j))[:u - sum(row)]:
+            row[i] += 1
+        out.append(row)
+    return out
 
 
 def _integer_counts(units: Sequence[int], shares: Sequence[float], const: Sequence[float],
@@ -620,53 +683,68 @@ def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
         fastest = sorted(useful, key=lambda d: (-d.flops, d.device))
         spare = [d.device for d in fastest[batch * max_cluster_size:]]
         useful = sorted(fastest[:batch * max_cluster_size], key=lambda d: d.device)
-    best: tuple[float, list[list[DeviceInfo]], list[int]] | None = None
     lines: dict[tuple[str, int], tuple[float, float, float, float]] = {}
-    tried: dict[int, float] = {}
+    tried: dict[int, tuple[float, list[list[DeviceInfo]], list[int]]] = {}
 
     def attempt(k: int) -> None:
-        nonlocal best
-        if k in tried:
-            return
-        groups = _groups(useful, k, max_cluster_size)
-        batches, times = _balance(layers, groups, batch, wire, lines)
-        tried[k] = round_s = max(times)
-        if math.isfinite(round_s) and (best is None or round_s < best[0] * (1 - GRID_TIE)
-                                       or (round_s <= best[0] * (1 + GRID_TIE) and len(groups) < len(best[1]))):
-            best = (round_s, groups, batches)
+        if k not in tried:
+            groups = _groups(useful, k, max_cluster_size)
+            batches, times = _balance(layers, groups, batch, wire, lines)
+            tried[k] = (max(times), groups, batches)
+
+    def estimate_order() -> list[int]:
+        """Cluster counts with a finite estimate, best first (a smaller count wins a tie)."""
+        finite = [k for k, (t, _, _) in tried.items() if math.isfinite(t)]
+        best_t = min((tried[k][0] for k in finite), default=math.inf)
+        return sorted(finite, key=lambda k: (tried[k][0] > best_t * (1 + GRID_TIE), tried[k][0], k))
 
     sizes = _sizes(len(useful), batch, max_cluster_size)
     for k in sizes:
         attempt(k)
-    if best is not None and len(sizes) > 1:  # a large fleet: every count between the best's neighbours
-        at = sizes.index(len(best[1])) if len(best[1]) in sizes else 0
+    order = estimate_order()
+    if order and len(sizes) > 1:  # a large fleet: every count between the best's neighbours
+        at = sizes.index(order[0]) if order[0] in sizes else 0
         low, high = sizes[max(0, at - 1)], sizes[min(len(sizes) - 1, at + 1)]
         step = max(1, (high - low) // GRID_REFINE)
         for k in range(low, high + 1, step):
             attempt(k)
-    if best is None:
+        order = estimate_order()
+    if not order:
         return Grid(clusters=(), excluded=tuple(d.device for d in ordered), idle=(), predicted_iteration_s=0.0,
                     throughput_samples_s=0.0)
-    _, groups, batches = best
-    clusters, idle = [], list(spare)
-    for group, b in zip(groups, batches, strict=True):
-        division = _divide(layers, group, b, wire)
-        while True:  # members the division gives nothing would only wait: drop them, divide again
-            busy = [d for i, d in enumerate(group) if any(n[i] for n in division.counts.values())]
-            if len(busy) == len(group):
-                break
-            working = {d.device for d in busy}
-            idle += [d.device for d in group if d.device not in working]
-            group = busy
-            division = _divide(layers, group, b, wire)
-        clusters.append(GridCluster(name=mesh_cluster_name(division.members), members=division.members,
-                                    division=division, batch=b, predicted_s=division.predicted_s))
+    # the estimate leaves out the meetings at every layer: the best few are divided exactly
+    finalists = order[:GRID_FINALISTS if len(useful) <= LARGE_FLEET else 1]
+    if len(useful) in tried and len(useful) not in finalists and math.isfinite(tried[len(useful)][0]):
+        finalists.append(len(useful))  # one cluster per device: exact already, the baseline to beat
+    built = [_build(layers, tried[k][1], tried[k][2], wire) for k in finalists]
+    clusters, idle = min(built, key=lambda b: (max(c.predicted_s for c in b[0]), len(b[0])))
+    idle = [*spare, *idle]
     clusters.sort(key=lambda c: c.name)
     round_s = max(c.predicted_s for c in clusters)
     kept = {d.device for d in useful} | set(spare)
     excluded = sorted(d.device for d in ordered if d.device not in kept)
     return Grid(clusters=tuple(clusters), excluded=tuple(excluded), idle=tuple(sorted(idle)),
                 predicted_iteration_s=round_s, throughput_samples_s=batch / round_s)
+
+
+def _build(layers: Sequence[LayerCost], groups: Sequence[Sequence[DeviceInfo]], batches: Sequence[int],
+           wire: Wire) -> tuple[list[GridCluster], list[str]]:
+    """The clusters of ``groups`` with their exact divisions, and the members left idle."""
+    clusters, idle = [], []
+    for group, b in zip(groups, batches, strict=True):
+        members = list(group)
+        division = _divide(layers, members, b, wire)
+        while True:  # members the division gives nothing would only wait: drop them, divide again
+            busy = [d for i, d in enumerate(members) if any(n[i] for n in division.counts.values())]
+            if len(busy) == len(members):
+                break
+            working = {d.device for d in busy}
+            idle += [d.device for d in members if d.device not in working]
+            members = busy
+            division = _divide(layers, members, b, wire)
+        clusters.append(GridCluster(name=mesh_cluster_name(division.members), members=division.members,
+                                    division=division, batch=b, predicted_s=division.predicted_s))
+    return clusters, idle
 
 
 def grid_iteration_s(spec: str, grid: Grid, devices: Sequence[DeviceInfo], wire: Wire = FLOAT32_WIRE) -> float:

@@ -357,7 +357,8 @@ class BusExchange:
 
     def __init__(self, bus: Bus, topics: Topics, *, cluster: str, device: str, members: Sequence[str],
                  counts: Mapping[str, Sequence[int]], order: Sequence[str], plan_version: int,
-                 timeout_s: float, dtype: str = "float32") -> None:
+                 timeout_s: float, dtype: str = "float32",
+                 link_busy: Callable[[], tuple[float, float]] | None = None) -> None:
         self.bus, self.topics = bus, topics
         self.cluster, self.device = cluster, device
         self.members = tuple(members)
@@ -375,11 +376,15 @@ class BusExchange:
         self.bytes_sent = 0
         self.send_s: dict[str, float] = {}
         """Seconds spent publishing this member's slices in the current step, by layer."""
+        self.link_busy = link_busy
+        """Seconds the device's uplink and downlink have been busy so far, where it knows (an emulated link)."""
+        self.link_s: dict[str, float] = {}
+        """Seconds the link was busy with each layer's exchanges in the current step (with ``link_busy``)."""
 
     def begin(self, step: int, batch: int) -> None:
         """Start ``step`` on ``batch`` samples: slices of earlier steps are dropped, later ones kept."""
         self.step, self.batch = step, batch
-        self.send_s = {}
+        self.send_s, self.link_s = {}, {}
         for key in [k for k in self._box if k[0] < step]:
             self._box.pop(key, None)
             self._events.pop(key, None)
@@ -449,12 +454,17 @@ class BusExchange:
         self._events.pop(key, None)
         return got
 
+    def _link(self) -> float:
+        return sum(self.link_busy()) if self.link_busy is not None else 0.0
+
     async def gather(self, step: int, layer: str, piece: np.ndarray) -> list[np.ndarray]:
+        busy = self._link()
         if piece.size:
             started = time.perf_counter()
             await self._publish(layer, "fwd", self.device, piece)
             self.send_s[layer] = self.send_s.get(layer, 0.0) + time.perf_counter() - started
         got = await self._collect(step, layer, "fwd")
+        self.link_s[layer] = self.link_s.get(layer, 0.0) + self._link() - busy
         got[self.index] = piece
         empty = np.empty((0,), np.float32)
         return [got.get(j, empty) for j in range(len(self.members))]
@@ -463,9 +473,11 @@ class BusExchange:
         previous = self.counts[self.previous[layer]]
         sends = [self._publish(layer, "bwd", self.members[j], p) for j, p in enumerate(pieces)
                  if j != self.index and p.size and previous[j]]
+        busy = self._link()
         started = time.perf_counter()
         await asyncio.gather(*sends)
         self.send_s[layer] = self.send_s.get(layer, 0.0) + time.perf_counter() - started
         got = await self._collect(step, layer, "bwd")
+        self.link_s[layer] = self.link_s.get(layer, 0.0) + self._link() - busy
         empty = np.empty((0,), np.float32)
         return [got.get(j, empty) for j in range(len(self.members))]

@@ -395,11 +395,12 @@ class Worker:
             self._layout = models.param_layout(self._model)
             if self.stretch is not None and plan.model_spec not in costs.COSTS:
                 self._calibrate(self.stretch, plan.model_spec)  # no cost figures: emulate from host steps
-        key = (plan.dataset, plan.partition, plan.partition_alpha, plan.seed, me.shard_index, me.shard_count)
+        weights = _shard_weights(plan)
+        key = (plan.dataset, plan.partition, plan.partition_alpha, plan.seed, me.shard_index, me.shard_count, weights)
         if key != self._shard_key:
             train, _ = load_dataset(plan.dataset, self.cfg.training.dataset_path or None, seed=plan.seed)
             mine = shard(train, me.shard_index, me.shard_count, scheme=plan.partition, alpha=plan.partition_alpha,
-                         seed=plan.seed)
+                         seed=plan.seed, weights=weights)
             self._batches = BatchIterator(mine, me.batch_size, seed=plan.seed + me.shard_index)
             self._shard_key = key
             logger.info("%s: shard %d/%d of %s, %d samples, batch %d", self.device, me.shard_index, me.shard_count,
@@ -491,7 +492,9 @@ class Worker:
                     continue  # abandoned: a member left or lags; the planner re-plans
                 shards, samples, loss, elapsed, version, gap, mesh_step = result
             else:
-                await self._leave_mesh()
+                if self._mesh is not None:  # a model-parallel member until this plan: its view held its rows
+                    await self._leave_mesh()
+                    continue  # start over with the whole model
                 shards, samples, loss, elapsed = await asyncio.to_thread(self._compute, plan, me, params, version,
                                                                          policy)
                 if self.stretch is not None:
@@ -564,13 +567,16 @@ class Worker:
             self._exchange = BusExchange(self.bus, self.topics, cluster=cluster.cluster, device=self.device,
                                          members=cluster.members, counts=cluster.counts, order=self._mesh.order,
                                          plan_version=plan.version, timeout_s=self.cfg.worker.mesh_timeout_s,
-                                         dtype=self.cfg.worker.mesh_dtype)
-        data_key = (plan.dataset, plan.partition, plan.partition_alpha, plan.seed, me.shard_index, me.shard_count)
+                                         dtype=self.cfg.worker.mesh_dtype,
+                                         link_busy=self._link_busy if self.emulated_link is not None else None)
+        weights = _shard_weights(plan)
+        data_key = (plan.dataset, plan.partition, plan.partition_alpha, plan.seed, me.shard_index, me.shard_count,
+                    weights)
         if data_key != self._mesh_data_key:
             train, _ = await asyncio.to_thread(load_dataset, plan.dataset, self.cfg.training.dataset_path or None,
                                                seed=plan.seed)
             self._mesh_data = shard(train, me.shard_index, me.shard_count, scheme=plan.partition,
-                                    alpha=plan.partition_alpha, seed=plan.seed)
+                                    alpha=plan.partition_alpha, seed=plan.seed, weights=weights)
             self._mesh_data_key = data_key
 
     def _hold_s(self, model_spec: str, samples: int, real_s: float) -> float:
@@ -592,6 +598,11 @@ class Worker:
             self.m_overruns.inc()
         return max(target - real_s, 0.0)
 
+    def _link_busy(self) -> tuple[float, float]:
+        """Seconds the emulated link's uplink and downlink have been busy so far."""
+        assert self.emulated_link is not None
+        return self.emulated_link.busy_s
+
     def _mesh_layout(self, model_spec: str, seed: int) -> None:
         """The model's parameter layout, to check snapshots against (the model is built for this and dropped)."""
         self._layout = models.param_layout(models.build_model(model_spec, seed=seed))
@@ -608,6 +619,7 @@ class Worker:
                 command="snapshot", requester=self.device, request_id=f"{self.device}-{time.time_ns()}"))
 
     async def _leave_mesh(self) -> None:
+        """Back to training the whole model: the view needs every row again (a snapshot)."""
         if self._mesh is not None and not self.view.restrict(None):
             await self._refresh_model()
         if self._mesh_topics and self.bus is not None:
@@ -699,8 +711,9 @@ class Worker:
         with contextlib.suppress(ModelError):  # a small share's speed is its per-call overhead: not reported
             if member.flops_per_sample() >= MIN_MEASURED_SHARE * costs.cost(plan.model_spec).train_flops_per_sample:
                 self._work.append((member.flops_per_sample() * len(y), compute))
-        for layer, seconds in result.layer_s.items():  # busy: computing, or sending its own slices
-            busy = seconds + exchange.send_s.get(layer, 0.0)
+        for layer, seconds in result.layer_s.items():  # busy: computing, or its link moving the layer's slices
+            busy = seconds + (exchange.link_s.get(layer, 0.0) if exchange.link_busy is not None
+                              else exchange.send_s.get(layer, 0.0))
             self._layer_busy.setdefault(layer, deque(maxlen=AVERAGE_WINDOW)).append(busy)
         shards = await asyncio.to_thread(self._encode_slices, result.grads, policy)
         return shards, len(y), result.loss, elapsed, version, gap, step
@@ -833,6 +846,16 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self.bus.publish(self.topics.stats(self.device), stats)
             await asyncio.sleep(self.cfg.worker.stats_interval_s)
+
+
+def _shard_weights(plan: Plan) -> tuple[int, ...] | None:
+    """Each data shard's samples per iteration, when they differ (balanced batches, a training grid):
+    shards then hold data in proportion, so every sample is drawn about as often; None when even."""
+    batches: dict[int, int] = {d.shard_index: d.batch_size for d in plan.devices}
+    count = plan.devices[0].shard_count if plan.devices else 0
+    if len(batches) != count or len(set(batches.values())) <= 1:
+        return None
+    return tuple(batches[i] for i in range(count))
 
 
 async def run(config: Config, *, stop: asyncio.Event | None = None) -> None:
