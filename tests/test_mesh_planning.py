@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from edgemesh.common import costs
+from edgemesh.common.costs import slices
 from edgemesh.common.errors import ModelError
 from edgemesh.common.topics import valid_name
 from edgemesh.services.planner import mesh
@@ -25,7 +26,6 @@ from edgemesh.services.planner.mesh import (
     mesh_cluster_name,
     needs_replan,
     sample_fleet,
-    slices,
     time_layout,
     training_grid,
 )

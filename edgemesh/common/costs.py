@@ -106,6 +106,19 @@ LAYERS: dict[str, tuple[LayerCost, ...]] = {
 """The divisible layers of every spec, in forward order (checked against the modules by the tests)."""
 
 
+def slices(counts: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` ranges of the units of one layer, member by member in member order:
+    how a filter division's counts become each member's rows."""
+    out = []
+    start = 0
+    for n in counts:
+        if n < 0:
+            raise ValueError(f"negative count in {tuple(counts)}")
+        out.append((start, start + n))
+        start += n
+    return out
+
+
 def layers(spec: str) -> tuple[LayerCost, ...]:
     try:
         return LAYERS[spec]

@@ -404,18 +404,6 @@ def _water_level(const: Sequence[float], weight: Sequence[float], cap: Sequence[
 # --------------------------------------------------------------------------- filter division
 
 
-def slices(counts: Sequence[int]) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` ranges of the units of one layer, member by member in member order."""
-    out = []
-    start = 0
-    for n in counts:
-        if n < 0:
-            raise ValueError(f"negative count in {tuple(counts)}")
-        out.append((start, start + n))
-        start += n
-    return out
-
-
 def divide_filters(spec: str, members: Sequence[DeviceInfo], batch: int, wire: Wire = FLOAT32_WIRE) -> Division:
     """Divide every divisible layer of ``spec`` among ``members`` (in the given order) so that the
     slowest member's step is as short as possible within every member's memory (module docstring).

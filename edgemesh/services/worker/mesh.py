@@ -39,6 +39,7 @@ from torch.nn import functional as F
 
 from edgemesh.common import costs, models
 from edgemesh.common.bus import Bus
+from edgemesh.common.costs import slices
 from edgemesh.common.errors import ModelError, WireError
 from edgemesh.common.messages import MeshSlice
 from edgemesh.common.topics import Topics
@@ -49,15 +50,6 @@ Runner = Callable[..., Awaitable[Any]]
 work of the call, for an emulated device to hold it to its board's speed."""
 MAILBOX_STEPS = 3
 """Steps a member keeps slices for (its own and the ones right after): a bound on memory."""
-
-
-def slices(counts: Sequence[int]) -> list[tuple[int, int]]:
-    """Contiguous ``[start, stop)`` ranges of ``counts`` units, in member order."""
-    out, start = [], 0
-    for n in counts:
-        out.append((start, start + n))
-        start += n
-    return out
 
 
 class Exchange(Protocol):
