@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from edgemesh.common import costs
 from edgemesh.common.data import BatchIterator, Dataset, load_dataset
 from edgemesh.common.errors import DataError, ModelError
 from edgemesh.common.models import (
+    CHANNELWISE,
     MODEL_SPECS,
+    LeanMaxPool2d,
+    LeanReLU,
     build_model,
     compute_gradients,
     evaluate,
@@ -244,3 +251,142 @@ def test_memory_estimate_grows_with_the_batch_and_bounds_it() -> None:
         costs.cost("resnet-9000")
     assert costs.step_seconds_estimate("digits-cnn", 32, 1e9) == pytest.approx(
         32 * 6 * 337_536 / (1e9 * costs.TRAIN_EFFICIENCY))
+
+
+def _input_and_grad(shape: tuple[int, ...], levels: int | None, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random input (rounded to ``levels`` values, so windows hold ties and ReLU sees zeros)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    if levels is not None:
+        x = torch.randint(-(levels // 2), levels - levels // 2, shape, generator=gen).float()
+    return x, torch.randn(shape, generator=gen)
+
+
+def _run(module: nn.Module, x: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    leaf = x.clone().requires_grad_(True)
+    out = module(leaf)
+    out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)))
+    assert leaf.grad is not None
+    return out.detach(), leaf.grad
+
+
+def _saved(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x.clone().requires_grad_(True))
+    return saved
+
+
+@pytest.mark.parametrize("levels", [None, 3])
+@pytest.mark.parametrize("shape", [(2, 3, 7, 9), (5, 11)])
+def test_lean_relu_matches_torch_and_keeps_a_bool_mask(shape: tuple[int, ...], levels: int | None) -> None:
+    x, _ = _input_and_grad(shape, levels)
+    if levels is not None:
+        assert (x == 0).any()  # torch gives zero gradient at 0
+    for got, want in zip(_run(LeanReLU(), x), _run(nn.ReLU(), x), strict=True):
+        assert torch.equal(got, want)
+    assert [t.dtype for t in _saved(LeanReLU(), x)] == [torch.bool]
+    assert isinstance(LeanReLU(), CHANNELWISE)
+
+
+def test_lean_relu_passes_the_gradient_of_nan_like_torch() -> None:
+    x = torch.tensor([float("nan"), -1.0, 0.0, 2.0])
+    for got, want in zip(_run(LeanReLU(), x), _run(nn.ReLU(), x), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("levels", [None, 2, 3])
+@pytest.mark.parametrize(("shape", "kernel"), [
+    ((2, 3, 8, 8), 2), ((2, 3, 7, 9), 2), ((2, 3, 7, 9), 3), ((4, 7, 9), 2), ((1, 2, 9, 10), (3, 2)),
+])
+def test_lean_max_pool_matches_torch_with_ties_and_odd_sizes(
+    shape: tuple[int, ...], kernel: int | tuple[int, int], levels: int | None
+) -> None:
+    x, _ = _input_and_grad(shape, levels)
+    for got, want in zip(_run(LeanMaxPool2d(kernel), x), _run(nn.MaxPool2d(kernel), x), strict=True):
+        assert torch.equal(got, want)
+    assert [t.dtype for t in _saved(LeanMaxPool2d(kernel), x)] == [torch.uint8]
+
+
+@pytest.mark.parametrize("options", [
+    {"kernel_size": 3, "stride": 2}, {"kernel_size": 2, "padding": 1}, {"kernel_size": 2, "ceil_mode": True},
+    {"kernel_size": 2, "dilation": 2}, {"kernel_size": 17},
+])
+def test_lean_max_pool_falls_back_to_torch_for_other_windows(options: dict[str, int | bool]) -> None:
+    x, _ = _input_and_grad((2, 3, 35, 34), 3)
+    for got, want in zip(_run(LeanMaxPool2d(**options), x), _run(nn.MaxPool2d(**options), x), strict=True):
+        assert torch.equal(got, want)
+    assert torch.int64 in [t.dtype for t in _saved(LeanMaxPool2d(**options), x)]  # torch's own indices
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with torch's own ReLU and max-pool, the reference for the lean ones."""
+    ref = copy.deepcopy(model)
+    for name, module in ref.named_children():
+        if isinstance(module, LeanReLU):
+            setattr(ref, name, nn.ReLU())
+        elif isinstance(module, LeanMaxPool2d):
+            setattr(ref, name, nn.MaxPool2d(module.kernel_size))
+    return ref
+
+
+def _activation_bytes(
+    model: nn.Module, x: torch.Tensor, only: tuple[type[nn.Module], ...]
+) -> tuple[int, set[torch.dtype]]:
+    """Bytes (and dtypes) autograd saves inside modules of types ``only``, each storage counted once."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+    dtypes: set[torch.dtype] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if inside and t.untyped_storage().data_ptr() not in params:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            dtypes.add(t.dtype)
+        return t
+
+    inside = False
+
+    def enter(module: nn.Module, args: object) -> None:
+        nonlocal inside
+        inside = isinstance(module, only)
+
+    def leave(module: nn.Module, args: object, out: object) -> None:
+        nonlocal inside
+        inside = False
+
+    def hooks() -> Iterator[torch.utils.hooks.RemovableHandle]:
+        for m in model.children():
+            yield m.register_forward_pre_hook(enter)
+            yield m.register_forward_hook(leave)
+
+    handles = list(hooks())
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return sum(storages.values()), dtypes
+
+
+def test_cifar_cnn_relu_and_pool_save_a_third_of_the_bytes_and_train_identically() -> None:
+    lean = build_model("cifar-cnn")
+    ref = _plain(lean)
+    assert [type(m) for m in ref.children()] != [type(m) for m in lean.children()]
+    x = torch.rand((8, 3, 32, 32), generator=torch.Generator().manual_seed(0))
+    lean_bytes, lean_dtypes = _activation_bytes(lean, x, (nn.ReLU, nn.MaxPool2d))
+    ref_bytes, _ = _activation_bytes(ref, x, (nn.ReLU, nn.MaxPool2d))
+    assert lean_dtypes == {torch.bool, torch.uint8}
+    assert 3 * lean_bytes <= ref_bytes
+    # Whole model: conv and linear layers still keep their float32 inputs.
+    assert _activation_bytes(lean, x, (nn.Module,))[0] < 0.4 * _activation_bytes(ref, x, (nn.Module,))[0]
+
+    batch = (x.numpy(), np.arange(8, dtype=np.int64) % 10)
+    (lean_loss, lean_grads), (ref_loss, ref_grads) = compute_gradients(lean, *batch), compute_gradients(ref, *batch)
+    assert lean_loss == ref_loss
+    assert all(np.array_equal(lean_grads[n], ref_grads[n]) for n in ref_grads)

@@ -13,7 +13,9 @@ Cost model
   ``RUNTIME_BYTES + PARAM_COPIES x 4 x params + ACTIVATION_COPIES x 4 x b x activations``
   where ``activations`` counts the float32 outputs of every layer for one sample (kept for the
   backward pass, each with its gradient), and the parameter copies are the weights, their
-  gradients, the error-feedback residual and the worker's model view.
+  gradients, the error-feedback residual and the worker's model view. ReLU and max-pooling
+  keep only a 1-byte mask or window offset (``models.LeanReLU``, ``models.LeanMaxPool2d``), so
+  this is an upper bound.
 * **Training efficiency.** A device's training throughput in FLOP/s is about
   ``TRAIN_EFFICIENCY`` x its matrix-multiply rate (what ``DeviceHello.flops`` reports), the
   planner's first estimate before a device has reported its measured step time.
