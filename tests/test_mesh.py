@@ -39,6 +39,7 @@ from edgemesh.common.messages import (
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
 from edgemesh.common.wire import Tensor
+from edgemesh.common.wire import encode as wire_encode
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.mesh import BusExchange, LocalHub, MeshMember, MeshTimeout, slices
@@ -176,6 +177,16 @@ async def test_members_over_mqtt_compute_what_one_process_does(broker: BrokerPro
     assert_matches_one_process(list(results), loss, logits, grads)
     # the member without units of fc2 sends nothing for it
     assert all(ex.bytes_sent > 0 for ex in exchanges)
+    # a layer's exchanges are booked to it: its all-gather and the reduce-scatter of its output gradient
+    # (sent with the next layer), both sized by the member's units of it, as the cost model charges them
+    for ex in exchanges:
+        sent, received = (sum(b[d] for b in ex.layer_bytes.values()) for d in (0, 1))
+        assert sent > 0 and received > 0
+    # member 1 holds 4 of fc1's 64 units and none of fc2's (12 samples, float32): for fc2 it only receives
+    # the others' 10 units; fc1's bytes are its all-gather (its 4 units out, the others' 60 in) and the
+    # reduce-scatter of fc1's output gradient on fc2's topics (its 4 channels in from the 2 fc2 holders)
+    assert exchanges[1].layer_bytes["fc2"] == [0, 10 * 12 * 4]
+    assert exchanges[1].layer_bytes["fc1"] == [4 * 12 * 4, 60 * 12 * 4 + 2 * 4 * 12 * 4]
 
 
 async def test_a_missing_member_times_the_step_out(mosquitto_broker: BrokerProcess) -> None:
@@ -339,10 +350,16 @@ def test_a_members_view_keeps_only_its_rows_and_follows_deltas_on_them() -> None
     held = sum(v.nbytes for v in view.params.values())
     assert held == member.param_count * 4 < sum(v.nbytes for v in params.values()) / 2
     member.load(view.params, 3)  # a member loads from its rows as from the whole model
-    # a delta of the whole conv1.bias moves only this member's rows of it
+    # a delta of whole parameters (the broadcast) moves only this member's rows of them
     change = np.arange(16, dtype=np.float32)
-    delta = ModelDelta(version=4, base_version=3, model_spec="digits-cnn", shards=(
-        ShardUpdate(param="conv1.bias", start=0, stop=16, codec="none", data=get_codec("none").encode(change, None)),))
+    none = get_codec("none")
+    whole = tuple(ShardUpdate(param=k, start=0, stop=v.shape[0], codec="none",
+                              data=none.encode(change if k == "conv1.bias" else np.zeros(v.size, np.float32), None))
+                  for k, v in params.items())
+    assert not view.apply(ModelDelta(version=4, base_version=3, model_spec="digits-cnn", shards=whole[:1]))
+    assert view.gap and view.version == 3  # a delta without some of its rows: a gap, nothing half-applied
+    view.gap = False
+    delta = ModelDelta(version=4, base_version=3, model_spec="digits-cnn", shards=whole)
     assert view.apply(delta) and view.version == 4
     a, b = rows["conv1.bias"]
     np.testing.assert_allclose(view.params["conv1.bias"], params["conv1.bias"][a:b] + change[a:b])
@@ -356,6 +373,62 @@ def test_a_members_view_keeps_only_its_rows_and_follows_deltas_on_them() -> None
     assert view.ready
     assert not view.restrict(None)
     assert not view.ready
+
+
+async def test_members_receive_their_rows_of_every_delta_cut_from_the_broadcast(mosquitto_broker: BrokerProcess,
+                                                                                tmp_path: Path) -> None:
+    # Mosquitto: on the embedded broker the PS's first connect may come late enough to turn version 1
+    # into a requested snapshot (as in the test below)
+    cfg = make_config(mosquitto_broker, tmp_path / "ps", **{"ps.broadcast": "delta", "training.sync_policy": "sync"})
+    topics = Topics(cfg.job)
+    got: dict[str, list[ModelDelta]] = {"": [], "a": [], "b": []}
+    sizes: dict[str, int] = {}
+    subs = [topics.model_delta(), topics.model_delta_for("a"), topics.model_delta_for("b")]
+    async with running_ps(cfg) as ps, client(cfg, ["a", "b"]) as c, Bus(
+            cfg.broker, client_id=f"deltas-{os.getpid()}-{time.monotonic_ns()}", metrics=ServiceMetrics("tester"),
+            subscriptions=subs) as deltas:
+        await deltas.wait_connected(WAIT_S)
+
+        async def feed() -> None:
+            async for msg in deltas.messages():
+                parts = topics.relative(msg.topic)
+                key = parts[2] if len(parts) == 3 else ""
+                got[key].append(msg.decode(ModelDelta))
+                sizes[key] = len(wire_encode(got[key][-1]))
+
+        task = asyncio.create_task(feed())
+        try:
+            await c.bus.publish(c.topics.plan(), mesh_plan(["a", "b"], SPLIT), retain=True)
+            snap = await c.version_at_least(0)
+            await c.until("the PS has the plan", lambda: ps.plan is not None)
+            await c.bus.publish(c.topics.grad("m-a", "a"), member_update("a", 0, 1, 0))
+            await c.push(member_update("b", 1, 1, 0))
+            await c.until("the delta and both members' parts", lambda: all(got.values()))
+        finally:
+            task.cancel()
+    broadcast = got[""][0]
+    assert broadcast.version == 1 and all(d[0].version == 1 for d in got.values())
+    whole = ModelView()
+    whole.load(snap)
+    assert whole.apply(broadcast)
+    for index, device in enumerate(("a", "b")):
+        rows = MeshMember("digits-cnn", SPLIT, index).rows()
+        part = got[device][0]
+        blocks = {(s.param, s.start, s.stop) for s in broadcast.shards}
+        assert {(s.param, s.start, s.stop) for s in part.shards} <= blocks
+        assert all(rows[s.param][0] <= s.start and s.stop <= rows[s.param][1] for s in part.shards)  # its rows only
+        assert sizes[device] < 0.75 * sizes[""]
+        view = ModelView()
+        view.restrict(rows)
+        view.load(snap)
+        assert view.apply(part)  # the same bytes as the broadcast's blocks: the same model
+        assert view.params is not None and whole.params is not None
+        for name, (a, b) in rows.items():
+            np.testing.assert_array_equal(view.params[name], whole.params[name][a:b])
+    other = ModelView()  # member b's rows are not in a's part: a gap, not a silent partial update
+    other.restrict(MeshMember("digits-cnn", SPLIT, 1).rows())
+    other.load(snap)
+    assert not other.apply(got["a"][0]) and other.gap
 
 
 async def test_a_parameter_server_publishes_a_snapshot_on_request(mosquitto_broker: BrokerProcess,

@@ -144,6 +144,10 @@ def test_the_linear_forms_the_planner_optimises_are_the_cost_model() -> None:
             const, weights = mesh._coefficients(layers, d, batch, k, mesh.FLOAT32_WIRE)
             assert const + sum(w * n for w, n in zip(weights, counts, strict=True)) == pytest.approx(
                 member_time(spec, d, counts, batch=batch, cluster_size=k), rel=1e-12)
+            # the layers' seconds (what members meet at) and the parameter-server exchange make up the step
+            step = mesh.member_step(spec, d, counts, batch=batch, cluster_size=k)
+            assert sum(mesh.layer_seconds(spec, d, counts, batch=batch, cluster_size=k)) + step.ps_s == pytest.approx(
+                step.total_s, rel=1e-12)
             # the grid's affine form in the batch: fixed seconds and seconds per whole model
             c0, c1, p0, p1 = mesh._line(layers, d, k, mesh.FLOAT32_WIRE)
             assert c0 + c1 * batch + p0 + p1 * batch == pytest.approx(
@@ -174,7 +178,8 @@ def test_equal_devices_get_equal_shares() -> None:
     division = divide_filters("cifar-cnn", members, 32)
     for counts in division.counts.values():
         assert max(counts) - min(counts) <= 1
-    assert max(division.member_seconds) - min(division.member_seconds) < 0.01 * division.predicted_s
+    # the rounding's spare units spread out (the layers' meetings, not the totals, set the iteration)
+    assert max(division.member_seconds) - min(division.member_seconds) < 0.02 * division.predicted_s
 
 
 def test_a_three_times_faster_member_gets_about_three_times_the_work() -> None:
@@ -218,6 +223,29 @@ def test_a_slow_link_shifts_work_away() -> None:
     assert 0 < wifi < wired
     both_wired = divide_filters("cifar-cnn", [members[0], replace(members[1], link_rate_bps=GIGABIT)], 32)
     assert sum(held(both_wired, "cifar-cnn", 1)) > wifi
+
+
+def test_every_layer_is_balanced_among_the_members_that_hold_it() -> None:
+    """Members meet at every layer's exchanges: each layer must end about together, not only the steps."""
+    layers = costs.layers("cifar-cnn")
+    clusters = [[dev("a", "pi3"), dev("b", "pi3"), dev("c", "pi4")],
+                [dev("a", "pi4", link=GIGABIT), dev("b", "pi5", link=GIGABIT), dev("c", "laptop", link=GIGABIT)],
+                [dev("a", "pi4", link=GIGABIT, latency=0.0), dev("b", "pi5", link=GIGABIT, latency=0.0)]]
+    for members in clusters:
+        for batch in (8, 32):
+            division = divide_filters("cifar-cnn", members, batch)
+            k = len(members)
+            per_layer = [mesh._layer_seconds(layers, d, held(division, "cifar-cnn", i), batch, k, mesh.FLOAT32_WIRE)
+                         for i, d in enumerate(members)]
+            slow = fast = 0.0
+            for li, layer in enumerate(layers):
+                times = [per_layer[i][li] for i in range(k) if division.counts[layer.name][i]]
+                slow, fast = slow + max(times), fast + min(times)
+                if layer.units >= 64 and layer.name.startswith("conv"):  # fc1 also weighs its parameter traffic
+                    assert max(times) / min(times) < 1.3, (layer.name, division.counts[layer.name], times)
+            assert slow / fast < 1.15
+            # the iteration is the layers' slowest members: barely above the members' own steps
+            assert division.predicted_s < 1.1 * max(division.member_seconds)
 
 
 @pytest.mark.parametrize("spec", ["cifar-cnn", "digits-cnn"])

@@ -123,8 +123,8 @@ class DeviceStats:
     """Training FLOP/s this device reached computing its share (waits for other members left out), 0 = unknown."""
     mesh_layer_busy_s: dict[str, float] = field(default_factory=dict)
     """Model-parallel members: median seconds per step each layer kept this member busy, forward and
-    backward: computing its units, and its link moving the layer's slices (an emulated link's busy
-    time; a real device counts the time publishing its own slices); waits for the others left out."""
+    backward: computing its units, and its link moving the layer's slices (the bytes it sent and
+    received for the layer's exchanges at its uplink and downlink rates); waits for the others left out."""
 
     def validate(self) -> None:
         _name("device", self.device)

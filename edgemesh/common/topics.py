@@ -76,6 +76,10 @@ class Topics:
     def model_delta(self) -> str:
         return f"{self.root}/model/delta"
 
+    def model_delta_for(self, device: str) -> str:
+        """A model-parallel member's part of every delta: the blocks of the rows it trains."""
+        return f"{self.root}/model/delta/{device}"
+
     def sync(self) -> str:
         """The parameter server's retained ``SyncState`` (policy, bound, deadline, delay indices)."""
         return f"{self.root}/sync"

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from edgemesh.common import models, wire
+from edgemesh.common import costs, models, wire
 from edgemesh.common.bus import Bus, Incoming
 from edgemesh.common.codecs import codec_for, get_codec
 from edgemesh.common.config import Config
@@ -56,6 +56,12 @@ logger = logging.getLogger(__name__)
 SERVICE = "ps"
 DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
+ModelMessage = tuple[bytes, bool, dict[str, bytes]]
+"""An encoded model message: payload, whether it is a snapshot, and the model-parallel members' parts
+of a delta (device -> payload)."""
+MAX_DELTA_BLOCKS = 64
+"""Most row blocks one parameter's delta is cut into for the model-parallel members' rows; a plan
+that would cut finer sends those members the parameter's whole delta."""
 
 
 @dataclass(slots=True)
@@ -623,22 +629,58 @@ class ParameterServer:
             self._view_version = self._last_full = self.version
         return wire.encode(snap)
 
-    def _delta(self) -> bytes:
-        """The encoded change from the workers' view to the model; the view takes what was sent."""
+    def _member_rows(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """``device -> param -> (start, stop)``: the rows every model-parallel member of the plan trains."""
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        for c in self.plan.clusters if self.plan is not None else ():
+            if len(c.members) < 2:
+                continue
+            for i, device in enumerate(c.members):
+                rows = out[device] = {}
+                for layer, counts in c.counts.items():
+                    start, stop = costs.slices(counts)[i]
+                    if stop > start:
+                        rows[f"{layer}.weight"] = rows[f"{layer}.bias"] = (start, stop)
+        return out
+
+    def _delta(self) -> tuple[bytes, dict[str, bytes]]:
+        """The encoded change from the workers' view to the model, and every model-parallel member's
+        part of it; the view takes what was sent.
+
+        Each parameter's change is cut into row blocks at the members' slice boundaries and every
+        block encoded alone: the broadcast carries all blocks, a member's own message
+        (``model/delta/{device}``) the blocks of its rows only, the very bytes of the broadcast, so
+        every view follows one model and a member's downlink carries its share."""
         assert self.state is not None and self._view is not None
         policy = CodecPolicy(device="ps", codec=self.cfg.ps.delta_codec, density=self.cfg.ps.delta_density)
+        members = self._member_rows()
+        cuts: dict[str, set[int]] = {}
+        for rows in members.values():
+            for name, (start, stop) in rows.items():
+                cuts.setdefault(name, set()).update((start, stop))
         shards = []
         for name, param in self.state.params.items():
-            change = (param - self._view[name]).reshape(-1)
-            codec = codec_for(self.cfg.ps.delta_codec, change.size)
-            data = codec.encode(change, policy)
-            self._view[name] += codec.decode(data, change.size).reshape(param.shape)
-            shards.append(ShardUpdate(param=name, start=0, stop=int(param.shape[0]),
-                                      codec=codec.name, data=data))  # type: ignore[arg-type]
+            n = int(param.shape[0])
+            points = sorted({0, n} | {p for p in cuts.get(name, ()) if 0 < p < n})
+            if len(points) - 1 > MAX_DELTA_BLOCKS:
+                points = [0, n]
+            for start, stop in zip(points, points[1:], strict=False):
+                change = (param[start:stop] - self._view[name][start:stop]).reshape(-1)
+                codec = codec_for(self.cfg.ps.delta_codec, change.size)
+                data = codec.encode(change, policy)
+                self._view[name][start:stop] += codec.decode(data, change.size).reshape(param[start:stop].shape)
+                shards.append(ShardUpdate(param=name, start=start, stop=stop,
+                                          codec=codec.name, data=data))  # type: ignore[arg-type]
         delta = ModelDelta(version=self.version, base_version=self._view_version,
                            model_spec=self.cfg.training.model_spec, shards=tuple(shards), created=time.time())
         self._view_version = self.version
-        return wire.encode(delta)
+        own = {}
+        for device, rows in members.items():
+            mine = tuple(s for s in shards if s.param in rows and s.start < rows[s.param][1]
+                         and rows[s.param][0] < s.stop)
+            if mine:
+                own[device] = wire.encode(replace(delta, shards=mine))
+        return wire.encode(delta), own
 
     async def _on_connect(self) -> None:
         self._request_snapshot()  # the first, or a restarted broker has lost the retained model
@@ -681,27 +723,30 @@ class ParameterServer:
         payload = await asyncio.to_thread(self._snapshot)
         await self.bus.publish(self.topics.model(), payload, retain=True, kind="model")
 
-    def _model_message(self) -> tuple[bytes, bool]:
+    def _model_message(self) -> ModelMessage:
         """After a step: the encoded snapshot or, in delta mode, delta (a snapshot when one is due);
-        True for a snapshot."""
+        True for a snapshot; the model-parallel members' parts of a delta."""
         if self.cfg.ps.broadcast == "snapshot" or self._view is None or \
                 self.version - self._last_full >= self.cfg.ps.snapshot_every:
-            return self._snapshot(), True
-        return self._delta(), False
+            return self._snapshot(), True, {}
+        broadcast, parts = self._delta()
+        return broadcast, False, parts
 
-    def _step(self, steps: list[tuple[list[Pending], int]]) -> tuple[bytes, bool]:
+    def _step(self, steps: list[tuple[list[Pending], int]]) -> ModelMessage:
         """Apply and log ``steps``, then encode the model to broadcast (one thread hop for both)."""
         with self._state_lock:
             self._apply_and_log(steps)
         return self._model_message()
 
-    async def _publish_model(self, message: tuple[bytes, bool]) -> None:
+    async def _publish_model(self, message: ModelMessage) -> None:
         assert self.bus is not None
-        payload, snapshot = message
+        payload, snapshot, parts = message
         if snapshot:
             await self.bus.publish(self.topics.model(), payload, retain=True, kind="model")
-        else:
-            await self.bus.publish(self.topics.model_delta(), payload, kind="model_delta")
+            return
+        await asyncio.gather(self.bus.publish(self.topics.model_delta(), payload, kind="model_delta"),
+                             *(self.bus.publish(self.topics.model_delta_for(device), part, kind="model_delta")
+                               for device, part in parts.items()))
 
     def _maybe_evaluate(self) -> None:
         """Hand the model to the evaluation loop every ``ps.eval_every`` versions, and every

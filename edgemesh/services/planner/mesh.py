@@ -27,16 +27,20 @@ make of a float32: 2 for fp16, 0.3 for grid-coded deltas at density 0.3). Per la
   its own channels from each of them. With ``share = n_{l-1} x gathered_{l-1}`` (its part of the
   layer's input; ``in_l = U_{l-1} x gathered_{l-1}`` for every spec):
   ``(in_l - share) x b x V / up + (k - 1) x share x b x V / down + lat``.
-* **parameter server**: push the gradient of the parameters it holds and pull their update,
-  ``held x G / up + held x M / down + 2 x lat`` with ``held = sum_l n_l x params_l``
-  (the whole model in a single-device cluster: plain data parallelism); one push and one pull
-  message per step, hence the two latencies.
+* **parameter server**: push the gradient of the parameters it holds and receive their update,
+  ``held x G / up + held x M / down + 2 x lat`` with ``held = sum_l n_l x params_l`` (the whole
+  model in a single-device cluster: plain data parallelism; a member receives the blocks of its
+  rows of every model delta, ``model/delta/{device}``). One push and one update message per step,
+  hence the two latencies.
 
-A single-member cluster has no intra-cluster traffic. Members meet at every layer's exchange, so
+A single-member cluster has no intra-cluster traffic. Members meet at every layer's exchanges, so
 the cluster's iteration (``cluster_iteration_s``) is the sum over layers of the slowest member's
 time on that layer, plus the slowest member's parameter-server traffic: at least its slowest
-member's step. The division minimises the slowest member's step (linear in the counts); giving
-every member the same share of every layer keeps the meetings at each layer short.
+member's step. A member's time on layer ``l`` is its compute there, the layer's forward all-gather
+and the backward reduce-scatter of the layer's output gradient (the one above, which carries the
+next layer's input gradient and is sized by the member's share ``n_l`` of this layer): affine in
+``n_l`` alone, ``a_il + w_il x n_l`` (``_layer_coefficients``). A member with no unit of a layer
+still spends ``a_il`` there, receiving the others' slices.
 
 **Memory** of a member, bytes:
 ``RUNTIME_BYTES + PARAM_COPIES_MESH x 4 x held + 4 x b x (sum_l n_l x (2 x out_l + gathered_l) + sum_l in_l)``:
@@ -48,17 +52,21 @@ model view: a shard needs all four). Everything in the time and memory is linear
 
 Filter division (``divide_filters``)
 ------------------------------------
-1. Every member *i* takes the same fraction ``x_i`` of every layer. With ``W_i = sum_l w_il x U_l``
-   and the memory cap ``cap_i = min(1, (memory_i - m0) / sum_l q_l x U_l)``, the makespan ``T``
-   is the water level at which ``sum_i clamp((T - c_i) / W_i, 0, cap_i) = 1``: found exactly by a
-   scan of the breakpoints of that piecewise-linear function.
-2. Integer counts: ``floor(x_i x U_l)``; the units left of every layer go one at a time to the
-   member whose time grows least and whose memory still holds them (water-filling: the exact
-   search over ``T`` is step 1, this only rounds).
-3. Local search: while moving one unit from the slowest member to another lowers the slower of
-   the two below the current makespan (memory permitting), make the best such move. Counts stay
-   within ``ROUNDING_SLACK`` of ``x_i x U_l`` rounded, so no member gets a layer it has no share of
-   and none piles up a cheap layer to shave microseconds.
+The division minimises the iteration: every layer's slowest member and the slowest
+parameter-server exchange.
+
+1. Memory caps: with ``cap_i = min(1, (memory_i - m0) / sum_l q_l x U_l)``, member *i* takes at
+   most ``cap_i x U_l`` units of every layer, which keeps it within its memory.
+2. Every layer alone: its units go to the members at a water level ``T_l`` (the parameter-server
+   traffic of the layer's parameters counted with it), ``sum_i clamp((T_l - a_il) / W_il, 0, cap_i) = 1``
+   with ``W_il`` the member's seconds for the whole layer: found exactly by a scan of the breakpoints
+   of that piecewise-linear function. Then integer counts: floors, and the units left one at a time to
+   the member whose time on the layer grows least and whose memory still holds them.
+3. Local search: while moving one unit of a layer off the member that sets the layer's time or the
+   slowest parameter-server exchange shortens the iteration by at least ``MIN_MOVE_GAIN`` of it
+   (memory permitting), make the best such move: this weighs the parameter traffic exactly, which
+   step 2 only spreads over the layers.
+4. The splits by speed and the even split replace the result should they predict a shorter iteration.
 If the members' memory cannot hold the model even together, the memory caps are dropped, the
 division minimises time alone and ``fits`` is False.
 
@@ -77,13 +85,14 @@ share ``b_c`` of the batch and the division inside each for the shortest predict
   best for large ones), devices go to ``K`` clusters of about equal total FLOPS (fastest first,
   each to the cluster with the least so far). The batch is split so that the clusters finish
   together: a cluster's time is about ``a_c + s_c x b`` (compute and exchange traffic grow with
-  its batch, the parameter traffic does not), fitted from two estimates of the continuous
-  division (step 1 above), and ``a_c + s_c x b_c = T`` with ``sum b_c = batch`` gives ``T`` and
-  the ``b_c`` (at least 1 each, largest remainder).
-* The ``K`` with the shortest ``T`` wins (another ``K`` must be ``GRID_TIE`` shorter to replace
-  a smaller one); its clusters are divided exactly (``divide_filters``), and members the
-  division gives no unit at all (a link too slow to be worth its exchange traffic) are dropped
-  from their cluster as ``idle``.
+  its batch, the parameter traffic does not), fitted from two quick estimates (every member the
+  same share of every layer, at the water level of the members' whole steps: the layers' meetings
+  left out), and ``a_c + s_c x b_c = T`` with ``sum b_c = batch`` gives ``T`` and the ``b_c`` (at
+  least 1 each, largest remainder).
+* The ``GRID_FINALISTS`` counts with the shortest ``T`` (another ``K`` must be ``GRID_TIE`` shorter
+  to rank above a smaller one) and one cluster per device are divided exactly (``divide_filters``);
+  the shortest exact iteration wins. Members the division gives no unit at all (a link too slow
+  to be worth its exchange traffic) are dropped from their cluster as ``idle``.
 
 One cluster per device is among the candidates (``K = n``), with batches balanced to speed, so
 the grid is never predicted slower than balanced data parallelism.
@@ -123,11 +132,11 @@ more than ``LARGE_FLEET``, besides one cluster per device)."""
 LARGE_FLEET = 200
 GRID_REFINE = 6
 """Cluster counts tried again, evenly, between the ladder neighbours of the best count."""
+MIN_MOVE_GAIN = 1e-3
+"""Share of the iteration a single-unit move of the local search must save: below it, members would
+trade units between layers for microseconds (and equal members end up unequal)."""
 REPLAN_THRESHOLD = 0.25
 """Default relative slowdown of the current layout, against the best new one, that warrants a new plan."""
-ROUNDING_SLACK = 1
-"""Units by which the local search may move a member's count of a layer beyond the floor or ceiling of
-its continuous share: enough to even out rounding, too little to pile a layer on one member."""
 _MIN_WEIGHT = 1e-15
 """Floor of a member's seconds per whole model share, so that a share always costs time."""
 _TOLERANCE = 1e-12
@@ -256,33 +265,53 @@ def member_step(spec: str, device: DeviceInfo, held: Sequence[int], *, batch: in
                 wire: Wire = FLOAT32_WIRE) -> StepTime:
     """The predicted step time of ``device`` holding ``held[l]`` units of every layer of ``spec``
     (forward order) in a cluster of ``cluster_size`` members (module docstring, "Cost model")."""
+    return _step(_checked(spec, device, held, batch, cluster_size), device, held, batch, cluster_size, wire)
+
+
+def _checked(spec: str, device: DeviceInfo, held: Sequence[int], batch: int,
+             cluster_size: int) -> tuple[LayerCost, ...]:
+    """``spec``'s layers, once the arguments of a public cost-model call are checked (ValueError)."""
     layers = costs.layers(spec)
     _check_batch(batch)
     _check_devices([device])
     _held(layers, held)
     if cluster_size < 1:
         raise ValueError("cluster_size must be >= 1")
-    return _step(layers, device, held, batch, cluster_size, wire)
+    return layers
 
 
 def _layer_seconds(layers: Sequence[LayerCost], device: DeviceInfo, held: Sequence[int], batch: int, k: int,
                    wire: Wire) -> list[float]:
-    """The member's seconds on every layer: its compute there, forward and backward, and that layer's
-    forward all-gather and backward reduce-scatter (the parameter-server traffic left out)."""
+    """The member's seconds on every layer: its compute there, forward and backward, the layer's forward
+    all-gather and the backward reduce-scatter of its output gradient (the parameter-server traffic
+    left out)."""
+    const, weights, _ = _layer_coefficients(layers, device, batch, k, wire)
+    return [c + w * n for c, w, n in zip(const, weights, held, strict=True)]
+
+
+def _layer_coefficients(layers: Sequence[LayerCost], device: DeviceInfo, batch: int, k: int,
+                        wire: Wire) -> tuple[list[float], list[float], list[float]]:
+    """``(a, w, p)``: on layer ``l`` the member spends ``a[l] + w[l] x n_l`` seconds (``_layer_seconds``)
+    and its parameter-server traffic takes ``2 x lat + sum_l p[l] x n_l``. A member holding no unit of a
+    layer still spends ``a[l]`` there: it receives the others' slices."""
     up, down, lat = _rates(device)
     value_bytes = wire.activation * batch
     rate = device.flops * costs.TRAIN_EFFICIENCY
-    out = []
-    for i, (layer, n) in enumerate(zip(layers, held, strict=True)):
-        t = n * layer.macs_per_unit * costs.FLOPS_PER_MAC * batch / rate
+    last = len(layers) - 1
+    const, weights, ps = [], [], []
+    for i, layer in enumerate(layers):
+        a, w = 0.0, layer.macs_per_unit * costs.FLOPS_PER_MAC * batch / rate
         if k > 1:
-            t += (n * layer.gathered_per_unit * value_bytes / up
-                  + (layer.units - n) * layer.gathered_per_unit * value_bytes / down + lat)
-            if i > 0:
-                share = held[i - 1] * layers[i - 1].gathered_per_unit
-                t += (layer.in_values - share) * value_bytes / up + (k - 1) * share * value_bytes / down + lat
-        out.append(t)
-    return out
+            g = layer.gathered_per_unit * value_bytes
+            a += layer.units * g / down + lat  # the forward all-gather: every slice but its own comes in
+            w += g * (1 / up - 1 / down)
+            if i < last:  # the reduce-scatter of this layer's output gradient, the next layer's input
+                a += layers[i + 1].in_values * value_bytes / up + lat
+                w += g * ((k - 1) / down - 1 / up)
+        const.append(a)
+        weights.append(w)
+        ps.append(layer.params_per_unit * (wire.gradient / up + wire.model / down))
+    return const, weights, ps
 
 
 def _cluster_seconds(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], held: Sequence[Sequence[int]],
@@ -312,6 +341,15 @@ def _step(layers: Sequence[LayerCost], device: DeviceInfo, held: Sequence[int], 
     params = sum(n * la.params_per_unit for la, n in zip(layers, held, strict=True))
     return StepTime(compute_s=compute / (device.flops * costs.TRAIN_EFFICIENCY), gather_s=gather,
                     scatter_s=scatter, ps_s=params * (wire.gradient / up + wire.model / down) + 2 * lat)
+
+
+def layer_seconds(spec: str, device: DeviceInfo, held: Sequence[int], *, batch: int, cluster_size: int,
+                  wire: Wire = FLOAT32_WIRE) -> list[float]:
+    """The predicted seconds of ``device`` on every layer of ``spec`` (forward order) holding ``held[l]``
+    units in a cluster of ``cluster_size``: compute, the layer's all-gather and the reduce-scatter of its
+    output gradient (what members meet at; the parameter-server traffic left out)."""
+    layers = _checked(spec, device, held, batch, cluster_size)
+    return _layer_seconds(layers, device, held, batch, cluster_size, wire)
 
 
 def member_time(spec: str, device: DeviceInfo, held: Sequence[int], *, batch: int, cluster_size: int,
@@ -352,25 +390,8 @@ def cluster_iteration_s(spec: str, members: Sequence[DeviceInfo], counts: Mappin
 def _coefficients(layers: Sequence[LayerCost], device: DeviceInfo, batch: int, k: int,
                   wire: Wire) -> tuple[float, list[float]]:
     """``(c, w)`` with ``member_time = c + sum_l w[l] x n_l`` for a member of a cluster of ``k``."""
-    up, down, lat = _rates(device)
-    value_bytes = wire.activation * batch
-    rate = device.flops * costs.TRAIN_EFFICIENCY
-    const = 2 * lat
-    weights = []
-    last = len(layers) - 1
-    for i, layer in enumerate(layers):
-        w = (layer.macs_per_unit * costs.FLOPS_PER_MAC * batch / rate
-             + layer.params_per_unit * (wire.gradient / up + wire.model / down))
-        if k > 1:
-            g = layer.gathered_per_unit * value_bytes
-            w += g * (1 / up - 1 / down)
-            const += layer.units * g / down + lat
-            if i < last:
-                w += g * ((k - 1) / down - 1 / up)
-            if i > 0:
-                const += layer.in_values * value_bytes / up + lat
-        weights.append(w)
-    return const, weights
+    const, weights, ps = _layer_coefficients(layers, device, batch, k, wire)
+    return 2 * _rates(device)[2] + sum(const), [w + p for w, p in zip(weights, ps, strict=True)]
 
 
 def _memory_coefficients(layers: Sequence[LayerCost], batch: int) -> tuple[int, list[int]]:
@@ -431,20 +452,11 @@ def _divide(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], batch: i
     else:
         if not memory_bound:
             caps = [1.0] * k  # nothing fits: divide for time alone (fits will say so)
-        coeffs = [_coefficients(layers, d, batch, k, wire) for d in members]
-        const = [c for c, _ in coeffs]
-        weights = [w for _, w in coeffs]
-        per_share = [max(_MIN_WEIGHT, sum(wl * u for wl, u in zip(w, units, strict=True))) for w in weights]
-        level = _water_level(const, per_share, caps)
-        if math.isinf(level):  # the caps add up to 1 only within rounding
-            shares = list(caps)
-        else:
-            shares = [min(x, max(0.0, (level - c) / w)) for c, w, x in zip(const, per_share, caps, strict=True)]
-        total = sum(shares)
-        shares = [s / total for s in shares]
         room = [d.memory_bytes - m0 if memory_bound else math.inf for d in members]
-        counts = _integer_counts(units, shares, const, weights, q, room)
-        # the splits by speed and the even split, when the layer-by-layer meetings favour them
+        forms = [_layer_coefficients(layers, d, batch, k, wire) for d in members]
+        fixed = [2 * _rates(d)[2] for d in members]  # the push and the update message's latencies
+        counts = _improve(_layer_counts(units, forms, caps, q, room), forms, fixed, q, room)
+        # the splits by speed and the even split, should they do better still
         best_s = _cluster_seconds(layers, members, _by_member(counts, k), batch, wire)
         for other in (_proportional(units, [d.flops for d in members]), _proportional(units, [1.0] * k)):
             fits = all(sum(q[li] * other[li][i] for li in range(len(units))) <= room[i] for i in range(k))
@@ -459,6 +471,92 @@ def _divide(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], batch: i
     return Division(members=tuple(d.device for d in members), counts=division, member_seconds=seconds,
                     predicted_s=predicted, member_memory_bytes=memory,
                     fits=all(m <= d.memory_bytes for m, d in zip(memory, members, strict=True)))
+
+
+Forms = Sequence[tuple[Sequence[float], Sequence[float], Sequence[float]]]
+"""Every member's ``_layer_coefficients``: ``forms[i] = (a, w, p)``."""
+
+
+def _layer_counts(units: Sequence[int], forms: Forms, caps: Sequence[float], q: Sequence[int],
+                  room: Sequence[float]) -> list[list[int]]:
+    """Whole units per layer and member, ``[l][i]`` (steps 1 and 2 of the module docstring): every
+    layer's water level, its parameter traffic counted with it, then floors and the units left one
+    at a time to the member whose time there grows least and whose memory still holds them."""
+    k = len(forms)
+    counts: list[list[int]] = []
+    times = []
+    for li, u in enumerate(units):
+        const = [f[0][li] for f in forms]
+        weight = [max(_MIN_WEIGHT, f[1][li] + f[2][li]) for f in forms]
+        level = _water_level(const, [w * u for w in weight], caps)
+        if math.isinf(level):  # the caps add up to 1 only within rounding
+            shares = list(caps)
+        else:
+            shares = [min(x, max(0.0, (level - c) / (w * u))) for c, w, x in zip(const, weight, caps, strict=True)]
+        counts.append([min(u, math.floor(x * u + 1e-9)) for x in shares])
+        times.append([c + w * n for c, w, n in zip(const, weight, counts[-1], strict=True)])
+    used = [sum(q[li] * row[i] for li, row in enumerate(counts)) for i in range(k)]  # the floors fit the caps
+    total = [sum(row[i] for row in times) for i in range(k)]
+    for li, u in enumerate(units):
+        row = counts[li]
+        for _ in range(u - sum(row)):
+            fitting = [i for i in range(k) if used[i] + q[li] <= room[i]] or list(range(k))
+            # ties (equal members) to the member with the least work so far
+            i = min(fitting, key=lambda j: (times[li][j] + forms[j][1][li] + forms[j][2][li], total[j], j))
+            step = forms[i][1][li] + forms[i][2][li]
+            row[i] += 1
+            times[li][i] += step
+            total[i] += step
+            used[i] += q[li]
+    return counts
+
+
+def _improve(counts: list[list[int]], forms: Forms, fixed: Sequence[float], q: Sequence[int],
+             room: Sequence[float]) -> list[list[int]]:
+    """Step 3 of the module docstring: single-unit moves, within a layer, off a member that sets the
+    layer's time or the parameter-server exchange, while one lowers the cluster's iteration (the sum
+    of every layer's slowest member and the slowest exchange) by ``MIN_MOVE_GAIN`` of it, memory
+    permitting."""
+    k, n_layers = len(forms), len(counts)
+    t = [[forms[i][0][li] + forms[i][1][li] * counts[li][i] for i in range(k)] for li in range(n_layers)]
+    ps = [fixed[i] + sum(forms[i][2][li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
+    used = [sum(q[li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
+    tops = [max(row) for row in t]
+    for _ in range(k * sum(map(sum, counts))):
+        iteration = sum(tops) + max(ps)  # every move shortens the iteration
+        ps_top = max(ps)
+        slowest_ps = ps.index(ps_top)
+        best: tuple[float, int, int, int] | None = None
+        for li in range(n_layers):
+            row, top = t[li], tops[li]
+            for i in {row.index(top), slowest_ps}:
+                if counts[li][i] == 0:
+                    continue
+                wi, pi = forms[i][1][li], forms[i][2][li]
+                for j in range(k):
+                    if j == i or used[j] + q[li] > room[j]:
+                        continue
+                    wj, pj = forms[j][1][li], forms[j][2][li]
+                    ti, tj = row[i] - wi, row[j] + wj
+                    layer = max(ti, tj, *(row[m] for m in range(k) if m != i and m != j)) if k > 2 else max(ti, tj)
+                    exchange = max(ps[i] - pi, ps[j] + pj, *(ps[m] for m in range(k) if m != i and m != j)) \
+                        if k > 2 else max(ps[i] - pi, ps[j] + pj)
+                    gain = top + ps_top - layer - exchange
+                    if gain > MIN_MOVE_GAIN * iteration and (best is None or gain > best[0]):
+                        best = (gain, li, i, j)
+        if best is None:
+            break
+        _, li, i, j = best
+        counts[li][i] -= 1
+        counts[li][j] += 1
+        t[li][i] -= forms[i][1][li]
+        t[li][j] += forms[j][1][li]
+        ps[i] -= forms[i][2][li]
+        ps[j] += forms[j][2][li]
+        used[i] -= q[li]
+        used[j] += q[li]
+        tops[li] = max(t[li])
+    return counts
 
 
 def _by_member(counts: Sequence[Sequence[int]], k: int) -> list[list[int]]:
@@ -478,59 +576,14 @@ def _proportional(units: Sequence[int], weights: Sequence[float]) -> list[list[i
     return out
 
 
-def _integer_counts(units: Sequence[int], shares: Sequence[float], const: Sequence[float],
-                    weights: Sequence[Sequence[float]], q: Sequence[int], room: Sequence[float]) -> list[list[int]]:
-    """Whole units per layer and member from the continuous ``shares``: floors, water-filling of the
-    rest, then single-unit moves off the slowest member (steps 2 and 3 of the module docstring).
-    Every count stays within ``ROUNDING_SLACK`` of its continuous target."""
-    k = len(shares)
-    n_layers = len(units)
-    targets = [[s * u for s in shares] for u in units]
-    counts = [[math.floor(t + 1e-9) for t in row] for row in targets]
-    low = [[max(0, math.floor(t + 1e-9) - ROUNDING_SLACK) for t in row] for row in targets]
-    high = [[min(u, math.ceil(t - 1e-9) + ROUNDING_SLACK) for t in row] for row, u in zip(targets, units, strict=True)]
-    times = [const[i] + sum(weights[i][li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
-    used = [sum(q[li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
-    for li, u in enumerate(units):
-        for _ in range(u - sum(counts[li])):
-            fitting = ([i for i in range(k) if used[i] + q[li] <= room[i] and counts[li][i] < high[li][i]]
-                       or [i for i in range(k) if used[i] + q[li] <= room[i]] or list(range(k)))
-            i = min(fitting, key=lambda j: (times[j] + weights[j][li], j))
-            counts[li][i] += 1
-            times[i] += weights[i][li]
-            used[i] += q[li]
-    for _ in range(k * sum(units)):  # each move lowers the makespan or the number of members at it
-        slow = max(range(k), key=lambda j: (times[j], -j))
-        best: tuple[float, int, int] | None = None
-        for li in range(n_layers):
-            if counts[li][slow] <= low[li][slow]:
-                continue
-            for j in range(k):
-                if j == slow or counts[li][j] >= high[li][j] or used[j] + q[li] > room[j]:
-                    continue
-                after = max(times[slow] - weights[slow][li], times[j] + weights[j][li])
-                if best is None or after < best[0]:
-                    best = (after, li, j)
-        if best is None or best[0] >= times[slow] * (1 - 1e-9):
-            break
-        _, li, j = best
-        counts[li][slow] -= 1
-        counts[li][j] += 1
-        times[slow] -= weights[slow][li]
-        times[j] += weights[j][li]
-        used[slow] -= q[li]
-        used[j] += q[li]
-    return counts
-
-
 # --------------------------------------------------------------------------- training grid
 
 
 def _estimate(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], batch: int, wire: Wire,
               lines: dict[tuple[str, int], tuple[float, float, float, float]] | None = None) -> float:
-    """A cluster's iteration time with the continuous division (step 1 of the division): inf if
-    the members' memory cannot hold the model at ``batch``. ``lines`` caches every member's cost
-    coefficients, which are affine in the batch."""
+    """A cluster's quick iteration estimate (every member the same share of every layer, the layers'
+    meetings left out: module docstring): inf if the members' memory cannot hold the model at
+    ``batch``. ``lines`` caches every member's cost coefficients, which are affine in the batch."""
     k = len(members)
     m0, full_memory = _model_memory(tuple(layers), batch)
     caps = [min(1.0, max(0.0, (d.memory_bytes - m0) / full_memory)) for d in members]
@@ -559,13 +612,28 @@ def _model_memory(layers: tuple[LayerCost, ...], batch: int) -> tuple[int, int]:
 
 def _line(layers: Sequence[LayerCost], device: DeviceInfo, k: int, wire: Wire) -> tuple[float, float, float, float]:
     """``(c0, c1, p0, p1)``: a member's fixed seconds are ``c0 + c1 x b`` and its seconds per whole
-    model ``p0 + p1 x b`` at batch ``b`` (``_coefficients`` is affine in the batch)."""
-    units = [la.units for la in layers]
-    c_a, w_a = _coefficients(layers, device, 1, k, wire)
-    c_b, w_b = _coefficients(layers, device, 2, k, wire)
-    p_a = sum(w * u for w, u in zip(w_a, units, strict=True))
-    p_b = sum(w * u for w, u in zip(w_b, units, strict=True))
-    return 2 * c_a - c_b, c_b - c_a, 2 * p_a - p_b, p_b - p_a
+    model ``p0 + p1 x b`` at batch ``b`` (``_coefficients`` summed over the whole model: affine in the
+    batch). The grid asks this for every device and cluster size, so it is folded from per-spec sums."""
+    up, down, lat = _rates(device)
+    macs, params, gathered, gathered_inner, inputs = _sums(tuple(layers))
+    rate = device.flops * costs.TRAIN_EFFICIENCY
+    c0, c1 = 2 * lat, 0.0
+    p0, p1 = params * (wire.gradient / up + wire.model / down), macs * costs.FLOPS_PER_MAC / rate
+    if k > 1:
+        value = wire.activation
+        c0 += (2 * len(layers) - 1) * lat
+        c1 += value * (gathered / down + inputs / up)
+        p1 += value * (gathered * (1 / up - 1 / down) + gathered_inner * ((k - 1) / down - 1 / up))
+    return c0, c1, p0, p1
+
+
+@functools.lru_cache(maxsize=64)
+def _sums(layers: tuple[LayerCost, ...]) -> tuple[int, int, int, int, int]:
+    """Whole-model sums of a spec's layer figures: MACs, parameters and gathered values (of every
+    layer and of all but the last) per sample, and the inputs of every layer but the first."""
+    return (sum(la.units * la.macs_per_unit for la in layers), sum(la.units * la.params_per_unit for la in layers),
+            sum(la.units * la.gathered_per_unit for la in layers),
+            sum(la.units * la.gathered_per_unit for la in layers[:-1]), sum(la.in_values for la in layers[1:]))
 
 
 def _split(total: int, weights: Sequence[float]) -> list[int]:

@@ -349,8 +349,7 @@ class BusExchange:
 
     def __init__(self, bus: Bus, topics: Topics, *, cluster: str, device: str, members: Sequence[str],
                  counts: Mapping[str, Sequence[int]], order: Sequence[str], plan_version: int,
-                 timeout_s: float, dtype: str = "float32",
-                 link_busy: Callable[[], tuple[float, float]] | None = None) -> None:
+                 timeout_s: float, dtype: str = "float32") -> None:
         self.bus, self.topics = bus, topics
         self.cluster, self.device = cluster, device
         self.members = tuple(members)
@@ -366,17 +365,16 @@ class BusExchange:
         self._box: dict[tuple[int, str, str], dict[int, np.ndarray]] = {}
         self._events: dict[tuple[int, str, str], asyncio.Event] = {}
         self.bytes_sent = 0
-        self.send_s: dict[str, float] = {}
-        """Seconds spent publishing this member's slices in the current step, by layer."""
-        self.link_busy = link_busy
-        """Seconds the device's uplink and downlink have been busy so far, where it knows (an emulated link)."""
-        self.link_s: dict[str, float] = {}
-        """Seconds the link was busy with each layer's exchanges in the current step (with ``link_busy``)."""
+        self.layer_bytes: dict[str, list[int]] = {}
+        """``layer -> [sent, received]`` tensor bytes of the current step's exchanges of each layer: its
+        forward all-gather and the backward reduce-scatter of its output gradient (the next layer's
+        input gradient), both sized by the member's units of it, as the cost model charges them. Over
+        one link, messages of different layers overlap in time; their bytes say which layer used it."""
 
     def begin(self, step: int, batch: int) -> None:
         """Start ``step`` on ``batch`` samples: slices of earlier steps are dropped, later ones kept."""
         self.step, self.batch = step, batch
-        self.send_s, self.link_s = {}, {}
+        self.layer_bytes = {}
         for key in [k for k in self._box if k[0] < step]:
             self._box.pop(key, None)
             self._events.pop(key, None)
@@ -419,8 +417,14 @@ class BusExchange:
             return []  # this member holds none of the previous layer: nothing to receive
         return [j for j, n in enumerate(self.counts[layer]) if n and j != self.index]
 
+    def _count(self, layer: str, phase: str, direction: int, nbytes: int) -> None:
+        owner = layer if phase == "fwd" else self.previous[layer]
+        self.layer_bytes.setdefault(owner, [0, 0])[direction] += nbytes
+
     async def _publish(self, layer: str, phase: str, to: str, array: np.ndarray) -> None:
-        tensor = Tensor.from_numpy(np.ascontiguousarray(array, dtype=self.dtype))
+        wire = np.ascontiguousarray(array, dtype=self.dtype)
+        self._count(layer, phase, 0, wire.nbytes)
+        tensor = Tensor.from_numpy(wire)
         msg = MeshSlice(cluster=self.cluster, plan_version=self.plan_version, step=self.step, layer=layer,
                         phase=phase, sender=self.index, tensor=tensor)  # type: ignore[arg-type]
         self.bytes_sent += await self.bus.publish(self.topics.mesh(self.cluster, layer, phase, to), msg)
@@ -444,19 +448,13 @@ class BusExchange:
                               f"{', '.join(self.members[j] for j in missing)} within {self.timeout_s:g}s") from None
         got = self._box.pop(key, {})
         self._events.pop(key, None)
+        self._count(layer, phase, 1, sum(a.size for a in got.values()) * self.dtype.itemsize)
         return got
 
-    def _link(self) -> float:
-        return sum(self.link_busy()) if self.link_busy is not None else 0.0
-
     async def gather(self, step: int, layer: str, piece: np.ndarray) -> list[np.ndarray]:
-        busy = self._link()
         if piece.size:
-            started = time.perf_counter()
             await self._publish(layer, "fwd", self.device, piece)
-            self.send_s[layer] = self.send_s.get(layer, 0.0) + time.perf_counter() - started
         got = await self._collect(step, layer, "fwd")
-        self.link_s[layer] = self.link_s.get(layer, 0.0) + self._link() - busy
         got[self.index] = piece
         empty = np.empty((0,), np.float32)
         return [got.get(j, empty) for j in range(len(self.members))]
@@ -465,11 +463,7 @@ class BusExchange:
         previous = self.counts[self.previous[layer]]
         sends = [self._publish(layer, "bwd", self.members[j], p) for j, p in enumerate(pieces)
                  if j != self.index and p.size and previous[j]]
-        busy = self._link()
-        started = time.perf_counter()
         await asyncio.gather(*sends)
-        self.send_s[layer] = self.send_s.get(layer, 0.0) + time.perf_counter() - started
         got = await self._collect(step, layer, "bwd")
-        self.link_s[layer] = self.link_s.get(layer, 0.0) + self._link() - busy
         empty = np.empty((0,), np.float32)
         return [got.get(j, empty) for j in range(len(self.members))]

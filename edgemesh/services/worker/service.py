@@ -316,7 +316,7 @@ class Worker:
                 snap = msg.decode(ModelSnapshot)
                 self._check_snapshot(snap)
                 self.view.load(snap)
-            case ["model", "delta"]:
+            case ["model", "delta"] | ["model", "delta", _]:  # the broadcast, or this member's part of it
                 delta = msg.decode(ModelDelta)
                 if delta.model_spec == self._spec():
                     self.view.apply(delta)
@@ -553,10 +553,13 @@ class Worker:
                         self._mesh.param_count)
         if not self._layout:
             await asyncio.to_thread(self._mesh_layout, plan.model_spec, plan.seed)
-        topics = self.topics.mesh_member(cluster.cluster, self.device, cluster.members)
+        # its part of every model delta replaces the broadcast (subscribed first: no delta falls between)
+        topics = [*self.topics.mesh_member(cluster.cluster, self.device, cluster.members),
+                  self.topics.model_delta_for(self.device)]
         if topics != self._mesh_topics:
-            await self.bus.unsubscribe(self._mesh_topics)
-            await self.bus.subscribe(topics)
+            await self.bus.subscribe([t for t in topics if t not in self._mesh_topics])
+            await self.bus.unsubscribe([t for t in self._mesh_topics if t not in topics]
+                                       + ([] if self._mesh_topics else [self.topics.model_delta()]))
             self._mesh_topics = topics
         if self._exchange is None or (self._exchange.plan_version, self._exchange.cluster) != (plan.version,
                                                                                               cluster.cluster):
@@ -567,8 +570,7 @@ class Worker:
             self._exchange = BusExchange(self.bus, self.topics, cluster=cluster.cluster, device=self.device,
                                          members=cluster.members, counts=cluster.counts, order=self._mesh.order,
                                          plan_version=plan.version, timeout_s=self.cfg.worker.mesh_timeout_s,
-                                         dtype=self.cfg.worker.mesh_dtype,
-                                         link_busy=self._link_busy if self.emulated_link is not None else None)
+                                         dtype=self.cfg.worker.mesh_dtype)
         weights = _shard_weights(plan)
         data_key = (plan.dataset, plan.partition, plan.partition_alpha, plan.seed, me.shard_index, me.shard_count,
                     weights)
@@ -598,10 +600,12 @@ class Worker:
             self.m_overruns.inc()
         return max(target - real_s, 0.0)
 
-    def _link_busy(self) -> tuple[float, float]:
-        """Seconds the emulated link's uplink and downlink have been busy so far."""
-        assert self.emulated_link is not None
-        return self.emulated_link.busy_s
+    def _link_rates(self) -> tuple[float, float]:
+        """Uplink and downlink bytes/s (0 = unknown): the emulated board's, else the measured uplink
+        for both (the cost model's convention for an unknown downlink)."""
+        if self.emulated is not None:
+            return self.emulated.uplink_bps, self.emulated.downlink_bps
+        return self.link.rate_bps, self.link.rate_bps
 
     def _mesh_layout(self, model_spec: str, seed: int) -> None:
         """The model's parameter layout, to check snapshots against (the model is built for this and dropped)."""
@@ -623,6 +627,7 @@ class Worker:
         if self._mesh is not None and not self.view.restrict(None):
             await self._refresh_model()
         if self._mesh_topics and self.bus is not None:
+            await self.bus.subscribe([self.topics.model_delta()])
             await self.bus.unsubscribe(self._mesh_topics)
         self._mesh_topics, self._mesh, self._mesh_key, self._exchange = [], None, None, None
         self._layer_busy.clear()
@@ -711,9 +716,10 @@ class Worker:
         with contextlib.suppress(ModelError):  # a small share's speed is its per-call overhead: not reported
             if member.flops_per_sample() >= MIN_MEASURED_SHARE * costs.cost(plan.model_spec).train_flops_per_sample:
                 self._work.append((member.flops_per_sample() * len(y), compute))
+        up, down = self._link_rates()
         for layer, seconds in result.layer_s.items():  # busy: computing, or its link moving the layer's slices
-            busy = seconds + (exchange.link_s.get(layer, 0.0) if exchange.link_busy is not None
-                              else exchange.send_s.get(layer, 0.0))
+            sent, received = exchange.layer_bytes.get(layer, (0, 0))
+            busy = seconds + (sent / up if up else 0.0) + (received / down if down else 0.0)
             self._layer_busy.setdefault(layer, deque(maxlen=AVERAGE_WINDOW)).append(busy)
         shards = await asyncio.to_thread(self._encode_slices, result.grads, policy)
         return shards, len(y), result.loss, elapsed, version, gap, step

@@ -20,7 +20,9 @@ class ModelView:
     the worker then asks for a snapshot (``GradientUpdate.need_snapshot``).
 
     A model-parallel member keeps only its rows (``restrict``): ``params`` then holds
-    ``param[start:stop]`` of every parameter, and snapshots and deltas update just those rows.
+    ``param[start:stop]`` of every parameter, and snapshots and deltas update just those rows; it
+    takes its part of each delta (``model/delta/{device}``: the blocks of its rows), and a delta that
+    lacks some of its rows is a gap.
     """
 
     def __init__(self) -> None:
@@ -72,6 +74,22 @@ class ModelView:
         self.gap = False
         return True
 
+    def _covers(self, delta: ModelDelta) -> bool:
+        """Whether ``delta``'s shards hold every row this restricted view keeps."""
+        assert self.rows is not None
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for shard in delta.shards:
+            spans.setdefault(shard.param, []).append((shard.start, shard.stop))
+        for name, (start, stop) in self.rows.items():
+            reached = start
+            for a, b in sorted(spans.get(name, ())):
+                if a > reached:
+                    break
+                reached = max(reached, b)
+            if reached < stop:
+                return False
+        return True
+
     def apply(self, delta: ModelDelta) -> bool:
         """Add a delta that starts at this view's version; True if applied.
 
@@ -82,13 +100,17 @@ class ModelView:
         if delta.base_version != self.version:
             self.gap = True
             return False
+        for shard in delta.shards:
+            if shard.param not in self.params or not 0 <= shard.start < shard.stop <= self.lengths.get(shard.param, 0):
+                raise WireError(f"delta shard {shard.param}[{shard.start}:{shard.stop}] does not fit", "shape")
+        if self.rows is not None and not self._covers(delta):
+            self.gap = True  # a member's part cut for other rows (the PS had another plan): wait for a snapshot
+            return False
         params = dict(self.params)
         for shard in delta.shards:
-            base = params.get(shard.param)
+            base = params[shard.param]
             first, last = self.rows[shard.param] if self.rows is not None and shard.param in self.rows else (
-                0, base.shape[0] if base is not None else 0)
-            if base is None or not 0 <= shard.start < shard.stop <= self.lengths.get(shard.param, 0):
-                raise WireError(f"delta shard {shard.param}[{shard.start}:{shard.stop}] does not fit", "shape")
+                0, base.shape[0])
             shape = (shard.stop - shard.start, *base.shape[1:])
             change = get_codec(shard.codec).decode(shard.data, math.prod(shape)).reshape(shape)
             a, b = max(shard.start, first), min(shard.stop, last)
