@@ -19,8 +19,12 @@ Two runs per mode:
   model version: every cluster trained one batch and the PS applied their gradients.
   ``avg_iteration_delay_s`` is the mean time between versions, ``measured_iteration_s`` the
   median, ``predicted_iteration_s`` the planner's cost model (``planner.mesh``) for the layout;
-* **accuracy**: the digits CNN on digits, ``accuracy_iterations`` versions; ``final_accuracy`` is
-  the mean of the PS's last evaluations.
+* **accuracy**: the digits CNN on digits, ``accuracy_iterations`` versions at ``ACCURACY_LR``;
+  ``final_accuracy`` is the mean of the PS's last ``FINAL_EVALUATIONS`` evaluations (every
+  ``EVAL_EVERY`` versions in every mode: the same versions, the same samples trained). Runs of the
+  same training differ by about a point at 120 versions and lr 0.1 (momentum 0.9 spikes now and
+  then); at 300 versions and lr 0.05, averaged over the last 50, by a few tenths (plain torch,
+  five seeds).
 
 Also per mode: ``load_imbalance``, the slowest over the fastest member's busy time (computing
 its units and publishing its slices, per layer, summed over layers, worst cluster; members with
@@ -30,7 +34,8 @@ device's step); ``peak_rss_mb_per_device``, the largest peak RSS of a worker pro
 mean over devices (seed 000 reports average memory; ``..._max_device`` is the largest): the rows
 of the model a worker keeps in its view and trains, their gradients and error-feedback residual
 (the optimizer's momentum lives on the parameter server), and every activation autograd saved
-for the backward pass (torch saved-tensor hooks) plus the layer outputs kept for it.
+for the backward pass (torch saved-tensor hooks; the weights it saves are the parameters, counted
+once) plus the layer outputs kept for it.
 ``planner_1000_devices_s`` times the training grid of 1,000 devices.
 
 Emulation runs ``dilation`` times slower than the boards (``worker.emulation_dilation``: compute
@@ -48,7 +53,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +66,7 @@ from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
 from edgemesh.common.emulation.profiles import load_profiles
 from edgemesh.common.errors import ConfigError, EdgeMeshError, WireError
-from edgemesh.common.messages import DeviceHello, DeviceStats, Event, Plan, UpdateAck
+from edgemesh.common.messages import DeviceHello, DeviceStats, Event, Plan, PlanCluster, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
 from edgemesh.services.cluster import LocalCluster
@@ -80,11 +85,14 @@ DEFAULT_BATCH = 64
 """Samples per iteration, whatever the mode (the same SGD step for all three)."""
 DEFAULT_DILATION = 4.0
 DEFAULT_ITERATIONS = 15
-DEFAULT_ACCURACY_ITERATIONS = 120
+DEFAULT_ACCURACY_ITERATIONS = 300
+ACCURACY_LR = 0.05
 WARMUP_VERSIONS = 2
 """Model versions before timing starts (the first steps build models and warm caches)."""
-FINAL_EVALUATIONS = 3
-EVAL_INTERVAL_S = 0.5
+FINAL_EVALUATIONS = 10
+EVAL_EVERY = 5
+"""The PS evaluates every this many versions: every mode at the same versions, so that its last
+``FINAL_EVALUATIONS`` compare equal training."""
 START_TIMEOUT_S = 180.0
 RUN_TIMEOUT_S = 900.0
 """Longest a run may take once the plan names every device."""
@@ -144,14 +152,17 @@ async def _watch(cfg: Config, run: Run, devices: set[str], stop: asyncio.Event) 
 
 
 async def _run(cluster: LocalCluster, devices: list[tuple[str, str]], versions: int,
-               progress: Callable[[str], None], label: str) -> Run:
-    """Start the cluster, wait until the PS reached ``versions``, stop; what the bus showed."""
+               progress: Callable[[str], None], label: str, *, eval_every: int = 0) -> Run:
+    """Start the cluster, wait until the PS reached ``versions`` (and its evaluation of the last
+    multiple of ``eval_every`` is in), stop; what the bus showed."""
+    last_eval = versions - eval_every + 1 if eval_every else 0  # one evaluation in every eval_every versions
     run = Run()
     stop = asyncio.Event()
     watch = _watch(cluster.cfg, run, {name for name, _ in devices}, stop)
     try:
         run.failure = await drive(cluster, devices, watch, started=lambda: run.t0,
-                                  done=lambda _: run.version >= versions,
+                                  done=lambda _: run.version >= versions and (
+                                      not last_eval or any(v >= last_eval for _, v, _ in run.evaluations)),
                                   status=lambda elapsed: f"{label}: version {run.version} of {versions}, "
                                                          f"{elapsed:.0f}s",
                                   progress=progress, start_timeout_s=START_TIMEOUT_S, run_timeout_s=RUN_TIMEOUT_S)
@@ -161,7 +172,7 @@ async def _run(cluster: LocalCluster, devices: list[tuple[str, str]], versions: 
 
 
 def run_config(base: dict[str, str], *, mode: str, job: str, broker_url: str, spec: str, dataset: str,
-               batch: int, devices: int, dilation: float, host_gflops: float, seed: int, evaluate: bool) -> Config:
+               batch: int, devices: int, dilation: float, host_gflops: float, seed: int, eval_every: int) -> Config:
     # every mode trains ``batch`` samples per iteration: one device all of them, data parallelism
     # an equal part per device, Edge Mesh the grid's split among its clusters
     per_device = batch if mode != "data_parallel" else batch // devices
@@ -171,7 +182,8 @@ def run_config(base: dict[str, str], *, mode: str, job: str, broker_url: str, sp
         "planner.round_samples": str(batch if mode == "edge_mesh" else 0),
         "training.sync_policy": "sync", "planner.batching": "uniform",
         "planner.parallelism": "mesh" if mode == "edge_mesh" else "data",
-        "ps.eval_every": "0", "ps.eval_interval_s": str(EVAL_INTERVAL_S if evaluate else 0),
+        "ps.eval_every": str(eval_every), "ps.eval_interval_s": "0",
+        **({"training.lr": str(ACCURACY_LR)} if eval_every else {}),
         "worker.emulation_host_gflops": str(host_gflops), "worker.emulation_seed": str(seed),
         "worker.emulation_dilation": str(dilation),
     }
@@ -276,11 +288,15 @@ def _cluster_bytes(spec: str, counts: dict[str, tuple[int, ...]], params: dict[s
     for m in members:
         m.load(params, 0)
     saved: list[dict[int, int]] = [{} for _ in range(k)]
+    # autograd also saves the weights for the input gradient: they are counted as parameters already
+    weights = [{t.untyped_storage().data_ptr() for layer in m.layers.values() for t in (layer.weight, layer.bias)
+                if t is not None} for m in members]
 
     def runner(i: int) -> Callable[..., Any]:
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
-            saved[i][storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in weights[i]:
+                saved[i][storage.data_ptr()] = storage.nbytes()
             return t
 
         async def run(fn: Callable[..., Any], *args: Any, flops: float = 0.0) -> Any:
@@ -307,6 +323,29 @@ def _cluster_bytes(spec: str, counts: dict[str, tuple[int, ...]], params: dict[s
     return out
 
 
+def _cluster_entry(run: Run, c: PlanCluster, spec: str, wire: planning.Wire) -> dict[str, Any]:
+    """One cluster of the plan: its members, division and batch, and for a model-parallel one every
+    member's busy seconds per layer, measured (``DeviceStats.mesh_layer_busy_s``) and predicted by the
+    cost model (latency left out: busy time is computing or moving bytes)."""
+    entry: dict[str, Any] = {"cluster": c.cluster, "members": list(c.members), "division": c.counts,
+                             "batch": max((d.batch_size for d in run.plan.devices if d.cluster == c.cluster),
+                                          default=0) if run.plan else None,  # its members share it
+                             "predicted_iteration_s": c.predicted_iteration_s}
+    if len(c.members) > 1:
+        entry["layer_busy_s"] = {m: {k: round(v, 4) for k, v in run.stats[m].mesh_layer_busy_s.items()}
+                                 for m in c.members if m in run.stats}
+        layers = costs.layers(spec)
+        if all(m in run.hellos for m in c.members) and entry["batch"]:
+            predicted = {}
+            for i, m in enumerate(c.members):
+                device = replace(DeviceInfo.from_hello(run.hellos[m]), latency_s=0.0)
+                seconds = planning.layer_seconds(spec, device, [c.counts[la.name][i] for la in layers],
+                                                 batch=entry["batch"], cluster_size=len(c.members), wire=wire)
+                predicted[m] = {la.name: round(t, 4) for la, t in zip(layers, seconds, strict=True)}
+            entry["predicted_layer_busy_s"] = predicted
+    return entry
+
+
 def summarize(run: Run, cluster: LocalCluster, *, spec: str, batch: int) -> dict[str, Any]:
     times = iteration_times(run)
     imbalance, per_layer = load_imbalance(run)
@@ -324,8 +363,7 @@ def summarize(run: Run, cluster: LocalCluster, *, spec: str, batch: int) -> dict
         "load_imbalance": imbalance,
         "load_imbalance_by_layer": per_layer,
         "peak_rss_mb_per_device": round(max(rss), 1) if rss else None,
-        "clusters": [{"cluster": c.cluster, "members": list(c.members), "division": c.counts,
-                      "predicted_iteration_s": c.predicted_iteration_s} for c in plan.clusters] if plan else [],
+        "clusters": [_cluster_entry(run, c, spec, mesh_wire(cluster.cfg)) for c in plan.clusters] if plan else [],
         "mesh_steps_abandoned": int(cluster.total("edgemesh_worker_mesh_steps_total", "worker", outcome="abandoned")),
         "updates_discarded": int(cluster.total("edgemesh_ps_updates_total", "ps", status="discarded")),
         "bytes_published": cluster.over_services("_published_bytes_total"),
@@ -390,7 +428,9 @@ def run_bench(report: Path, *, fleet: list[str], modes: list[str], batch: int, d
         "settings": {"time_model": TIME_SPEC, "time_dataset": TIME_DATA, "accuracy_model": ACCURACY_SPEC,
                      "accuracy_dataset": ACCURACY_DATA, "batch_per_iteration": batch, "sync_policy": "sync",
                      "time_dilation": dilation, "iterations": iterations, "warmup_versions": WARMUP_VERSIONS,
-                     "accuracy_iterations": accuracy_iterations, "overrides": overrides},
+                     "accuracy_iterations": accuracy_iterations, "accuracy_lr": ACCURACY_LR,
+                     "eval_every": min(EVAL_EVERY, accuracy_iterations),
+                     "final_evaluations": FINAL_EVALUATIONS, "overrides": overrides},
         "host_gflops": round(host, 2),
         "broker": broker.kind,
         "modes": {},
@@ -403,7 +443,7 @@ def run_bench(report: Path, *, fleet: list[str], modes: list[str], batch: int, d
             job = f"mesh-{mode.replace('_', '-')}-{uuid.uuid4().hex[:6]}"
             cfg = run_config(overrides, mode=mode, job=job, broker_url=broker.url, spec=TIME_SPEC, dataset=TIME_DATA,
                              batch=batch, devices=len(members), dilation=dilation, host_gflops=host, seed=seed,
-                             evaluate=False)
+                             eval_every=0)
             progress(f"{mode}: {len(members)} device(s), {TIME_SPEC} on {TIME_DATA}")
             cluster = LocalCluster(cfg, _made(workdir / f"{mode}-time"))
             run = asyncio.run(_run(cluster, members, WARMUP_VERSIONS + iterations + 1, progress, mode))
@@ -414,13 +454,15 @@ def run_bench(report: Path, *, fleet: list[str], modes: list[str], batch: int, d
             entry["held_bytes"] = held
             failed = failed or run.failure is not None
             if accuracy_iterations:
+                every = min(EVAL_EVERY, accuracy_iterations)
                 cfg = run_config(overrides, mode=mode, job=job + "-acc", broker_url=broker.url, spec=ACCURACY_SPEC,
                                  dataset=ACCURACY_DATA, batch=batch, devices=len(members), dilation=1.0,
-                                 host_gflops=host, seed=seed, evaluate=True)
+                                 host_gflops=host, seed=seed, eval_every=every)
                 progress(f"{mode}: accuracy, {ACCURACY_SPEC} on {ACCURACY_DATA}, {accuracy_iterations} versions")
                 cluster = LocalCluster(cfg, _made(workdir / f"{mode}-accuracy"))
-                acc = asyncio.run(_run(cluster, members, accuracy_iterations, progress, mode))
-                last = [a for _, _, a in acc.evaluations[-FINAL_EVALUATIONS:]]
+                acc = asyncio.run(_run(cluster, members, accuracy_iterations, progress, mode, eval_every=every))
+                trained = sorted((v, a) for _, v, a in acc.evaluations if v <= accuracy_iterations)
+                last = [a for _, a in trained[-FINAL_EVALUATIONS:]]
                 entry["final_accuracy"] = round(statistics.fmean(last), 4) if last else None
                 entry["accuracy_curve"] = [[round(t, 3), v, round(a, 4)] for t, v, a in acc.evaluations]
                 entry["accuracy_failure"] = acc.failure
@@ -466,9 +508,12 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
                    "iteration")
     left.legend()
     right.bar(names, [modes[m]["param_optimizer_activation_bytes_per_device"] / 2**20 for m in names],
-              color="#55a868")
+              color="#55a868", label="mean over devices")
+    right.scatter(names, [modes[m]["param_optimizer_activation_bytes_max_device"] / 2**20 for m in names],
+                  color="#333333", zorder=3, label="largest device")
     right.set_ylabel("MiB per device: parameters, state, activations")
-    right.set_title("memory of the largest holder")
+    right.set_title("memory per device")
+    right.legend()
     for ax in (left, right):
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
