@@ -243,6 +243,8 @@ def test_bad_types_in_toml_name_the_key(tmp_path: Path, text: str, key: str) -> 
     ("metrics.address", "0.0.0.0:70000"),
     ("ps.checkpoint_every", "0"),
     ("planner.min_devices", "0"),
+    ("planner.grid_slack", "-0.1"),
+    ("planner.grid_slack", "2"),
     ("worker.device", "pi/1"),
     ("worker.threads", "0"),
     ("demo.workers", "65"),

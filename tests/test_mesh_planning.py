@@ -361,6 +361,26 @@ def test_clusters_finish_together_and_beat_single_devices_and_data_parallelism()
             assert grid.predicted_iteration_s < data_parallel(fleet[:1] + fleet[1:], "cifar-cnn", batch - batch % 7)
 
 
+def test_a_slack_trades_iteration_time_for_fewer_model_replicas() -> None:
+    kinds = ["pi3"] * 2 + ["pi4"] * 2 + ["pi5"] * 2 + ["laptop"]
+    fleet = [dev(f"{k}-{i}", k, link=GIGABIT) for i, k in enumerate(kinds)]
+    fastest = training_grid("cifar-cnn", fleet, batch=64)
+    counts = [len(fastest.clusters)]
+    for slack in (0.1, 0.5, 1.0):
+        grid = training_grid("cifar-cnn", fleet, batch=64, slack=slack)
+        check_grid(grid, fleet, "cifar-cnn", 64)
+        assert grid.predicted_iteration_s <= (1 + slack) * fastest.predicted_iteration_s * (1 + 1e-9)
+        assert len(grid.clusters) <= counts[-1]  # more slack, never more replicas
+        counts.append(len(grid.clusters))
+    assert counts[-1] < counts[0]
+    # fewer replicas: less of the model held per device, on average
+    def mean_memory(grid: Grid) -> float:
+        return sum(m for c in grid.clusters for m in c.division.member_memory_bytes) / len(fleet)
+    assert mean_memory(training_grid("cifar-cnn", fleet, batch=64, slack=1.0)) < mean_memory(fastest)
+    with pytest.raises(ValueError, match="slack"):
+        training_grid("cifar-cnn", fleet, batch=64, slack=-0.1)
+
+
 def test_the_grid_never_loses_to_balanced_data_parallelism() -> None:
     for seed in range(3):
         fleet = [d for d in sample_fleet(30, seed) if not d.device.startswith(("zero", "tiny"))]

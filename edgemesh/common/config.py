@@ -193,6 +193,10 @@ class PlannerConfig:
     replan_threshold: float = 0.25
     """Mesh: re-plan when the current layout's predicted time per sample, under the devices' measured
     speeds, is this share above the best new layout's (a device slowed down)."""
+    grid_slack: float = 0.0
+    """Mesh: share of the fastest layout's predicted iteration the grid may give up for fewer clusters,
+    each a replica of the model: less memory per device and fewer gradients into the PS per round
+    (0 = the fastest layout)."""
 
     def __post_init__(self) -> None:
         _require(self.replan_debounce_s >= 0, "planner.replan_debounce_s", "must be >= 0")
@@ -204,6 +208,7 @@ class PlannerConfig:
         _require(self.rebalance_interval_s >= 0, "planner.rebalance_interval_s", "must be >= 0")
         _require(self.max_cluster_size >= 1, "planner.max_cluster_size", "must be >= 1")
         _require(self.replan_threshold > 0, "planner.replan_threshold", "must be > 0")
+        _require(0 <= self.grid_slack <= 1, "planner.grid_slack", "must be in [0, 1]")
 
 
 @dataclass(slots=True)

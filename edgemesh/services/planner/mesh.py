@@ -91,7 +91,10 @@ share ``b_c`` of the batch and the division inside each for the shortest predict
   least 1 each, largest remainder).
 * The ``GRID_FINALISTS`` counts with the shortest ``T`` (another ``K`` must be ``GRID_TIE`` shorter
   to rank above a smaller one) and one cluster per device are divided exactly (``divide_filters``);
-  the shortest exact iteration wins. Members the division gives no unit at all (a link too slow
+  the shortest exact iteration wins, or with a ``slack`` (``planner.grid_slack``) the fewest
+  clusters within that share of it: every replica of the model costs each of its members its
+  rows four times over and the PS one gradient per round (smaller counts whose estimate is
+  within the slack are divided exactly too). Members the division gives no unit at all (a link too slow
   to be worth its exchange traffic) are dropped from their cluster as ``idle``.
 
 One cluster per device is among the candidates (``K = n``), with batches balanced to speed, so
@@ -716,19 +719,24 @@ def mesh_cluster_name(members: Sequence[str]) -> str:
 
 
 def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
-                  max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE, wire: Wire = FLOAT32_WIRE) -> Grid:
+                  max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE, wire: Wire = FLOAT32_WIRE,
+                  slack: float = 0.0) -> Grid:
     """The hybrid training grid of ``devices`` for iterations of ``batch`` samples in all: clusters of
     at most ``max_cluster_size`` members that each hold ``spec``, their share of the batch, and the
-    filter division inside each, for the shortest predicted iteration (module docstring).
-    Deterministic: ties go to fewer clusters, devices are taken in name order.
+    filter division inside each, for the shortest predicted iteration (module docstring): the fewest
+    clusters whose iteration is within ``slack`` (a share) of the shortest. Deterministic: ties go to
+    fewer clusters, devices are taken in name order.
 
-    No devices gives an empty grid. Raises ValueError for a batch or ``max_cluster_size`` below 1,
-    a device named twice or a device with non-positive flops; ModelError for an unknown spec.
+    No devices gives an empty grid. Raises ValueError for a batch or ``max_cluster_size`` below 1, a
+    negative ``slack``, a device named twice or a device with non-positive flops; ModelError for an
+    unknown spec.
     """
     layers = costs.layers(spec)
     _check_batch(batch)
     if max_cluster_size < 1:
         raise ValueError(f"max_cluster_size must be >= 1, got {max_cluster_size}")
+    if not slack >= 0:
+        raise ValueError(f"slack must be >= 0, got {slack}")
     _check_devices(devices)
     ordered = sorted(devices, key=lambda d: d.device)
     m0, q = _memory_coefficients(layers, 1)
@@ -770,10 +778,15 @@ def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
                     throughput_samples_s=0.0)
     # the estimate leaves out the meetings at every layer: the best few are divided exactly
     finalists = order[:GRID_FINALISTS if len(useful) <= LARGE_FLEET else 1]
+    if slack > 0:  # fewer clusters within the slack: the quick estimates flatter them, so all are weighed
+        finalists += [k for k in order if k < order[0] and k not in finalists
+                      and tried[k][0] <= tried[order[0]][0] * (1 + slack)]
     if len(useful) in tried and len(useful) not in finalists and math.isfinite(tried[len(useful)][0]):
         finalists.append(len(useful))  # one cluster per device: exact already, the baseline to beat
     built = [_build(layers, tried[k][1], tried[k][2], wire) for k in finalists]
-    clusters, idle = min(built, key=lambda b: (max(c.predicted_s for c in b[0]), len(b[0])))
+    shortest = min(max(c.predicted_s for c in b[0]) for b in built)
+    clusters, idle = min((b for b in built if max(c.predicted_s for c in b[0]) <= shortest * (1 + slack)),
+                         key=lambda b: (len(b[0]), max(c.predicted_s for c in b[0])))
     idle = [*spare, *idle]
     clusters.sort(key=lambda c: c.name)
     round_s = max(c.predicted_s for c in clusters)
@@ -813,7 +826,7 @@ def grid_iteration_s(spec: str, grid: Grid, devices: Sequence[DeviceInfo], wire:
 
 def needs_replan(old: Grid, devices: Sequence[DeviceInfo], spec: str, batch: int,
                  threshold: float = REPLAN_THRESHOLD, *, max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE,
-                 wire: Wire = FLOAT32_WIRE) -> bool:
+                 wire: Wire = FLOAT32_WIRE, slack: float = 0.0) -> bool:
     """Whether ``old`` should give way to a new grid: a device joined or left, a member's memory no
     longer holds its share, or the old layout's predicted iteration under the new measurements is
     more than ``threshold`` (relative) above the best new layout's (a device slowed down)."""
@@ -829,7 +842,7 @@ def needs_replan(old: Grid, devices: Sequence[DeviceInfo], spec: str, batch: int
             need = member_memory(spec, [counts[la.name][i] for la in layers], batch=cluster.batch)
             if need > by_name[m].memory_bytes:
                 return True
-    new = training_grid(spec, devices, batch=batch, max_cluster_size=max_cluster_size, wire=wire)
+    new = training_grid(spec, devices, batch=batch, max_cluster_size=max_cluster_size, wire=wire, slack=slack)
     if not old.clusters or not new.clusters:
         return bool(old.clusters) != bool(new.clusters)
     return grid_iteration_s(spec, old, devices, wire) > (1 + threshold) * new.predicted_iteration_s

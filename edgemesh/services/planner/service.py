@@ -485,11 +485,14 @@ class Planner:
         slowdown = False
         if changed or self.grid is None or not infos:
             grid = await asyncio.to_thread(mesh.training_grid, t.model_spec, infos, batch=batch,
-                                           max_cluster_size=p.max_cluster_size, wire=self.wire)
+                                           max_cluster_size=p.max_cluster_size, wire=self.wire,
+                                           slack=p.grid_slack)
         elif await asyncio.to_thread(mesh.needs_replan, self.grid, infos, t.model_spec, batch,
-                                     p.replan_threshold, max_cluster_size=p.max_cluster_size, wire=self.wire):
+                                     p.replan_threshold, max_cluster_size=p.max_cluster_size, wire=self.wire,
+                                     slack=p.grid_slack):
             grid = await asyncio.to_thread(mesh.training_grid, t.model_spec, infos, batch=batch,
-                                           max_cluster_size=p.max_cluster_size, wire=self.wire)
+                                           max_cluster_size=p.max_cluster_size, wire=self.wire,
+                                           slack=p.grid_slack)
             slowdown = True
             logger.info("measured speeds call for a new grid: %s", _listing([
                 f"{i.device} {i.flops / 1e9:.2f}/{devices[i.device].flops / 1e9:.2f} GFLOP/s" for i in infos
