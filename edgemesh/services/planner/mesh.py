@@ -94,8 +94,8 @@ share ``b_c`` of the batch and the division inside each for the shortest predict
   the shortest exact iteration wins, or with a ``slack`` (``planner.grid_slack``) the fewest
   clusters within that share of it: every replica of the model costs each of its members its
   rows four times over and the PS one gradient per round (smaller counts whose estimate is
-  within the slack are divided exactly too). Members the division gives no unit at all (a link too slow
-  to be worth its exchange traffic) are dropped from their cluster as ``idle``.
+  within the slack are divided exactly too). Members the division gives no unit at all (a link
+  too slow to be worth its exchange traffic) are dropped from their cluster as ``idle``.
 
 One cluster per device is among the candidates (``K = n``), with batches balanced to speed, so
 the grid is never predicted slower than balanced data parallelism.
