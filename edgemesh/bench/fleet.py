@@ -36,12 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from edgemesh.bench.reporting import finish, pyplot
-from edgemesh.bench.runs import drive
+from edgemesh.bench.runs import device_names, drive, fleet_profiles
 from edgemesh.common.broker import BrokerProcess
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
-from edgemesh.common.emulation.profiles import load_profiles
 from edgemesh.common.errors import ConfigError, EdgeMeshError, WireError
 from edgemesh.common.messages import Event, Plan
 from edgemesh.common.metrics import ServiceMetrics
@@ -75,17 +74,6 @@ class Run:
     plan: Plan | None = None
     """The last plan of the run (batch sizes)."""
     failure: str | None = None
-
-
-def device_names(fleet: list[str]) -> list[tuple[str, str]]:
-    """(device name, profile) per device: ``pi3-0``, ``pi3-1``, ``pi4-0``, ..."""
-    counts: dict[str, int] = {}
-    out = []
-    for profile in fleet:
-        i = counts.get(profile, 0)
-        counts[profile] = i + 1
-        out.append((f"{profile}-{i}", profile))
-    return out
 
 
 def run_config(base: dict[str, str], *, policy: str, devices: int, job: str, broker_url: str,
@@ -206,10 +194,7 @@ def ratios(policies: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 
 def run_bench(report: Path, *, fleet: list[str], policies: list[str], target: float, budget_s: float, seed: int,
               overrides: dict[str, str], progress: Callable[[str], None], keep_logs: bool = False) -> dict[str, Any]:
-    profiles = load_profiles(overrides.get("worker.emulation_profiles") or None)
-    unknown = sorted({p for p in [*fleet, SINGLE_PROFILE] if p not in profiles})
-    if unknown:
-        raise ConfigError(f"unknown device profile(s) {', '.join(unknown)}; known: {', '.join(sorted(profiles))}")
+    profiles = fleet_profiles(fleet, SINGLE_PROFILE, overrides)
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise ConfigError(f"unknown polic(ies) {', '.join(bad)}; known: {', '.join(POLICIES)}")

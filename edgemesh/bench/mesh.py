@@ -58,13 +58,12 @@ from pathlib import Path
 from typing import Any
 
 from edgemesh.bench.reporting import finish, pyplot
-from edgemesh.bench.runs import drive
+from edgemesh.bench.runs import device_names, drive, fleet_profiles
 from edgemesh.common import costs
 from edgemesh.common.broker import BrokerProcess
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
-from edgemesh.common.emulation.profiles import load_profiles
 from edgemesh.common.errors import ConfigError, EdgeMeshError, WireError
 from edgemesh.common.messages import DeviceHello, DeviceStats, Event, Plan, PlanCluster, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
@@ -403,10 +402,7 @@ def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, float | None]:
 def run_bench(report: Path, *, fleet: list[str], modes: list[str], batch: int, dilation: float, iterations: int,
               accuracy_iterations: int, seed: int, overrides: dict[str, str], progress: Callable[[str], None],
               keep_logs: bool = False) -> dict[str, Any]:
-    profiles = load_profiles(overrides.get("worker.emulation_profiles") or None)
-    unknown = sorted({p for p in [*fleet, SINGLE_PROFILE] if p not in profiles})
-    if unknown:
-        raise ConfigError(f"unknown device profile(s) {', '.join(unknown)}; known: {', '.join(sorted(profiles))}")
+    profiles = fleet_profiles(fleet, SINGLE_PROFILE, overrides)
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ConfigError(f"unknown mode(s) {', '.join(bad)}; known: {', '.join(MODES)}")
@@ -414,7 +410,7 @@ def run_bench(report: Path, *, fleet: list[str], modes: list[str], batch: int, d
         raise ConfigError(f"need --batch a multiple of the fleet's {len(fleet)} devices (data parallelism splits it "
                           "evenly), --iterations >= 2, --accuracy-iterations >= 0, --dilation >= 1")
     host = measure_host_gflops(1)
-    devices = [(f"{p}-{i}", p) for p, i in _numbered(fleet)]
+    devices = device_names(fleet)
     progress(f"fleet of {len(devices)}: {', '.join(fleet)}; host {host:.1f} GFLOP/s per thread; time dilation "
              f"{dilation:g}")
     planner_s = planning.time_layout(1000, seed=seed)
@@ -482,15 +478,6 @@ def run_bench(report: Path, *, fleet: list[str], modes: list[str], batch: int, d
 def _made(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     return directory
-
-
-def _numbered(fleet: list[str]) -> list[tuple[str, int]]:
-    seen: dict[str, int] = {}
-    out = []
-    for p in fleet:
-        out.append((p, seen.get(p, 0)))
-        seen[p] = seen.get(p, 0) + 1
-    return out
 
 
 def _plot(result: dict[str, Any], path: Path) -> bool:

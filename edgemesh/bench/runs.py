@@ -8,12 +8,35 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from edgemesh.common.emulation.profiles import DeviceProfile, load_profiles
+from edgemesh.common.errors import ConfigError
 from edgemesh.services.cluster import LocalCluster
 
 GUARD_INTERVAL_S = 0.25
 """How often a run checks that its processes still run and whether it is done."""
 PROGRESS_INTERVAL_S = 5.0
 """How often a run says how far it got."""
+
+
+def fleet_profiles(fleet: list[str], single: str, overrides: dict[str, str]) -> dict[str, DeviceProfile]:
+    """The device profiles (``worker.emulation_profiles`` or the shipped ones); ConfigError naming any
+    profile of ``fleet`` or the single board that is not among them."""
+    profiles = load_profiles(overrides.get("worker.emulation_profiles") or None)
+    unknown = sorted({p for p in [*fleet, single] if p not in profiles})
+    if unknown:
+        raise ConfigError(f"unknown device profile(s) {', '.join(unknown)}; known: {', '.join(sorted(profiles))}")
+    return profiles
+
+
+def device_names(fleet: list[str]) -> list[tuple[str, str]]:
+    """(device name, profile) per device: ``pi3-0``, ``pi3-1``, ``pi4-0``, ..."""
+    counts: dict[str, int] = {}
+    out = []
+    for profile in fleet:
+        i = counts.get(profile, 0)
+        counts[profile] = i + 1
+        out.append((f"{profile}-{i}", profile))
+    return out
 
 
 async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Coroutine[Any, Any, None], *,
