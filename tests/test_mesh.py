@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,12 +35,15 @@ from edgemesh.common.messages import (
     PlanCluster,
     PlanDevice,
     ShardUpdate,
+    SyncState,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
 from edgemesh.common.wire import Tensor
 from edgemesh.common.wire import encode as wire_encode
 from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.planner import mesh
+from edgemesh.services.planner.layout import DeviceInfo
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.mesh import BusExchange, LocalHub, MeshMember, MeshTimeout, slices
 from edgemesh.services.worker.service import Worker
@@ -466,46 +469,58 @@ def test_plans_refuse_a_model_parallel_cluster_without_a_sound_division() -> Non
 # --------------------------------------------------------------------------- the planner lays out a mesh
 
 
-async def test_the_planner_lays_out_a_training_grid_and_re_plans_when_a_member_leaves(
-        mosquitto_broker: BrokerProcess) -> None:
-    job = "meshplan"
+# gigabit boards, two of which cannot hold the model alone
+BOARDS = {"big-0": (60e9, 7 << 30), "big-1": (60e9, 7 << 30), "small-0": (20e9, 268 << 20),
+          "small-1": (20e9, 268 << 20), "small-2": (20e9, 268 << 20)}
+
+
+def board_hello(name: str) -> DeviceHello:
+    flops, memory = BOARDS[name]
+    return DeviceHello(device=name, incarnation=1, flops=flops, memory_bytes=memory, link_rate_bps=117e6,
+                       latency_s=0.0002)
+
+
+@contextlib.asynccontextmanager
+async def mesh_planner(broker: BrokerProcess, job: str,
+                       overrides: dict[str, str] | None = None) -> AsyncIterator[tuple[Planner, Bus, Topics]]:
+    """A mesh planner for the 64-sample iterations of cifar-cnn, BOARDS announced to it and online,
+    and a bus subscribed to its plans."""
     cfg = load_config(env={}, overrides={
-        "broker.url": mosquitto_broker.url, "job": job, "metrics.address": "127.0.0.1:0",
+        "broker.url": broker.url, "job": job, "metrics.address": "127.0.0.1:0",
         "planner.parallelism": "mesh", "planner.round_samples": "64", "planner.replan_debounce_s": "0.05",
-        "training.model_spec": "cifar-cnn", "training.dataset": "synthetic-cifar"})
+        "training.model_spec": "cifar-cnn", "training.dataset": "synthetic-cifar", **(overrides or {})})
     topics = Topics(job)
-    # gigabit boards, two of which cannot hold the model alone
-    boards = {"big-0": (60e9, 7 << 30), "big-1": (60e9, 7 << 30), "small-0": (20e9, 268 << 20),
-              "small-1": (20e9, 268 << 20), "small-2": (20e9, 268 << 20)}
     planner = Planner(cfg)
     task = asyncio.create_task(planner.run())
-    plans: list[Plan] = []
     try:
-        async with Bus(cfg.broker, client_id=f"meshplan-{os.getpid()}", metrics=ServiceMetrics("test"),
+        async with Bus(cfg.broker, client_id=f"{job}-{os.getpid()}", metrics=ServiceMetrics("test"),
                        subscriptions=[topics.plan()]) as bus:
             await bus.wait_connected(WAIT_S)
-            for name, (flops, memory) in boards.items():
-                await bus.publish(topics.hello(name), DeviceHello(
-                    device=name, incarnation=1, flops=flops, memory_bytes=memory, link_rate_bps=117e6,
-                    latency_s=0.0002), retain=True)
+            for name in BOARDS:
+                await bus.publish(topics.hello(name), board_hello(name), retain=True)
                 await bus.publish(topics.status(name), DeviceStatus(device=name, state="online", incarnation=1),
                                   retain=True)
-
-            async def next_plan(predicate: object) -> Plan:
-                async with asyncio.timeout(WAIT_S):
-                    while True:
-                        plan = (await bus.next_message(WAIT_S)).decode(Plan)
-                        plans.append(plan)
-                        if predicate(plan):  # type: ignore[operator]
-                            return plan
-
-            first = await next_plan(lambda p: len(p.devices) + len(planner.grid.idle if planner.grid else ()) == 5)
-            await bus.publish(topics.status("small-1"), DeviceStatus(device="small-1", state="offline", incarnation=1),
-                              retain=True)
-            second = await next_plan(lambda p: p.device("small-1") is None and p.version > first.version)
+            yield planner, bus, topics
     finally:
         planner.stop.set()
         await asyncio.wait_for(task, WAIT_S)
+
+
+async def next_plan(bus: Bus, predicate: Callable[[Plan], bool]) -> Plan:
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            plan = (await bus.next_message(WAIT_S)).decode(Plan)
+            if predicate(plan):
+                return plan
+
+
+async def test_the_planner_lays_out_a_training_grid_and_re_plans_when_a_member_leaves(
+        mosquitto_broker: BrokerProcess) -> None:
+    async with mesh_planner(mosquitto_broker, "meshplan") as (planner, bus, topics):
+        first = await next_plan(bus, lambda p: len(p.devices) + len(planner.grid.idle if planner.grid else ()) == 5)
+        await bus.publish(topics.status("small-1"), DeviceStatus(device="small-1", state="offline", incarnation=1),
+                          retain=True)
+        second = await next_plan(bus, lambda p: p.device("small-1") is None and p.version > first.version)
     for plan in (first, second):
         batches = {d.cluster: d.batch_size for d in plan.devices}
         assert sum(batches.values()) == 64  # the iteration's samples, split among the clusters
@@ -519,6 +534,42 @@ async def test_the_planner_lays_out_a_training_grid_and_re_plans_when_a_member_l
         assert plan.round_time_s == max(c.predicted_iteration_s for c in plan.clusters)
     assert any(len(c.members) > 1 for c in first.clusters)
     assert second.reason == "leave"
+
+
+@pytest.mark.parametrize(("overrides", "clusters", "samples"), [
+    ({}, 2, 64),
+    ({"planner.grid_slack": "1.0"}, 1, 64),  # one replica is within the slack of the fastest layout
+    ({"planner.grid_slack": "1.0", "planner.max_batch": "40"}, 2, 64),  # ... but trains more than 40
+    ({"planner.max_batch": "20"}, 2, 40),  # the small boards cannot form a third cluster: 40 samples
+])
+async def test_the_planners_grid_follows_the_slack_and_batch_bounds_it_is_configured_with(
+        mosquitto_broker: BrokerProcess, overrides: dict[str, str], clusters: int, samples: int) -> None:
+    async with mesh_planner(mosquitto_broker, f"meshbounds{len(overrides)}{clusters}", overrides) as (_, bus, _):
+        plan = await next_plan(bus, lambda p: len(p.devices) == 5)
+    batches = {d.cluster: d.batch_size for d in plan.devices}
+    assert len(plan.clusters) == clusters
+    assert sum(batches.values()) == samples
+    low, high = int(overrides.get("planner.min_batch", "4")), int(overrides.get("planner.max_batch", "128"))
+    assert all(low <= b <= high for b in batches.values()), batches
+    grid = mesh.training_grid("cifar-cnn", [DeviceInfo.from_hello(board_hello(n)) for n in BOARDS], batch=64,
+                              slack=float(overrides.get("planner.grid_slack", "0")), min_batch=low, max_batch=high)
+    assert sorted(c.members for c in plan.clusters) == sorted(c.members for c in grid.clusters)
+
+
+async def test_under_adaptive_the_grid_gives_a_cluster_of_slow_members_a_smaller_batch(
+        mosquitto_broker: BrokerProcess) -> None:
+    overrides = {"training.sync_policy": "adaptive"}
+    async with mesh_planner(mosquitto_broker, "meshslow", overrides) as (planner, bus, topics):
+        first = await next_plan(bus, lambda p: len(p.devices) == 5)
+        cluster = first.device("big-1").cluster  # type: ignore[union-attr]
+        members = next(c.members for c in first.clusters if c.cluster == cluster)
+        before = first.device("big-1").batch_size  # type: ignore[union-attr]
+        # the PS finds the cluster's members three versions behind: they train as if 4x slower
+        await bus.publish(topics.sync(), SyncState(policy="adaptive", version=9, bound=2, slow=members,
+                                                   delay_indices=dict.fromkeys(members, 3.0)), retain=True)
+        second = await next_plan(bus, lambda p: p.version > first.version)
+    after = {d.device: d.batch_size for d in second.devices}
+    assert all(after[m] < before for m in members if m in after), (before, after)  # members may go idle too
 
 
 # --------------------------------------------------------------------------- small pieces

@@ -381,6 +381,28 @@ def test_a_slack_trades_iteration_time_for_fewer_model_replicas() -> None:
         training_grid("cifar-cnn", fleet, batch=64, slack=-0.1)
 
 
+def test_cluster_batches_stay_within_the_configured_bounds() -> None:
+    fleet = sample_fleet(12, seed=1)
+    free = training_grid("cifar-cnn", fleet, batch=64)
+    assert min(c.batch for c in free.clusters) < 4 < max(c.batch for c in free.clusters) - 20  # unbounded
+    for low, high in ((4, 0), (8, 24), (16, 16), (1, 10)):
+        grid = training_grid("cifar-cnn", fleet, batch=64, min_batch=low, max_batch=high)
+        check_grid(grid, fleet, "cifar-cnn", 64)
+        assert all(low <= c.batch <= (high or 64) for c in grid.clusters), (low, high, grid.clusters)
+        assert len(grid.clusters) <= 64 // low
+    # a minimum above the iteration's samples: one cluster trains them all
+    assert [c.batch for c in training_grid("cifar-cnn", fleet, batch=64, min_batch=100).clusters] == [64]
+    # too few devices for the samples at the maximum: every cluster at the maximum, the most samples won
+    few = [d for d in fleet if d.device.startswith(("pi5", "laptop"))][:2]
+    short = training_grid("cifar-cnn", few, batch=64, max_batch=8)
+    assert [c.batch for c in short.clusters] == [8] * len(few)
+    assert short.throughput_samples_s == pytest.approx(8 * len(few) / short.predicted_iteration_s)
+    with pytest.raises(ValueError, match="min_batch"):
+        training_grid("cifar-cnn", fleet, batch=64, min_batch=0)
+    with pytest.raises(ValueError, match="max_batch"):
+        training_grid("cifar-cnn", fleet, batch=64, min_batch=8, max_batch=4)
+
+
 def test_the_grid_never_loses_to_balanced_data_parallelism() -> None:
     for seed in range(3):
         fleet = [d for d in sample_fleet(30, seed) if not d.device.startswith(("zero", "tiny"))]

@@ -178,9 +178,11 @@ class PlannerConfig:
     """Samples per iteration over all devices. Balanced batching: 0 = devices x training.batch_size.
     Mesh parallelism (the iteration's batch, split among the clusters): 0 = training.batch_size."""
     min_batch: int = 4
-    """Balanced batching: smallest batch a device is given, however slow."""
+    """Balanced batching: smallest batch a device is given, however slow. Mesh: smallest batch of a
+    cluster (the grid makes no more clusters than the iteration's samples over this)."""
     max_batch: int = 128
-    """Balanced batching: largest batch a device is given, however fast (memory caps it too)."""
+    """Balanced batching: largest batch a device is given, however fast (memory caps it too). Mesh:
+    largest batch of a cluster."""
     rebalance_threshold: float = 0.25
     """Balanced batching: publish new batch sizes only when one moves by more than this share."""
     rebalance_interval_s: float = 2.0

@@ -78,17 +78,19 @@ the slowest cluster. The grid chooses the number of clusters ``K``, their member
 share ``b_c`` of the batch and the division inside each for the shortest predicted iteration:
 
 * A device whose memory cannot hold ``1 / max_cluster_size`` of the model is excluded. When
-  there are more devices than ``batch x max_cluster_size``, only the fastest take part (the
+  there are more devices than ``batch / min_batch x max_cluster_size``, only the fastest take part (the
   others are ``idle``).
-* For each candidate ``K`` (every count from ``ceil(n / max_cluster_size)`` to ``min(n, batch)``
-  for small fleets; a geometric ladder of ``GRID_CANDIDATES`` and ``GRID_REFINE`` more around the
-  best for large ones), devices go to ``K`` clusters of about equal total FLOPS (fastest first,
-  each to the cluster with the least so far). The batch is split so that the clusters finish
-  together: a cluster's time is about ``a_c + s_c x b`` (compute and exchange traffic grow with
-  its batch, the parameter traffic does not), fitted from two quick estimates (every member the
-  same share of every layer, at the water level of the members' whole steps: the layers' meetings
-  left out), and ``a_c + s_c x b_c = T`` with ``sum b_c = batch`` gives ``T`` and the ``b_c`` (at
-  least 1 each, largest remainder).
+* For each candidate ``K`` (every count from ``ceil(n / max_cluster_size)`` to
+  ``min(n, batch / min_batch)`` for small fleets; a geometric ladder of ``GRID_CANDIDATES`` and
+  ``GRID_REFINE`` more around the best for large ones), devices go to ``K`` clusters of about
+  equal total FLOPS (fastest first, each to the cluster with the least so far). The batch is split
+  so that the clusters finish together: a cluster's time is about ``a_c + s_c x b`` (compute and
+  exchange traffic grow with its batch, the parameter traffic does not), fitted from two quick
+  estimates (every member the same share of every layer, at the water level of the members' whole
+  steps: the layers' meetings left out), and ``clamp((T - a_c) / s_c, min_batch, max_batch) = b_c``
+  with ``sum b_c = batch`` gives ``T`` and the ``b_c`` (``planner.min_batch`` and
+  ``planner.max_batch``; whole samples by largest remainder). Counts too few to train ``batch``
+  at ``max_batch`` each compete only when no count can: then the most samples win.
 * The ``GRID_FINALISTS`` counts with the shortest ``T`` (another ``K`` must be ``GRID_TIE`` shorter
   to rank above a smaller one) and one cluster per device are divided exactly (``divide_filters``);
   the shortest exact iteration wins, or with a ``slack`` (``planner.grid_slack``) the fewest
@@ -672,12 +674,14 @@ def _groups(devices: Sequence[DeviceInfo], k: int, max_size: int) -> list[list[D
 
 
 def _balance(layers: Sequence[LayerCost], groups: Sequence[Sequence[DeviceInfo]], total: int, wire: Wire,
-             lines: dict[tuple[str, int], tuple[float, float, float, float]]) -> tuple[list[int], list[float]]:
+             lines: dict[tuple[str, int], tuple[float, float, float, float]],
+             bounds: tuple[int, int] = (1, 0)) -> tuple[list[int], list[float]]:
     """Split ``total`` samples among ``groups`` so that they finish together; (batches, times).
 
     A cluster's time is about ``a + s x b`` in its batch ``b`` (compute and exchange traffic grow
     with ``b``, the parameter traffic does not): fitted from two estimates, then the batches
-    solve ``a_c + s_c x b_c = T`` with ``sum b_c = total``."""
+    solve ``clamp((T - a_c) / s_c, low, high) = b_c`` with ``sum b_c = total`` (``bounds`` are
+    ``(low, high)``, 0 for no ``high``)."""
     flops = [sum(d.flops for d in g) for g in groups]
     batches = _split(total, flops)
     fits = []
@@ -687,15 +691,51 @@ def _balance(layers: Sequence[LayerCost], groups: Sequence[Sequence[DeviceInfo]]
             return batches, [math.inf] * len(groups)
         slope = max((t2 - t1) / b, _MIN_WEIGHT)
         fits.append((t1 - slope * b, slope))
-    level = (total + sum(a / s for a, s in fits)) / sum(1 / s for _, s in fits)
-    batches = _split(total, [max((level - a) / s, 0.0) + 1e-9 for a, s in fits])
+    batches = _level_split(total, fits, *bounds)
     return batches, [_estimate(layers, g, b, wire, lines) for g, b in zip(groups, batches, strict=True)]
 
 
-def _sizes(n: int, total: int, max_size: int) -> list[int]:
+def _level_split(total: int, fits: Sequence[tuple[float, float]], low: int, high: int) -> list[int]:
+    """Whole batches ``b_c = clamp((T - a_c) / s_c, low, high)`` for ``fits`` ``(a_c, s_c)`` with
+    ``sum b_c = total`` (``high`` 0: none): ``T`` by bisection, then floors and the samples left to
+    the largest remainders. Short of ``total`` only when every cluster is at ``high``."""
+    n = len(fits)
+    high = high or total
+    a = np.array([f[0] for f in fits])
+    s = np.array([f[1] for f in fits])
+    if n * high <= total:
+        return [high] * n
+    if n * low >= total:  # the grid's counts keep n x low <= total: this only evens out a remainder
+        return _split(total, [1.0] * n)
+
+    def at(level: float) -> np.ndarray:
+        return np.clip((level - a) / s, low, high)
+
+    lo_t, hi_t = float(np.min(a + s * low)), float(np.max(a + s * high))
+    for _ in range(100):
+        mid = (lo_t + hi_t) / 2
+        if at(mid).sum() < total:
+            lo_t = mid
+        else:
+            hi_t = mid
+    exact = at(hi_t)
+    out = [min(high, max(low, math.floor(e))) for e in exact]
+    order = sorted(range(n), key=lambda i: (-(exact[i] - out[i]), i))
+    for i in (i for i in order if out[i] < high):
+        if sum(out) >= total:
+            break
+        out[i] += 1
+    for i in (i for i in reversed(order) if out[i] > low):  # floors only lose: this is for rounding's sake
+        if sum(out) <= total:
+            break
+        out[i] -= 1
+    return out
+
+
+def _sizes(n: int, total: int, max_size: int, min_batch: int = 1) -> list[int]:
     """Cluster counts worth trying for ``n`` devices: every one for small fleets, a geometric ladder
-    of about ``GRID_CANDIDATES`` for large ones; at least ``n / max_size``, at most the samples."""
-    low, high = max(1, math.ceil(n / max_size)), min(n, total)
+    of about ``GRID_CANDIDATES`` for large ones; at least ``n / max_size``, at most ``total / min_batch``."""
+    low, high = max(1, math.ceil(n / max_size)), min(n, max(1, total // min_batch))
     if n == 0 or low > high:
         return []
     if high - low < GRID_CANDIDATES:
@@ -720,21 +760,27 @@ def mesh_cluster_name(members: Sequence[str]) -> str:
 
 def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
                   max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE, wire: Wire = FLOAT32_WIRE,
-                  slack: float = 0.0) -> Grid:
+                  slack: float = 0.0, min_batch: int = 1, max_batch: int = 0) -> Grid:
     """The hybrid training grid of ``devices`` for iterations of ``batch`` samples in all: clusters of
-    at most ``max_cluster_size`` members that each hold ``spec``, their share of the batch, and the
-    filter division inside each, for the shortest predicted iteration (module docstring): the fewest
-    clusters whose iteration is within ``slack`` (a share) of the shortest. Deterministic: ties go to
-    fewer clusters, devices are taken in name order.
+    at most ``max_cluster_size`` members that each hold ``spec``, their share of the batch (within
+    ``[min_batch, max_batch]``, 0: no upper bound), and the filter division inside each, for the
+    shortest predicted iteration (module docstring): the fewest clusters whose iteration is within
+    ``slack`` (a share) of the shortest. Deterministic: ties go to fewer clusters, devices are taken
+    in name order. A ``min_batch`` above ``batch`` gives one cluster; when too few devices are left
+    for ``batch / max_batch`` clusters, every cluster trains ``max_batch`` and the iteration fewer
+    samples than ``batch``.
 
-    No devices gives an empty grid. Raises ValueError for a batch or ``max_cluster_size`` below 1, a
-    negative ``slack``, a device named twice or a device with non-positive flops; ModelError for an
-    unknown spec.
+    No devices gives an empty grid. Raises ValueError for a batch, ``max_cluster_size`` or
+    ``min_batch`` below 1, a ``max_batch`` below ``min_batch`` (other than 0), a negative ``slack``,
+    a device named twice or a device with non-positive flops; ModelError for an unknown spec.
     """
     layers = costs.layers(spec)
     _check_batch(batch)
     if max_cluster_size < 1:
         raise ValueError(f"max_cluster_size must be >= 1, got {max_cluster_size}")
+    if min_batch < 1 or (max_batch and max_batch < min_batch):
+        raise ValueError(f"need 1 <= min_batch <= max_batch (or max_batch 0), got {min_batch} and {max_batch}")
+    min_batch = min(min_batch, batch)
     if not slack >= 0:
         raise ValueError(f"slack must be >= 0, got {slack}")
     _check_devices(devices)
@@ -743,26 +789,30 @@ def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
     full_memory = sum(qi * la.units for qi, la in zip(q, layers, strict=True))
     useful = [d for d in ordered if (d.memory_bytes - m0) / full_memory >= 1.0 / max_cluster_size - _TOLERANCE]
     spare: list[str] = []
-    if len(useful) > batch * max_cluster_size:  # more devices than the batch has work for: the fastest
+    most = batch // min_batch * max_cluster_size
+    if len(useful) > most:  # more devices than the batch has work for: the fastest
         fastest = sorted(useful, key=lambda d: (-d.flops, d.device))
-        spare = [d.device for d in fastest[batch * max_cluster_size:]]
-        useful = sorted(fastest[:batch * max_cluster_size], key=lambda d: d.device)
+        spare = [d.device for d in fastest[most:]]
+        useful = sorted(fastest[:most], key=lambda d: d.device)
     lines: dict[tuple[str, int], tuple[float, float, float, float]] = {}
     tried: dict[int, tuple[float, list[list[DeviceInfo]], list[int]]] = {}
 
     def attempt(k: int) -> None:
         if k not in tried:
             groups = _groups(useful, k, max_cluster_size)
-            batches, times = _balance(layers, groups, batch, wire, lines)
+            batches, times = _balance(layers, groups, batch, wire, lines, (min_batch, max_batch))
             tried[k] = (max(times), groups, batches)
 
     def estimate_order() -> list[int]:
-        """Cluster counts with a finite estimate, best first (a smaller count wins a tie)."""
+        """Cluster counts with a finite estimate that train the most samples (all ``batch`` unless
+        ``max_batch`` caps every cluster), best first (a smaller count wins a tie)."""
         finite = [k for k, (t, _, _) in tried.items() if math.isfinite(t)]
+        most = max((sum(tried[k][2]) for k in finite), default=0)
+        finite = [k for k in finite if sum(tried[k][2]) == most]
         best_t = min((tried[k][0] for k in finite), default=math.inf)
         return sorted(finite, key=lambda k: (tried[k][0] > best_t * (1 + GRID_TIE), tried[k][0], k))
 
-    sizes = _sizes(len(useful), batch, max_cluster_size)
+    sizes = _sizes(len(useful), batch, max_cluster_size, min_batch)
     for k in sizes:
         attempt(k)
     order = estimate_order()
@@ -781,7 +831,7 @@ def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
     if slack > 0:  # fewer clusters within the slack: the quick estimates flatter them, so all are weighed
         finalists += [k for k in order if k < order[0] and k not in finalists
                       and tried[k][0] <= tried[order[0]][0] * (1 + slack)]
-    if len(useful) in tried and len(useful) not in finalists and math.isfinite(tried[len(useful)][0]):
+    if len(useful) in order and len(useful) not in finalists:
         finalists.append(len(useful))  # one cluster per device: exact already, the baseline to beat
     built = [_build(layers, tried[k][1], tried[k][2], wire) for k in finalists]
     shortest = min(max(c.predicted_s for c in b[0]) for b in built)
@@ -793,7 +843,7 @@ def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
     kept = {d.device for d in useful} | set(spare)
     excluded = sorted(d.device for d in ordered if d.device not in kept)
     return Grid(clusters=tuple(clusters), excluded=tuple(excluded), idle=tuple(sorted(idle)),
-                predicted_iteration_s=round_s, throughput_samples_s=batch / round_s)
+                predicted_iteration_s=round_s, throughput_samples_s=sum(c.batch for c in clusters) / round_s)
 
 
 def _build(layers: Sequence[LayerCost], groups: Sequence[Sequence[DeviceInfo]], batches: Sequence[int],
@@ -826,7 +876,7 @@ def grid_iteration_s(spec: str, grid: Grid, devices: Sequence[DeviceInfo], wire:
 
 def needs_replan(old: Grid, devices: Sequence[DeviceInfo], spec: str, batch: int,
                  threshold: float = REPLAN_THRESHOLD, *, max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE,
-                 wire: Wire = FLOAT32_WIRE, slack: float = 0.0) -> bool:
+                 wire: Wire = FLOAT32_WIRE, slack: float = 0.0, min_batch: int = 1, max_batch: int = 0) -> bool:
     """Whether ``old`` should give way to a new grid: a device joined or left, a member's memory no
     longer holds its share, or the old layout's predicted iteration under the new measurements is
     more than ``threshold`` (relative) above the best new layout's (a device slowed down)."""
@@ -842,7 +892,8 @@ def needs_replan(old: Grid, devices: Sequence[DeviceInfo], spec: str, batch: int
             need = member_memory(spec, [counts[la.name][i] for la in layers], batch=cluster.batch)
             if need > by_name[m].memory_bytes:
                 return True
-    new = training_grid(spec, devices, batch=batch, max_cluster_size=max_cluster_size, wire=wire, slack=slack)
+    new = training_grid(spec, devices, batch=batch, max_cluster_size=max_cluster_size, wire=wire, slack=slack,
+                        min_batch=min_batch, max_batch=max_batch)
     if not old.clusters or not new.clusters:
         return bool(old.clusters) != bool(new.clusters)
     return grid_iteration_s(spec, old, devices, wire) > (1 + threshold) * new.predicted_iteration_s

@@ -465,13 +465,20 @@ class Planner:
         )
 
     def _mesh_infos(self, devices: dict[str, DeviceHello]) -> list[DeviceInfo]:
-        """What the grid plans with: each device's hello, its speed replaced by the one it measured."""
+        """What the grid plans with: each device's hello, its speed replaced by the one it measured;
+        under ``adaptive``, a device the parameter server lists as slow ``1 + delay index`` times
+        slower still, as balanced batching does (its cluster gets a smaller share of the batch)."""
+        state = self.sync_state
+        slow = set(state.slow) if state is not None and state.policy == "adaptive" else set()
         out = []
         for name, hello in sorted(devices.items()):
             info = DeviceInfo.from_hello(hello)
             stats = self.stats.get(name)
             if stats is not None and stats.compute_flops > 0 and stats.incarnation == hello.incarnation:
                 info = dataclasses.replace(info, flops=stats.compute_flops / costs.TRAIN_EFFICIENCY)
+            if name in slow and state is not None:
+                lag = max(0.0, state.delay_indices.get(name, 0.0))
+                info = dataclasses.replace(info, flops=info.flops / (1.0 + lag))
             out.append(info)
         return out
 
@@ -486,13 +493,13 @@ class Planner:
         if changed or self.grid is None or not infos:
             grid = await asyncio.to_thread(mesh.training_grid, t.model_spec, infos, batch=batch,
                                            max_cluster_size=p.max_cluster_size, wire=self.wire,
-                                           slack=p.grid_slack)
+                                           slack=p.grid_slack, min_batch=p.min_batch, max_batch=p.max_batch)
         elif await asyncio.to_thread(mesh.needs_replan, self.grid, infos, t.model_spec, batch,
                                      p.replan_threshold, max_cluster_size=p.max_cluster_size, wire=self.wire,
-                                     slack=p.grid_slack):
+                                     slack=p.grid_slack, min_batch=p.min_batch, max_batch=p.max_batch):
             grid = await asyncio.to_thread(mesh.training_grid, t.model_spec, infos, batch=batch,
                                            max_cluster_size=p.max_cluster_size, wire=self.wire,
-                                           slack=p.grid_slack)
+                                           slack=p.grid_slack, min_batch=p.min_batch, max_batch=p.max_batch)
             slowdown = True
             logger.info("measured speeds call for a new grid: %s", _listing([
                 f"{i.device} {i.flops / 1e9:.2f}/{devices[i.device].flops / 1e9:.2f} GFLOP/s" for i in infos
