@@ -434,6 +434,26 @@ async def test_members_receive_their_rows_of_every_delta_cut_from_the_broadcast(
     assert not other.apply(got["a"][0]) and other.gap
 
 
+def test_a_delta_is_cut_at_most_into_max_delta_blocks_and_members_get_little_beyond_their_rows() -> None:
+    from edgemesh.services.parameter_server.service import delta_cuts
+    assert delta_cuts(10, [], 64) == [0, 10]
+    assert delta_cuts(10, [0, 3, 3, 7, 10, 12], 64) == [0, 3, 7, 10]
+    rng = np.random.default_rng(3)
+    for rows, members, most in ((256, 300, 64), (32, 40, 8), (128, 129, 1), (10, 5, 2)):
+        bounds = np.sort(rng.integers(0, rows + 1, members + 1))
+        slices = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+        points = delta_cuts(rows, bounds.tolist(), most)
+        assert points[0] == 0 and points[-1] == rows and points == sorted(set(points))
+        assert len(points) - 1 <= most and set(points) <= {0, rows, *bounds.tolist()}
+        blocks = list(zip(points[:-1], points[1:], strict=True))
+        for start, stop in slices:  # the blocks a member's part holds: those overlapping its slice
+            mine = [(a, b) for a, b in blocks if a < stop and start < b]
+            extra = sum(b - a for a, b in mine) - (stop - start)
+            ends = [b - a for a, b in blocks if a < start < b or a < stop < b]
+            assert 0 <= extra <= sum(ends)  # only the (at most two) blocks its slice ends fall in
+    assert delta_cuts(256, range(1, 256), 64) == [0, *range(4, 256, 4), 256]  # evenly spaced
+
+
 async def test_a_parameter_server_publishes_a_snapshot_on_request(mosquitto_broker: BrokerProcess,
                                                                    tmp_path: Path) -> None:
     async def run() -> None:

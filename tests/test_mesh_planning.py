@@ -327,9 +327,13 @@ def test_devices_too_small_to_train_alone_join_clusters_that_hold_the_model() ->
     for cluster in grid.clusters:
         if any(m.startswith("small") for m in cluster.members):
             assert len(cluster.members) > 1 and cluster.name.startswith("m-")
-    only_small = training_grid("cifar-cnn", small, batch=64)
+    # at 64 samples none holds the model alone (at ten, one does: smaller batches keep fewer activations)
+    only_small = training_grid("cifar-cnn", small, batch=64, min_batch=64)
     check_grid(only_small, small, "cifar-cnn", 64)
-    assert only_small.clusters and all(len(c.members) >= 2 for c in only_small.clusters)  # none holds it alone
+    assert len(only_small.clusters) == 1 and len(only_small.clusters[0].members) >= 2
+    for c in training_grid("cifar-cnn", small, batch=64).clusters:
+        alone = member_memory("cifar-cnn", full("cifar-cnn"), batch=c.batch)
+        assert len(c.members) > 1 or alone <= small[0].memory_bytes
     empty = training_grid("cifar-cnn", [useless], batch=64)
     assert empty.clusters == () and empty.excluded == ("useless",) and empty.throughput_samples_s == 0.0
 
@@ -401,6 +405,32 @@ def test_cluster_batches_stay_within_the_configured_bounds() -> None:
         training_grid("cifar-cnn", fleet, batch=64, min_batch=0)
     with pytest.raises(ValueError, match="max_batch"):
         training_grid("cifar-cnn", fleet, batch=64, min_batch=8, max_batch=4)
+
+
+def test_devices_that_hold_their_share_of_the_batch_but_not_twice_it_are_laid_out() -> None:
+    # the batch split is fitted from two estimates; the second must not overflow memory
+    memory = mesh.member_memory("cifar-cnn", full("cifar-cnn"), batch=40)
+    fleet = [dev(f"pi4-{i}", "pi4", memory=memory) for i in range(2)]
+    grid = training_grid("cifar-cnn", fleet, batch=64)
+    check_grid(grid, fleet, "cifar-cnn", 64)
+    assert sorted(c.batch for c in grid.clusters) == [32, 32]
+
+
+def test_a_small_fleet_gets_the_fastest_exact_layout_of_every_cluster_count() -> None:
+    # the quick estimate ranks these fleets' layouts wrongly: only exact divisions find the best
+    layers = costs.layers("cifar-cnn")
+    for n, seed in ((16, 14), (16, 24), (8, 1)):
+        fleet = sorted(sample_fleet(n, seed), key=lambda d: d.device)
+        grid = training_grid("cifar-cnn", fleet, batch=64, min_batch=4)
+        check_grid(grid, [*fleet], "cifar-cnn", 64)
+        useful = [d for d in fleet if d.device not in grid.excluded]
+        exact = []
+        for k in mesh._sizes(len(useful), 64, 8, 4):
+            groups = mesh._groups(useful, k, 8)
+            batches, times = mesh._balance(layers, groups, 64, mesh.FLOAT32_WIRE, {}, (4, 0))
+            if math.isfinite(max(times)):
+                exact.append(max(c.predicted_s for c in mesh._build(layers, groups, batches, mesh.FLOAT32_WIRE)[0]))
+        assert grid.predicted_iteration_s == pytest.approx(min(exact))
 
 
 def test_the_grid_never_loses_to_balanced_data_parallelism() -> None:

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,10 @@ ModelMessage = tuple[bytes, bool, dict[str, bytes]]
 """An encoded model message: payload, whether it is a snapshot, and the model-parallel members' parts
 of a delta (device -> payload)."""
 MAX_DELTA_BLOCKS = 64
-"""Most row blocks one parameter's delta is cut into for the model-parallel members' rows; a plan
-that would cut finer sends those members the parameter's whole delta."""
+"""Most row blocks one parameter's delta is cut into for the model-parallel members' rows (each block
+costs the broadcast a shard header); a plan that would cut finer keeps evenly spaced ones of its
+cut points (``delta_cuts``), and a member's part then holds rows beyond its own in at most the two
+blocks its slice ends fall in."""
 
 
 @dataclass(slots=True)
@@ -661,9 +664,7 @@ class ParameterServer:
         shards = []
         for name, param in self.state.params.items():
             n = int(param.shape[0])
-            points = sorted({0, n} | {p for p in cuts.get(name, ()) if 0 < p < n})
-            if len(points) - 1 > MAX_DELTA_BLOCKS:
-                points = [0, n]
+            points = delta_cuts(n, cuts.get(name, ()), MAX_DELTA_BLOCKS)
             for start, stop in zip(points, points[1:], strict=False):
                 change = (param[start:stop] - self._view[name][start:stop]).reshape(-1)
                 codec = codec_for(self.cfg.ps.delta_codec, change.size)
@@ -840,3 +841,14 @@ async def run(config: Config, *, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
     install_stop_signals(stop)
     await ParameterServer(config, stop=stop).run()
+
+
+def delta_cuts(rows: int, cuts: Iterable[int], most: int) -> list[int]:
+    """The block boundaries of a parameter of ``rows`` rows: 0, ``rows`` and the ``cuts`` inside,
+    thinned to at most ``most`` blocks by keeping evenly spaced ones of them (in order), so that
+    blocks stay small where members' slices are."""
+    inner = sorted({p for p in cuts if 0 < p < rows})
+    if len(inner) + 1 > most:
+        keep = max(0, most - 1)
+        inner = [inner[(i + 1) * len(inner) // (keep + 1)] for i in range(keep)]
+    return [0, *inner, rows]

@@ -91,8 +91,10 @@ share ``b_c`` of the batch and the division inside each for the shortest predict
   with ``sum b_c = batch`` gives ``T`` and the ``b_c`` (``planner.min_batch`` and
   ``planner.max_batch``; whole samples by largest remainder). Counts too few to train ``batch``
   at ``max_batch`` each compete only when no count can: then the most samples win.
-* The ``GRID_FINALISTS`` counts with the shortest ``T`` (another ``K`` must be ``GRID_TIE`` shorter
-  to rank above a smaller one) and one cluster per device are divided exactly (``divide_filters``);
+* Every count (at most ``GRID_CANDIDATES`` of them), or for a fleet with more choices the
+  ``GRID_FINALISTS`` counts with the shortest ``T`` (another ``K`` must be ``GRID_TIE`` shorter
+  to rank above a smaller one) and one cluster per device, is divided exactly (``divide_filters``):
+  the quick estimate can flatter a layout of many meshes by half or more;
   the shortest exact iteration wins, or with a ``slack`` (``planner.grid_slack``) the fewest
   clusters within that share of it: every replica of the model costs each of its members its
   rows four times over and the PS one gradient per round (smaller counts whose estimate is
@@ -132,8 +134,9 @@ GRID_TIE = 0.01
 GRID_CANDIDATES = 12
 """Cluster counts tried on a geometric ladder for a large fleet (all of them for a fleet with fewer choices)."""
 GRID_FINALISTS = 2
-"""Layouts with the best estimates that are divided exactly before one is chosen (one for a fleet of
-more than ``LARGE_FLEET``, besides one cluster per device)."""
+"""Layouts with the best estimates that are divided exactly before one is chosen when more than
+``GRID_CANDIDATES`` counts were weighed (one for a fleet of more than ``LARGE_FLEET``, besides one
+cluster per device); with fewer, all are."""
 LARGE_FLEET = 200
 GRID_REFINE = 6
 """Cluster counts tried again, evenly, between the ladder neighbours of the best count."""
@@ -686,10 +689,14 @@ def _balance(layers: Sequence[LayerCost], groups: Sequence[Sequence[DeviceInfo]]
     batches = _split(total, flops)
     fits = []
     for g, b in zip(groups, batches, strict=True):
-        t1, t2 = _estimate(layers, g, b, wire, lines), _estimate(layers, g, 2 * b, wire, lines)
+        other = 2 * b
+        t1, t2 = _estimate(layers, g, b, wire, lines), _estimate(layers, g, other, wire, lines)
+        if math.isinf(t2) and b > 1:  # twice the samples overflow the members' memory: half of them
+            other = b // 2
+            t2 = _estimate(layers, g, other, wire, lines)
         if math.isinf(t1) or math.isinf(t2):
             return batches, [math.inf] * len(groups)
-        slope = max((t2 - t1) / b, _MIN_WEIGHT)
+        slope = max((t2 - t1) / (other - b), _MIN_WEIGHT)
         fits.append((t1 - slope * b, slope))
     batches = _level_split(total, fits, *bounds)
     return batches, [_estimate(layers, g, b, wire, lines) for g, b in zip(groups, batches, strict=True)]
@@ -826,8 +833,12 @@ def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
     if not order:
         return Grid(clusters=(), excluded=tuple(d.device for d in ordered), idle=(), predicted_iteration_s=0.0,
                     throughput_samples_s=0.0)
-    # the estimate leaves out the meetings at every layer: the best few are divided exactly
-    finalists = order[:GRID_FINALISTS if len(useful) <= LARGE_FLEET else 1]
+    # the estimate leaves out the meetings at every layer: a small fleet has every count divided
+    # exactly, a larger one the best few
+    if len(order) <= GRID_CANDIDATES:
+        finalists = list(order)
+    else:
+        finalists = order[:GRID_FINALISTS if len(useful) <= LARGE_FLEET else 1]
     if slack > 0:  # fewer clusters within the slack: the quick estimates flatter them, so all are weighed
         finalists += [k for k in order if k < order[0] and k not in finalists
                       and tried[k][0] <= tried[order[0]][0] * (1 + slack)]
