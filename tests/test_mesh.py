@@ -44,7 +44,7 @@ from edgemesh.common.wire import encode as wire_encode
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner import mesh
 from edgemesh.services.planner.layout import DeviceInfo
-from edgemesh.services.planner.service import Planner
+from edgemesh.services.planner.service import Planner, mesh_wire
 from edgemesh.services.worker.mesh import BusExchange, LocalHub, MeshMember, MeshTimeout, slices
 from edgemesh.services.worker.service import Worker
 from edgemesh.services.worker.view import ModelView
@@ -564,7 +564,7 @@ async def test_the_planner_lays_out_a_training_grid_and_re_plans_when_a_member_l
 ])
 async def test_the_planners_grid_follows_the_slack_and_batch_bounds_it_is_configured_with(
         mosquitto_broker: BrokerProcess, overrides: dict[str, str], clusters: int, samples: int) -> None:
-    async with mesh_planner(mosquitto_broker, f"meshbounds{len(overrides)}{clusters}", overrides) as (_, bus, _):
+    async with mesh_planner(mosquitto_broker, f"meshbounds{len(overrides)}{clusters}", overrides) as (planner, bus, _):
         plan = await next_plan(bus, lambda p: len(p.devices) == 5)
     batches = {d.cluster: d.batch_size for d in plan.devices}
     assert len(plan.clusters) == clusters
@@ -572,7 +572,8 @@ async def test_the_planners_grid_follows_the_slack_and_batch_bounds_it_is_config
     low, high = int(overrides.get("planner.min_batch", "4")), int(overrides.get("planner.max_batch", "128"))
     assert all(low <= b <= high for b in batches.values()), batches
     grid = mesh.training_grid("cifar-cnn", [DeviceInfo.from_hello(board_hello(n)) for n in BOARDS], batch=64,
-                              slack=float(overrides.get("planner.grid_slack", "0")), min_batch=low, max_batch=high)
+                              slack=float(overrides.get("planner.grid_slack", "0")), min_batch=low, max_batch=high,
+                              wire=mesh_wire(planner.cfg))
     assert sorted(c.members for c in plan.clusters) == sorted(c.members for c in grid.clusters)
 
 

@@ -78,8 +78,8 @@ the slowest cluster. The grid chooses the number of clusters ``K``, their member
 share ``b_c`` of the batch and the division inside each for the shortest predicted iteration:
 
 * A device whose memory cannot hold ``1 / max_cluster_size`` of the model is excluded. When
-  there are more devices than ``batch / min_batch x max_cluster_size``, only the fastest take part (the
-  others are ``idle``).
+  there are more devices than ``batch / min_batch x max_cluster_size``, only the fastest take
+  part (the others are ``idle``).
 * For each candidate ``K`` (every count from ``ceil(n / max_cluster_size)`` to
   ``min(n, batch / min_batch)`` for small fleets; a geometric ladder of ``GRID_CANDIDATES`` and
   ``GRID_REFINE`` more around the best for large ones), devices go to ``K`` clusters of about
@@ -90,8 +90,11 @@ share ``b_c`` of the batch and the division inside each for the shortest predict
   steps: the layers' meetings left out), and ``clamp((T - a_c) / s_c, min_batch, max_batch) = b_c``
   with ``sum b_c = batch`` gives ``T`` and the ``b_c`` (``planner.min_batch`` and
   ``planner.max_batch``; whole samples by largest remainder). Counts too few to train ``batch``
-  at ``max_batch`` each compete only when no count can: then the most samples win.
-* Every count (at most ``GRID_CANDIDATES`` of them), or for a fleet with more choices the
+  at ``max_batch`` each compete only when no count can: then the most samples win. A small fleet
+  (at most ``GRID_CANDIDATES`` counts) also weighs, for every ``K`` and ``0 < s < K``, the ``s``
+  fastest devices alone and the others in ``K - s`` clusters of equal FLOPS: equal FLOPS pairs a
+  fast board with a slow one that may not be worth its exchanges.
+* Every layout of a small fleet, or for a fleet with more choices the
   ``GRID_FINALISTS`` counts with the shortest ``T`` (another ``K`` must be ``GRID_TIE`` shorter
   to rank above a smaller one) and one cluster per device, is divided exactly (``divide_filters``):
   the quick estimate can flatter a layout of many meshes by half or more;
@@ -835,16 +838,18 @@ def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
                     throughput_samples_s=0.0)
     # the estimate leaves out the meetings at every layer: a small fleet has every count divided
     # exactly, a larger one the best few
-    if len(order) <= GRID_CANDIDATES:
-        finalists = list(order)
-    else:
-        finalists = order[:GRID_FINALISTS if len(useful) <= LARGE_FLEET else 1]
+    small = len(order) <= GRID_CANDIDATES
+    finalists = list(order) if small else order[:GRID_FINALISTS if len(useful) <= LARGE_FLEET else 1]
     if slack > 0:  # fewer clusters within the slack: the quick estimates flatter them, so all are weighed
         finalists += [k for k in order if k < order[0] and k not in finalists
                       and tried[k][0] <= tried[order[0]][0] * (1 + slack)]
     if len(useful) in order and len(useful) not in finalists:
         finalists.append(len(useful))  # one cluster per device: exact already, the baseline to beat
-    built = [_build(layers, tried[k][1], tried[k][2], wire) for k in finalists]
+    layouts = [(tried[k][1], tried[k][2]) for k in finalists]
+    if small:
+        layouts += _fast_alone(layers, useful, order, max_cluster_size, batch, wire, lines, (min_batch, max_batch),
+                               samples=sum(tried[order[0]][2]))
+    built = [_build(layers, groups, batches, wire) for groups, batches in layouts]
     shortest = min(max(c.predicted_s for c in b[0]) for b in built)
     clusters, idle = min((b for b in built if max(c.predicted_s for c in b[0]) <= shortest * (1 + slack)),
                          key=lambda b: (len(b[0]), max(c.predicted_s for c in b[0])))
@@ -855,6 +860,27 @@ def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
     excluded = sorted(d.device for d in ordered if d.device not in kept)
     return Grid(clusters=tuple(clusters), excluded=tuple(excluded), idle=tuple(sorted(idle)),
                 predicted_iteration_s=round_s, throughput_samples_s=sum(c.batch for c in clusters) / round_s)
+
+
+def _fast_alone(layers: Sequence[LayerCost], devices: Sequence[DeviceInfo], counts: Sequence[int], max_size: int,
+                total: int, wire: Wire, lines: dict[tuple[str, int], tuple[float, float, float, float]],
+                bounds: tuple[int, int], *, samples: int) -> list[tuple[list[list[DeviceInfo]], list[int]]]:
+    """More layouts of ``counts`` clusters for a small fleet: the ``s`` fastest devices alone and the
+    others in ``K - s`` clusters of about equal FLOPS, for every ``0 < s < K``, with their batches
+    (those that hold the model and train ``samples``). Equal FLOPS pairs a fast board with a slow
+    one whose share is not worth its exchanges; these keep the fast boards whole."""
+    fastest = sorted(devices, key=lambda d: (-d.flops, d.device))
+    out = []
+    for k in counts:
+        for alone in range(1, k):
+            rest = sorted(fastest[alone:], key=lambda d: d.device)
+            if not rest or len(rest) > (k - alone) * max_size:
+                continue
+            groups = [[d] for d in fastest[:alone]] + _groups(rest, k - alone, max_size)
+            batches, times = _balance(layers, groups, total, wire, lines, bounds)
+            if math.isfinite(max(times)) and sum(batches) == samples:
+                out.append((groups, batches))
+    return out
 
 
 def _build(layers: Sequence[LayerCost], groups: Sequence[Sequence[DeviceInfo]], batches: Sequence[int],
