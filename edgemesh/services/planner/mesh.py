@@ -731,14 +731,13 @@ def _level_split(total: int, fits: Sequence[tuple[float, float]], low: int, high
     exact = at(hi_t)
     out = [min(high, max(low, math.floor(e))) for e in exact]
     order = sorted(range(n), key=lambda i: (-(exact[i] - out[i]), i))
-    for i in (i for i in order if out[i] < high):
-        if sum(out) >= total:
-            break
-        out[i] += 1
-    for i in (i for i in reversed(order) if out[i] > low):  # floors only lose: this is for rounding's sake
-        if sum(out) <= total:
-            break
-        out[i] -= 1
+    left = total - sum(out)
+    for i in order:  # floors only lose samples; the loop back is for rounding's sake
+        if left > 0 and out[i] < high:
+            out[i], left = out[i] + 1, left - 1
+    for i in reversed(order):
+        if left < 0 and out[i] > low:
+            out[i], left = out[i] - 1, left + 1
     return out
 
 
