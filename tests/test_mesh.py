@@ -41,7 +41,7 @@ from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
 from edgemesh.common.wire import Tensor
 from edgemesh.common.wire import encode as wire_encode
-from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.parameter_server.service import ParameterServer, delta_cuts
 from edgemesh.services.planner import mesh
 from edgemesh.services.planner.layout import DeviceInfo
 from edgemesh.services.planner.service import Planner, mesh_wire
@@ -435,7 +435,6 @@ async def test_members_receive_their_rows_of_every_delta_cut_from_the_broadcast(
 
 
 def test_a_delta_is_cut_at_most_into_max_delta_blocks_and_members_get_little_beyond_their_rows() -> None:
-    from edgemesh.services.parameter_server.service import delta_cuts
     assert delta_cuts(10, [], 64) == [0, 10]
     assert delta_cuts(10, [0, 3, 3, 7, 10, 12], 64) == [0, 3, 7, 10]
     rng = np.random.default_rng(3)

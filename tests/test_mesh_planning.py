@@ -10,6 +10,7 @@ import pytest
 
 from edgemesh.common import costs
 from edgemesh.common.costs import slices
+from edgemesh.common.emulation.profiles import get_profile
 from edgemesh.common.errors import ModelError
 from edgemesh.common.topics import valid_name
 from edgemesh.services.planner import mesh
@@ -422,7 +423,7 @@ def test_a_small_fleet_gets_the_fastest_exact_layout_of_every_cluster_count() ->
     for n, seed in ((16, 14), (16, 24), (8, 1)):
         fleet = sorted(sample_fleet(n, seed), key=lambda d: d.device)
         grid = training_grid("cifar-cnn", fleet, batch=64, min_batch=4)
-        check_grid(grid, [*fleet], "cifar-cnn", 64)
+        check_grid(grid, fleet, "cifar-cnn", 64)
         useful = [d for d in fleet if d.device not in grid.excluded]
         exact = []
         for k in mesh._sizes(len(useful), 64, 8, 4):
@@ -436,7 +437,6 @@ def test_a_small_fleet_gets_the_fastest_exact_layout_of_every_cluster_count() ->
 def test_fast_boards_stay_whole_when_a_slow_partner_is_not_worth_its_exchanges() -> None:
     # the bench fleet's boards (16x dilated, as emulated): equal-FLOPS clusters would pair each Pi 5
     # with a Pi 3 that gets no convolution filters at all
-    from edgemesh.common.emulation.profiles import get_profile
     kinds = ["pi3", "pi3", "pi4", "pi4", "pi5", "pi5", "jetson-nano", "laptop"]
     fleet = []
     for i, kind in enumerate(kinds):
