@@ -30,6 +30,7 @@ from edgemesh.common.messages import (
     GradientUpdate,
     LayerDivision,
     MeshBegin,
+    MeshReady,
     MeshSlice,
     ModelDelta,
     ModelSnapshot,
@@ -113,6 +114,7 @@ MESH_PLAN = Plan(version=12, created=1_717_000_008.0, model_spec="cifar-cnn", da
                            PlanCluster(cluster="c-laptop-0", members=("laptop-0",))),
                  round_time_s=0.21)
 MESH_BEGIN = MeshBegin(cluster="m-pi3-0", device="pi3-0", plan_version=12, step=1_717_000_008_123, model_version=40)
+MESH_READY = MeshReady(cluster="m-pi3-0", device="pi5-0", plan_version=12)
 MESH_SLICE = MeshSlice(cluster="m-pi3-0", plan_version=12, step=1_717_000_008_123, layer="conv2", phase="bwd",
                        sender=1, tensor=_f32(4, 9, 16, 16))
 MESH_STATS = DeviceStats(device="pi5-0", incarnation=2, steps=10, step_time_s=0.2, compute_flops=8.1e9,
@@ -123,7 +125,7 @@ MESH_GRADIENT = GradientUpdate(device="pi5-0", cluster="m-pi3-0", incarnation=2,
                                plan_version=12)
 
 EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK, SYNC,
-            REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_SLICE, MESH_STATS, MESH_GRADIENT]
+            REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_READY, MESH_SLICE, MESH_STATS, MESH_GRADIENT]
 
 
 def test_examples_cover_every_registered_kind() -> None:

@@ -380,6 +380,24 @@ class GradientUpdate:
             raise ValueError("shard count out of range")
 
 
+@message("mesh_ready")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshReady:
+    """A member of a model-parallel cluster is subscribed to its topics and holds the model under
+    ``plan_version``: retained on ``mesh/{cluster}/step/ready/{device}``. The first member waits for
+    every other one before the first step of a plan, which would otherwise go to members not yet
+    listening."""
+
+    cluster: str
+    device: str
+    plan_version: int
+
+    def validate(self) -> None:
+        _name("cluster", self.cluster)
+        _name("device", self.device)
+        _nonneg("plan_version", self.plan_version)
+
+
 @message("mesh_begin")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshBegin:

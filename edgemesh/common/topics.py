@@ -108,11 +108,13 @@ class Topics:
         return f"{self.root}/mesh/{cluster}/#"
 
     def mesh_member(self, cluster: str, device: str, members: Sequence[str]) -> list[str]:
-        """What a member of ``cluster`` subscribes to: the other members' forward slices and step
-        starts (one filter each, so its own do not come back), and the backward slices addressed to it."""
+        """What a member of ``cluster`` subscribes to: the other members' forward slices, step
+        starts and readiness (one filter each, so its own do not come back), and the backward
+        slices addressed to it."""
         others = [m for m in members if m != device]
         return [*(f"{self.root}/mesh/{cluster}/+/fwd/{m}" for m in others),
                 *(f"{self.root}/mesh/{cluster}/step/begin/{m}" for m in others),
+                *(f"{self.root}/mesh/{cluster}/step/ready/{m}" for m in others),
                 f"{self.root}/mesh/{cluster}/+/bwd/{device}"]
 
     # --- operations ------------------------------------------------------------------------

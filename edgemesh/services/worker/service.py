@@ -63,6 +63,7 @@ from edgemesh.common.messages import (
     DeviceStatus,
     GradientUpdate,
     MeshBegin,
+    MeshReady,
     MeshSlice,
     ModelDelta,
     ModelSnapshot,
@@ -163,6 +164,10 @@ class Worker:
         self._mesh_data: Dataset | None = None
         self._mesh_data_key: tuple[Any, ...] | None = None
         self._begin: MeshBegin | None = None
+        self._ready: dict[tuple[str, str], int] = {}
+        """(cluster, member) -> the latest plan version that member is ready under."""
+        self._ready_sent: tuple[str, int] | None = None
+        """(cluster, plan version) this device last announced itself ready for."""
         """The latest step start announced by this device's cluster leader."""
         self._mesh_step = 0
         """The last step this device took part in, in the current exchange (0 = none yet)."""
@@ -339,6 +344,14 @@ class Worker:
     def _on_mesh(self, parts: list[str], msg: Incoming) -> None:
         """A step start or a slice from another member of this device's cluster."""
         _, cluster, layer, phase, _device = parts
+        if layer == "step" and phase == "ready":
+            ready = msg.decode(MeshReady)
+            if ready.cluster != cluster or ready.device != _device:
+                raise WireError("readiness for another cluster or member on this topic", "topic")
+            self._ready[(cluster, ready.device)] = ready.plan_version
+            self.metrics.received_messages.labels(kind=msg.kind).inc()
+            self._mesh_started.set()
+            return
         if layer == "step" and phase == "begin":
             begin = msg.decode(MeshBegin)
             if begin.cluster != cluster:
@@ -638,6 +651,8 @@ class Worker:
         assert self.bus is not None
         timeout = self.cfg.worker.mesh_timeout_s
         if cluster.members[0] == self.device:
+            if not self._mesh_step and not await self._members_ready(plan, cluster):
+                return None  # a new plan came meanwhile
             # milliseconds since the epoch at the first step: a restarted leader never reuses a step number
             step = self._mesh_step + 1 if self._mesh_step else time.time_ns() // 1_000_000
             version = self.view.version
@@ -645,6 +660,11 @@ class Worker:
                 cluster=cluster.cluster, device=self.device, plan_version=plan.version, step=step,
                 model_version=version))
             return step, version
+
+        if self._ready_sent != (cluster.cluster, plan.version):  # subscribed and holding the model: ready
+            await self.bus.publish(self.topics.mesh(cluster.cluster, "step", "ready", self.device), MeshReady(
+                cluster=cluster.cluster, device=self.device, plan_version=plan.version), retain=True)
+            self._ready_sent = (cluster.cluster, plan.version)
 
         def announced() -> MeshBegin | None:
             b = self._begin
@@ -667,6 +687,27 @@ class Worker:
             logger.info("%s: no step start from %s within %.0fs", self.device, cluster.members[0], timeout)
             return None
         return begin.step, begin.model_version
+
+    async def _members_ready(self, plan: Plan, cluster: PlanCluster) -> bool:
+        """The first member, before a plan's first step: wait until every other member is ready under
+        ``plan`` (its retained ``MeshReady``), at most ``worker.mesh_timeout_s`` (then the step
+        starts anyway, and a member still not listening times it out). False if a new plan came."""
+        others = [m for m in cluster.members if m != self.device]
+
+        def waiting() -> list[str]:
+            return [m for m in others if self._ready.get((cluster.cluster, m), -1) != plan.version]
+
+        try:
+            async with asyncio.timeout(self.cfg.worker.mesh_timeout_s):
+                while waiting():
+                    if self.plan is not None and self.plan.version != plan.version:
+                        return False
+                    self._mesh_started.clear()
+                    await self._mesh_started.wait()
+        except TimeoutError:
+            logger.info("%s: %s not ready within %.0fs; starting the step anyway", self.device,
+                        ", ".join(waiting()), self.cfg.worker.mesh_timeout_s)
+        return True
 
     async def _mesh_runner(self, fn: Any, *args: Any, flops: float = 0.0) -> Any:
         """Run one piece of a model-parallel step in a thread; on an emulated board, hold it until it
