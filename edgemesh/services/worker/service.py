@@ -164,11 +164,11 @@ class Worker:
         self._mesh_data: Dataset | None = None
         self._mesh_data_key: tuple[Any, ...] | None = None
         self._begin: MeshBegin | None = None
+        """The latest step start announced by this device's cluster leader."""
         self._ready: dict[tuple[str, str], int] = {}
         """(cluster, member) -> the latest plan version that member is ready under."""
         self._ready_sent: tuple[str, int] | None = None
         """(cluster, plan version) this device last announced itself ready for."""
-        """The latest step start announced by this device's cluster leader."""
         self._mesh_step = 0
         """The last step this device took part in, in the current exchange (0 = none yet)."""
         self._mesh_started = asyncio.Event()
@@ -342,7 +342,7 @@ class Worker:
             self._changed.notify_all()
 
     def _on_mesh(self, parts: list[str], msg: Incoming) -> None:
-        """A step start or a slice from another member of this device's cluster."""
+        """A step start, a member's readiness or a slice from another member of this device's cluster."""
         _, cluster, layer, phase, _device = parts
         if layer == "step" and phase == "ready":
             ready = msg.decode(MeshReady)
