@@ -48,7 +48,7 @@ from edgemesh.services.planner.service import Planner, mesh_wire
 from edgemesh.services.worker.mesh import BusExchange, LocalHub, MeshMember, MeshTimeout, slices
 from edgemesh.services.worker.service import Worker
 from edgemesh.services.worker.view import ModelView
-from tests.test_parameter_server import Client, client, make_config, running_ps
+from tests.test_parameter_server import Client, client, gradient, make_config, plan_for, running_ps
 
 WAIT_S = 30.0
 UNEVEN = {
@@ -269,18 +269,70 @@ async def test_ps_discards_an_incomplete_or_overlapping_cluster_step(mosquitto_b
         await c.bus.publish(c.topics.plan(), mesh_plan(["a", "b"], SPLIT), retain=True)
         await c.version_at_least(0)
         await c.bus.publish(c.topics.grad("m-a", "a"), member_update("a", 0, 1, 0, step=7))
-        await c.until("a's shards held", lambda: ps.metrics.value("edgemesh_ps_mesh_assembling_steps") == 1)
-        await asyncio.sleep(0.4)  # noqa: ASYNC110 - let the assembly age past its timeout: the event is its absence
-        # the next arrival sweeps it out; b's update of another step starts its own assembly
-        await c.bus.publish(c.topics.grad("m-a", "b"), member_update("b", 1, 1, 0, step=8))
+        # it times out with no other arrival to sweep it out
         ack = await c.ack_for("a", 1)
         assert (ack.status, ack.reason, ack.resync) == ("discarded", "incomplete", True)
+        assert ps.metrics.value("edgemesh_ps_mesh_assembling_steps") == 0
+        # a resend of a's part is told the same, and opens no new step
+        seen = len(c.acks)
+        await c.bus.publish(c.topics.grad("m-a", "a"), member_update("a", 0, 1, 0, step=7))
+        again = await c.until("the resend's ack", lambda: next(
+            (a for a in c.acks[seen:] if (a.device, a.seq) == ("a", 1)), None))
+        assert (again.status, again.reason) == ("discarded", "incomplete")
+        assert ps.metrics.value("edgemesh_ps_mesh_assembling_steps") == 0
         # two members claiming the same rows: both told, nothing applied
         await c.bus.publish(c.topics.grad("m-a", "a"), member_update("a", 0, 2, 0, step=9))
         overlap = await c.push(member_update("b", 0, 2, 0, step=9))
         assert (overlap.status, overlap.reason) == ("discarded", "shape")
         assert ps.version == 0
         assert ps.metrics.value("edgemesh_ps_rejected_total", reason="incomplete") >= 1
+
+
+async def test_ps_discards_the_steps_of_a_replaced_plan_at_once(broker: BrokerProcess, tmp_path: Path) -> None:
+    # members abandon a step when the plan changes: the PS must not hold the others' parts for
+    # the whole assembly timeout (far longer than this test waits for an ack)
+    cfg = ps_config(broker, tmp_path, **{"ps.mesh_assembly_timeout_s": "600"})
+    async with running_ps(cfg) as ps, client(cfg, ["a", "b"]) as c:
+        await c.bus.publish(c.topics.plan(), mesh_plan(["a", "b"], SPLIT), retain=True)
+        await c.version_at_least(0)
+        await c.bus.publish(c.topics.grad("m-a", "a"), member_update("a", 0, 1, 0, step=7))
+        await c.until("a's shards held", lambda: ps.metrics.value("edgemesh_ps_mesh_assembling_steps") == 1)
+        alone = replace(plan_for(["a", "b"]), version=2, sync_policy="sync")
+        await c.bus.publish(c.topics.plan(), alone, retain=True)
+        ack = await c.ack_for("a", 1)
+        assert (ack.status, ack.reason, ack.resync) == ("discarded", "replanned", True)
+        assert ps.metrics.value("edgemesh_ps_mesh_assembling_steps") == 0
+        # b's part of that step, late: told at once too, nothing held
+        late = await c.push(member_update("b", 1, 1, 0, step=7))
+        assert (late.status, late.reason) == ("discarded", "replanned")
+        assert ps.metrics.value("edgemesh_ps_mesh_assembling_steps") == 0
+        # under the new plan both train alone, and the round is theirs
+        acks = await asyncio.gather(c.push(gradient("a", 2, 0)), c.push(gradient("b", 2, 0)))
+        assert [a.status for a in acks] == ["accepted", "accepted"] and ps.version == 1
+        assert ps.metrics.value("edgemesh_ps_updates_total", status="discarded", reason="replanned") == 2
+
+
+async def test_a_sync_round_lets_go_of_a_cluster_that_left_the_plan(broker: BrokerProcess, tmp_path: Path) -> None:
+    # a's update waits in the round for b's cluster; then a new plan joins a and b in one mesh
+    # cluster. The round must not wait for clusters the plan no longer has, nor keep a waiting for
+    # an ack it would only get once it had trained under the new plan.
+    cfg = ps_config(broker, tmp_path)
+    async with running_ps(cfg) as ps, client(cfg, ["a", "b"]) as c:
+        await c.bus.publish(c.topics.plan(), replace(plan_for(["a", "b"]), sync_policy="sync"), retain=True)
+        await c.version_at_least(0)
+        await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 1, 0))
+        await c.until("the round to hold a's update", lambda: "c-a" in ps._round)
+        await c.bus.publish(c.topics.plan(), mesh_plan(["a", "b"], SPLIT, version=2), retain=True)
+        ack = await c.ack_for("a", 1)
+        assert (ack.status, ack.reason, ack.resync) == ("discarded", "replanned", True)
+        assert ps.version == 0 and not ps._round
+        # an update from the old cluster that arrives after the new plan is told the same
+        old = await c.push(gradient("b", 1, 0))
+        assert (old.status, old.reason) == ("discarded", "replanned")
+        # the mesh cluster's step is the whole round now
+        step = [replace(member_update(d, i, 2, 0, step=3), plan_version=2) for i, d in enumerate(["a", "b"])]
+        acks = await asyncio.gather(c.push(step[0]), c.push(step[1]))
+        assert [a.status for a in acks] == ["accepted", "accepted"] and ps.version == 1
 
 
 # --------------------------------------------------------------------------- three workers, one cluster
@@ -330,6 +382,48 @@ async def test_three_workers_train_one_model_parallel_cluster(broker: BrokerProc
 
 async def until(c: Client, what: str, predicate: object) -> None:
     await c.until(what, predicate, timeout_s=WAIT_S * 2)  # type: ignore[arg-type]
+
+
+async def test_the_first_member_starts_a_plan_only_once_every_member_is_ready(broker: BrokerProcess,
+                                                                              tmp_path: Path) -> None:
+    # a step announced before a member has subscribed is lost to it: the first member waits for
+    # the others' retained readiness (worker.mesh_timeout_s, long here, would start it anyway)
+    devices, cluster = ["w0", "w1"], "m-w0"
+    cfg = make_config(broker, tmp_path / "ps", job="meshe2e", **{"training.sync_policy": "sync",
+                                                                  "ps.broadcast": "delta"})
+    seen: list[tuple[str, str]] = []  # (phase, device) of every step message, in the broker's order
+    topics = Topics(cfg.job)
+    async with running_ps(cfg) as ps, client(cfg, []) as c, Bus(
+            cfg.broker, client_id=f"recorder-{os.getpid()}", metrics=ServiceMetrics("recorder"),
+            subscriptions=[topics.mesh(cluster, "step", "+", "+")]) as recorder:
+
+        async def record() -> None:
+            async for msg in recorder.messages():
+                *_, phase, device = topics.relative(msg.topic)
+                seen.append((phase, device))
+
+        recording = asyncio.create_task(record())
+        workers = {d: Worker(worker_config(broker, d, **{"worker.mesh_timeout_s": "120"})) for d in devices}
+        tasks = {"w0": asyncio.create_task(workers["w0"].run())}
+        try:
+            await recorder.wait_connected(WAIT_S)
+            await c.bus.publish(c.topics.plan(), mesh_plan(devices, SPLIT, cluster=cluster, batch=16), retain=True)
+            leader = workers["w0"]
+            await until(c, "the first member in the cluster, holding the model",
+                        lambda: leader._exchange is not None and leader.view.ready)
+            tasks["w1"] = asyncio.create_task(workers["w1"].run())  # seconds later: it measures itself first
+            await until(c, "two cluster steps", lambda: ps.version >= 2 and all(
+                w.accepted >= 2 for w in workers.values()))
+        finally:
+            for w in workers.values():
+                w.stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks.values(), return_exceptions=True), WAIT_S)
+            recording.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await recording
+    assert ("ready", "w1") in seen and ("begin", "w0") in seen
+    assert seen.index(("ready", "w1")) < seen.index(("begin", "w0")), seen
+    assert workers["w1"].metrics.value("edgemesh_worker_mesh_steps_total", outcome="done") >= 2
 
 
 # --------------------------------------------------------------------------- a member's view of the model

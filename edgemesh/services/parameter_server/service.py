@@ -18,7 +18,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -60,6 +60,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
 ModelMessage = tuple[bytes, bool, dict[str, bytes]]
 """An encoded model message: payload, whether it is a snapshot, and the model-parallel members' parts
 of a delta (device -> payload)."""
+CLOSED_STEPS = 1024
+"""Model-parallel steps remembered as joined or discarded, against members' resends."""
 MAX_DELTA_BLOCKS = 64
 """Most row blocks one parameter's delta is cut into for the model-parallel members' rows (each block
 costs the broadcast a shard header); a plan that would cut finer keeps evenly spaced ones of its
@@ -121,6 +123,9 @@ class ParameterServer:
         self._deferred: list[Pending] = []
         self._assembling: dict[tuple[str, int, int], Assembly] = {}
         """Model-parallel steps waiting for the rest of their members' shards, by (cluster, plan, step)."""
+        self._closed_steps: OrderedDict[tuple[str, int, int], str] = OrderedDict()
+        """The last CLOSED_STEPS model-parallel steps joined ('') or discarded (the reason): a member's
+        resend of its part must not open the step again."""
         p = config.ps
         self.adaptive = AdaptiveDelay(AdaptiveSettings(
             alpha=p.adaptive_alpha, quantile=p.adaptive_quantile, slack=p.adaptive_slack,
@@ -266,6 +271,7 @@ class ParameterServer:
             self.metrics.received_messages.labels(kind="plan").inc()
             if self.plan is None or plan.version >= self.plan.version:
                 self.plan = plan
+                await self._discard_replanned_steps(plan.version)
                 self._wake.set()  # a cluster may have left: an open round may now be complete
         elif parts[0] == "grad" and len(parts) == 3:
             update = msg.decode(GradientUpdate)
@@ -310,9 +316,21 @@ class ParameterServer:
         if mark is not None and (u.incarnation, u.seq) <= mark:
             await self._ack(u, "duplicate", "", resync=False)
             return None
-        await self._expire_assemblies()
         key = (u.cluster, u.plan_version, u.mesh_step)
-        assembly = self._assembling.setdefault(key, Assembly(time.monotonic()))
+        closed = self._closed_steps.get(key)
+        if closed is not None:  # a resend of a part of a step joined or discarded
+            if closed:
+                await self._ack(u, "discarded", closed, resync=True)
+            return None  # joined and not judged yet: acked with the cluster's update
+        if self.plan is not None and u.plan_version < self.plan.version:
+            # its members abandon a step when the plan changes: the rest of it will not come
+            self._close_step(key, "replanned")
+            await self._ack(u, "discarded", "replanned", resync=True)
+            return None
+        assembly = self._assembling.get(key)
+        if assembly is None:
+            assembly = self._assembling[key] = Assembly(time.monotonic())
+            self._wake.set()  # the step loop times it out
         assembly.parts[u.device] = item
         self.m_assembling.set(len(self._assembling))
         coverage = self._coverage([g for part in assembly.parts.values() for g in part.grads])
@@ -320,6 +338,7 @@ class ParameterServer:
             return None
         del self._assembling[key]
         self.m_assembling.set(len(self._assembling))
+        self._close_step(key, "shape" if coverage == "overlap" else "")
         parts = sorted(assembly.parts.values(), key=lambda part: part.update.device)
         if coverage == "overlap":
             for part in parts:
@@ -355,14 +374,39 @@ class ParameterServer:
     async def _expire_assemblies(self) -> None:
         """Discard model-parallel steps whose members did not all report in time (one left or lags)."""
         now = time.monotonic()
-        for key in [k for k, a in self._assembling.items() if now - a.opened > self.cfg.ps.mesh_assembly_timeout_s]:
-            assembly = self._assembling.pop(key)
+        timeout = self.cfg.ps.mesh_assembly_timeout_s
+        expired = [k for k, a in self._assembling.items() if now - a.opened >= timeout]
+        for key, assembly in [(k, self._assembling.pop(k)) for k in expired]:  # popped before any await
+            self._close_step(key, "incomplete")
             for part in assembly.parts.values():
                 self.metrics.reject("incomplete", self.topics.grad(key[0], part.update.device),
-                                    f"step {key[2]} of {key[0]} incomplete after "
-                                    f"{self.cfg.ps.mesh_assembly_timeout_s:g}s")
+                                    f"step {key[2]} of {key[0]} incomplete after {timeout:g}s")
                 await self._ack(part.update, "discarded", "incomplete", resync=True)
         self.m_assembling.set(len(self._assembling))
+
+    def _assembly_timeout(self) -> float | None:
+        """Seconds until the oldest model-parallel step waiting for shards times out (None: none waits)."""
+        if not self._assembling:
+            return None
+        oldest = min(a.opened for a in self._assembling.values())
+        return max(0.0, oldest + self.cfg.ps.mesh_assembly_timeout_s - time.monotonic())
+
+    async def _discard_replanned_steps(self, plan_version: int) -> None:
+        """A new plan: model-parallel steps of older plans still waiting for shards are discarded at
+        once. Members abandon a step when the plan changes, so the rest of it will not come, and the
+        members that did send would otherwise wait ``ps.mesh_assembly_timeout_s`` for their acks."""
+        stale = [k for k in self._assembling if k[1] < plan_version]
+        for key, assembly in [(k, self._assembling.pop(k)) for k in stale]:
+            self._close_step(key, "replanned")
+            logger.info("step %d of %s discarded: plan version %d replaced %d", key[2], key[0], plan_version, key[1])
+            for part in assembly.parts.values():
+                await self._ack(part.update, "discarded", "replanned", resync=True)
+        self.m_assembling.set(len(self._assembling))
+
+    def _close_step(self, key: tuple[str, int, int], reason: str) -> None:
+        self._closed_steps[key] = reason
+        while len(self._closed_steps) > CLOSED_STEPS:
+            self._closed_steps.popitem(last=False)
 
     def _decode_update(self, update: GradientUpdate) -> list[ShardGrad]:
         seen: set[tuple[str, int, int]] = set()
@@ -405,13 +449,14 @@ class ParameterServer:
 
     async def _step_loop(self) -> None:
         while True:
-            timeout = self._round_timeout()
-            if timeout is None:
+            timeouts = [t for t in (self._round_timeout(), self._assembly_timeout()) if t is not None]
+            if not timeouts:
                 await self._wake.wait()
-            else:
+            else:  # an adaptive round's deadline, or a model-parallel step's
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)  # an adaptive round's deadline
+                    await asyncio.wait_for(self._wake.wait(), min(timeouts))
             self._wake.clear()
+            await self._expire_assemblies()
             if self._snapshot_requested:
                 self._snapshot_requested = False
                 await self._publish_snapshot()
@@ -441,6 +486,9 @@ class ParameterServer:
 
         candidates = self._deferred + batch
         self._deferred = []
+        if self.policy == "sync" and self.plan is not None and self.plan.clusters:
+            for cluster in [c for c in self._round if c not in live]:  # it left the plan with the round open
+                acks += [(part, "discarded", "replanned", 0, True) for part in self._round.pop(cluster).updates]
         for item in candidates:
             u = item.update
             mark = self.high_water.get(u.device)
@@ -476,6 +524,10 @@ class ParameterServer:
                     self._round_opened = None
                 continue
             if self.policy == "sync":
+                if u.cluster not in live and self.plan is not None and self.plan.clusters:
+                    # its cluster left the plan (its devices are in other clusters now): no round waits for it
+                    acks += [(part, "discarded", "replanned", verdict.delay, True) for part in item.updates]
+                    continue
                 if u.cluster in self._round:
                     # the cluster already contributed to this round: a second member or a repeat
                     acks += [(part, "discarded", "round_full", verdict.delay, True) for part in item.updates]
@@ -611,6 +663,9 @@ class ParameterServer:
     async def _ack(self, u: GradientUpdate, status: str, reason: str, *, delay: int = 0, resync: bool) -> None:
         assert self.bus is not None
         self.m_updates.labels(status=status, reason=reason).inc()
+        key = (u.cluster, u.plan_version, u.mesh_step)
+        if status == "discarded" and u.mesh_step and key in self._closed_steps:
+            self._closed_steps[key] = reason  # a joined step the policies discarded: a resend hears why
         ack = UpdateAck(device=u.device, incarnation=u.incarnation, seq=u.seq, status=status,  # type: ignore[arg-type]
                         reason=reason, version=self.version, delay=delay, resync=resync)
         await self.bus.publish(self.topics.ack(u.device), ack)

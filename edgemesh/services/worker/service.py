@@ -546,7 +546,7 @@ class Worker:
             elif ack.reason == "unknown_device":
                 async with self._changed:
                     self.me = None  # wait for a plan that names us again
-            elif ack.reason not in ("stale", "round_full", "future"):
+            elif ack.reason not in ("stale", "round_full", "future", "replanned"):
                 logger.warning("%s: update %d discarded: %s", self.device, update.seq, ack.reason)
 
     # ------------------------------------------------------------------ model parallelism
