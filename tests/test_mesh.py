@@ -320,19 +320,26 @@ async def test_a_sync_round_lets_go_of_a_cluster_that_left_the_plan(broker: Brok
     async with running_ps(cfg) as ps, client(cfg, ["a", "b"]) as c:
         await c.bus.publish(c.topics.plan(), replace(plan_for(["a", "b"]), sync_policy="sync"), retain=True)
         await c.version_at_least(0)
-        await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 1, 0))
+        await c.bus.publish(c.topics.grad("c-a", "a"), replace(gradient("a", 1, 0), plan_version=1))
         await c.until("the round to hold a's update", lambda: "c-a" in ps._round)
         await c.bus.publish(c.topics.plan(), mesh_plan(["a", "b"], SPLIT, version=2), retain=True)
         ack = await c.ack_for("a", 1)
         assert (ack.status, ack.reason, ack.resync) == ("discarded", "replanned", True)
         assert ps.version == 0 and not ps._round
         # an update from the old cluster that arrives after the new plan is told the same
-        old = await c.push(gradient("b", 1, 0))
+        old = await c.push(replace(gradient("b", 1, 0), plan_version=1))
         assert (old.status, old.reason) == ("discarded", "replanned")
         # the mesh cluster's step is the whole round now
         step = [replace(member_update(d, i, 2, 0, step=3), plan_version=2) for i, d in enumerate(["a", "b"])]
         acks = await asyncio.gather(c.push(step[0]), c.push(step[1]))
         assert [a.status for a in acks] == ["accepted", "accepted"] and ps.version == 1
+        # an update computed under a plan the PS has not received yet is not from the past: it waits
+        await c.bus.publish(c.topics.grad("c-a", "a"), replace(gradient("a", 3, 1), plan_version=3))
+        await c.until("the round to hold a's update", lambda: "c-a" in ps._round)
+        await c.bus.publish(c.topics.plan(), replace(plan_for(["a", "b"]), version=3, sync_policy="sync"),
+                            retain=True)
+        acks = await asyncio.gather(c.push(replace(gradient("b", 3, 1), plan_version=3)), c.ack_for("a", 3))
+        assert [a.status for a in acks] == ["accepted", "accepted"] and ps.version == 2
 
 
 # --------------------------------------------------------------------------- three workers, one cluster

@@ -364,7 +364,8 @@ class GradientUpdate:
     """Model-parallel clusters: the cluster step these shards belong to (the PS joins the members'
     updates of one step into the cluster's update); 0 for a single-device cluster."""
     plan_version: int = 0
-    """Model-parallel clusters: the plan whose filter division the shards follow."""
+    """The plan the update was computed under (0: not said); for a model-parallel cluster, the one
+    whose filter division the shards follow."""
 
     def validate(self) -> None:
         _name("device", self.device)

@@ -431,6 +431,13 @@ class ParameterServer:
             return list(self.plan.cluster_names)
         return sorted({p.update.cluster for p in self._round.values()} | set(self.clocks))
 
+    def _left_the_plan(self, u: GradientUpdate, live: list[str]) -> bool:
+        """Sync: ``u`` comes from a cluster the plan no longer has, computed under an older plan. No
+        round waits for that cluster, and its devices, now in others, must not wait for its ack (a
+        sender ahead of the PS, under a plan the PS has not received yet, is not one)."""
+        return bool(self.plan is not None and self.plan.clusters and u.cluster not in live
+                    and 0 < u.plan_version < self.plan.version)
+
     def _adaptive_refresh(self) -> None:
         """Tell the adaptive rule who is live and what the max bound is; update its gauges."""
         a = self.adaptive
@@ -486,8 +493,8 @@ class ParameterServer:
 
         candidates = self._deferred + batch
         self._deferred = []
-        if self.policy == "sync" and self.plan is not None and self.plan.clusters:
-            for cluster in [c for c in self._round if c not in live]:  # it left the plan with the round open
+        if self.policy == "sync":
+            for cluster in [c for c, item in self._round.items() if self._left_the_plan(item.update, live)]:
                 acks += [(part, "discarded", "replanned", 0, True) for part in self._round.pop(cluster).updates]
         for item in candidates:
             u = item.update
@@ -524,8 +531,7 @@ class ParameterServer:
                     self._round_opened = None
                 continue
             if self.policy == "sync":
-                if u.cluster not in live and self.plan is not None and self.plan.clusters:
-                    # its cluster left the plan (its devices are in other clusters now): no round waits for it
+                if self._left_the_plan(u, live):
                     acks += [(part, "discarded", "replanned", verdict.delay, True) for part in item.updates]
                     continue
                 if u.cluster in self._round:

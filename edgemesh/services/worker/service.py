@@ -529,7 +529,7 @@ class Worker:
             update = GradientUpdate(device=self.device, cluster=cluster, incarnation=self.incarnation,
                                     seq=self.seq, base_version=version, samples=samples, need_snapshot=gap,
                                     shards=tuple(shards), loss=loss, step_time_s=elapsed, sent_at=time.time(),
-                                    mesh_step=mesh_step, plan_version=plan.version if mesh_step else 0)
+                                    mesh_step=mesh_step, plan_version=plan.version)
             for s in shards:
                 self.m_grad_bytes.labels(codec=s.codec).inc(len(s.data))
             topic = (self.topics.grad_raw if self._raw(policy) else self.topics.grad)(cluster, self.device)
