@@ -375,14 +375,16 @@ class ParameterServer:
         """Discard model-parallel steps whose members did not all report in time (one left or lags)."""
         now = time.monotonic()
         timeout = self.cfg.ps.mesh_assembly_timeout_s
-        expired = [k for k, a in self._assembling.items() if now - a.opened >= timeout]
-        for key, assembly in [(k, self._assembling.pop(k)) for k in expired]:  # popped before any await
+        expired = [(k, self._assembling.pop(k)) for k, a in list(self._assembling.items())
+                   if now - a.opened >= timeout]  # popped, and counted, before any await
+        self.m_assembling.set(len(self._assembling))
+        for key, _ in expired:
             self._close_step(key, "incomplete")
+        for key, assembly in expired:
             for part in assembly.parts.values():
                 self.metrics.reject("incomplete", self.topics.grad(key[0], part.update.device),
                                     f"step {key[2]} of {key[0]} incomplete after {timeout:g}s")
                 await self._ack(part.update, "discarded", "incomplete", resync=True)
-        self.m_assembling.set(len(self._assembling))
 
     def _assembly_timeout(self) -> float | None:
         """Seconds until the oldest model-parallel step waiting for shards times out (None: none waits)."""
@@ -395,13 +397,14 @@ class ParameterServer:
         """A new plan: model-parallel steps of older plans still waiting for shards are discarded at
         once. Members abandon a step when the plan changes, so the rest of it will not come, and the
         members that did send would otherwise wait ``ps.mesh_assembly_timeout_s`` for their acks."""
-        stale = [k for k in self._assembling if k[1] < plan_version]
-        for key, assembly in [(k, self._assembling.pop(k)) for k in stale]:
+        stale = [(k, self._assembling.pop(k)) for k in list(self._assembling) if k[1] < plan_version]
+        self.m_assembling.set(len(self._assembling))
+        for key, _ in stale:
             self._close_step(key, "replanned")
+        for key, assembly in stale:
             logger.info("step %d of %s discarded: plan version %d replaced %d", key[2], key[0], plan_version, key[1])
             for part in assembly.parts.values():
                 await self._ack(part.update, "discarded", "replanned", resync=True)
-        self.m_assembling.set(len(self._assembling))
 
     def _close_step(self, key: tuple[str, int, int], reason: str) -> None:
         self._closed_steps[key] = reason
