@@ -60,6 +60,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
 ModelMessage = tuple[bytes, bool, dict[str, bytes]]
 """An encoded model message: payload, whether it is a snapshot, and the model-parallel members' parts
 of a delta (device -> payload)."""
+StepKey = tuple[str, int, int]
+"""A model-parallel step: (cluster, plan version, mesh step)."""
 CLOSED_STEPS = 1024
 """Model-parallel steps remembered as joined or discarded, against members' resends."""
 MAX_DELTA_BLOCKS = 64
@@ -121,9 +123,9 @@ class ParameterServer:
         """Adaptive: monotonic time the open round began, when the model of the previous one went out (or
         its first update, for the first round); its deadline and the clusters' arrival times run from here."""
         self._deferred: list[Pending] = []
-        self._assembling: dict[tuple[str, int, int], Assembly] = {}
+        self._assembling: dict[StepKey, Assembly] = {}
         """Model-parallel steps waiting for the rest of their members' shards, by (cluster, plan, step)."""
-        self._closed_steps: OrderedDict[tuple[str, int, int], str] = OrderedDict()
+        self._closed_steps: OrderedDict[StepKey, str] = OrderedDict()
         """The last CLOSED_STEPS model-parallel steps joined ('') or discarded (the reason): a member's
         resend of its part must not open the step again."""
         p = config.ps
@@ -375,11 +377,8 @@ class ParameterServer:
         """Discard model-parallel steps whose members did not all report in time (one left or lags)."""
         now = time.monotonic()
         timeout = self.cfg.ps.mesh_assembly_timeout_s
-        expired = [(k, self._assembling.pop(k)) for k, a in list(self._assembling.items())
-                   if now - a.opened >= timeout]  # popped, and counted, before any await
-        self.m_assembling.set(len(self._assembling))
-        for key, _ in expired:
-            self._close_step(key, "incomplete")
+        expired = self._take_steps([k for k, a in self._assembling.items() if now - a.opened >= timeout],
+                                   "incomplete")
         for key, assembly in expired:
             for part in assembly.parts.values():
                 self.metrics.reject("incomplete", self.topics.grad(key[0], part.update.device),
@@ -397,16 +396,22 @@ class ParameterServer:
         """A new plan: model-parallel steps of older plans still waiting for shards are discarded at
         once. Members abandon a step when the plan changes, so the rest of it will not come, and the
         members that did send would otherwise wait ``ps.mesh_assembly_timeout_s`` for their acks."""
-        stale = [(k, self._assembling.pop(k)) for k in list(self._assembling) if k[1] < plan_version]
-        self.m_assembling.set(len(self._assembling))
-        for key, _ in stale:
-            self._close_step(key, "replanned")
+        stale = self._take_steps([k for k in self._assembling if k[1] < plan_version], "replanned")
         for key, assembly in stale:
             logger.info("step %d of %s discarded: plan version %d replaced %d", key[2], key[0], plan_version, key[1])
             for part in assembly.parts.values():
                 await self._ack(part.update, "discarded", "replanned", resync=True)
 
-    def _close_step(self, key: tuple[str, int, int], reason: str) -> None:
+    def _take_steps(self, keys: list[StepKey], reason: str) -> list[tuple[StepKey, Assembly]]:
+        """Remove waiting steps, closed as discarded for ``reason``: done before any await, so the
+        gauge is right when their acks go out and a resend meanwhile opens no new step."""
+        taken = [(k, self._assembling.pop(k)) for k in keys]
+        self.m_assembling.set(len(self._assembling))
+        for key, _ in taken:
+            self._close_step(key, reason)
+        return taken
+
+    def _close_step(self, key: StepKey, reason: str) -> None:
         self._closed_steps[key] = reason
         while len(self._closed_steps) > CLOSED_STEPS:
             self._closed_steps.popitem(last=False)
