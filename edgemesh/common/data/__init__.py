@@ -1,0 +1,62 @@
+"""Data sets, federated splits and mini-batch iteration.
+
+Nothing is downloaded at run time. ``"digits"`` (scikit-learn's bundled 8x8 digits) is the
+default; ``"mnist-idx"`` and ``"cifar10"`` read the official files from a directory the
+operator provides; ``"synthetic-cifar"`` is random CIFAR-shaped images for timing. CIFAR-10's
+python batches are pickles, so they are read with a restricted unpickler that can rebuild
+numpy arrays and plain containers and nothing else.
+
+Modules: ``dataset`` (:class:`Dataset`, the registry of named sets and :func:`load_dataset`),
+``digits``, ``mnist`` (IDX files), ``cifar`` (CIFAR-10 batches, the restricted unpickler, the
+synthetic set), ``partitions`` (:func:`split_indices`, :func:`shard`) and ``batches``
+(:class:`BatchIterator`, :func:`batch_at`). Importing the package registers every data set.
+"""
+
+from __future__ import annotations
+
+from edgemesh.common.data.batches import BatchIterator, batch_at
+from edgemesh.common.data.cifar import (
+    CIFAR_DIR_NAME,
+    CIFAR_IMAGE_SHAPE,
+    CIFAR_NUM_CLASSES,
+    CIFAR_TEST_BATCH,
+    CIFAR_TRAIN_BATCHES,
+    SYNTHETIC_TEST,
+    SYNTHETIC_TRAIN,
+    RestrictedUnpickler,
+    restricted_loads,
+    synthetic_cifar,
+)
+from edgemesh.common.data.dataset import DATASET_NAMES, UINT8_PIXEL_MAX, Dataset, load_dataset
+from edgemesh.common.data.digits import DIGITS_COLUMNS, DIGITS_PIXEL_MAX, stratified_test_indices
+from edgemesh.common.data.mnist import MNIST_FILES, MNIST_IMAGE_SHAPE, MNIST_NUM_CLASSES, parse_idx
+from edgemesh.common.data.partitions import SPLIT_SCHEMES, shard, split_indices
+
+__all__ = [
+    "CIFAR_DIR_NAME",
+    "CIFAR_IMAGE_SHAPE",
+    "CIFAR_NUM_CLASSES",
+    "CIFAR_TEST_BATCH",
+    "CIFAR_TRAIN_BATCHES",
+    "DATASET_NAMES",
+    "DIGITS_COLUMNS",
+    "DIGITS_PIXEL_MAX",
+    "MNIST_FILES",
+    "MNIST_IMAGE_SHAPE",
+    "MNIST_NUM_CLASSES",
+    "SPLIT_SCHEMES",
+    "SYNTHETIC_TEST",
+    "SYNTHETIC_TRAIN",
+    "UINT8_PIXEL_MAX",
+    "BatchIterator",
+    "Dataset",
+    "RestrictedUnpickler",
+    "batch_at",
+    "load_dataset",
+    "parse_idx",
+    "restricted_loads",
+    "shard",
+    "split_indices",
+    "stratified_test_indices",
+    "synthetic_cifar",
+]
