@@ -3,7 +3,7 @@
 Brokers
     Every test that needs MQTT starts its OWN broker on a free port of 127.0.0.1 and
     stops it afterwards; no test uses the machine's broker on 1883. Each fixture yields
-    a started :class:`edgemesh.common.broker.BrokerProcess`: connect to ``broker.host``
+    a started :class:`edgemesh.local.broker.BrokerProcess`: connect to ``broker.host``
     and ``broker.port`` (or ``broker.url``), and call ``broker.kill()`` /
     ``broker.restart()`` to simulate a crash and recovery on the same address.
 
@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from edgemesh.common.broker import BrokerProcess
+from edgemesh.local.broker import BrokerProcess
 
 # --- brokers ---------------------------------------------------------------------------------
 

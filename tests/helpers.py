@@ -1,11 +1,47 @@
-"""Plain helper functions shared by more than one test module, grouped under a comment header per topic.
+"""Helpers shared by more than one test module, grouped under a comment header per topic; a test module
+never imports another one.
 
-Fixtures belong in ``conftest.py``; this module holds ordinary functions (``from helpers import ...``).
+Fixtures belong in ``conftest.py``; this module holds ordinary functions and classes (``from helpers import ...``):
+configurations, running services, test clients of the broker that wait for messages, and builders of
+test data. Each has a one-line docstring.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import time
+import typing
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
 import numpy as np
+import pytest
+
+from edgemesh.common import costs, models
+from edgemesh.common.bus import Bus
+from edgemesh.common.codecs import get_codec
+from edgemesh.common.config import Config, load_config
+from edgemesh.common.messages import (
+    ControlReply,
+    GradientUpdate,
+    ModelSnapshot,
+    Plan,
+    PlanCluster,
+    PlanDevice,
+    ShardUpdate,
+    UpdateAck,
+)
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import Filter, TopicMatch, Topics
+from edgemesh.common.vocabulary import CodecName
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.planner.mesh import DeviceInfo, Division, cluster_iteration_s, member_memory, member_time
+
+T = TypeVar("T")
 
 # --- data sets ------------------------------------------------------------------
 
@@ -13,3 +49,270 @@ import numpy as np
 def label_distribution(labels: np.ndarray, num_classes: int) -> np.ndarray:
     """The fraction of ``labels`` in each of ``num_classes`` classes."""
     return np.bincount(labels, minlength=num_classes) / labels.shape[0]
+
+
+# --- configs, services and waiting ------------------------------------------------
+
+WAIT_S = 20.0
+"""How long a test waits for an event before it fails."""
+POLL_S = 0.05
+"""How often a wait re-checks a condition on a service's own state (between messages, which wake it at once)."""
+
+
+def make_config(broker: BrokerProcess, *, job: str, **settings: object) -> Config:
+    """The configuration of a test's services: its own broker and job, metrics on a free port, quick
+    reconnects, then ``settings`` (dotted keys)."""
+    return load_config(env={}, overrides={
+        "broker.url": broker.url, "job": job, "metrics.address": "127.0.0.1:0", "broker.backoff_initial_s": "0.05",
+        "broker.backoff_max_s": "0.5", **{key: str(value) for key, value in settings.items()}})
+
+
+@contextlib.asynccontextmanager
+async def running(*services: Any) -> AsyncIterator[None]:
+    """``services`` running (each ``run()`` a task; those with a ``ready`` event are waited for), stopped on
+    exit; an error any of them ended with fails the test."""
+    tasks = [asyncio.create_task(s.run()) for s in services]
+    try:
+        async with asyncio.timeout(WAIT_S):
+            for s, task in zip(services, tasks, strict=True):
+                ready = getattr(s, "ready", None)
+                if isinstance(ready, asyncio.Event):
+                    waiter = asyncio.ensure_future(ready.wait())
+                    await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    if task.done():
+                        task.result()
+        yield
+    finally:
+        for s in services:
+            s.stop.set()
+        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors
+
+
+async def until(what: str, predicate: Callable[[], T | None | bool], timeout_s: float = WAIT_S,
+                *, changed: asyncio.Condition | None = None) -> T:
+    """Wait until ``predicate()`` holds, woken by ``changed`` (a test client's messages) and re-checked
+    every ``POLL_S`` for a service's own state; returns its value. Fails the test after ``timeout_s``."""
+    changed = changed or asyncio.Condition()
+    try:
+        async with asyncio.timeout(timeout_s), changed:
+            while not (result := predicate()):
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(POLL_S):
+                        await changed.wait()
+            return typing.cast(T, result)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+class Inbox:
+    """A test client of the broker: its routes' messages, kept in arrival order, with ways to wait for them."""
+
+    def __init__(self, bus: Bus, topics: Topics) -> None:
+        self.bus, self.topics = bus, topics
+        self.received: list[tuple[TopicMatch, Any]] = []
+        self.changed = asyncio.Condition()
+        self._taken: set[int] = set()
+
+    async def keep(self, msg: Any, match: TopicMatch) -> None:
+        """The route handler: keep ``msg``, wake every waiter."""
+        self.received.append((match, msg))
+        async with self.changed:
+            self.changed.notify_all()
+
+    def of(self, kind: type[T], where: Callable[[TopicMatch], bool] = lambda _: True) -> list[T]:
+        """Every message of ``kind`` received so far on topics ``where`` accepts."""
+        return [m for t, m in self.received if isinstance(m, kind) and where(t)]
+
+    async def next(self, kind: type[T], predicate: Callable[[T], bool] = lambda _: True,
+                   timeout_s: float = WAIT_S) -> T:
+        """The oldest message of ``kind`` satisfying ``predicate`` not taken yet; it is taken."""
+        def first() -> tuple[int, T] | None:
+            for i, (_, m) in enumerate(self.received):
+                if i not in self._taken and isinstance(m, kind) and predicate(m):
+                    return i, m
+            return None
+
+        i, msg = await self.until(f"a {kind.__name__}", first, timeout_s)
+        self._taken.add(i)
+        return msg
+
+    async def until(self, what: str, predicate: Callable[[], T | None | bool], timeout_s: float = WAIT_S) -> T:
+        return await until(what, predicate, timeout_s, changed=self.changed)
+
+    async def publish(self, topic: str, msg: object, *, retain: bool = False) -> None:
+        await self.bus.publish(topic, msg, retain=retain)
+
+
+@contextlib.asynccontextmanager
+async def inbox(config: Config, *routes: tuple[Filter, type | tuple[type, ...]],
+                name: str = "test") -> AsyncIterator[Inbox]:
+    """An :class:`Inbox` on ``config``'s broker, connected, taking each ``(filter, message type)``."""
+    bus = Bus(config.broker, client_id=f"{name}-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics(name))
+    box = Inbox(bus, Topics(config.job))
+    for filter_, kind in routes:
+        bus.route(filter_, kind, box.keep)
+    async with bus.running():
+        yield box
+
+
+def control_json(command: str, **fields: object) -> bytes:
+    """A control command as an operator types it for ``mosquitto_pub``."""
+    return json.dumps({"command": command, **fields}).encode()
+
+
+# --- parameter server and its devices ----------------------------------------------
+
+DIGITS_LAYOUT = models.param_layout(models.build_model("digits-cnn"))
+"""Parameter names and shapes of ``digits-cnn``."""
+
+
+def plan_for(devices: list[str], *, version: int = 1, batch: int = 8) -> Plan:
+    """A data-parallel plan of ``digits-cnn``: every device its own cluster ``c-{device}``."""
+    return Plan(version=version, created=time.time(), model_spec="digits-cnn", dataset="digits",
+                devices=tuple(PlanDevice(device=d, cluster=f"c-{d}", shard_index=i, shard_count=len(devices),
+                                         batch_size=batch) for i, d in enumerate(devices)),
+                clusters=tuple(PlanCluster(cluster=f"c-{d}", members=(d,)) for d in devices))
+
+
+def gradient(device: str, seq: int, base: int, *, incarnation: int = 1, scale: float = 0.01,
+             codec: CodecName = "none", cluster: str = "") -> GradientUpdate:
+    """A whole ``digits-cnn`` gradient of ``scale`` everywhere, computed on version ``base``."""
+    enc = get_codec(codec)
+    shards = tuple(ShardUpdate(param=name, start=0, stop=shape[0], codec=codec,
+                               data=enc.encode(np.full(int(np.prod(shape)), scale, np.float32), None))
+                   for name, (shape, _) in DIGITS_LAYOUT.items())
+    return GradientUpdate(device=device, cluster=cluster or f"c-{device}", incarnation=incarnation, seq=seq,
+                          base_version=base, samples=8, shards=shards)
+
+
+class Devices(Inbox):
+    """A test client playing devices and an operator of one parameter server: it publishes plans and
+    updates and sees acks, snapshots and control replies."""
+
+    @property
+    def acks(self) -> list[UpdateAck]:
+        return self.of(UpdateAck)
+
+    @property
+    def snapshots(self) -> list[ModelSnapshot]:
+        return self.of(ModelSnapshot)
+
+    @property
+    def replies(self) -> list[ControlReply]:
+        return self.of(ControlReply)
+
+    def forget(self) -> None:
+        """Drop what was received so far (a resend's ack is told from the first's)."""
+        self.received.clear()
+        self._taken.clear()
+
+    async def ack_for(self, device: str, seq: int, incarnation: int = 1) -> UpdateAck:
+        return await self.until(f"ack {device}/{seq}", lambda: next(
+            (a for a in reversed(self.acks) if (a.device, a.seq, a.incarnation) == (device, seq, incarnation)),
+            None))
+
+    async def version_at_least(self, version: int) -> ModelSnapshot:
+        return await self.until(f"model version {version}", lambda: next(
+            (s for s in reversed(self.snapshots) if s.version >= version), None))
+
+    async def reply(self, request_id: str) -> ControlReply:
+        return await self.until(f"reply {request_id}", lambda: next(
+            (r for r in self.replies if r.request_id == request_id), None))
+
+    async def push(self, update: GradientUpdate) -> UpdateAck:
+        """Publish ``update`` and wait for its ack."""
+        await self.bus.publish(self.topics.grad(update.cluster, update.device), update)
+        return await self.ack_for(update.device, update.seq, update.incarnation)
+
+    async def publish_plan(self, devices: list[str], **kwargs: Any) -> Plan:
+        plan = plan_for(devices, **kwargs)
+        await self.bus.publish(self.topics.plan(), plan, retain=True)
+        return plan
+
+
+@contextlib.asynccontextmanager
+async def devices(config: Config, names: list[str], requester: str = "tester") -> AsyncIterator[Devices]:
+    """A :class:`Devices` client, connected, seeing the model, the acks of ``names`` and ``requester``'s replies."""
+    topics = Topics(config.job)
+    bus = Bus(config.broker, client_id=f"devices-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("tester"))
+    box = Devices(bus, topics)
+    bus.route(topics.model_filter(), ModelSnapshot, box.keep)
+    bus.route(topics.reply_filter(requester), ControlReply, box.keep)
+    for name in names:
+        bus.route(topics.ack_filter(name), UpdateAck, box.keep)
+    async with bus.running():
+        yield box
+
+
+@contextlib.asynccontextmanager
+async def serving_ps(config: Config, names: list[str]) -> AsyncIterator[tuple[Devices, ParameterServer]]:
+    """A parameter server, and a :class:`Devices` client playing ``names`` that has published their plan
+    ("ghost" aside: a device outside it) and seen the first model."""
+    ps = ParameterServer(config)
+    async with devices(config, names) as c, running(ps):
+        await c.publish_plan([n for n in names if n != "ghost"])
+        await c.version_at_least(0)
+        await c.until("the plan", lambda: ps.plan is not None)
+        yield c, ps
+
+
+# --- mesh planning ---------------------------------------------------------------
+
+MIB = 2**20
+"""Bytes in a mebibyte."""
+GIB = 2**30
+"""Bytes in a gibibyte."""
+GIGABIT = 117e6
+"""Gigabit ethernet, bytes/s."""
+CLASSES = {
+    # matmul FLOP/s, memory, uplink bytes/s
+    "pi3": (9.2e9, 566 * MIB, 6.25e6),
+    "pi4": (23.8e9, int(3.3 * GIB), 4.8e6),
+    "pi5": (60.5e9, 7 * GIB, 14e6),
+    "laptop": (115e9, 8 * GIB, 25e6),
+}
+"""The board classes of ``dev``, by kind."""
+
+
+def dev(name: str, kind: str, *, link: float | None = None, memory: int | None = None, flops: float | None = None,
+        latency: float = 0.001) -> DeviceInfo:
+    """A ``kind`` board of ``CLASSES`` named ``name``, any of its figures overridden."""
+    f, m, up = CLASSES[kind]
+    return DeviceInfo(device=name, flops=flops or f, memory_bytes=memory or m, link_rate_bps=link or up,
+                      latency_s=latency)
+
+
+def full(spec: str) -> list[int]:
+    """Every unit of every layer of ``spec``: the whole model."""
+    return [la.units for la in costs.layers(spec)]
+
+
+def share_memory(spec: str, fraction: float, batch: int) -> int:
+    """Memory that holds ``fraction`` of the model (and nothing more) at ``batch``."""
+    empty = member_memory(spec, [0] * len(full(spec)), batch=batch)
+    return int(empty + fraction * (member_memory(spec, full(spec), batch=batch) - empty))
+
+
+def held(division: Division, spec: str, i: int) -> list[int]:
+    """Member ``i``'s units of every layer of ``spec`` in ``division``, in forward order."""
+    return [division.counts[la.name][i] for la in costs.layers(spec)]
+
+
+def check_division(division: Division, spec: str, members: list[DeviceInfo], batch: int) -> None:
+    """Assert that ``division`` of ``members`` is whole and agrees with the cost model and memory."""
+    assert division.members == tuple(d.device for d in members)
+    for layer in costs.layers(spec):
+        counts = division.counts[layer.name]
+        assert len(counts) == len(members) and sum(counts) == layer.units
+        assert all(isinstance(n, int) and n >= 0 for n in counts)
+    for i, d in enumerate(members):
+        assert division.member_seconds[i] == pytest.approx(
+            member_time(spec, d, held(division, spec, i), batch=batch, cluster_size=len(members)))
+        assert division.member_memory_bytes[i] == member_memory(spec, held(division, spec, i), batch=batch)
+    assert division.predicted_s >= max(division.member_seconds) * (1 - 1e-9)  # members meet at every layer
+    assert division.predicted_s == pytest.approx(cluster_iteration_s(spec, members, division.counts, batch=batch))
+    assert division.fits == all(m <= d.memory_bytes for m, d in zip(division.member_memory_bytes, members,
+                                                                     strict=True))

@@ -1,29 +1,32 @@
-"""The adaptive bounded-delay policy (DESIGN.md §5): the pure rule, then the PS against a real broker."""
+"""The adaptive bounded-delay policy (docs/synchronization.md): the pure rule, then the PS on a real broker."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from helpers import gradient, inbox, make_config, running, serving_ps, until
 
-from edgemesh.common.broker import BrokerProcess
-from edgemesh.common.bus import Bus
+from edgemesh.common.config import AdaptiveConfig, Config
+from edgemesh.common.errors import ConfigError
 from edgemesh.common.messages import SyncState
-from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
-from edgemesh.services.parameter_server import policy as rules
+from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server import store
-from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, AdaptiveSettings, quantile, round_weights
-from tests.test_parameter_server import WAIT_S, client, gradient, make_config, publish_plan, running_ps
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, quantile, round_weights
+from edgemesh.services.parameter_server.service import ParameterServer
+
+
+def ps_config(broker: BrokerProcess, state_dir: Path, **settings: object) -> Config:
+    return make_config(broker, job="adaptive", **{"ps.state_dir": state_dir, "ps.eval_every": 0,
+                                                  "ps.broadcast": "snapshot", **settings})
 
 # --------------------------------------------------------------------------- pure rule
 
 
 def test_delay_index_is_a_moving_average_of_each_devices_delays() -> None:
-    a = AdaptiveDelay(AdaptiveSettings(alpha=0.5))
+    a = AdaptiveDelay(AdaptiveConfig(alpha=0.5))
     assert a.observe_delay("pi", 4) == 4.0  # the first observation sets it
     assert a.observe_delay("pi", 0) == 2.0
     assert a.observe_delay("pi", 2) == 2.0
@@ -33,7 +36,7 @@ def test_delay_index_is_a_moving_average_of_each_devices_delays() -> None:
 
 
 def test_bound_follows_the_delay_indices_of_live_devices_within_its_clamp() -> None:
-    a = AdaptiveDelay(AdaptiveSettings(alpha=0.5, quantile=0.9, slack=1.5, min_bound=1), max_bound=6)
+    a = AdaptiveDelay(AdaptiveConfig(alpha=0.5, quantile=0.9, slack=1.5, min_bound=1), max_bound=6)
     assert a.bound() == 6  # nothing observed yet: the max bound
     # a homogeneous fleet, every update on the current version: the bound shrinks to its floor
     trace = {f"d{i}": [0, 0, 0, 0] for i in range(8)}
@@ -55,16 +58,13 @@ def test_bound_follows_the_delay_indices_of_live_devices_within_its_clamp() -> N
     assert a.bound(max_bound=2) == 2
     # devices that left the plan do not count
     assert a.bound(live_devices=["d0", "d1", "d2"]) == 1
-    # judging uses the adapted bound: d <= D applied, d > D discarded as stale
-    a.max_bound, a.live_devices = 6, frozenset({"d0", "d1"})
-    assert a.judge(10, 9) == rules.Verdict(True, 1)
-    assert a.judge(10, 8) == rules.Verdict(False, 2, "stale")
-    assert a.judge(10, 11).reason == "future"
-    assert rules.staleness_weight(1) == 0.5
+    # the plan's devices and the configured bound, as the scheduler tells the rule
+    a.follow(6, frozenset({"d0", "d1"}))
+    assert a.bound() == 1
 
 
 def test_slow_devices_are_far_above_the_fleet_median() -> None:
-    a = AdaptiveDelay(AdaptiveSettings(alpha=1.0, slow_factor=2.0))
+    a = AdaptiveDelay(AdaptiveConfig(alpha=1.0, slow_factor=2.0))
     assert a.slow_devices() == []
     for device, index in {"a": 1, "b": 1, "c": 2, "d": 5, "e": 9}.items():
         a.observe_delay(device, index)
@@ -76,7 +76,7 @@ def test_slow_devices_are_far_above_the_fleet_median() -> None:
 
 
 def test_deadline_adapts_to_recent_cluster_arrival_times() -> None:
-    a = AdaptiveDelay(AdaptiveSettings(quantile=0.9, slack=1.5, min_deadline_s=0.2, max_deadline_s=10.0, window=4))
+    a = AdaptiveDelay(AdaptiveConfig(quantile=0.9, slack=1.5, min_deadline_s=0.2, max_deadline_s=10.0, window=4))
     assert a.deadline() == 10.0  # no arrivals seen: wait the longest
     # three clusters arrive within ~1 s of the round opening, one at ~2 s
     for t in (0.0, 0.1, 0.05, 0.0):
@@ -96,7 +96,7 @@ def test_deadline_adapts_to_recent_cluster_arrival_times() -> None:
         a.observe_arrival("c3", 0.3)
     assert a.deadline() == pytest.approx(quantile([0.025, 0.95, 0.5, 0.3], 0.9) * 1.5)
     # everybody arrives at once: clamped to the shortest deadline; a very slow fleet: to the longest
-    b = AdaptiveDelay(AdaptiveSettings(min_deadline_s=0.2, max_deadline_s=10.0))
+    b = AdaptiveDelay(AdaptiveConfig(min_deadline_s=0.2, max_deadline_s=10.0))
     b.observe_arrival("c0", 0.0)
     assert b.deadline() == 0.2
     b.observe_arrival("c1", 60.0)
@@ -105,10 +105,10 @@ def test_deadline_adapts_to_recent_cluster_arrival_times() -> None:
 
 
 def test_settings_are_validated() -> None:
-    with pytest.raises(ValueError):
-        AdaptiveSettings(alpha=0.0)
-    with pytest.raises(ValueError):
-        AdaptiveSettings(min_deadline_s=2.0, max_deadline_s=1.0)
+    with pytest.raises(ConfigError, match="ps.adaptive.alpha"):
+        AdaptiveConfig(alpha=0.0)
+    with pytest.raises(ConfigError, match="ps.adaptive.max_deadline_s"):
+        AdaptiveConfig(min_deadline_s=2.0, max_deadline_s=1.0)
 
 
 # --------------------------------------------------------------------------- parameter server
@@ -118,13 +118,10 @@ DEADLINE_S = 0.6
 
 async def test_adaptive_round_closes_at_the_deadline_and_bounds_late_updates(
         broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(broker, tmp_path, **{
+    cfg = ps_config(broker, tmp_path, **{
         "training.sync_policy": "adaptive", "training.staleness_bound": "2",
-        "ps.adaptive_min_deadline_s": str(DEADLINE_S), "ps.adaptive_max_deadline_s": "5"})
-    async with client(cfg, ["a", "b"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a", "b"])
-        await c.version_at_least(0)
-        await c.until("the plan", lambda: ps.plan is not None)
+        "ps.adaptive.min_deadline_s": str(DEADLINE_S), "ps.adaptive.max_deadline_s": "5"})
+    async with serving_ps(cfg, ["a", "b"]) as (c, ps):
         # round 1: only a sends; b is silent. The round waits for b until the deadline, not forever.
         sent = time.monotonic()
         ack_a = await c.push(gradient("a", 1, 0))
@@ -156,26 +153,23 @@ async def test_adaptive_round_closes_at_the_deadline_and_bounds_late_updates(
         weights = {(e["device"], int(r["version"])): e["weight"] for r in store.read_wal(tmp_path)
                    for e in r["entries"]}
         assert weights == {("a", 1): 0.5, ("b", 2): 0.25, ("a", 3): 0.5, ("b", 3): 0.5}
-        assert ps.adaptive.indices["b"] > ps.adaptive.indices["a"]
+        assert ps.rule.indices["b"] > ps.rule.indices["a"]
 
 
 async def test_switching_to_adaptive_mid_run_keeps_training(broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "sync",
-                                           "ps.adaptive_min_deadline_s": "0.3", "ps.adaptive_max_deadline_s": "2"})
-    async with client(cfg, ["a", "b"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a", "b"])
-        await c.version_at_least(0)
-        await c.until("the plan", lambda: ps.plan is not None)
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "sync",
+                                           "ps.adaptive.min_deadline_s": "0.3", "ps.adaptive.max_deadline_s": "2"})
+    async with serving_ps(cfg, ["a", "b"]) as (c, ps):
         await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 1, 0))
         assert (await c.push(gradient("b", 1, 0))).version == 1
         # a's next update opens a sync round that b never completes ...
         await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 2, 1))
-        await c.until("a's update in the open round", lambda: "c-a" in ps._round)
+        await c.until("a's update in the open round", lambda: ps.metrics.value("edgemesh_ps_pending_updates") == 1)
         assert ps.version == 1
         # ... until the operator switches to adaptive: the held update goes through at the deadline
         await c.bus.publish(c.topics.control("ps"), b'{"command": "set-sync-policy", "value": "adaptive",'
                                                     b' "requester": "tester", "request_id": "s1"}')
-        reply = await c.until("reply s1", lambda: next((r for r in c.replies if r.request_id == "s1"), None))
+        reply = await c.reply("s1")
         assert reply.ok and reply.result["policy"] == "adaptive" and ps.policy == "adaptive"
         assert "adaptive_bound" in reply.result and "slow_devices" in reply.result
         ack = await c.ack_for("a", 2)
@@ -190,8 +184,8 @@ async def test_switching_to_adaptive_mid_run_keeps_training(broker: BrokerProces
         # set-bound under adaptive sets the max bound
         await c.bus.publish(c.topics.control("ps"), b'{"command": "set-bound", "value": 0, "requester": "tester",'
                                                     b' "request_id": "s2"}')
-        reply = await c.until("reply s2", lambda: next((r for r in c.replies if r.request_id == "s2"), None))
-        assert reply.ok and reply.result["adaptive_bound"] == 0 and ps.adaptive.bound() == 0
+        reply = await c.reply("s2")
+        assert reply.ok and reply.result["adaptive_bound"] == 0 and ps.rule.bound() == 0
 
 
 def test_round_weights_are_shares_of_the_planned_samples_damped_by_delay() -> None:
@@ -209,51 +203,37 @@ def test_round_weights_are_shares_of_the_planned_samples_damped_by_delay() -> No
 async def test_the_ps_publishes_its_sync_state_and_keeps_delay_indices_across_a_restart(
         broker: BrokerProcess, tmp_path: Path) -> None:
     devices = ["a", "b", "c"]
-    cfg = make_config(broker, tmp_path, **{
+    cfg = ps_config(broker, tmp_path, **{
         "training.sync_policy": "sync", "training.staleness_bound": "4", "ps.sync_state_interval_s": "0",
-        "ps.checkpoint_every": "1", "ps.adaptive_min_deadline_s": "0.3", "ps.adaptive_max_deadline_s": "1"})
+        "ps.checkpoint_every": "1", "ps.adaptive.min_deadline_s": "0.3", "ps.adaptive.max_deadline_s": "1"})
     topics = Topics(cfg.job)
-    async with Bus(cfg.broker, client_id=f"sync-{time.monotonic_ns()}", metrics=ServiceMetrics("t"),
-                   subscriptions=[topics.sync()]) as watch:
-        states: list[SyncState] = []
+    async with inbox(cfg, (topics.sync_filter(), SyncState)) as watch:
+        def states() -> list[SyncState]:
+            return watch.of(SyncState)
 
-        async def collect() -> None:
-            async for msg in watch.messages():
-                states.append(msg.decode(SyncState))
-
-        collector = asyncio.create_task(collect())
-        try:
-            async with client(cfg, devices) as c, running_ps(cfg) as ps:
-                await publish_plan(c, devices)
-                await c.until("the first sync state", lambda: states and states[-1].policy == "sync")
-                assert (states[-1].bound, states[-1].slow, states[-1].delay_indices) == (4, (), {})
-                await c.bus.publish(c.topics.control("ps"), b'{"command": "set-sync-policy", "value": "adaptive",'
-                                                            b' "requester": "tester"}')
-                await c.until("the adaptive state", lambda: states[-1].policy == "adaptive")
-                # a and c train on the current model; b's updates are three versions late every round
-                # (applied, weighted, while within the adapted bound; discarded beyond it)
-                for seq in range(1, 7):
-                    v = ps.version
-                    await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", seq, v))
-                    await c.bus.publish(c.topics.grad("c-c", "c"), gradient("c", seq, v))
-                    ack = await c.push(gradient("b", seq, max(0, v - 3)))
-                    assert ack.status == "accepted" or (ack.status, ack.reason) == ("discarded", "stale")
-                    await c.until(f"round {v + 1}", lambda v=v: ps.version > v)
-                state = await c.until("b listed as slow", lambda: states[-1].slow == ("b",) and states[-1])
-                assert state.delay_indices["b"] > 1 >= state.delay_indices["a"] == state.delay_indices["c"]
-                assert state.version == ps.version and state.deadline_s > 0 and 1 <= state.bound <= 4
-                indices = dict(ps.adaptive.indices)
-            # a restarted PS has the indices of its checkpoint, and says so
-            restarted = make_config(broker, tmp_path, **{"training.sync_policy": "adaptive",
-                                                         "ps.sync_state_interval_s": "0"})
-            async with running_ps(restarted) as again:
-                await asyncio.wait_for(_wait(lambda: again.adaptive.indices == indices), WAIT_S)
-                await asyncio.wait_for(_wait(lambda: states[-1].policy == "adaptive"
-                                             and states[-1].delay_indices.get("b") == round(indices["b"], 3)), WAIT_S)
-        finally:
-            collector.cancel()
-
-
-async def _wait(predicate: Callable[[], object]) -> None:
-    while not predicate():
-        await asyncio.sleep(0.05)
+        async with serving_ps(cfg, devices) as (c, ps):
+            await watch.until("the first sync state", lambda: states() and states()[-1].policy == "sync")
+            assert (states()[-1].bound, states()[-1].slow, states()[-1].delay_indices) == (4, (), {})
+            await c.bus.publish(c.topics.control("ps"), b'{"command": "set-sync-policy", "value": "adaptive",'
+                                                        b' "requester": "tester"}')
+            await watch.until("the adaptive state", lambda: states()[-1].policy == "adaptive")
+            # a and c train on the current model; b's updates are three versions late every round
+            # (applied, weighted, while within the adapted bound; discarded beyond it)
+            for seq in range(1, 7):
+                v = ps.version
+                await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", seq, v))
+                await c.bus.publish(c.topics.grad("c-c", "c"), gradient("c", seq, v))
+                ack = await c.push(gradient("b", seq, max(0, v - 3)))
+                assert ack.status == "accepted" or (ack.status, ack.reason) == ("discarded", "stale")
+                await c.until(f"round {v + 1}", lambda v=v: ps.version > v)
+            state = await watch.until("b listed as slow", lambda: states()[-1].slow == ("b",) and states()[-1])
+            assert state.delay_indices["b"] > 1 >= state.delay_indices["a"] == state.delay_indices["c"]
+            assert state.version == ps.version and state.deadline_s > 0 and 1 <= state.bound <= 4
+            indices = dict(ps.rule.indices)
+        # a restarted PS has the indices of its checkpoint, and says so
+        again = ParameterServer(ps_config(broker, tmp_path, **{"training.sync_policy": "adaptive",
+                                                               "ps.sync_state_interval_s": "0"}))
+        async with running(again):
+            await until("the restored indices", lambda: again.rule.indices == indices)
+            await watch.until("them published", lambda: states()[-1].policy == "adaptive"
+                              and states()[-1].delay_indices.get("b") == round(indices["b"], 3))

@@ -43,7 +43,7 @@ from edgemesh.common.wire import Tensor
 from edgemesh.common.wire import encode as wire_encode
 from edgemesh.services.parameter_server.service import ParameterServer, delta_cuts
 from edgemesh.services.planner import mesh
-from edgemesh.services.planner.layout import DeviceInfo
+from edgemesh.services.planner.mesh import DeviceInfo
 from edgemesh.services.planner.service import Planner, mesh_wire
 from edgemesh.services.worker.mesh import BusExchange, LocalHub, MeshMember, MeshTimeout, slices
 from edgemesh.services.worker.service import Worker

@@ -2,165 +2,34 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import pytest
+from helpers import WAIT_S, devices, gradient, make_config, running, serving_ps
 
-from edgemesh.common import models, wire
-from edgemesh.common.broker import BrokerProcess
-from edgemesh.common.bus import Bus
+from edgemesh.common import wire
 from edgemesh.common.codecs import get_codec
-from edgemesh.common.config import Config, load_config
-from edgemesh.common.errors import WireError
-from edgemesh.common.messages import (
-    CodecPolicy,
-    ControlReply,
-    GradientUpdate,
-    ModelSnapshot,
-    Plan,
-    PlanCluster,
-    PlanDevice,
-    ShardUpdate,
-    UpdateAck,
-)
-from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import Topics
+from edgemesh.common.config import Config
+from edgemesh.common.messages import CodecPolicy, GradientUpdate, ShardUpdate
+from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.service import ParameterServer
 
-T = TypeVar("T")
-WAIT_S = 20.0
-POLL_S = 0.05
 JOB = "pstest"
-LAYOUT = models.param_layout(models.build_model("digits-cnn"))
 
 
-def make_config(broker: BrokerProcess, state_dir: Path, **overrides: object) -> Config:
+def ps_config(broker: BrokerProcess, state_dir: Path, **settings: object) -> Config:
     # a snapshot per version: these tests read the model the PS publishes after every step
-    base = {"broker.url": broker.url, "job": JOB, "metrics.address": "127.0.0.1:0",
-            "ps.state_dir": str(state_dir), "ps.eval_every": "0", "broker.backoff_max_s": "0.5",
-            "ps.broadcast": "snapshot"}
-    base.update({k: str(v) for k, v in overrides.items()})
-    return load_config(env={}, overrides=base)
-
-
-def plan_for(devices: list[str]) -> Plan:
-    return Plan(version=1, created=time.time(), model_spec="digits-cnn", dataset="digits",
-                devices=tuple(PlanDevice(device=d, cluster=f"c-{d}", shard_index=i, shard_count=len(devices),
-                                         batch_size=8) for i, d in enumerate(devices)),
-                clusters=tuple(PlanCluster(cluster=f"c-{d}", members=(d,)) for d in devices))
-
-
-def gradient(device: str, seq: int, base: int, *, incarnation: int = 1, scale: float = 0.01,
-             codec: str = "none") -> GradientUpdate:
-    enc = get_codec(codec)
-    shards = tuple(
-        ShardUpdate(param=name, start=0, stop=shape[0], codec=codec,  # type: ignore[arg-type]
-                    data=enc.encode(np.full(int(np.prod(shape)), scale, np.float32), None))
-        for name, (shape, _) in LAYOUT.items())
-    return GradientUpdate(device=device, cluster=f"c-{device}", incarnation=incarnation, seq=seq,
-                          base_version=base, samples=8, shards=shards)
-
-
-class Client:
-    """A test device: publishes plans and updates, collects acks, snapshots and replies."""
-
-    def __init__(self, bus: Bus, topics: Topics) -> None:
-        self.bus = bus
-        self.topics = topics
-        self.acks: list[UpdateAck] = []
-        self.snapshots: list[ModelSnapshot] = []
-        self.replies: list[ControlReply] = []
-        self._changed = asyncio.Condition()
-        self._task = asyncio.create_task(self._collect())
-
-    async def _collect(self) -> None:
-        async for msg in self.bus.messages():
-            with contextlib.suppress(WireError):
-                parts = self.topics.relative(msg.topic)
-                if parts[0] == "ack":
-                    self.acks.append(msg.decode(UpdateAck))
-                elif parts == ["model"]:
-                    self.snapshots.append(msg.decode(ModelSnapshot))
-                elif parts[0] == "control-reply":
-                    self.replies.append(msg.decode(ControlReply))
-            async with self._changed:
-                self._changed.notify_all()
-
-    async def until(self, what: str, predicate: Callable[[], T | None], timeout_s: float = WAIT_S) -> T:
-        """Wait for ``predicate`` to hold: woken by every message, and re-checked every POLL_S
-        for conditions on the service's own state."""
-        try:
-            async with asyncio.timeout(timeout_s), self._changed:
-                while not (result := predicate()):
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(POLL_S):
-                            await self._changed.wait()
-                return result
-        except TimeoutError:
-            raise AssertionError(f"timed out waiting for {what}") from None
-
-    async def ack_for(self, device: str, seq: int, incarnation: int = 1) -> UpdateAck:
-        return await self.until(f"ack {device}/{seq}", lambda: next(
-            (a for a in reversed(self.acks) if (a.device, a.seq, a.incarnation) == (device, seq, incarnation)),
-            None))
-
-    async def version_at_least(self, version: int) -> ModelSnapshot:
-        return await self.until(f"model version {version}", lambda: next(
-            (s for s in reversed(self.snapshots) if s.version >= version), None))
-
-    async def push(self, update: GradientUpdate) -> UpdateAck:
-        await self.bus.publish(self.topics.grad(update.cluster, update.device), update)
-        return await self.ack_for(update.device, update.seq, update.incarnation)
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-
-@contextlib.asynccontextmanager
-async def client(config: Config, devices: list[str]) -> AsyncIterator[Client]:
-    topics = Topics(config.job)
-    subs = [topics.model(), topics.control_reply("tester"), *(topics.ack(d) for d in devices)]
-    async with Bus(config.broker, client_id=f"tester-{os.getpid()}-{time.monotonic_ns()}",
-                   metrics=ServiceMetrics("tester"), subscriptions=subs) as bus:
-        await bus.wait_connected(WAIT_S)
-        c = Client(bus, topics)
-        try:
-            yield c
-        finally:
-            await c.close()
-
-
-@contextlib.asynccontextmanager
-async def running_ps(config: Config) -> AsyncIterator[ParameterServer]:
-    ps = ParameterServer(config)
-    task = asyncio.create_task(ps.run())
-    try:
-        yield ps
-    finally:
-        ps.stop.set()
-        await asyncio.wait_for(task, WAIT_S)
-
-
-async def publish_plan(c: Client, devices: list[str]) -> None:
-    await c.bus.publish(c.topics.plan(), plan_for(devices), retain=True)
+    return make_config(broker, job=JOB, **{"ps.state_dir": state_dir, "ps.eval_every": 0,
+                                           "ps.broadcast": "snapshot", **settings})
 
 
 async def test_async_applies_each_update_and_acks_it(broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "async", "training.staleness_bound": "4"})
-    async with client(cfg, ["a", "b"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a", "b"])
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "async", "training.staleness_bound": "4"})
+    async with serving_ps(cfg, ["a", "b"]) as (c, ps):
         start = await c.version_at_least(0)
         ack = await c.push(gradient("a", 1, start.version))
         assert (ack.status, ack.version) == ("accepted", 1)
@@ -175,10 +44,8 @@ async def test_async_applies_each_update_and_acks_it(broker: BrokerProcess, tmp_
 
 
 async def test_stale_update_is_discarded_and_acked_with_its_reason(broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "async", "training.staleness_bound": "1"})
-    async with client(cfg, ["a"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a"])
-        await c.version_at_least(0)
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "async", "training.staleness_bound": "1"})
+    async with serving_ps(cfg, ["a"]) as (c, ps):
         for seq in (1, 2, 3):
             assert (await c.push(gradient("a", seq, seq - 1))).status == "accepted"
         ack = await c.push(gradient("a", 4, 1))  # delay 3 > bound 1
@@ -188,13 +55,10 @@ async def test_stale_update_is_discarded_and_acked_with_its_reason(broker: Broke
 
 
 async def test_sync_round_waits_for_every_cluster(broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "sync"})
-    async with client(cfg, ["a", "b"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a", "b"])
-        await c.version_at_least(0)
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "sync"})
+    async with serving_ps(cfg, ["a", "b"]) as (c, ps):
         await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 1, 0))
-        await c.until("the PS to hold a's update", lambda: ps.metrics.value("edgemesh_ps_pending_updates") >= 1
-                      or len(ps._round) == 1)
+        await c.until("the PS to hold a's update", lambda: ps.metrics.value("edgemesh_ps_pending_updates") == 1)
         assert ps.version == 0 and not c.acks  # the round is open: nothing applied or acked
         ack_b = await c.push(gradient("b", 1, 0))
         ack_a = await c.ack_for("a", 1)
@@ -205,13 +69,11 @@ async def test_sync_round_waits_for_every_cluster(broker: BrokerProcess, tmp_pat
 
 
 async def test_duplicate_is_not_applied_twice(broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "async"})
-    async with client(cfg, ["a"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a"])
-        await c.version_at_least(0)
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "async"})
+    async with serving_ps(cfg, ["a"]) as (c, ps):
         update = gradient("a", 1, 0)
         assert (await c.push(update)).status == "accepted"
-        c.acks.clear()
+        c.forget()
         assert (await c.push(update)).status == "duplicate"
         assert ps.version == 1
 
@@ -219,10 +81,8 @@ async def test_duplicate_is_not_applied_twice(broker: BrokerProcess, tmp_path: P
 @pytest.mark.parametrize("case", ["wrong_shape", "unknown_param", "nan", "truncated_codec", "truncated_grid",
                                   "inconsistent_grid", "unknown_device"])
 async def test_bad_updates_are_rejected_counted_and_acked(broker: BrokerProcess, tmp_path: Path, case: str) -> None:
-    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "async"})
-    async with client(cfg, ["a", "ghost"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a"])
-        await c.version_at_least(0)
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "async"})
+    async with serving_ps(cfg, ["a", "ghost"]) as (c, ps):
         good = gradient("a", 1, 0)
         shards = list(good.shards)
         device, reason = "a", {"wrong_shape": "shape", "unknown_param": "shape", "nan": "nan",
@@ -254,20 +114,17 @@ async def test_bad_updates_are_rejected_counted_and_acked(broker: BrokerProcess,
                              samples=8, shards=tuple(shards))
         ack = await c.push(bad)
         assert (ack.status, ack.reason) == ("discarded", reason)
-        assert ps.metrics.value("edgemesh_ps_rejected_total", reason=reason) == 1
+        assert ps.metrics.value("edgemesh_ps_rejected_total", route="grad", reason=reason) == 1
         assert ps.version == 0
         # the service keeps working
         assert (await c.push(gradient("a", 2, 0))).status == "accepted"
 
 
 async def test_malformed_and_oversized_payloads_are_counted(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(mosquitto_broker, tmp_path, **{"training.sync_policy": "async",
+    cfg = ps_config(mosquitto_broker, tmp_path, **{"training.sync_policy": "async",
                                                      "broker.max_message_bytes": str(1 << 20)})
-    topics = Topics(cfg.job)
-    async with client(cfg, ["a"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a"])
-        await c.version_at_least(0)
-        grad_topic = topics.grad("c-a", "a")
+    async with serving_ps(cfg, ["a"]) as (c, ps):
+        grad_topic = c.topics.grad("c-a", "a")
         # a plain mosquitto_pub, as an operator or an attacker would send it
         subprocess.run(["mosquitto_pub", "-h", mosquitto_broker.host, "-p", str(mosquitto_broker.port),
                         "-t", grad_topic, "-m", "not msgpack at all"], check=True, timeout=WAIT_S)
@@ -287,16 +144,17 @@ async def test_malformed_and_oversized_payloads_are_counted(mosquitto_broker: Br
 
 
 async def test_ps_reconnects_after_the_broker_is_killed(broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "async"})
-    async with running_ps(cfg) as ps:
-        async with client(cfg, ["a"]) as c:
-            await publish_plan(c, ["a"])
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "async"})
+    ps = ParameterServer(cfg)
+    async with running(ps):
+        async with devices(cfg, ["a"]) as c:
+            await c.publish_plan(["a"])
             await c.version_at_least(0)
             assert (await c.push(gradient("a", 1, 0))).status == "accepted"
         broker.kill()
         broker.restart()  # retained plan and model are gone with the broker's memory
-        async with client(cfg, ["a"]) as c:
-            await publish_plan(c, ["a"])
+        async with devices(cfg, ["a"]) as c:
+            await c.publish_plan(["a"])
             await c.until("the PS to reconnect", lambda: ps.metrics.value("edgemesh_ps_broker_connects_total") >= 2)
             # re-subscribed: a new update is applied and acked
             assert (await c.push(gradient("a", 2, 1))).status == "accepted"
@@ -304,23 +162,21 @@ async def test_ps_reconnects_after_the_broker_is_killed(broker: BrokerProcess, t
 
 
 async def test_control_switches_policy_and_rejects_bad_commands(broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "sync"})
-    async with client(cfg, ["a"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a"])
-        await c.version_at_least(0)
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "sync"})
+    async with serving_ps(cfg, ["a"]) as (c, ps):
         ctl = c.topics.control("ps")
         await c.bus.publish(ctl, b'{"command": "set-sync-policy", "value": "async", "requester": "tester",'
                                  b' "request_id": "r1"}')
-        reply = await c.until("reply r1", lambda: next((r for r in c.replies if r.request_id == "r1"), None))
+        reply = await c.reply("r1")
         assert reply.ok and reply.result["policy"] == "async" and ps.policy == "async"
         await c.bus.publish(ctl, b'{"command": "set-bound", "value": -3, "requester": "tester", "request_id": "r2"}')
-        reply = await c.until("reply r2", lambda: next((r for r in c.replies if r.request_id == "r2"), None))
+        reply = await c.reply("r2")
         assert not reply.ok and ps.bound == cfg.training.staleness_bound
-        assert ps.metrics.value("edgemesh_ps_rejected_total", reason="bad_command") == 1
+        assert ps.metrics.value("edgemesh_ps_rejected_total", route="control", reason="bad_command") == 1
         await c.bus.publish(ctl, b'{"command": "pause", "requester": "tester", "request_id": "r3",'
                                  b' "expires_at": 1.0}')
         await c.until("expired command counted",
-                      lambda: ps.metrics.value("edgemesh_ps_rejected_total", reason="expired") == 1)
+                      lambda: ps.metrics.value("edgemesh_ps_rejected_total", route="control", reason="expired") == 1)
         assert not ps.paused
 
 
@@ -329,7 +185,7 @@ async def test_control_switches_policy_and_rejects_bad_commands(broker: BrokerPr
 
 def start_ps_process(config: Config) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "edgemesh.services.cli", "ps", "--broker", config.broker.url, "--job", config.job,
+        [sys.executable, "-m", "edgemesh", "ps", "--broker", config.broker.url, "--job", config.job,
          "--state-dir", config.ps.state_dir, "--metrics", "127.0.0.1:0",
          "--set", "training.sync_policy=async", "--set", "ps.eval_every=0",
          "--set", "ps.checkpoint_every=3", "--set", "broker.backoff_max_s=0.5",
@@ -340,11 +196,11 @@ def start_ps_process(config: Config) -> subprocess.Popen[bytes]:
 
 async def test_kill_9_and_restart_resumes_the_same_version_without_reapplying(
         mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(mosquitto_broker, tmp_path / "ps", **{"training.sync_policy": "async"})
+    cfg = ps_config(mosquitto_broker, tmp_path / "ps", **{"training.sync_policy": "async"})
     proc = start_ps_process(cfg)
     try:
-        async with client(cfg, ["a"]) as c:
-            await publish_plan(c, ["a"])
+        async with devices(cfg, ["a"]) as c:
+            await c.publish_plan(["a"])
             await c.version_at_least(0)
             # 5 updates: a checkpoint at version 3, versions 4-5 only in the write-ahead log
             for seq in range(1, 6):
@@ -353,14 +209,14 @@ async def test_kill_9_and_restart_resumes_the_same_version_without_reapplying(
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=WAIT_S)
             assert (tmp_path / "ps" / "checkpoint.msgpack").exists()
-            c.snapshots.clear()
+            c.forget()
             proc = start_ps_process(cfg)
             after = await c.version_at_least(0)
             assert after.version == 5
             for name, tensor in before.tensors.items():
                 assert np.array_equal(tensor.to_numpy(), after.tensors[name].to_numpy()), name
             # the worker resends what it could not see acked: nothing is applied twice
-            c.acks.clear()
+            c.forget()
             for seq in (4, 5):
                 assert (await c.push(gradient("a", seq, seq - 1, scale=0.01 * seq))).status == "duplicate"
             assert (await c.push(gradient("a", 6, 5))).version == 6
@@ -372,14 +228,12 @@ async def test_kill_9_and_restart_resumes_the_same_version_without_reapplying(
 
 async def test_ssp_holds_a_cluster_too_far_ahead_until_the_slowest_catches_up(
         broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(broker, tmp_path, **{"training.sync_policy": "ssp", "training.staleness_bound": "1"})
-    async with client(cfg, ["a", "b"]) as c, running_ps(cfg) as ps:
-        await publish_plan(c, ["a", "b"])
-        await c.version_at_least(0)
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "ssp", "training.staleness_bound": "1"})
+    async with serving_ps(cfg, ["a", "b"]) as (c, ps):
         assert (await c.push(gradient("a", 1, 0))).status == "accepted"
         assert (await c.push(gradient("a", 2, 1))).status == "accepted"  # a is 2 ahead of b: the next waits
         await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", 3, 2))
-        await c.until("a's third update to be held", lambda: len(ps._deferred) == 1)
+        await c.until("a's third update to be held", lambda: ps.metrics.value("edgemesh_ps_pending_updates") == 1)
         assert ps.version == 2 and not any(a.seq == 3 for a in c.acks)
         assert (await c.push(gradient("b", 1, 2))).status == "accepted"  # b catches up...
         held = await c.ack_for("a", 3)  # ...and releases a's update

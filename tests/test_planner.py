@@ -26,7 +26,8 @@ from edgemesh.common.config import Config, TrainingConfig, load_config
 from edgemesh.common.messages import ControlReply, DeviceHello, DeviceStatus, Event, Plan
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
-from edgemesh.services.planner.layout import DeviceInfo, cluster_name, plan_data_parallel
+from edgemesh.services.planner.layout import plan_data_parallel
+from edgemesh.services.planner.mesh import DeviceInfo, cluster_name
 from edgemesh.services.planner.service import Planner
 
 WAIT = 10.0
@@ -84,8 +85,8 @@ def test_layout_refuses_a_device_twice() -> None:
 
 def test_cluster_names_of_long_device_names_stay_valid_and_distinct() -> None:
     long_a, long_b = "a" * 63 + "x", "a" * 63 + "y"
-    assert cluster_name("pi-1") == "c-pi-1"
-    names = {cluster_name(long_a), cluster_name(long_b)}
+    assert cluster_name(["pi-1"]) == "c-pi-1"
+    names = {cluster_name([long_a]), cluster_name([long_b])}
     assert len(names) == 2 and all(len(n) <= 64 for n in names)
     plan = plan_data_parallel([info(long_a), info(long_b)], version=1, training=TrainingConfig(), reason="join")
     assert {d.cluster for d in plan.devices} == names

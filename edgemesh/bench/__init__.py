@@ -1,5 +1,26 @@
-"""Benchmarks behind ``edgemesh bench ...``: each writes a JSON report and a PNG plot.
+"""Benchmarks behind ``edgemesh bench ...``: each writes a JSON report and a PNG plot (docs/benchmarks.md).
 
 Reports default to ``bench/reports/`` of the working directory. Benchmarks compare ratios
-measured in one run (this class of machine is noisy); tests never assert their speed.
+measured in one run (this class of machine is noisy); tests never assert their speed. Each
+benchmark module registers its own arguments; only ``edgemesh bench`` imports this package.
 """
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = {
+    "codecs": ("edgemesh.bench.codecs", "gradient codecs: ratio, error, speed, accuracy"),
+    "fleet": ("edgemesh.bench.fleet", "an emulated fleet under every sync policy: time to accuracy, delays, bytes"),
+    "mesh": ("edgemesh.bench.mesh", "single device, data parallelism and Edge Mesh: iteration delay, memory, "
+                                    "accuracy, load balance"),
+}
+"""Benchmark -> (module with ``register(parser)``, one-line help)."""
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh bench NAME``: one subcommand per benchmark, each with the benchmark's own arguments."""
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    for name, (module, text) in BENCHMARKS.items():
+        importlib.import_module(module).register(sub.add_parser(name, help=text, description=text))

@@ -16,6 +16,7 @@ grid at about half the bytes of threshold at equal accuracy).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import sys
@@ -27,9 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from edgemesh import cli
 from edgemesh.bench.reporting import pyplot, write_report
 from edgemesh.common.codecs import ErrorFeedback, available_codecs, get_codec
 from edgemesh.common.messages import CodecPolicy
+from edgemesh.common.vocabulary import SPARSE_CODECS, CodecName
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +58,8 @@ class Settings:
     seed: int = 0
 
 
-def default_policy(codec: str, density: float) -> CodecPolicy:
-    sparse = codec in ("topk", "threshold", "grid")
-    return CodecPolicy(device="bench", codec=codec, density=density if sparse else 1.0)  # type: ignore[arg-type]
+def default_policy(codec: CodecName, density: float) -> CodecPolicy:
+    return CodecPolicy(device="bench", codec=codec, density=density if codec in SPARSE_CODECS else 1.0)
 
 
 def _best_seconds(fn: Callable[[], Any], runs: int = TIMING_RUNS) -> float:
@@ -75,7 +77,7 @@ def memcpy_gbps(elements: int) -> float:
     return src.nbytes / _best_seconds(lambda: np.copyto(dst, src)) / 1e9
 
 
-def _train(codec_name: str, s: Settings, capture: list[dict[str, np.ndarray]] | None) -> float:
+def _train(codec_name: CodecName, s: Settings, capture: list[dict[str, np.ndarray]] | None) -> float:
     """Synchronous training of WORKERS simulated devices through ``codec_name`` with error feedback.
 
     Returns the final held-out accuracy; appends raw per-parameter gradients to ``capture``.
@@ -113,7 +115,7 @@ def _train(codec_name: str, s: Settings, capture: list[dict[str, np.ndarray]] | 
     return float(models.evaluate(model, test)[1])
 
 
-def _on_gradients(codec_name: str, grads: list[dict[str, np.ndarray]], density: float) -> dict[str, float]:
+def _on_gradients(codec_name: CodecName, grads: list[dict[str, np.ndarray]], density: float) -> dict[str, float]:
     codec = get_codec(codec_name)
     policy = default_policy(codec_name, density)
     raw = wire = 0
@@ -133,7 +135,7 @@ def _on_gradients(codec_name: str, grads: list[dict[str, np.ndarray]], density: 
             "relative_error": float(np.mean(errors))}
 
 
-def _speed(codec_name: str, tensor: np.ndarray, density: float) -> dict[str, float]:
+def _speed(codec_name: CodecName, tensor: np.ndarray, density: float) -> dict[str, float]:
     codec = get_codec(codec_name)
     policy = default_policy(codec_name, density)
     data = codec.encode(tensor, policy)
@@ -208,7 +210,18 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def main(report: str, *, rounds: int, density: float, elements: int) -> int:
-    s = Settings(rounds=rounds, density=density, elements=elements)
-    run(Path(report), s, progress=lambda line: print(line, file=sys.stderr, flush=True))
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh bench codecs``."""
+    parser.add_argument("--report", default="bench/reports/codecs.json", help="JSON report path (PNG beside it)")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="training rounds per codec")
+    parser.add_argument("--density", type=float, default=DEFAULT_DENSITY, help="kept share of sparsifying codecs")
+    parser.add_argument("--elements", type=int, default=SYNTHETIC_ELEMENTS, help="size of the synthetic tensor")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    cli.setup_logging(args.log_level or "WARNING")
+    s = Settings(rounds=args.rounds, density=args.density, elements=args.elements)
+    run(Path(args.report), s, progress=lambda line: print(line, file=sys.stderr, flush=True))
     return 0

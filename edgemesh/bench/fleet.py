@@ -24,6 +24,7 @@ Accuracy against time per policy goes to a PNG beside the report.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import sys
@@ -35,17 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgemesh import cli
 from edgemesh.bench.reporting import finish, pyplot
-from edgemesh.bench.runs import device_names, drive, fleet_profiles
-from edgemesh.common.broker import BrokerProcess
-from edgemesh.common.bus import Bus
+from edgemesh.bench.runs import device_names, drive, fleet_profiles, names, observe
+from edgemesh.common.bus import Route
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
-from edgemesh.common.errors import ConfigError, EdgeMeshError, WireError
+from edgemesh.common.errors import ConfigError, EdgeMeshError
 from edgemesh.common.messages import Event, Plan
-from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import Topics
-from edgemesh.services.cluster import LocalCluster
+from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.local.processes import LocalCluster
 
 logger = logging.getLogger(__name__)
 
@@ -90,45 +91,35 @@ def run_config(base: dict[str, str], *, policy: str, devices: int, job: str, bro
     return load_config(env={}, overrides=overrides)
 
 
-async def _watch(cfg: Config, run: Run, devices: set[str], stop: asyncio.Event) -> None:
+async def _watch(cfg: Config, run: Run, devices: set[str]) -> None:
     """Note when the plan first names every device (t0) and every evaluation after it."""
     topics = Topics(cfg.job)
-    async with Bus(cfg.broker, client_id=f"edgemesh-bench-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("bench"),
-                   subscriptions=[topics.plan(), topics.events()]) as bus:
-        async for msg in bus.messages():
-            if stop.is_set():
-                return
-            try:
-                if msg.kind == "plan":
-                    plan = msg.decode(Plan)
-                    run.plan = plan
-                    if run.t0 is None and {d.device for d in plan.devices} >= devices:
-                        run.t0 = time.monotonic()
-                    continue
-                event = msg.decode(Event)
-            except WireError:
-                continue
-            if event.kind == "evaluation" and event.source == "ps" and run.t0 is not None:
-                run.evaluations.append((time.monotonic() - run.t0, int(event.data.get("version") or 0),
-                                        float(event.data.get("accuracy") or 0.0)))
+
+    async def on_plan(plan: Plan, _: TopicMatch) -> None:
+        run.plan = plan
+        if run.t0 is None and {d.device for d in plan.devices} >= devices:
+            run.t0 = time.monotonic()
+
+    async def on_event(event: Event, _: TopicMatch) -> None:
+        if event.kind == "evaluation" and event.source == "ps" and run.t0 is not None:
+            run.evaluations.append((time.monotonic() - run.t0, int(event.data.get("version") or 0),
+                                    float(event.data.get("accuracy") or 0.0)))
+
+    await observe(cfg, Route(topics.plan_filter(), Plan, on_plan), Route(topics.events_filter(), Event, on_event))
 
 
 async def _run_policy(cluster: LocalCluster, devices: list[tuple[str, str]], budget_s: float,
                       progress: Callable[[str], None], label: str) -> Run:
     run = Run()
-    stop = asyncio.Event()
 
     def status(elapsed: float) -> str:
         accuracy = run.evaluations[-1][2] if run.evaluations else 0.0
         return f"{label}: {elapsed:5.1f}s of {budget_s:.0f}s, accuracy {accuracy:.4f}"
 
-    watch = _watch(cluster.cfg, run, {name for name, _ in devices}, stop)
-    try:
-        run.failure = await drive(cluster, devices, watch, started=lambda: run.t0,
-                                  done=lambda elapsed: elapsed >= budget_s, status=status, progress=progress,
-                                  start_timeout_s=START_TIMEOUT_S)
-    finally:
-        stop.set()
+    watch = _watch(cluster.cfg, run, {name for name, _ in devices})
+    run.failure = await drive(cluster, devices, watch, started=lambda: run.t0,
+                              done=lambda elapsed: elapsed >= budget_s, status=status, progress=progress,
+                              start_timeout_s=START_TIMEOUT_S)
     return run
 
 
@@ -269,15 +260,29 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def main(report: str, *, fleet: str, policies: str, target: float, budget_s: float, seed: int,
-         overrides: dict[str, str], keep_logs: bool = False) -> int:
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh bench fleet``."""
+    parser.add_argument("--report", default="bench/reports/fleet.json", help="JSON report path (PNG beside it)")
+    parser.add_argument("--fleet", default=",".join(DEFAULT_FLEET), help="device profiles, comma-separated")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="runs, comma-separated")
+    parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="target held-out accuracy")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds of training per run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the emulated links' disconnects")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every process's log (failed runs always do)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any setting")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    cli.setup_logging(args.log_level or "WARNING")
+    if args.budget_s <= 0 or not 0 < args.target <= 1:
+        raise EdgeMeshError("--budget-s must be > 0 and --target in (0, 1]")
     try:
-        result = run_bench(Path(report), fleet=[p.strip() for p in fleet.split(",") if p.strip()],
-                           policies=[p.strip() for p in policies.split(",") if p.strip()], target=target,
-                           budget_s=budget_s, seed=seed, overrides=overrides, keep_logs=keep_logs,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+        result = run_bench(Path(args.report), fleet=names(args.fleet), policies=names(args.policies),
+                           target=args.target, budget_s=args.budget_s, seed=args.seed, overrides=cli.overrides(args),
+                           keep_logs=args.keep_logs, progress=lambda line: print(line, file=sys.stderr, flush=True))
     except EdgeMeshError as exc:
         print(f"edgemesh bench fleet: {exc}", file=sys.stderr)
         return 2
     return 1 if any(entry["failure"] for entry in result["policies"].values()) else 0
-

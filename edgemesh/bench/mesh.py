@@ -45,6 +45,7 @@ dilated, ratios are not affected.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import statistics
@@ -57,21 +58,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from edgemesh import cli
+from edgemesh.bench.memory import held_bytes
 from edgemesh.bench.reporting import finish, pyplot
-from edgemesh.bench.runs import device_names, drive, fleet_profiles
+from edgemesh.bench.runs import device_names, drive, fleet_profiles, names, observe
 from edgemesh.common import costs
-from edgemesh.common.broker import BrokerProcess
-from edgemesh.common.bus import Bus
+from edgemesh.common.bus import Route
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
-from edgemesh.common.errors import ConfigError, EdgeMeshError, WireError
+from edgemesh.common.errors import ConfigError, EdgeMeshError
 from edgemesh.common.messages import DeviceHello, DeviceStats, Event, Plan, PlanCluster, UpdateAck
-from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import Topics
-from edgemesh.services.cluster import LocalCluster
+from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.local.processes import LocalCluster
 from edgemesh.services.planner import mesh as planning
-from edgemesh.services.planner.layout import DeviceInfo
-from edgemesh.services.planner.service import mesh_wire
+from edgemesh.services.planner.mesh import DeviceInfo, wire_for
 
 logger = logging.getLogger(__name__)
 
@@ -115,39 +116,34 @@ class Run:
         return max(self.versions, default=0)
 
 
-async def _watch(cfg: Config, run: Run, devices: set[str], stop: asyncio.Event) -> None:
+async def _watch(cfg: Config, run: Run, devices: set[str]) -> None:
+    """Note when the plan first names every device (t0), when acks first name each version, the
+    devices' hellos and stats, and every evaluation after t0."""
     topics = Topics(cfg.job)
-    subs = [topics.plan(), topics.events(), f"{topics.root}/ack/+", f"{topics.root}/device/+/stats",
-            f"{topics.root}/device/+/hello"]
-    async with Bus(cfg.broker, client_id=f"edgemesh-bench-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("bench"),
-                   subscriptions=subs) as bus:
-        async for msg in bus.messages():
-            if stop.is_set():
-                return
-            try:
-                match msg.kind:
-                    case "plan":
-                        plan = msg.decode(Plan)
-                        run.plan = plan
-                        if run.t0 is None and {d.device for d in plan.devices} >= devices:
-                            run.t0 = time.monotonic()
-                    case "ack":
-                        ack = msg.decode(UpdateAck)
-                        if run.t0 is not None and ack.status == "accepted":
-                            run.versions.setdefault(ack.version, time.monotonic() - run.t0)
-                    case "stats":
-                        stats = msg.decode(DeviceStats)
-                        run.stats[stats.device] = stats
-                    case "hello":
-                        hello = msg.decode(DeviceHello)
-                        run.hellos[hello.device] = hello
-                    case "event":
-                        event = msg.decode(Event)
-                        if event.kind == "evaluation" and event.source == "ps" and run.t0 is not None:
-                            run.evaluations.append((time.monotonic() - run.t0, int(event.data.get("version") or 0),
-                                                    float(event.data.get("accuracy") or 0.0)))
-            except WireError:
-                continue
+
+    async def on_plan(plan: Plan, _: TopicMatch) -> None:
+        run.plan = plan
+        if run.t0 is None and {d.device for d in plan.devices} >= devices:
+            run.t0 = time.monotonic()
+
+    async def on_ack(ack: UpdateAck, _: TopicMatch) -> None:
+        if run.t0 is not None and ack.status == "accepted":
+            run.versions.setdefault(ack.version, time.monotonic() - run.t0)
+
+    async def on_stats(stats: DeviceStats, _: TopicMatch) -> None:
+        run.stats[stats.device] = stats
+
+    async def on_hello(hello: DeviceHello, _: TopicMatch) -> None:
+        run.hellos[hello.device] = hello
+
+    async def on_event(event: Event, _: TopicMatch) -> None:
+        if event.kind == "evaluation" and event.source == "ps" and run.t0 is not None:
+            run.evaluations.append((time.monotonic() - run.t0, int(event.data.get("version") or 0),
+                                    float(event.data.get("accuracy") or 0.0)))
+
+    await observe(cfg, Route(topics.plan_filter(), Plan, on_plan), Route(topics.ack_filter("+"), UpdateAck, on_ack),
+                  Route(topics.stats_filter(), DeviceStats, on_stats),
+                  Route(topics.hello_filter(), DeviceHello, on_hello), Route(topics.events_filter(), Event, on_event))
 
 
 async def _run(cluster: LocalCluster, devices: list[tuple[str, str]], versions: int,
@@ -156,17 +152,12 @@ async def _run(cluster: LocalCluster, devices: list[tuple[str, str]], versions: 
     multiple of ``eval_every`` is in), stop; what the bus showed."""
     last_eval = versions - eval_every + 1 if eval_every else 0  # one evaluation in every eval_every versions
     run = Run()
-    stop = asyncio.Event()
-    watch = _watch(cluster.cfg, run, {name for name, _ in devices}, stop)
-    try:
-        run.failure = await drive(cluster, devices, watch, started=lambda: run.t0,
-                                  done=lambda _: run.version >= versions and (
-                                      not last_eval or any(v >= last_eval for _, v, _ in run.evaluations)),
-                                  status=lambda elapsed: f"{label}: version {run.version} of {versions}, "
-                                                         f"{elapsed:.0f}s",
-                                  progress=progress, start_timeout_s=START_TIMEOUT_S, run_timeout_s=RUN_TIMEOUT_S)
-    finally:
-        stop.set()
+    watch = _watch(cluster.cfg, run, {name for name, _ in devices})
+    run.failure = await drive(cluster, devices, watch, started=lambda: run.t0,
+                              done=lambda _: run.version >= versions and (
+                                  not last_eval or any(v >= last_eval for _, v, _ in run.evaluations)),
+                              status=lambda elapsed: f"{label}: version {run.version} of {versions}, {elapsed:.0f}s",
+                              progress=progress, start_timeout_s=START_TIMEOUT_S, run_timeout_s=RUN_TIMEOUT_S)
     return run
 
 
@@ -245,83 +236,6 @@ def predicted_iteration_s(run: Run, spec: str, wire: planning.Wire) -> float | N
     return round(worst, 4)
 
 
-def held_bytes(spec: str, batch: int, plan: Plan | None) -> dict[str, Any]:
-    """Bytes of parameters, optimizer-like state and activations per device, measured on real
-    tensors: every cluster of ``plan`` runs one step of its batch (at most ``batch``) in this process
-    (saved-tensor hooks). ``mean`` over the devices (seed 000 reports average memory), ``max``, and
-    the parts of the largest holder."""
-    import numpy as np
-
-    from edgemesh.common import models
-
-    shape = models.get_spec(spec).input_shape
-    rng = np.random.default_rng(0)
-    x = rng.random((batch, *shape), dtype=np.float32)
-    y = rng.integers(0, 10, batch)
-    params = models.get_params(models.build_model(spec))
-    full: dict[str, tuple[int, ...]] = {layer.name: (layer.units,) for layer in costs.layers(spec)}
-    batches = {d.cluster: d.batch_size for d in plan.devices} if plan else {}
-    clusters = [(c.counts if len(c.members) > 1 else full, batches.get(c.cluster, batch))
-                for c in (plan.clusters if plan else ())] or [(full, batch)]
-    out: list[dict[str, int]] = []
-    measured: dict[tuple[Any, int], list[dict[str, int]]] = {}
-    for counts, b in clusters:
-        key = (tuple(sorted(counts.items())), b)
-        if key not in measured:
-            measured[key] = _cluster_bytes(spec, counts, params, x[:b], y[:b])
-        out += measured[key]
-    totals = [sum(d.values()) for d in out]
-    largest = out[totals.index(max(totals))]
-    return {"mean": round(statistics.fmean(totals)), "max": max(totals), "devices": len(out), "largest": largest}
-
-
-def _cluster_bytes(spec: str, counts: dict[str, tuple[int, ...]], params: dict[str, Any], x: Any,
-                   y: Any) -> list[dict[str, int]]:
-    """What every member of a cluster dividing ``spec`` by ``counts`` holds during one step."""
-    import torch
-
-    from edgemesh.services.worker.mesh import LocalHub, MeshMember
-
-    k = len(next(iter(counts.values())))
-    members = [MeshMember(spec, counts, i) for i in range(k)]
-    for m in members:
-        m.load(params, 0)
-    saved: list[dict[int, int]] = [{} for _ in range(k)]
-    # autograd also saves the weights for the input gradient: they are counted as parameters already
-    weights = [{t.untyped_storage().data_ptr() for layer in m.layers.values() for t in (layer.weight, layer.bias)
-                if t is not None} for m in members]
-
-    def runner(i: int) -> Callable[..., Any]:
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in weights[i]:
-                saved[i][storage.data_ptr()] = storage.nbytes()
-            return t
-
-        async def run(fn: Callable[..., Any], *args: Any, flops: float = 0.0) -> Any:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                result = fn(*args)
-            for layer in members[i].layers.values():  # outputs kept for the backward pass
-                if layer.saved is not None:
-                    storage = layer.saved[1].untyped_storage()
-                    saved[i].setdefault(storage.data_ptr(), storage.nbytes())
-            return result
-        return run
-
-    hub = LocalHub(k)
-
-    async def step() -> None:
-        await asyncio.gather(*(m.step(1, x, y, hub.member(i), run=runner(i)) for i, m in enumerate(members)))
-
-    asyncio.run(step())
-    out = []
-    for i, m in enumerate(members):  # the model view keeps exactly the rows a member trains
-        trained = m.param_count * costs.FLOAT32_BYTES
-        out.append({"view": trained, "parameters": trained, "gradients": trained, "residual": trained,
-                    "activations": sum(saved[i].values())})
-    return out
-
-
 def _cluster_entry(run: Run, c: PlanCluster, spec: str, wire: planning.Wire) -> dict[str, Any]:
     """One cluster of the plan: its members, division and batch, and for a model-parallel one every
     member's busy seconds per layer, measured (``DeviceStats.mesh_layer_busy_s``) and predicted by the
@@ -356,13 +270,13 @@ def summarize(run: Run, cluster: LocalCluster, *, spec: str, batch: int) -> dict
     return {
         "avg_iteration_delay_s": round(statistics.fmean(times), 4) if times else None,
         "measured_iteration_s": round(statistics.median(times), 4) if times else None,
-        "predicted_iteration_s": predicted_iteration_s(run, spec, mesh_wire(cluster.cfg)),
+        "predicted_iteration_s": predicted_iteration_s(run, spec, wire_for(cluster.cfg)),
         "iterations_timed": len(times),
         "samples_per_iteration": sum({d.cluster: d.batch_size for d in plan.devices}.values()) if plan else None,
         "load_imbalance": imbalance,
         "load_imbalance_by_layer": per_layer,
         "peak_rss_mb_per_device": round(max(rss), 1) if rss else None,
-        "clusters": [_cluster_entry(run, c, spec, mesh_wire(cluster.cfg)) for c in plan.clusters] if plan else [],
+        "clusters": [_cluster_entry(run, c, spec, wire_for(cluster.cfg)) for c in plan.clusters] if plan else [],
         "mesh_steps_abandoned": int(cluster.total("edgemesh_worker_mesh_steps_total", "worker", outcome="abandoned")),
         "updates_discarded": int(cluster.total("edgemesh_ps_updates_total", "ps", status="discarded")),
         "bytes_published": cluster.over_services("_published_bytes_total"),
@@ -509,13 +423,33 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def main(report: str, *, fleet: str, modes: str, batch: int, dilation: float, iterations: int,
-         accuracy_iterations: int, seed: int, overrides: dict[str, str], keep_logs: bool = False) -> int:
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh bench mesh``."""
+    a = parser.add_argument
+    a("--report", default="bench/reports/mesh.json", help="JSON report path (PNG beside it)")
+    a("--fleet", default=",".join(DEFAULT_FLEET), help="device profiles, comma-separated")
+    a("--modes", default=",".join(MODES), help="runs, comma-separated")
+    a("--batch", type=int, default=DEFAULT_BATCH, help="samples per iteration in every mode (a multiple of the fleet "
+      "size)")
+    a("--dilation", type=float, default=DEFAULT_DILATION, help="emulated boards run this many times slower (compute "
+      "and links), so the host keeps up")
+    a("--iterations", type=int, default=DEFAULT_ITERATIONS, help="timed model versions per mode (after a warm-up)")
+    a("--accuracy-iterations", type=int, default=DEFAULT_ACCURACY_ITERATIONS,
+      help="model versions of each digits accuracy run (0 = skip accuracy)")
+    a("--seed", type=int, default=0, help="seed of the emulated links and the 1,000-device fleet")
+    a("--keep-logs", action="store_true", help="keep every process's log (failed runs always do)")
+    a("--set", action="append", default=[], metavar="KEY=VALUE", help="override any setting")
+    a("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    cli.setup_logging(args.log_level or "WARNING")
     try:
-        result = run_bench(Path(report), fleet=[p.strip() for p in fleet.split(",") if p.strip()],
-                           modes=[m.strip() for m in modes.split(",") if m.strip()], batch=batch, dilation=dilation,
-                           iterations=iterations, accuracy_iterations=accuracy_iterations, seed=seed,
-                           overrides=overrides, keep_logs=keep_logs,
+        result = run_bench(Path(args.report), fleet=names(args.fleet), modes=names(args.modes), batch=args.batch,
+                           dilation=args.dilation, iterations=args.iterations,
+                           accuracy_iterations=args.accuracy_iterations, seed=args.seed,
+                           overrides=cli.overrides(args), keep_logs=args.keep_logs,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     except EdgeMeshError as exc:
         print(f"edgemesh bench mesh: {exc}", file=sys.stderr)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from edgemesh.common.bus import Bus, Route
+from edgemesh.common.config import Config
 from edgemesh.common.emulation.profiles import DeviceProfile, load_profiles
 from edgemesh.common.errors import ConfigError
-from edgemesh.services.cluster import LocalCluster
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.local.processes import LocalCluster
 
 GUARD_INTERVAL_S = 0.25
 """How often a run checks that its processes still run and whether it is done."""
@@ -84,3 +88,17 @@ async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Co
             await watcher
         cluster.stop()
     return failure
+
+
+async def observe(cfg: Config, *routes: Route[Any]) -> None:
+    """Watch a run's topics through ``routes`` until cancelled."""
+    bus = Bus(cfg.broker, client_id=f"edgemesh-bench-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("bench"))
+    for route in routes:
+        bus.route(route.filter, route.message, route.handler)
+    async with bus:
+        await bus.run()
+
+
+def names(text: str) -> list[str]:
+    """A comma-separated list from the command line."""
+    return [p.strip() for p in text.split(",") if p.strip()]

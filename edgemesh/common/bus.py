@@ -1,14 +1,21 @@
-"""The MQTT bus: one aiomqtt client per service, as an async context manager.
+"""The MQTT bus: one aiomqtt connection per service, and the router every service consumes through.
 
-* Speaks MQTT 5 where the broker offers it and falls back to 3.1.1 (``protocol = "auto"``);
-  every semantic lives in the envelope, so nothing depends on v5 properties.
-* Reconnects in one place: an outer loop with capped, jittered exponential backoff that
-  re-subscribes on every connect and then calls the service's ``on_connect`` hook
-  (publish status, resend unacked updates).
-* Splits large payloads into chunks (retained ones onto ``{topic}/chunk/{i}``) and joins
-  them again on receipt with a bounded, timed buffer.
-* Yields ``Incoming`` messages whose envelope already parsed; envelope-level failures
-  (malformed, oversized, bad chunk) are counted on the service's ``rejected_total`` and dropped.
+* **Routes.** A service declares what it consumes: ``bus.route(topics.grad_filter(), GradientUpdate,
+  self.on_gradient)``. Every route's filter goes out in one SUBSCRIBE, on every connect. For each
+  message the router finds its route, parses the topic once (``topics.parse``), unpacks the envelope
+  (joining chunks), decodes the body to the route's type, checks it against the topic (the device a
+  topic names is the device in the body) and awaits ``handler(message, match)``. A failure at any
+  step, and any exception a handler raises, is counted on ``rejected_total{route,reason}`` and logged
+  (the first time per reason, then sparsely); the loop goes on. The router also counts
+  ``received_messages_total{route}`` and times ``handler_seconds{route}``, so no service counts
+  what it receives.
+* **Connection.** ``run()``, a task of the service's TaskGroup, connects (MQTT 5 where the broker
+  offers it, else 3.1.1: every semantic lives in the envelope), then reads and dispatches. It
+  reconnects in one place, with capped, jittered exponential backoff, re-subscribes and calls the
+  ``on_connect`` hooks. A login the broker refuses (bad credentials, not authorized) ends ``run()``
+  with a BusError instead of retrying forever.
+* **Publishing** splits large payloads into chunks (retained ones onto ``{topic}/chunk/{i}``), and
+  waits up to ``publish_timeout_s`` for a connection.
 """
 
 from __future__ import annotations
@@ -19,103 +26,117 @@ import logging
 import random
 import socket
 import ssl
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import aiomqtt
+from paho.mqtt.reasoncodes import ReasonCode
 
 from edgemesh.common import wire
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import Topics, base_topic
+from edgemesh.common.topics import Filter, TopicError, TopicMatch, Topics, base_topic, parse
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
+M = TypeVar("M")
+Handler = Callable[[M, TopicMatch], Awaitable[None]]
+"""What a route calls with each decoded message and its parsed topic."""
 
 QOS_STATE = 1
 """QoS for everything that matters (updates, acks, plan, model); MQTT 3.1.1 and 5 both have it."""
-
 REFUSED_IDS_KEPT = 256
 """Ids of refused chunked messages remembered, so their other chunks are dropped silently."""
-
-INCOMING_QUEUE = 10_000
-"""Messages buffered between the network and the service before back-pressure."""
+INBOX_MESSAGES = 10_000
+"""Messages buffered between the network and the router before back-pressure."""
+UNROUTED = "none"
+"""Route label of a message no route takes."""
+V5_PROBE_TIMEOUT_S = 3.0
+"""How long an ``auto`` connection waits for a v5 CONNACK before trying 3.1.1."""
+UNSUPPORTED_PROTOCOL_CODES = (1, 132)
+"""CONNACK codes for "unsupported protocol version": 3.1.1's 1, which paho maps to v5's 0x84."""
+REFUSED_LOGIN_CODES = (2, 4, 5, 133, 134, 135, 138, 140)
+"""CONNACK codes that a retry cannot change: identifier rejected, bad user name or password, not
+authorized, banned, bad authentication method (3.1.1's 2, 4, 5 and their v5 equivalents)."""
+SUBSCRIBE_FAILURE = 0x80
+"""A SUBACK code at or above this refuses the subscription (3.1.1's 0x80 and v5's reason codes)."""
 
 
 @dataclass(frozen=True, slots=True)
-class Incoming:
-    """A received message: its topic (chunk suffix removed) and its parsed envelope."""
+class Route(Generic[M]):
+    """Messages on ``filter`` decode to ``message`` and go to ``handler``; ``name`` labels the metrics."""
 
-    topic: str
-    retained: bool
-    envelope: wire.Envelope
+    filter: Filter
+    message: type[M] | tuple[type, ...]
+    handler: Handler[M]
+    name: str = ""
+    json_body: bool = False
+    """Also take a UTF-8 JSON object as the body (control topics: operators steer with ``mosquitto_pub``)."""
 
     @property
-    def kind(self) -> str:
-        return self.envelope.kind
-
-    def decode(self, expected: type[T] | tuple[type, ...]) -> T:
-        """The typed message; raises WireError with a reason."""
-        return wire.decode_envelope(self.envelope, expected)
+    def label(self) -> str:
+        return self.name or self.filter.kind
 
 
 class Bus:
-    """An MQTT connection that survives broker restarts."""
+    """An MQTT connection that survives broker restarts, with its routes."""
 
-    def __init__(
-        self,
-        config: BrokerConfig,
-        *,
-        client_id: str,
-        metrics: ServiceMetrics,
-        subscriptions: Sequence[str] = (),
-        will: tuple[str, bytes] | None = None,
-        on_connect: Callable[[], Awaitable[None]] | None = None,
-    ) -> None:
+    def __init__(self, config: BrokerConfig, *, client_id: str, metrics: ServiceMetrics,
+                 will: tuple[str, bytes] | None = None) -> None:
         self.config = config
         self.client_id = client_id
         self.metrics = metrics
-        self._filters: list[str] = []
-        for f in subscriptions:
-            for expanded in Topics.with_chunks(f):
-                if expanded not in self._filters:
-                    self._filters.append(expanded)
+        self._routes: list[Route[Any]] = []
         self._will = will
-        self._on_connect = on_connect
+        self._hooks: list[Callable[[], Awaitable[None]]] = []
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
-        self._queue: asyncio.Queue[Incoming] = asyncio.Queue(maxsize=INCOMING_QUEUE)
-        self._reassembler = wire.Reassembler(
-            max_bytes=config.reassembly_budget_bytes, timeout=config.reassembly_timeout_s
-        )
-        self._protocol = (
-            aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
-        )
+        self._inbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
+        self._reassembler = wire.Reassembler(max_bytes=config.reassembly_budget_bytes,
+                                             timeout=config.reassembly_timeout_s)
+        self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._refused_ids: deque[str] = deque(maxlen=REFUSED_IDS_KEPT)
-        self._task: asyncio.Task[None] | None = None
         self._closing = False
         self.connections = 0
 
-    # --- lifecycle ---------------------------------------------------------------------
+    # --- declaring -------------------------------------------------------------------------
+    def route(self, filter_: Filter, message: type[M] | tuple[type, ...], handler: Handler[M], *,
+              name: str = "", json_body: bool = False) -> Route[M]:
+        """Consume ``filter_`` from the next connect on (declare routes before ``run``)."""
+        route = Route(filter_, message, handler, name, json_body)
+        self._routes.append(route)
+        return route
+
+    async def subscribe(self, *routes: Route[Any]) -> None:
+        """Add routes now: subscribed at once if connected, and on every reconnect."""
+        new = [r for r in routes if r.filter not in {old.filter for old in self._routes}]
+        self._routes.extend(new)
+        await self._subscribe_now([p for r in new for p in r.filter.patterns])
+
+    async def unsubscribe(self, *filters: Filter) -> None:
+        """Drop the routes of ``filters``."""
+        gone = [r for r in self._routes if r.filter in filters]
+        self._routes = [r for r in self._routes if r.filter not in filters]
+        client = self._client
+        patterns = [p for r in gone for p in r.filter.patterns]
+        if client is not None and self._connected.is_set() and patterns:
+            with contextlib.suppress(aiomqtt.MqttError):  # a lost connection re-subscribes what is left
+                await client.unsubscribe(patterns)
+
+    def on_connect(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Await ``hook()`` after every (re)connect, once the subscriptions are in place."""
+        self._hooks.append(hook)
+
+    # --- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Bus:
-        self._task = asyncio.create_task(self._run(), name=f"bus-{self.client_id}")
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         self._closing = True
-        client = self._client
-        if client is not None and self._connected.is_set():
-            with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
-                async with asyncio.timeout(self.config.connect_timeout_s):
-                    await client.__aexit__(None, None, None)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
 
     @property
     def is_connected(self) -> bool:
@@ -129,6 +150,36 @@ class Bus:
         async with asyncio.timeout(timeout_s if timeout_s is not None else self.config.connect_timeout_s):
             await self._connected.wait()
 
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Bus]:
+        """``run()`` for the duration of the block (operator tools and tests), connected on entry."""
+        task = asyncio.create_task(self.run(), name=f"bus-{self.client_id}")
+        waiter = asyncio.create_task(self._connected.wait())
+        try:
+            done, _ = await asyncio.wait({task, waiter}, timeout=self.config.connect_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                task.result()  # the login was refused: raise its BusError
+            if waiter not in done:
+                raise BusError(f"{self.client_id}: no connection to {self.config.url} "
+                               f"within {self.config.connect_timeout_s:g}s")
+            yield self
+        finally:
+            waiter.cancel()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def run(self) -> None:
+        """Connect, read and dispatch until cancelled; BusError when the broker refuses the login."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._dispatch_loop(), name=f"router-{self.client_id}")
+                await self._connection_loop()
+        except* BusError as failed:
+            raise failed.exceptions[0] from None
+
+    # --- connecting --------------------------------------------------------------------------
     def _make_client(self, protocol: aiomqtt.ProtocolVersion) -> aiomqtt.Client:
         will = None
         if self._will is not None:
@@ -139,16 +190,10 @@ class Bus:
             if self.config.cert_file:
                 tls.load_cert_chain(self.config.cert_file, self.config.key_file)
         return aiomqtt.Client(
-            self.config.host,
-            self.config.port,
-            identifier=self.client_id,
-            username=self.config.username or None,
-            password=self.config.password or None,
-            protocol=protocol,
-            will=will,
-            keepalive=self.config.keepalive_s,
-            timeout=self.config.connect_timeout_s,
-            tls_context=tls,
+            self.config.host, self.config.port, identifier=self.client_id,
+            username=self.config.username or None, password=self.config.password or None,
+            protocol=protocol, will=will, keepalive=self.config.keepalive_s,
+            timeout=self.config.connect_timeout_s, tls_context=tls,
             # small QoS 1 packets (acks, updates) must not wait on Nagle + delayed ACK (~40 ms)
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
             clean_session=True if protocol != aiomqtt.ProtocolVersion.V5 else None,
@@ -167,46 +212,53 @@ class Bus:
         try:
             await client.__aenter__()
         except aiomqtt.MqttError as exc:
-            if not probing or not (_refused_protocol(exc) or _unanswered(exc)):
+            if not probing or not (_code_in(exc, UNSUPPORTED_PROTOCOL_CODES) or _unanswered(exc)):
                 raise
             logger.info("%s: broker did not take MQTT 5 (%s); trying MQTT 3.1.1", self.client_id, exc)
-            fallback = self._make_client(aiomqtt.ProtocolVersion.V311)
-            await fallback.__aenter__()
+            client = self._make_client(aiomqtt.ProtocolVersion.V311)
+            await client.__aenter__()
             self._protocol = aiomqtt.ProtocolVersion.V311
-            fallback.timeout = self.config.operation_timeout_s
-            return fallback
         client.timeout = self.config.operation_timeout_s  # connected: answers may queue behind retained data
         return client
 
-    async def _run(self) -> None:
+    async def _connection_loop(self) -> None:
         delay = self.config.backoff_initial_s
         while not self._closing:
             try:
                 client = await self._connect()
             except aiomqtt.MqttError as exc:
-                logger.warning("%s: cannot connect to %s: %s; retry in %.1fs",
-                               self.client_id, self.config.url, exc, delay)
+                if _code_in(exc, REFUSED_LOGIN_CODES):
+                    who = f"user {self.config.username!r}" if self.config.username else "an anonymous client"
+                    raise BusError(f"{self.config.url} refused the login of {who} ({self.client_id}): {exc}") from None
+                logger.warning("%s: cannot connect to %s: %s; retry in %.1fs", self.client_id, self.config.url,
+                               exc, delay)
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter
                 delay = min(delay * 2, self.config.backoff_max_s)
                 continue
             self._client = client
             try:
-                for f in self._filters:
-                    await client.subscribe(f, qos=QOS_STATE)
+                await self._subscribe_now([p for r in self._routes for p in r.filter.patterns])
                 self.connections += 1
                 self.metrics.connects.inc()
                 self.metrics.connected.set(1)
                 self._connected.set()
                 delay = self.config.backoff_initial_s
                 logger.info("%s: connected to %s (MQTT %s)", self.client_id, self.config.url, self.protocol)
-                if self._on_connect is not None:
-                    await self._on_connect()
-                async for msg in client.messages:
-                    await self._receive(msg)
-                # the iterator ends only when the client disconnects
+                for hook in self._hooks:
+                    await hook()
+                async for msg in client.messages:  # ends only when the client disconnects
+                    payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else \
+                        b"" if msg.payload is None else str(msg.payload).encode()
+                    if not payload and msg.retain:
+                        continue  # a cleared retained topic
+                    self.metrics.received_bytes.inc(len(payload))
+                    await self._inbox.put((msg.topic.value, bytes(payload)))
             except aiomqtt.MqttError as exc:
                 if not self._closing:
                     logger.warning("%s: connection to %s lost: %s", self.client_id, self.config.url, exc)
+            except asyncio.CancelledError:
+                await self._disconnect(client)
+                raise
             finally:
                 self._connected.clear()
                 self.metrics.connected.set(0)
@@ -215,49 +267,78 @@ class Bus:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter
                 delay = min(delay * 2, self.config.backoff_max_s)
 
-    async def subscribe(self, filters: Sequence[str]) -> None:
-        """Add subscriptions, now if connected and on every reconnect."""
-        new = [e for f in filters for e in Topics.with_chunks(f) if e not in self._filters]
-        self._filters.extend(new)
-        client = self._client
-        if client is not None and self._connected.is_set():
-            for f in new:
-                with contextlib.suppress(aiomqtt.MqttError):  # a lost connection re-subscribes all
-                    await client.subscribe(f, qos=QOS_STATE)
+    async def _disconnect(self, client: aiomqtt.Client) -> None:
+        """Leave cleanly (a DISCONNECT: the broker does not publish the will)."""
+        self._closing = True
+        with contextlib.suppress(aiomqtt.MqttError, TimeoutError):
+            async with asyncio.timeout(self.config.connect_timeout_s):
+                await client.__aexit__(None, None, None)
 
-    async def unsubscribe(self, filters: Sequence[str]) -> None:
-        """Drop subscriptions added with :meth:`subscribe`."""
-        gone = [e for f in filters for e in Topics.with_chunks(f) if e in self._filters]
-        self._filters = [f for f in self._filters if f not in gone]
+    async def _subscribe_now(self, patterns: list[str]) -> None:
+        """One SUBSCRIBE for ``patterns`` if connected; refusals are counted and logged."""
         client = self._client
-        if client is not None and self._connected.is_set():
-            for f in gone:
-                with contextlib.suppress(aiomqtt.MqttError):
-                    await client.unsubscribe(f)
-
-    # --- receiving -------------------------------------------------------------------------
-    async def _receive(self, msg: aiomqtt.Message) -> None:
-        topic = msg.topic.value
-        payload = msg.payload
-        if not isinstance(payload, (bytes, bytearray)):
-            payload = b"" if payload is None else str(payload).encode()
-        if not payload and msg.retain:
-            return  # a cleared retained topic
-        self.metrics.received_bytes.inc(len(payload))
-        try:
-            envelope = self._unpack(topic, bytes(payload))
-        except WireError as exc:
-            self.metrics.reject(exc.reason, topic, f"{exc} payload={wire.truncate(bytes(payload))}")
+        if client is None or not patterns:
             return
-        if envelope is None:
-            return  # more chunks to come
-        await self._queue.put(Incoming(topic=base_topic(topic), retained=msg.retain, envelope=envelope))
+        try:
+            granted = await client.subscribe([(p, QOS_STATE) for p in patterns])
+        except aiomqtt.MqttError:
+            if self._connected.is_set():
+                return  # the connection is going: the next connect subscribes everything again
+            raise
+        codes: list[int | ReasonCode] = list(granted)
+        for pattern, code in zip(patterns, codes, strict=False):
+            if (code.value if isinstance(code, ReasonCode) else code) >= SUBSCRIBE_FAILURE:
+                self.metrics.refused.labels(operation="subscribe").inc()
+                logger.error("%s: the broker refused the subscription to %s (%s)", self.client_id, pattern, code)
 
-    def _unpack(self, topic: str, payload: bytes) -> wire.Envelope | None:
+    # --- routing -------------------------------------------------------------------------
+    async def _dispatch_loop(self) -> None:
+        while True:
+            topic, payload = await self._inbox.get()
+            await self._dispatch(topic, payload)
+
+    def _route_for(self, topic: str) -> Route[Any] | None:
+        return next((r for r in self._routes if r.filter.matches(topic)), None)
+
+    async def _dispatch(self, topic: str, payload: bytes) -> None:
+        """Route one received payload: parse, unpack, decode, check, handle; every failure counted."""
+        base = base_topic(topic)
+        route = self._route_for(base)
+        label = route.label if route is not None else UNROUTED
+        try:
+            if route is None:
+                raise WireError(f"no route takes {base}", "topic")
+            try:
+                match = parse(base)
+            except TopicError as exc:
+                raise WireError(str(exc), "topic") from None
+            envelope = self._unpack(base, payload, json_body=route.json_body, route=label)
+            if envelope is None:
+                return  # more chunks to come
+            message = wire.decode_envelope(envelope, route.message)
+            why = match.disagreement(message)
+            if why is not None:
+                raise WireError(why, "topic")
+        except WireError as exc:
+            self.metrics.reject(exc.reason, topic, f"{exc} payload={wire.truncate(payload)}", route=label)
+            return
+        assert route is not None
+        self.metrics.received_messages.labels(route=label).inc()
+        started = time.perf_counter()
+        try:
+            await route.handler(message, match)
+        except WireError as exc:
+            self.metrics.reject(exc.reason, topic, exc, route=label)
+        except Exception as exc:  # a handler's bug or a lost connection must not end the router
+            self.metrics.reject("handler", topic, f"{type(exc).__name__}: {exc}", route=label, error=exc)
+        finally:
+            self.metrics.handler_seconds.labels(route=label).observe(time.perf_counter() - started)
+
+    def _unpack(self, topic: str, payload: bytes, *, json_body: bool, route: str) -> wire.Envelope | None:
         try:
             envelope = wire.unpack(payload, max_bytes=self.config.max_message_bytes)
         except WireError as exc:
-            if exc.reason != "malformed" or "/control/" not in topic:
+            if exc.reason != "malformed" or not json_body:
                 raise
             return wire.unpack_json(payload, "control", max_bytes=self.config.max_message_bytes)
         if envelope.kind != wire.CHUNK_KIND:
@@ -269,10 +350,10 @@ class Bus:
             self._refused_ids.append(chunk.id)
             raise WireError(f"chunked message of {chunk.size} bytes exceeds the limit", "oversized")
         before = dict(self._reassembler.dropped)
-        whole = self._reassembler.add(base_topic(topic), chunk)
+        whole = self._reassembler.add(topic, chunk)
         for reason, n in self._reassembler.dropped.items():
             if n > before.get(reason, 0):
-                self.metrics.reject(reason, topic, "partial chunked message dropped")
+                self.metrics.reject(reason, topic, "partial chunked message dropped", route=route)
         if whole is None:
             return None
         inner = wire.unpack(whole, max_bytes=self.config.max_message_bytes)
@@ -280,19 +361,9 @@ class Bus:
             raise WireError("a chunk inside a chunk", "chunk")
         return inner
 
-    async def messages(self) -> AsyncIterator[Incoming]:
-        """Received messages, across reconnects, until the bus closes."""
-        while True:
-            yield await self._queue.get()
-
-    async def next_message(self, timeout_s: float) -> Incoming:
-        async with asyncio.timeout(timeout_s):
-            return await self._queue.get()
-
     # --- publishing ----------------------------------------------------------------------
-    async def publish(
-        self, topic: str, msg: Any, *, retain: bool = False, qos: int = QOS_STATE, kind: str = ""
-    ) -> int:
+    async def publish(self, topic: str, msg: Any, *, retain: bool = False, qos: int = QOS_STATE,
+                      kind: str = "") -> int:
         """Publish a message (or ready envelope bytes); returns bytes sent. Chunks large payloads.
 
         Waits up to ``publish_timeout_s`` for a connection; raises BusError after that.
@@ -336,18 +407,11 @@ class Bus:
         await self._publish_raw(topic, b"", retain=True, qos=QOS_STATE)
 
 
-V5_PROBE_TIMEOUT_S = 3.0
-"""How long an ``auto`` connection waits for a v5 CONNACK before trying 3.1.1."""
-
-UNSUPPORTED_PROTOCOL_CODES = (1, 132)
-"""CONNACK codes for "unsupported protocol version": 3.1.1's 1, which paho maps to v5's 0x84."""
-
-
-def _refused_protocol(exc: aiomqtt.MqttError) -> bool:
-    """True when the broker answered but refused the MQTT version (amqtt does for v5)."""
+def _code_in(exc: aiomqtt.MqttError, codes: tuple[int, ...]) -> bool:
+    """Whether the broker answered with one of ``codes`` (a refused CONNECT)."""
     rc = getattr(exc, "rc", None)
     value = getattr(rc, "value", rc)
-    return isinstance(exc, aiomqtt.MqttCodeError) and value in UNSUPPORTED_PROTOCOL_CODES
+    return isinstance(exc, aiomqtt.MqttCodeError) and value in codes
 
 
 def _unanswered(exc: aiomqtt.MqttError) -> bool:

@@ -17,8 +17,12 @@ from edgemesh.common.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-# a rejection is logged at WARNING the first time per reason, then every this many times
 REJECT_LOG_EVERY = 100
+"""A rejection is logged at WARNING the first time per route and reason, then every this many times."""
+LOGGED_DETAIL_CHARS = 200
+"""Longest detail of a rejection in a log line."""
+HANDLER_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+"""Buckets of the router's handler-duration histogram, seconds."""
 
 
 class ServiceMetrics:
@@ -31,13 +35,17 @@ class ServiceMetrics:
         self._server: Any = None
         self._thread: Any = None
         self.port = 0
-        self._rejects_seen: dict[str, int] = {}
+        self._rejects_seen: dict[tuple[str, str], int] = {}
 
         self.published_messages = self.counter("published_messages", "Messages published", ["kind"])
         self.published_bytes = self.counter("published_bytes", "Payload bytes published (after chunking)")
-        self.received_messages = self.counter("received_messages", "Messages received and decoded", ["kind"])
+        self.received_messages = self.counter("received_messages", "Messages the router decoded and handed to "
+                                              "their route's handler", ["route"])
         self.received_bytes = self.counter("received_bytes", "Payload bytes received")
-        self.rejected = self.counter("rejected", "Messages rejected, by reason", ["reason"])
+        self.rejected = self.counter("rejected", "Messages rejected, by route and reason", ["route", "reason"])
+        self.handler_seconds = self.histogram("handler_seconds", "Time a route's handler took for one message",
+                                              HANDLER_BUCKETS, ["route"])
+        self.refused = self.counter("broker_refused", "Operations the broker refused", ["operation"])
         self.connects = self.counter("broker_connects", "Successful broker connections")
         self.connected = self.gauge("broker_connected", "1 while connected to the broker")
         self.up = self.gauge("up", "1 while the service runs")
@@ -53,22 +61,30 @@ class ServiceMetrics:
         return Histogram(self.prefix + name, doc, labels or [], buckets=buckets, registry=self.registry)
 
     # --- rejections ----------------------------------------------------------------------
-    def reject(self, reason: str, topic: str, detail: object) -> None:
-        """Count a rejected message and log it (first time per reason, then sparsely)."""
-        self.rejected.labels(reason=reason).inc()
-        seen = self._rejects_seen.get(reason, 0) + 1
-        self._rejects_seen[reason] = seen
+    def reject(self, reason: str, topic: str, detail: object, *, route: str,
+               error: BaseException | None = None) -> None:
+        """Count a rejected message of ``route`` and log it: the first time per route and reason (with
+        the traceback of ``error``, a handler's exception), then every ``REJECT_LOG_EVERY`` times."""
+        self.rejected.labels(route=route, reason=reason).inc()
+        key = (route, reason)
+        seen = self._rejects_seen.get(key, 0) + 1
+        self._rejects_seen[key] = seen
         text = str(detail)
-        if len(text) > 200:
-            text = text[:200] + "..."
-        level = logging.WARNING if seen == 1 or seen % REJECT_LOG_EVERY == 0 else logging.DEBUG
-        logger.log(level, "%s rejected a message on %s (%s, #%d): %s", self.service, topic, reason, seen, text)
+        if len(text) > LOGGED_DETAIL_CHARS:
+            text = text[:LOGGED_DETAIL_CHARS] + "..."
+        first = seen == 1
+        level = logging.WARNING if first or seen % REJECT_LOG_EVERY == 0 else logging.DEBUG
+        if error is not None and first:
+            level = logging.ERROR
+        logger.log(level, "%s rejected a message on %s (%s %s, #%d): %s", self.service, topic, route, reason, seen,
+                   text, exc_info=error if first else None)
 
     # --- reading (tests, demo summary) -----------------------------------------------------
     def value(self, name: str, **labels: str) -> float:
-        """Current value of a sample on this registry (0 if absent)."""
-        found = self.registry.get_sample_value(name, labels or None)
-        return float(found or 0.0)
+        """A sample on this registry summed over the labels not given (0 if absent)."""
+        want = set(labels.items())
+        return float(sum(s.value for metric in self.registry.collect() for s in metric.samples
+                         if s.name == name and want <= set(s.labels.items())))
 
     # --- HTTP ----------------------------------------------------------------------------
     def serve(self, address: str, port_file: str = "") -> int:

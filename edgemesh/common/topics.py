@@ -1,8 +1,15 @@
-"""Every MQTT topic and subscription filter EdgeMesh uses, built in one place (DESIGN.md §2).
+"""Every MQTT topic and subscription filter EdgeMesh uses, built and parsed in one place (docs/topics.md).
 
 All topics live under ``edgemesh/v1/{job}/`` so several trainings can share one broker.
-Large retained messages are chunked onto ``{topic}/chunk/{index}`` (see ``wire``); the
-``*_filters`` helpers return both the topic and its chunk filter so subscribers get either.
+
+* ``Topics(job)`` builds the topics a service publishes on (``topics.grad(cluster, device)``)
+  and the :class:`Filter` objects it subscribes with (``topics.grad_filter()``).
+* :func:`parse` turns a received topic into a :class:`TopicMatch` (job, kind, device,
+  cluster, ...) once, for the bus's router; :meth:`TopicMatch.disagreement` checks a decoded
+  body against it (the device a topic names is the device in the body).
+
+Large retained messages are chunked onto ``{topic}/chunk/{index}`` (see ``wire``); a filter
+subscribes to both the topic and its chunks (``Filter.patterns``).
 """
 
 from __future__ import annotations
@@ -10,16 +17,32 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 PREFIX = "edgemesh/v1"
 CHUNK_SEGMENT = "chunk"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
+TopicKind = Literal["hello", "status", "stats", "plan", "sync", "codec", "model", "delta", "grad", "grad_raw",
+                    "ack", "mesh", "control", "reply", "events"]
+"""The families of topics; a route is named after the family it consumes."""
+SERVICE_TARGETS = ("planner", "ps", "compressor", "all")
+"""Control targets other than ``device/{id}``."""
+MAX_TOPIC_CHARS = 1024
+"""Longest topic a message may name as its reply topic (MQTT allows 65,535 bytes; ours are far shorter)."""
+CHECKED_FIELDS = ("device", "cluster", "layer", "phase")
+"""Fields a topic names that a message body must not contradict."""
+
 
 def valid_name(name: str) -> bool:
     """A job, device or cluster name: 1-64 chars of ``[A-Za-z0-9_.-]``, no MQTT wildcards or ``/``."""
     return bool(_NAME.match(name))
+
+
+def valid_topic(topic: str) -> bool:
+    """A topic a message may be published on: 1-``MAX_TOPIC_CHARS`` characters, no wildcard or NUL."""
+    return 0 < len(topic) <= MAX_TOPIC_CHARS and not any(c in topic for c in "+#\x00")
 
 
 def check_name(kind: str, name: str) -> str:
@@ -28,9 +51,59 @@ def check_name(kind: str, name: str) -> str:
     return name
 
 
+class TopicError(ValueError):
+    """A topic that is not one of EdgeMesh's."""
+
+
+@dataclass(frozen=True, slots=True)
+class TopicMatch:
+    """A received topic, parsed: its family and the names it carries (empty where it has none)."""
+
+    job: str
+    kind: TopicKind
+    device: str = ""
+    """The device the topic is about: the sender of a hello, stats or gradient, the owner of a codec
+    policy or ack, the member sending a mesh forward slice or step message, the receiver of a
+    backward slice, the target of ``control/device/{id}``."""
+    cluster: str = ""
+    layer: str = ""
+    phase: str = ""
+    target: str = ""
+    """``control/{target}``: planner, ps, compressor, all or device/{id}; ``control-reply/{requester}``:
+    the requester."""
+
+    def disagreement(self, body: object) -> str | None:
+        """Why ``body`` contradicts this topic (a field the topic names holds another value), or None."""
+        for name in CHECKED_FIELDS:
+            named = getattr(self, name)
+            value = getattr(body, name, None)
+            if named and isinstance(value, str) and value and value != named:
+                return f"{name} {value!r} on a topic of {name} {named!r}"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    """A subscription filter and the family of topics it matches."""
+
+    pattern: str
+    kind: TopicKind
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """What to subscribe to: the filter and, unless it ends in ``#``, its retained chunks."""
+        if self.pattern.endswith("#"):
+            return (self.pattern,)
+        return (self.pattern, f"{self.pattern}/{CHUNK_SEGMENT}/+")
+
+    def matches(self, topic: str) -> bool:
+        """Whether ``topic`` (without a chunk suffix) falls under this filter."""
+        return matches(self.pattern, topic)
+
+
 @dataclass(frozen=True, slots=True)
 class Topics:
-    """Topic builder for one job."""
+    """Topic and filter builder for one job."""
 
     job: str
 
@@ -40,6 +113,9 @@ class Topics:
     @property
     def root(self) -> str:
         return f"{PREFIX}/{self.job}"
+
+    def _filter(self, relative: str, kind: TopicKind) -> Filter:
+        return Filter(f"{self.root}/{relative}", kind)
 
     # --- devices -----------------------------------------------------------------------
     def hello(self, device: str) -> str:
@@ -51,27 +127,33 @@ class Topics:
     def stats(self, device: str) -> str:
         return f"{self.root}/device/{device}/stats"
 
-    def all_hello(self) -> str:
-        return f"{self.root}/device/+/hello"
+    def hello_filter(self) -> Filter:
+        return self._filter("device/+/hello", "hello")
 
-    def all_status(self) -> str:
-        return f"{self.root}/device/+/status"
+    def status_filter(self) -> Filter:
+        return self._filter("device/+/status", "status")
 
-    def all_stats(self) -> str:
-        return f"{self.root}/device/+/stats"
+    def stats_filter(self) -> Filter:
+        return self._filter("device/+/stats", "stats")
 
-    # --- plan, codec, model --------------------------------------------------------------
+    # --- plan, codec, model, sync -------------------------------------------------------
     def plan(self) -> str:
         return f"{self.root}/plan"
+
+    def plan_filter(self) -> Filter:
+        return self._filter("plan", "plan")
 
     def codec(self, device: str) -> str:
         return f"{self.root}/codec/{device}"
 
-    def all_codec(self) -> str:
-        return f"{self.root}/codec/+"
+    def codec_filter(self, device: str = "+") -> Filter:
+        return self._filter(f"codec/{device}", "codec")
 
     def model(self) -> str:
         return f"{self.root}/model"
+
+    def model_filter(self) -> Filter:
+        return self._filter("model", "model")
 
     def model_delta(self) -> str:
         return f"{self.root}/model/delta"
@@ -80,89 +162,107 @@ class Topics:
         """A model-parallel member's part of every delta: the blocks of the rows it trains."""
         return f"{self.root}/model/delta/{device}"
 
+    def delta_filter(self, device: str = "") -> Filter:
+        """The broadcast deltas, or (with ``device``) that member's part of each."""
+        return self._filter(f"model/delta/{device}" if device else "model/delta", "delta")
+
     def sync(self) -> str:
         """The parameter server's retained ``SyncState`` (policy, bound, deadline, delay indices)."""
         return f"{self.root}/sync"
+
+    def sync_filter(self) -> Filter:
+        return self._filter("sync", "sync")
 
     # --- gradients and acks ----------------------------------------------------------------
     def grad(self, cluster: str, device: str) -> str:
         return f"{self.root}/grad/{cluster}/{device}"
 
-    def all_grad(self) -> str:
-        return f"{self.root}/grad/+/+"
+    def grad_filter(self) -> Filter:
+        return self._filter("grad/+/+", "grad")
 
     def grad_raw(self, cluster: str, device: str) -> str:
         return f"{self.root}/grad-raw/{cluster}/{device}"
 
-    def all_grad_raw(self) -> str:
-        return f"{self.root}/grad-raw/+/+"
+    def grad_raw_filter(self) -> Filter:
+        return self._filter("grad-raw/+/+", "grad_raw")
 
     def ack(self, device: str) -> str:
         return f"{self.root}/ack/{device}"
+
+    def ack_filter(self, device: str) -> Filter:
+        return self._filter(f"ack/{device}", "ack")
 
     # --- model-parallel mesh ---------------------------------------------------------------
     def mesh(self, cluster: str, layer: str, phase: str, device: str) -> str:
         return f"{self.root}/mesh/{cluster}/{layer}/{phase}/{device}"
 
-    def cluster_mesh(self, cluster: str) -> str:
-        return f"{self.root}/mesh/{cluster}/#"
+    def mesh_filter(self, cluster: str, layer: str, phase: str, device: str) -> Filter:
+        return self._filter(f"mesh/{cluster}/{layer}/{phase}/{device}", "mesh")
 
-    def mesh_member(self, cluster: str, device: str, members: Sequence[str]) -> list[str]:
-        """What a member of ``cluster`` subscribes to: the other members' forward slices, step
-        starts and readiness (one filter each, so its own do not come back), and the backward
-        slices addressed to it."""
-        others = [m for m in members if m != device]
-        return [*(f"{self.root}/mesh/{cluster}/+/fwd/{m}" for m in others),
-                *(f"{self.root}/mesh/{cluster}/step/begin/{m}" for m in others),
-                *(f"{self.root}/mesh/{cluster}/step/ready/{m}" for m in others),
-                f"{self.root}/mesh/{cluster}/+/bwd/{device}"]
+    def cluster_mesh_filter(self, cluster: str) -> Filter:
+        """Every mesh message of ``cluster`` (recorders and tests)."""
+        return self._filter(f"mesh/{cluster}/#", "mesh")
 
     # --- operations ------------------------------------------------------------------------
     def control(self, target: str) -> str:
         """``target`` is planner | ps | compressor | all | device/{id}."""
         return f"{self.root}/control/{target}"
 
+    def control_filter(self, target: str) -> Filter:
+        return self._filter(f"control/{target}", "control")
+
     def control_reply(self, requester: str) -> str:
         return f"{self.root}/control-reply/{requester}"
 
+    def reply_filter(self, requester: str) -> Filter:
+        return self._filter(f"control-reply/{requester}", "reply")
+
     def events(self) -> str:
         return f"{self.root}/events"
+
+    def events_filter(self) -> Filter:
+        return self._filter("events", "events")
 
     # --- chunking --------------------------------------------------------------------------
     @staticmethod
     def chunk(topic: str, index: int) -> str:
         return f"{topic}/{CHUNK_SEGMENT}/{index}"
 
-    @staticmethod
-    def with_chunks(filter_: str) -> list[str]:
-        """A subscription filter plus the filter for its retained chunks."""
-        if filter_.endswith("#"):
-            return [filter_]
-        return [filter_, f"{filter_}/{CHUNK_SEGMENT}/+"]
 
-    # --- parsing ---------------------------------------------------------------------------
-    def relative(self, topic: str) -> list[str]:
-        """The topic's levels below the job root, with a trailing ``chunk/{i}`` removed.
-
-        Raises ValueError for a topic outside this job.
-        """
-        prefix = self.root + "/"
-        if not topic.startswith(prefix):
-            raise ValueError(f"topic {topic!r} is outside job {self.job!r}")
-        parts = topic[len(prefix):].split("/")
-        if _has_chunk_suffix(parts):
-            parts = parts[:-2]
-        return parts
-
-    def device_of(self, topic: str) -> str:
-        """The device segment of a ``device/{d}/...``, ``codec/{d}``, ``ack/{d}`` or ``grad/{c}/{d}`` topic."""
-        parts = self.relative(topic)
-        match parts:
-            case ["device", device, _] | ["codec", device] | ["ack", device]:
-                return device
-            case ["grad" | "grad-raw", _cluster, device]:
-                return device
-        raise ValueError(f"topic {topic!r} names no device")
+def parse(topic: str) -> TopicMatch:
+    """The family and names of an EdgeMesh topic (a trailing ``chunk/{i}`` ignored); TopicError otherwise."""
+    parts = topic.split("/")
+    if _has_chunk_suffix(parts):
+        parts = parts[:-2]
+    if len(parts) < 4 or "/".join(parts[:2]) != PREFIX or not valid_name(parts[2]):
+        raise TopicError(f"{topic!r} is not under {PREFIX}/{{job}}/")
+    job, rest = parts[2], parts[3:]
+    match rest:
+        case ["device", device, ("hello" | "status" | "stats") as kind]:
+            return TopicMatch(job, kind, device=device)
+        case ["plan" | "sync" | "model" | "events" as kind]:
+            return TopicMatch(job, kind)
+        case ["model", "delta"]:
+            return TopicMatch(job, "delta")
+        case ["model", "delta", device]:
+            return TopicMatch(job, "delta", device=device)
+        case ["codec", device]:
+            return TopicMatch(job, "codec", device=device)
+        case ["ack", device]:
+            return TopicMatch(job, "ack", device=device)
+        case ["grad", cluster, device]:
+            return TopicMatch(job, "grad", device=device, cluster=cluster)
+        case ["grad-raw", cluster, device]:
+            return TopicMatch(job, "grad_raw", device=device, cluster=cluster)
+        case ["mesh", cluster, layer, phase, device]:
+            return TopicMatch(job, "mesh", device=device, cluster=cluster, layer=layer, phase=phase)
+        case ["control", target] if target in SERVICE_TARGETS:
+            return TopicMatch(job, "control", target=target)
+        case ["control", "device", device]:
+            return TopicMatch(job, "control", device=device, target=f"device/{device}")
+        case ["control-reply", requester]:
+            return TopicMatch(job, "reply", target=requester)
+    raise TopicError(f"{topic!r} is not an EdgeMesh topic")
 
 
 def base_topic(topic: str) -> str:
@@ -173,7 +273,7 @@ def base_topic(topic: str) -> str:
     return topic
 
 
-def _has_chunk_suffix(parts: list[str]) -> bool:
+def _has_chunk_suffix(parts: Sequence[str]) -> bool:
     """Levels end in ``chunk/{index}`` (a device, cluster or job may itself be named ``chunk``)."""
     return len(parts) >= 2 and parts[-2] == CHUNK_SEGMENT and parts[-1].isascii() and parts[-1].isdigit()
 
@@ -184,7 +284,7 @@ def matches(filter_: str, topic: str) -> bool:
     tparts = topic.split("/")
     for i, f in enumerate(fparts):
         if f == "#":
-            return i < len(tparts) or (i == len(tparts))
+            return i <= len(tparts)
         if i >= len(tparts):
             return False
         if f != "+" and f != tparts[i]:

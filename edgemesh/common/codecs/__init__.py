@@ -1,4 +1,4 @@
-"""Gradient codecs behind one interface, with error feedback (DESIGN.md §6).
+"""Gradient codecs behind one interface, with error feedback (docs/compression.md).
 
 ``encode(grad, policy) -> bytes`` takes a flat float32 gradient; ``decode(data, numel)``
 returns it (or its approximation) as flat float32 and raises ``CodecError`` for a payload

@@ -8,12 +8,13 @@ import numpy as np
 
 from edgemesh.common.errors import CodecError
 from edgemesh.common.messages import CodecPolicy
+from edgemesh.common.vocabulary import CodecName
 
 
 class Codec(Protocol):
     """Turns a flat float32 gradient into bytes and back."""
 
-    name: str
+    name: CodecName
     lossless: bool
 
     def encode(self, grad: np.ndarray, policy: CodecPolicy | None) -> bytes: ...
@@ -31,7 +32,7 @@ class ResidualCodec(Codec, Protocol):
     def encode_with_residual(self, grad: np.ndarray, policy: CodecPolicy | None) -> tuple[bytes, np.ndarray]: ...
 
 
-_REGISTRY: dict[str, Codec] = {}
+_REGISTRY: dict[CodecName, Codec] = {}
 
 
 def register(codec: Codec) -> Codec:
@@ -40,8 +41,9 @@ def register(codec: Codec) -> Codec:
 
 
 def get_codec(name: str) -> Codec:
+    """The codec called ``name`` (a policy's, or one a log or payload names); CodecError if there is none."""
     try:
-        return _REGISTRY[name]
+        return _REGISTRY[name]  # type: ignore[index]  # any str: an unknown name is the KeyError below
     except KeyError:
         raise CodecError(f"codec {name!r} is not available (have: {', '.join(sorted(_REGISTRY))})",
                          "codec_unknown") from None
@@ -52,10 +54,10 @@ SMALL_TENSOR = 1024
 sparsifying or quantizing codec's fixed cost (about 0.4 ms an encode, 0.15 ms a decode on the
 development host) buys a few hundred bytes at most. Biases and small layers are most of a
 model's tensors and almost none of its values."""
-DENSE_FOR_SMALL = "fp16"
+DENSE_FOR_SMALL: CodecName = "fp16"
 
 
-def codec_for(name: str, numel: int) -> Codec:
+def codec_for(name: CodecName, numel: int) -> Codec:
     """The codec that encodes a tensor of ``numel`` values under a policy naming ``name``."""
     if numel < SMALL_TENSOR and name not in ("none", DENSE_FOR_SMALL):
         return get_codec(DENSE_FOR_SMALL)
@@ -66,15 +68,15 @@ PROBE_VALUES = 65_536
 """Values of the random tensor ``bytes_per_value`` encodes."""
 
 
-def bytes_per_value(name: str, density: float = 1.0) -> float:
+def bytes_per_value(name: CodecName, density: float = 1.0) -> float:
     """Bytes codec ``name`` spends per float32 value at ``density`` (sparsifying codecs), measured by
     encoding a random tensor of ``PROBE_VALUES``: what the planner's cost model charges a transfer."""
     probe = np.random.default_rng(0).standard_normal(PROBE_VALUES).astype(np.float32)
-    policy = CodecPolicy(device="probe", codec=name, density=density)  # type: ignore[arg-type]
+    policy = CodecPolicy(device="probe", codec=name, density=density)
     return len(get_codec(name).encode(probe, policy)) / PROBE_VALUES
 
 
-def available_codecs() -> tuple[str, ...]:
+def available_codecs() -> tuple[CodecName, ...]:
     return tuple(sorted(_REGISTRY))
 
 

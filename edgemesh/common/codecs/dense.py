@@ -7,12 +7,13 @@ import numpy as np
 from edgemesh.common.codecs.base import check_finite, register
 from edgemesh.common.errors import CodecError
 from edgemesh.common.messages import CodecPolicy
+from edgemesh.common.vocabulary import CodecName
 
 FP16_MAX = float(np.finfo(np.float16).max)
 
 
 class _Dense:
-    def __init__(self, name: str, dtype: type[np.floating], lossless: bool) -> None:
+    def __init__(self, name: CodecName, dtype: type[np.floating], lossless: bool) -> None:
         self.name = name
         self.lossless = lossless
         self._dtype = np.dtype(dtype).newbyteorder("<")

@@ -52,6 +52,7 @@ from edgemesh.common.codecs.bitpack import PayloadReader, pack_uint, packed_size
 from edgemesh.common.codecs.indices import decode_indices, encode_indices
 from edgemesh.common.codecs.sparse import check_numel, flatten, policy_density, select_threshold
 from edgemesh.common.messages import CodecPolicy
+from edgemesh.common.vocabulary import CodecName
 
 DEFAULT_BITS = 4
 """Interval id bits when the policy gives no ``grid_levels``: 16 intervals."""
@@ -149,7 +150,7 @@ def cluster(mags: np.ndarray, max_intervals: int) -> tuple[np.ndarray, np.ndarra
 class GridCodec:
     """Threshold selection, then each kept value replaced by its grid interval's mean (sign kept)."""
 
-    name = "grid"
+    name: CodecName = "grid"
     lossless = False
 
     def encode(self, grad: np.ndarray, policy: CodecPolicy | None) -> bytes:

@@ -32,6 +32,7 @@ from edgemesh.common.codecs.bitpack import (
 )
 from edgemesh.common.errors import CodecError
 from edgemesh.common.messages import CodecPolicy
+from edgemesh.common.vocabulary import CodecName
 
 DEFAULT_LEVELS = 15
 """Quantization levels when the policy gives no ``grid_levels``: 5 bits per value with the sign."""
@@ -55,7 +56,7 @@ def qsgd_levels(policy: CodecPolicy | None) -> int:
 class QSGDCodec:
     """Stochastic uniform quantization to ``s`` levels of ``max |g|``, sign kept."""
 
-    name = "qsgd"
+    name: CodecName = "qsgd"
     lossless = False
 
     def __init__(self, seed: int | None = None) -> None:

@@ -29,6 +29,7 @@ from edgemesh.common.codecs.bitpack import PayloadReader
 from edgemesh.common.codecs.indices import MAX_NUMEL, decode_indices, encode_indices
 from edgemesh.common.errors import CodecError
 from edgemesh.common.messages import CodecPolicy
+from edgemesh.common.vocabulary import CodecName
 
 DEFAULT_DENSITY = 0.01
 """Kept share of a sparsifying codec encoding without a policy."""
@@ -138,7 +139,7 @@ class _Sparse(abc.ABC):
 
     lossless = False
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: CodecName) -> None:
         self.name = name
 
     @abc.abstractmethod

@@ -47,9 +47,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from edgemesh.common.messages import CodecName, CodecPolicy, DeviceStats
+from edgemesh.common.config import CompressorConfig
+from edgemesh.common.messages import CodecPolicy, DeviceStats
+from edgemesh.common.vocabulary import SPARSE_CODECS, CodecName
 
 FIRST_VERSION = 1
 """Version of a device's first policy; each change adds one."""
@@ -64,9 +65,9 @@ REASON_ADAPTIVE = "adaptive"
 
 FP32_BYTES = 4
 """Bytes of one float32 gradient value; ``gradient_bytes / FP32_BYTES`` is the value count."""
-DENSE_BYTES_PER_VALUE: dict[str, float] = {"none": 4.0, "fp16": 2.0, "qsgd": 5 / 8}
+DENSE_BYTES_PER_VALUE: dict[CodecName, float] = {"none": 4.0, "fp16": 2.0, "qsgd": 5 / 8}
 """Wire bytes per gradient value of the dense codecs."""
-VALUE_BITS: dict[str, float] = {"topk": 32.0, "threshold": 32.0, "grid": 5.0}
+VALUE_BITS: dict[CodecName, float] = {"topk": 32.0, "threshold": 32.0, "grid": 5.0}
 """Bits per kept value of each sparsifying codec, its index aside."""
 INDEX_OVERHEAD_BITS = 2.0
 """Bits of a Rice-coded index beyond ``log2(1/density)`` (the unary part and the parameter's slack)."""
@@ -76,21 +77,9 @@ BISECTION_STEPS = 60
 """Steps of the density search on log density (its error is far below the rounding)."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Adaptive:
-    """The adaptive mode's settings (``compressor.*`` in the config)."""
-
-    codec: str = "grid"
-    comm_share: float = 0.5
-    min_density: float = 0.001
-    max_density: float = 0.25
-    hysteresis: float = 0.25
-    delay_pressure: float = 0.1
-
-
-def is_sparse(codec: str) -> bool:
+def is_sparse(codec: CodecName) -> bool:
     """Whether ``codec`` keeps a share of the values given by the policy's density."""
-    return codec in VALUE_BITS
+    return codec in SPARSE_CODECS
 
 
 def index_bits(density: float) -> float:
@@ -98,7 +87,7 @@ def index_bits(density: float) -> float:
     return math.log2(1.0 / density) + INDEX_OVERHEAD_BITS
 
 
-def wire_bytes(codec: str, values: int, density: float = 1.0) -> float:
+def wire_bytes(codec: CodecName, values: int, density: float = 1.0) -> float:
     """Estimated wire bytes of ``values`` gradient values encoded with ``codec`` at ``density``."""
     if is_sparse(codec):
         return density * values * (index_bits(density) + VALUE_BITS[codec]) / 8
@@ -110,7 +99,7 @@ def value_count(stats: DeviceStats) -> int:
     return stats.gradient_bytes // FP32_BYTES
 
 
-def budget_bytes(stats: DeviceStats, settings: Adaptive, reference_delay: float = 0.0) -> float:
+def budget_bytes(stats: DeviceStats, settings: CompressorConfig, reference_delay: float = 0.0) -> float:
     """Bytes one update of the device may take on the wire (0 when a measurement is missing)."""
     if stats.link_rate_bps <= 0 or stats.step_time_s <= 0 or stats.gradient_bytes <= 0:
         return 0.0
@@ -118,7 +107,7 @@ def budget_bytes(stats: DeviceStats, settings: Adaptive, reference_delay: float 
     return settings.comm_share * stats.step_time_s * stats.link_rate_bps / (1.0 + settings.delay_pressure * excess)
 
 
-def sparse_density(codec: str, values: int, budget: float, settings: Adaptive) -> float:
+def sparse_density(codec: CodecName, values: int, budget: float, settings: CompressorConfig) -> float:
     """The largest density at which ``codec`` fits ``budget``, clamped and rounded."""
     lo, hi = settings.min_density, settings.max_density
     if wire_bytes(codec, values, hi) <= budget:
@@ -137,13 +126,12 @@ def sparse_density(codec: str, values: int, budget: float, settings: Adaptive) -
 
 def adaptive_choice(
     stats: DeviceStats | None,
-    settings: Adaptive,
+    settings: CompressorConfig,
     *,
-    default_codec: str,
     previous: CodecPolicy | None,
-    pinned: str | None = None,
+    pinned: CodecName | None = None,
     reference_delay: float = 0.0,
-) -> tuple[str, float] | None:
+) -> tuple[CodecName, float] | None:
     """(codec, density) for the device, or None when its measurements do not allow a choice.
 
     ``pinned`` is a codec an operator or override fixed: only its density is chosen (sparsifying
@@ -156,19 +144,21 @@ def adaptive_choice(
     if budget <= 0 or values <= 0:
         return None
     current = previous.codec if previous is not None else None
-    margin = 1.0 + settings.hysteresis
+    margin = 1.0 + settings.density_hysteresis
 
+    codec: CodecName
     if pinned is not None:
         codec = pinned
     else:
-        ladder = [default_codec] if default_codec in ("none", "fp16") else []
-        if default_codec == "none":
+        default = settings.default_codec
+        ladder: list[CodecName] = [default] if default in ("none", "fp16") else []
+        if default == "none":
             ladder.append("fp16")
         for dense in ladder:
             allowance = budget * margin if dense == current else budget
             if wire_bytes(dense, values) <= allowance:
                 return dense, 1.0
-        codec = settings.codec
+        codec = settings.adaptive_codec
     if not is_sparse(codec):
         return codec, 1.0
     density = sparse_density(codec, values, budget, settings)
@@ -179,49 +169,46 @@ def adaptive_choice(
 
 def choose_policy(
     device: str,
+    settings: CompressorConfig,
     *,
-    default_codec: str,
-    overrides: Mapping[str, str],
     previous: CodecPolicy | None,
     stats: DeviceStats | None = None,
-    operator: Mapping[str, str] | None = None,
-    adaptive: Adaptive | None = None,
+    operator: Mapping[str, CodecName] | None = None,
     gateway: bool = False,
     reference_delay: float = 0.0,
-    static_density: float = 1.0,
 ) -> CodecPolicy:
-    """The codec policy of ``device``.
+    """The codec policy of ``device`` under the ``[compressor]`` ``settings``.
 
     The codec is ``operator[device]`` if set (an operator's ``set-codec``), else
-    ``overrides[device]`` (config), else ``default_codec`` — or, with ``adaptive`` settings
-    and usable ``stats``, the adaptive choice (see the module docstring), which also sets the
-    density of a pinned sparsifying codec. ``gateway`` marks a device that cannot encode:
-    it sends ``grad-raw`` and the compressor encodes with this policy for it.
+    ``settings.overrides[device]``, else ``settings.default_codec`` at density 1 (a dense codec)
+    or ``static_density`` (a sparsifying one) — or, in ``adaptive`` mode with usable ``stats``, the
+    adaptive choice (see the module docstring), which also sets the density of a pinned sparsifying
+    codec. ``gateway`` marks a device that cannot encode: it sends ``grad-raw`` and the compressor
+    encodes with this policy for it.
 
     If the result says the same as ``previous`` (codec, density, grid levels, gateway),
     ``previous`` itself is returned, version unchanged (with the new ``reason`` if that
     changed); otherwise the result carries ``previous.version + 1`` (``FIRST_VERSION`` for a
-    new device). Codec names are not checked here; the service validates them.
+    new device).
     """
-    pinned: str | None
+    pinned: CodecName | None
     if operator and device in operator:
         pinned, reason = operator[device], REASON_OPERATOR
-    elif device in overrides:
-        pinned, reason = overrides[device], REASON_OVERRIDE
+    elif device in settings.overrides:
+        pinned, reason = settings.overrides[device], REASON_OVERRIDE
     else:
         pinned, reason = None, REASON_DEFAULT
-    codec = pinned or default_codec
-    density = static_density if is_sparse(codec) else 1.0
-    if adaptive is not None:
-        choice = adaptive_choice(stats, adaptive, default_codec=default_codec, previous=previous, pinned=pinned,
-                                 reference_delay=reference_delay)
+    codec = pinned or settings.default_codec
+    density = settings.static_density if is_sparse(codec) else 1.0
+    if settings.mode == "adaptive":
+        choice = adaptive_choice(stats, settings, previous=previous, pinned=pinned, reference_delay=reference_delay)
         if choice is not None:
             codec, density = choice
             if pinned is None:
                 reason = REASON_ADAPTIVE
     candidate = CodecPolicy(
         device=device,
-        codec=_codec_name(codec),
+        codec=codec,
         density=density,
         grid_levels=0,
         gateway=gateway,
@@ -251,9 +238,9 @@ def change_kind(previous: CodecPolicy | None, policy: CodecPolicy) -> str:
     return "same"
 
 
-def _close(new: float, old: float, settings: Adaptive) -> bool:
+def _close(new: float, old: float, settings: CompressorConfig) -> bool:
     """Whether ``new`` is within the hysteresis of ``old``."""
-    return old > 0 and abs(new - old) <= settings.hysteresis * old
+    return old > 0 and abs(new - old) <= settings.density_hysteresis * old
 
 
 def _round(density: float) -> float:
@@ -265,6 +252,3 @@ def _same(a: CodecPolicy, b: CodecPolicy) -> bool:
     """Whether two policies tell the device the same thing (version and reason aside)."""
     return dataclasses.replace(a, version=0, reason="") == dataclasses.replace(b, version=0, reason="")
 
-
-def _codec_name(codec: str) -> CodecName:
-    return codec  # type: ignore[return-value]  # validated by config and by the service

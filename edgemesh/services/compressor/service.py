@@ -1,9 +1,8 @@
-"""The compressor: one retained codec policy per device, and the gateway (DESIGN.md §1, §6).
+"""The compressor: one retained codec policy per device, and the gateway (docs/compression.md).
 
 Backbone, top to bottom:
-1. check that every configured codec is built in; connect; subscribe to the retained codec
-   policies first (to continue their versions after a restart), then to hellos, stats,
-   ``grad-raw`` and control;
+1. check that every configured codec is built in; connect; consume the retained codec policies
+   (to continue their versions after a restart), hellos, stats and ``grad-raw``;
 2. once retained state has settled, give every device that said hello its policy;
 3. consume: on a new device or a new incarnation, publish its policy retained on
    ``codec/{device}``; on stats, ask the policy again (``policy.choose_policy``: in adaptive
@@ -27,6 +26,7 @@ import torch.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -34,10 +34,11 @@ import logging
 import statistics
 from collections.abc import Iterable
 
+from edgemesh import cli
 from edgemesh.common import wire
-from edgemesh.common.bus import Bus, Incoming
+from edgemesh.common.bus import Bus
 from edgemesh.common.codecs import ErrorFeedback, available_codecs, codec_for, get_codec
-from edgemesh.common.config import CODECS, Config
+from edgemesh.common.config import Config
 from edgemesh.common.errors import BusError, ConfigError, WireError
 from edgemesh.common.messages import (
     CodecPolicy,
@@ -48,20 +49,17 @@ from edgemesh.common.messages import (
     Scalar,
     ShardUpdate,
 )
+from edgemesh.common.messages.operations import listing
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import Topics, valid_name
-from edgemesh.services.compressor.policy import FP32_BYTES, REASON_OPERATOR, Adaptive, change_kind, choose_policy
-from edgemesh.services.operations import Operations, consume
-from edgemesh.services.runtime import client_id, install_stop_signals, supervise
+from edgemesh.common.topics import TopicMatch, Topics, valid_name
+from edgemesh.common.vocabulary import CODECS, CodecName
+from edgemesh.services.compressor.policy import FP32_BYTES, REASON_OPERATOR, change_kind, choose_policy
+from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
 
 logger = logging.getLogger(__name__)
 
-SERVICE = "compressor"
 RETAINED_SETTLE_S = 0.2
 """After connecting, wait this long for retained policies and hellos before publishing any policy."""
-LIST_MAX_CHARS = 2000
-"""Longest list of device policies in a ``status`` reply (wire strings are bounded); the devices
-that do not fit are counted instead."""
 DEFAULT_VALUE = "default"
 """``set-codec`` value that removes an operator's choice for a device."""
 COMMANDS = ("status", "set-codec", "stop")
@@ -71,7 +69,7 @@ DENSITY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """Buckets of the published-density histogram."""
 
 
-def check_codecs(codecs: Iterable[str], where: str) -> None:
+def check_codecs(codecs: Iterable[CodecName], where: str) -> None:
     """ConfigError unless every codec is built in (named in config *and* implemented)."""
     available = available_codecs()
     for codec in codecs:
@@ -84,6 +82,9 @@ def check_codecs(codecs: Iterable[str], where: str) -> None:
 class Compressor:
     """One compressor process. ``run()`` until ``stop`` is set."""
 
+    name = "compressor"
+    control_target = "compressor"
+
     def __init__(self, config: Config, *, stop: asyncio.Event | None = None) -> None:
         self.cfg = config
         self.topics = Topics(config.job)
@@ -93,19 +94,15 @@ class Compressor:
         check_codecs([c.default_codec], "compressor.default_codec")
         for device, codec in c.overrides.items():
             check_codecs([codec], f"compressor.overrides.{device}")
-        self.adaptive: Adaptive | None = None
         if c.mode == "adaptive":
             check_codecs([c.adaptive_codec], "compressor.adaptive_codec")
-            self.adaptive = Adaptive(codec=c.adaptive_codec, comm_share=c.comm_share, min_density=c.min_density,
-                                     max_density=c.max_density, hysteresis=c.density_hysteresis,
-                                     delay_pressure=c.delay_pressure)
 
         self.incarnations: dict[str, int] = {}
         """Devices that said hello, with their latest incarnation."""
         self.policies: dict[str, CodecPolicy] = {}
         """Current policy per device: the last one published, or the retained one adopted."""
         self.stats: dict[str, DeviceStats] = {}
-        self.operator: dict[str, str] = {}
+        self.operator: dict[str, CodecName] = {}
         """Codecs an operator chose with ``set-codec``, by device."""
         self.gateway: set[str] = set()
         """Devices whose latest hello says they cannot encode."""
@@ -118,7 +115,7 @@ class Compressor:
         self._started = False
         self._online = asyncio.Event()
 
-        m = self.metrics = ServiceMetrics(SERVICE)
+        m = self.metrics = ServiceMetrics(self.name)
         self.m_published = m.counter("policies_published", "Codec policies published", ["codec"])
         self.m_devices = m.gauge("devices", "Devices that said hello")
         self.m_changes = m.counter("policy_changes", "Policies published, by why they were published "
@@ -136,33 +133,31 @@ class Compressor:
         for direction in ("in", "out"):
             self.m_gateway_bytes.labels(direction=direction)
 
-    # ------------------------------------------------------------------ lifecycle
-    async def run(self) -> None:
-        async with contextlib.AsyncExitStack() as stack:
-            self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port_file)
-            stack.callback(self.metrics.close)
-            self.bus = await stack.enter_async_context(Bus(
-                self.cfg.broker,
-                client_id=client_id(SERVICE, self.cfg),
-                metrics=self.metrics,
-                subscriptions=[
-                    self.topics.all_codec(),
-                    self.topics.all_hello(), self.topics.all_stats(), self.topics.all_grad_raw(),
-                    self.topics.control(SERVICE), self.topics.control("all"),
-                ],
-                on_connect=self._on_connect,
-            ))
-            self.ops = Operations(source=SERVICE, bus=self.bus, topics=self.topics, metrics=self.metrics,
-                                  stop=self.stop)
-            self.metrics.up.set(1)
-            c = self.cfg.compressor
-            logger.info("compressor up: job %s, %s mode, default codec %s%s, %d override(s)", self.cfg.job,
-                        c.mode, c.default_codec, f", adaptive codec {c.adaptive_codec}" if self.adaptive else "",
-                        len(c.overrides))
-            try:
-                await supervise(self.stop, consume(self.bus, self.metrics, self._dispatch), self._start())
-            finally:
-                self.metrics.up.set(0)
+    async def run(self, *, signals: bool = False) -> None:
+        await serve(self, self.cfg, signals=signals)
+
+    # ------------------------------------------------------------------ the runtime's seams
+    async def prepare(self, stack: contextlib.AsyncExitStack) -> Endpoint:
+        c = self.cfg.compressor
+        logger.info("compressor up: job %s, %s mode, default codec %s%s, %d override(s)", self.cfg.job, c.mode,
+                    c.default_codec, f", adaptive codec {c.adaptive_codec}" if c.mode == "adaptive" else "",
+                    len(c.overrides))
+        return Endpoint(self.cfg.broker)
+
+    def attach(self, bus: Bus, events: Events) -> None:
+        self.bus = bus
+        t = self.topics
+        bus.route(t.codec_filter(), CodecPolicy, self._on_policy)
+        bus.route(t.hello_filter(), DeviceHello, self._on_hello)
+        bus.route(t.stats_filter(), DeviceStats, self._on_stats)
+        bus.route(t.grad_raw_filter(), GradientUpdate, self._forward)
+        bus.on_connect(self._on_connect)
+
+    def jobs(self) -> list[Job]:
+        return [self._start()]
+
+    async def close(self) -> None:
+        pass
 
     async def _on_connect(self) -> None:
         """First connect: let start-up proceed. Reconnects: restore the retained policies
@@ -184,37 +179,12 @@ class Compressor:
         self.ready.set()
 
     # ------------------------------------------------------------------ consuming
-    async def _dispatch(self, msg: Incoming) -> None:
-        parts = self.topics.relative(msg.topic)
-        match parts:
-            case ["device", device, "hello"]:
-                hello = msg.decode(DeviceHello)
-                _check_device(hello.device, device)
-                await self._on_hello(hello)
-            case ["device", device, "stats"]:
-                stats = msg.decode(DeviceStats)
-                _check_device(stats.device, device)
-                self.metrics.received_messages.labels(kind="stats").inc()
-                self.stats[device] = stats
-                if self._started and device in self.incarnations:
-                    await self._reconcile(device, announce=False)
-            case ["codec", device]:
-                policy = msg.decode(CodecPolicy)
-                _check_device(policy.device, device)
-                await self._on_policy(policy)
-            case ["grad-raw", cluster, device]:
-                update = msg.decode(GradientUpdate)
-                _check_device(update.device, device)
-                if update.cluster != cluster:
-                    raise WireError(f"update of cluster {update.cluster!r} on the topic of {cluster!r}", "topic")
-                await self._forward(update)
-            case ["control", *_]:
-                await self.ops.control(msg.decode(ControlCommand), self._apply_control)
-            case _:
-                raise WireError(f"no handler for topic {msg.topic}", "topic")
+    async def _on_stats(self, stats: DeviceStats, _: TopicMatch) -> None:
+        self.stats[stats.device] = stats
+        if self._started and stats.device in self.incarnations:
+            await self._reconcile(stats.device, announce=False)
 
-    async def _on_hello(self, hello: DeviceHello) -> None:
-        self.metrics.received_messages.labels(kind="hello").inc()
+    async def _on_hello(self, hello: DeviceHello, _: TopicMatch) -> None:
         known = self.incarnations.get(hello.device)
         if known is not None and hello.incarnation < known:
             logger.debug("ignoring hello of %s from old incarnation %d", hello.device, hello.incarnation)
@@ -228,9 +198,8 @@ class Compressor:
         if self._started:
             await self._reconcile(hello.device, announce=hello.incarnation != known)
 
-    async def _on_policy(self, policy: CodecPolicy) -> None:
+    async def _on_policy(self, policy: CodecPolicy, _: TopicMatch) -> None:
         """A policy on a codec topic: our own echo, or the retained one of a previous run."""
-        self.metrics.received_messages.labels(kind="codec_policy").inc()
         current = self.policies.get(policy.device)
         if current is not None and policy.version <= current.version:
             return  # our own policy coming back, or an older one
@@ -244,11 +213,9 @@ class Compressor:
 
     # ------------------------------------------------------------------ policies
     def _choose(self, device: str) -> CodecPolicy:
-        c = self.cfg.compressor
-        return choose_policy(device, default_codec=c.default_codec, overrides=c.overrides,
-                             previous=self.policies.get(device), stats=self.stats.get(device),
-                             operator=self.operator, adaptive=self.adaptive, gateway=device in self.gateway,
-                             reference_delay=self._reference_delay(), static_density=c.static_density)
+        return choose_policy(device, self.cfg.compressor, previous=self.policies.get(device),
+                             stats=self.stats.get(device), operator=self.operator, gateway=device in self.gateway,
+                             reference_delay=self._reference_delay())
 
     def _reference_delay(self) -> float:
         """The fleet's median delay index (devices that said hello and sent stats)."""
@@ -283,10 +250,9 @@ class Compressor:
             self.m_codec_devices.labels(codec=codec).set(n)
 
     # ------------------------------------------------------------------ gateway
-    async def _forward(self, update: GradientUpdate) -> None:
+    async def _forward(self, update: GradientUpdate, _: TopicMatch) -> None:
         """Encode a raw update with its device's policy and forward it to the PS."""
         assert self.bus is not None
-        self.metrics.received_messages.labels(kind="gradient_raw").inc()
         device = update.device
         known = self.incarnations.get(device)
         if known is not None and update.incarnation < known:
@@ -314,7 +280,7 @@ class Compressor:
         await self.bus.publish(self.topics.grad(update.cluster, device), payload, kind="gradient")
 
     # ------------------------------------------------------------------ control
-    async def _apply_control(self, cmd: ControlCommand) -> tuple[bool, str, dict[str, Scalar]]:
+    async def control(self, cmd: ControlCommand) -> ControlResult:
         match cmd.command:
             case "status":
                 return True, "ok", self._status()
@@ -325,16 +291,17 @@ class Compressor:
             case _:
                 return False, f"unknown command {cmd.command!r} ({', '.join(COMMANDS)})", {}
 
-    async def _set_codec(self, cmd: ControlCommand) -> tuple[bool, str, dict[str, Scalar]]:
-        device, codec = cmd.device, cmd.value
+    async def _set_codec(self, cmd: ControlCommand) -> ControlResult:
+        device, value = cmd.device, cmd.value
         if not device or not valid_name(device):
             return False, "set-codec needs the device in 'device' and the codec in 'value'", {}
-        if not isinstance(codec, str):
+        if not isinstance(value, str):
             return False, f"set-codec needs a codec name in 'value' ({', '.join(CODECS)}, or {DEFAULT_VALUE})", {}
-        if codec == DEFAULT_VALUE:
+        codec = next((c for c in CODECS if c == value), None)
+        if value == DEFAULT_VALUE:
             self.operator.pop(device, None)
-        elif codec not in CODECS:
-            return False, f"unknown codec {codec!r} (known: {', '.join(CODECS)}, or {DEFAULT_VALUE})", {}
+        elif codec is None:
+            return False, f"unknown codec {value!r} (known: {', '.join(CODECS)}, or {DEFAULT_VALUE})", {}
         elif codec not in available_codecs():
             return False, (f"codec {codec!r} is not implemented in this build yet "
                            f"(available: {', '.join(available_codecs())})"), {}
@@ -348,22 +315,13 @@ class Compressor:
 
     def _status(self) -> dict[str, Scalar]:
         devices = sorted(self.incarnations)
-        listed: list[str] = []
-        size = 0
-        for d in devices:
-            policy = self.policies.get(d)
-            entry = f"{d}={_describe(policy)}" if policy is not None else f"{d}=-"
-            if size + len(entry) + 1 > LIST_MAX_CHARS:
-                listed.append(f"...(+{len(devices) - len(listed)} more)")
-                break
-            listed.append(entry)
-            size += len(entry) + 1
+        entries = [f"{d}={_describe(p)}" if (p := self.policies.get(d)) is not None else f"{d}=-" for d in devices]
         return {
             "devices": len(devices),
             "mode": self.cfg.compressor.mode,
             "default_codec": self.cfg.compressor.default_codec,
             "gateway_devices": len(self.gateway & set(devices)),
-            "policies": ",".join(listed),
+            "policies": listing(entries),
             "operator_overrides": len(self.operator),
         }
 
@@ -390,18 +348,16 @@ def _encode(update: GradientUpdate, policy: CodecPolicy, feedback: ErrorFeedback
     shards = []
     for s, values in decoded:
         codec = codec_for(policy.codec, values.size)
-        shards.append(ShardUpdate(param=s.param, start=s.start, stop=s.stop, codec=codec.name,  # type: ignore[arg-type]
+        shards.append(ShardUpdate(param=s.param, start=s.start, stop=s.stop, codec=codec.name,
                                   data=feedback.encode(f"{s.param}[{s.start}:{s.stop}]", values, codec, policy)))
     return dataclasses.replace(update, shards=tuple(shards))
 
 
-def _check_device(message_device: str, topic_device: str) -> None:
-    if message_device != topic_device:
-        raise WireError(f"message for {message_device!r} on the topic of {topic_device!r}", "topic")
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh compressor``: the configuration flags."""
+    cli.service_command(parser, run)
 
 
-async def run(config: Config, *, stop: asyncio.Event | None = None) -> None:
-    """Run the compressor until ``stop`` is set, SIGINT or SIGTERM."""
-    stop = stop or asyncio.Event()
-    install_stop_signals(stop)
-    await Compressor(config, stop=stop).run()
+async def run(config: Config) -> None:
+    """Run the compressor until stopped (SIGINT, SIGTERM or a ``stop`` command)."""
+    await Compressor(config).run(signals=True)

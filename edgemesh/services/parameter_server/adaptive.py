@@ -1,4 +1,4 @@
-"""The ``adaptive`` synchronization rule (DESIGN.md §5, seed 001: adaptive bounded delay), pure.
+"""The ``adaptive`` synchronization rule (docs/synchronization.md: adaptive bounded delay), pure.
 
 No I/O and no clocks of its own: the parameter server feeds it observations and asks it questions.
 
@@ -15,9 +15,9 @@ No I/O and no clocks of its own: the parameter server feeds it observations and 
 * **Delay bound D.** ``D = ceil(quantile_q(delay indices of live devices) * slack)``, clamped
   to ``[min_bound, max_bound]`` (``max_bound`` is ``training.staleness_bound``, set at run time
   with ``set-bound``); with no indices yet ``D = max_bound``. Default ``min_bound = 1``.
-* **Judging.** An update with ``d < 0`` is refused (``future``); ``d > D`` is discarded
-  (``stale``: its sender resyncs); otherwise it is applied, scaled by
-  :func:`policy.staleness_weight` ``1 / (1 + d)``.
+* **Judging** (``scheduler.AdaptiveScheduler``). An update with ``d < 0`` is refused (``future``);
+  ``d > D`` is discarded (``stale``: its sender resyncs); otherwise it is applied, scaled by
+  :func:`staleness_weight` ``1 / (1 + d)``.
 * **Weights of a round** (:func:`round_weights`). Contribution *i* with ``s_i`` samples and delay
   ``d_i`` weighs ``s_i / max(S, sum s) x 1 / (1 + d_i)``, where ``S`` is the samples the plan
   expects per round (the batch sizes of its devices). A round the deadline closes with half
@@ -35,37 +35,16 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from edgemesh.services.parameter_server.policy import Verdict, staleness_weight
+from edgemesh.common.config import AdaptiveConfig
 
 
-@dataclass(frozen=True, slots=True)
-class AdaptiveSettings:
-    """Tuning of the adaptive rule; defaults as in the module docstring."""
+def staleness_weight(delay: int) -> float:
+    """Scale of an update applied ``delay`` versions late: ``1 / (1 + delay)``.
 
-    alpha: float = 0.3
-    quantile: float = 0.9
-    slack: float = 1.5
-    min_deadline_s: float = 0.02
-    max_deadline_s: float = 30.0
-    min_bound: int = 1
-    slow_factor: float = 2.0
-    window: int = 32
-
-    def __post_init__(self) -> None:
-        if not 0 < self.alpha <= 1:
-            raise ValueError("alpha must be in (0, 1]")
-        if not 0 <= self.quantile <= 1:
-            raise ValueError("quantile must be in [0, 1]")
-        if self.slack < 1:
-            raise ValueError("slack must be >= 1")
-        if not 0 < self.min_deadline_s <= self.max_deadline_s:
-            raise ValueError("need 0 < min_deadline_s <= max_deadline_s")
-        if self.min_bound < 0:
-            raise ValueError("min_bound must be >= 0")
-        if self.slow_factor < 1:
-            raise ValueError("slow_factor must be >= 1")
-        if self.window < 1:
-            raise ValueError("window must be >= 1")
+    A stale gradient points where the model was, not where it is; damping it by its delay
+    keeps asynchronous SGD with momentum stable (Zhang et al., "Staleness-aware Async-SGD", 2016).
+    """
+    return 1.0 / (1.0 + max(0, delay))
 
 
 def round_weights(samples: Sequence[int], delays: Sequence[int], planned: int) -> list[float]:
@@ -90,13 +69,17 @@ def quantile(values: Iterable[float], q: float) -> float:
 class AdaptiveDelay:
     """Delay indices, the round deadline and the delay bound of the adaptive policy."""
 
-    settings: AdaptiveSettings = field(default_factory=AdaptiveSettings)
+    settings: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     indices: dict[str, float] = field(default_factory=dict)
     arrivals: dict[str, deque[float]] = field(default_factory=dict)
     max_bound: int = 4
     """Upper clamp of D (the PS keeps it at ``training.staleness_bound`` / ``set-bound``)."""
     live_devices: frozenset[str] | None = None
     """Devices the bound and slow-device rule consider (None = every device with an index)."""
+
+    def follow(self, max_bound: int, live_devices: frozenset[str] | None) -> None:
+        """The configured bound (``training.staleness_bound``, ``set-bound``) and the plan's devices."""
+        self.max_bound, self.live_devices = max_bound, live_devices
 
     # ------------------------------------------------------------------ observations
     def observe_delay(self, device: str, delay: int) -> float:
@@ -140,17 +123,6 @@ class AdaptiveDelay:
             return max_bound
         wanted = math.ceil(quantile(values, self.settings.quantile) * self.settings.slack - 1e-9)
         return min(max_bound, max(lo, wanted))
-
-    def judge(self, version: int, base_version: int, bound: int | None = None) -> Verdict:
-        """Accept an update computed on ``base_version`` at ``version`` when its delay is within
-        ``bound`` (default: the adapted D)."""
-        bound = self.bound() if bound is None else bound
-        delay = version - base_version
-        if delay < 0:
-            return Verdict(False, delay, "future")
-        if delay > bound:
-            return Verdict(False, delay, "stale")
-        return Verdict(True, delay)
 
     def slow_devices(self, live_devices: Iterable[str] | None = None) -> list[str]:
         """Devices whose delay index exceeds ``slow_factor`` x the fleet median (and the median + 1)."""

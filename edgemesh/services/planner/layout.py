@@ -3,7 +3,7 @@
 Pure functions, no I/O: the planner service wires them to the bus, tests and benchmarks call
 them directly.
 
-Two layouts (DESIGN.md §4): plain data parallelism (``plan_data_parallel``: every device is its
+Two layouts (docs/mesh.md): plain data parallelism (``plan_data_parallel``: every device is its
 own cluster and one data-parallel replica, with the batch size ``batching`` chose for it), and
 the hybrid training grid (``plan_mesh``: the clusters ``mesh.training_grid`` chose, each a
 data-parallel replica whose members divide the model's filters by ``mesh.divide_filters``).
@@ -11,59 +11,13 @@ data-parallel replica whose members divide the model's filters by ``mesh.divide_
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
 from edgemesh.common.config import TrainingConfig
-from edgemesh.common.messages import DeviceHello, LayerDivision, Plan, PlanCluster, PlanDevice
-
-if TYPE_CHECKING:
-    from edgemesh.services.planner.mesh import Grid
-
-CLUSTER_PREFIX = "c-"
-"""A single-device cluster is named ``c-<device>``."""
-MAX_NAME = 64
-"""Longest cluster name (``topics.valid_name``)."""
-NAME_HASH_CHARS = 8
-"""Hex digits of the hash that keeps a shortened cluster name unique."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DeviceInfo:
-    """What the planner knows about one live device."""
-
-    device: str
-    flops: float
-    """Measured float32 multiply-add throughput, FLOP/s."""
-    memory_bytes: int
-    """Memory the device offers to training."""
-    link_rate_bps: float = 0.0
-    """Measured uplink rate, bytes/s (0 = unknown)."""
-    downlink_rate_bps: float = 0.0
-    """Measured downlink rate, bytes/s (0 = unknown: taken as the uplink rate)."""
-    latency_s: float = 0.0
-    """One-way latency to the broker, seconds (0 = unknown)."""
-
-    @classmethod
-    def from_hello(cls, hello: DeviceHello) -> DeviceInfo:
-        return cls(device=hello.device, flops=hello.flops, memory_bytes=hello.memory_bytes,
-                   link_rate_bps=hello.link_rate_bps, downlink_rate_bps=hello.downlink_rate_bps,
-                   latency_s=hello.latency_s)
-
-
-def cluster_name(device: str) -> str:
-    """The name of the single-device cluster of ``device``: ``c-<device>``.
-
-    A device name too long for the prefix (over 62 characters) is shortened and suffixed
-    with a hash of the full name, so the cluster name stays valid and unique.
-    """
-    name = f"{CLUSTER_PREFIX}{device}"
-    if len(name) <= MAX_NAME:
-        return name
-    digest = hashlib.sha256(device.encode()).hexdigest()[:NAME_HASH_CHARS]
-    return f"{name[:MAX_NAME - NAME_HASH_CHARS - 1]}-{digest}"
+from edgemesh.common.messages import LayerDivision, Plan, PlanCluster, PlanDevice
+from edgemesh.common.vocabulary import Batching, SyncPolicy
+from edgemesh.services.planner.mesh.devices import DeviceInfo, cluster_name
+from edgemesh.services.planner.mesh.grid import Grid
 
 
 def plan_data_parallel(
@@ -74,9 +28,9 @@ def plan_data_parallel(
     reason: str,
     created: float = 0.0,
     batches: Mapping[str, int] | None = None,
-    batching: Literal["uniform", "balanced"] = "uniform",
+    batching: Batching = "uniform",
     round_time_s: float = 0.0,
-    sync_policy: str | None = None,
+    sync_policy: SyncPolicy | None = None,
 ) -> Plan:
     """A data-parallel plan: one cluster per device, one data shard per device.
 
@@ -95,18 +49,18 @@ def plan_data_parallel(
         raise ValueError(f"a device appears twice in {names}")
     count = len(ordered)
     members = tuple(
-        PlanDevice(device=d.device, cluster=cluster_name(d.device), shard_index=i, shard_count=count,
+        PlanDevice(device=d.device, cluster=cluster_name([d.device]), shard_index=i, shard_count=count,
                    batch_size=(batches or {}).get(d.device, training.batch_size))
         for i, d in enumerate(ordered)
     )
-    clusters = tuple(PlanCluster(cluster=cluster_name(d.device), members=(d.device,)) for d in ordered)
+    clusters = tuple(PlanCluster(cluster=cluster_name([d.device]), members=(d.device,)) for d in ordered)
     return _plan(training, version=version, created=created, sync_policy=sync_policy, devices=members,
                  clusters=clusters, reason=reason, batching=batching, round_time_s=round_time_s)
 
 
-def _plan(training: TrainingConfig, *, version: int, created: float, sync_policy: str | None,
+def _plan(training: TrainingConfig, *, version: int, created: float, sync_policy: SyncPolicy | None,
           devices: tuple[PlanDevice, ...], clusters: tuple[PlanCluster, ...], reason: str,
-          batching: Literal["uniform", "balanced"] = "uniform", round_time_s: float = 0.0) -> Plan:
+          batching: Batching = "uniform", round_time_s: float = 0.0) -> Plan:
     """A validated plan of ``devices`` in ``clusters`` with the training settings of ``training``."""
     plan = Plan(
         version=version,
@@ -116,7 +70,7 @@ def _plan(training: TrainingConfig, *, version: int, created: float, sync_policy
         partition=training.partition,
         partition_alpha=training.partition_alpha,
         seed=training.seed,
-        sync_policy=sync_policy or training.sync_policy,  # type: ignore[arg-type]
+        sync_policy=sync_policy or training.sync_policy,
         staleness_bound=training.staleness_bound,
         devices=devices,
         clusters=clusters,
@@ -137,7 +91,7 @@ def plan_mesh(
     training: TrainingConfig,
     reason: str,
     created: float = 0.0,
-    sync_policy: str | None = None,
+    sync_policy: SyncPolicy | None = None,
 ) -> Plan:
     """The plan of a training grid: one data shard per cluster, every member of a cluster on the
     cluster's shard with the cluster's share of the iteration's batch (they train the same samples

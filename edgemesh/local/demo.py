@@ -9,6 +9,7 @@ Ctrl-C (or SIGTERM) stops every child; none is left behind.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -22,14 +23,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from edgemesh.common.broker import BrokerProcess
+from edgemesh import cli
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
-from edgemesh.common.errors import EdgeMeshError, WireError
+from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.messages import Event
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import Topics
-from edgemesh.services.cluster import LocalCluster
+from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.local.processes import LocalCluster
+from edgemesh.services.runtime import install_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -83,30 +86,29 @@ class Demo:
 
     # ------------------------------------------------------------------ watching
     async def _watch(self) -> None:
+        """Follow the parameter server's evaluation events until cancelled."""
         topics = Topics(self.cfg.job)
-        metrics = ServiceMetrics("demo")
-        async with Bus(self.cfg.broker, client_id=f"edgemesh-demo-{uuid.uuid4().hex[:8]}", metrics=metrics,
-                       subscriptions=[topics.events()]) as bus:
-            async for msg in bus.messages():
-                try:
-                    event = msg.decode(Event)
-                except WireError:
-                    continue
-                if event.kind != "evaluation" or event.source != "ps":
-                    continue
-                data = event.data
-                p = self.progress
-                p.version = int(data.get("version") or 0)
-                p.accuracy = float(data.get("accuracy") or 0.0)
-                p.loss = float(data.get("loss") or 0.0)
-                p.evaluations += 1
-                if p.accuracy >= self.cfg.demo.target_accuracy:
-                    p.reached_at = time.monotonic()
-                    p.stopped_by = "target"
-                    self.stop.set()
-                elif p.version >= self.cfg.demo.max_versions:
-                    p.stopped_by = "max_versions"
-                    self.stop.set()
+        bus = Bus(self.cfg.broker, client_id=f"edgemesh-demo-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("demo"))
+        bus.route(topics.events_filter(), Event, self._on_event)
+        async with bus:
+            await bus.run()
+
+    async def _on_event(self, event: Event, _: TopicMatch) -> None:
+        if event.kind != "evaluation" or event.source != "ps":
+            return
+        data = event.data
+        p = self.progress
+        p.version = int(data.get("version") or 0)
+        p.accuracy = float(data.get("accuracy") or 0.0)
+        p.loss = float(data.get("loss") or 0.0)
+        p.evaluations += 1
+        if p.accuracy >= self.cfg.demo.target_accuracy:
+            p.reached_at = time.monotonic()
+            p.stopped_by = "target"
+            self.stop.set()
+        elif p.version >= self.cfg.demo.max_versions:
+            p.stopped_by = "max_versions"
+            self.stop.set()
 
     async def _guard(self) -> None:
         """Fail fast when a child dies on its own; keep peak memory readings."""
@@ -144,8 +146,6 @@ class Demo:
             print("\r" + line, end="\n" if final else "", file=sys.stderr, flush=True)
 
     async def _main(self) -> float:
-        from edgemesh.services.runtime import install_stop_signals
-
         install_stop_signals(self.stop)
         started = time.monotonic()
         # spawned from the main thread, so the children's parent-death signal is armed:
@@ -267,3 +267,32 @@ def run_demo(config: Config, *, report: str | None, external_broker: bool, quiet
     else:
         shutil.rmtree(demo.workdir, ignore_errors=True)
     return 0
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh demo``: the configuration flags and the demo's own."""
+    cli.config_flags(parser, {"workers": "demo.workers", "target_accuracy": "demo.target_accuracy",
+                              "max_versions": "demo.max_versions", "timeout": "demo.timeout_s",
+                              "policy": "training.sync_policy", "link_rate": "demo.link_rate_bps",
+                              "keep_logs": "demo.keep_logs"})
+    parser.add_argument("--workers", type=int, help="number of worker processes (default 4)")
+    parser.add_argument("--report", help="write a JSON report to this path")
+    parser.add_argument("--target-accuracy", type=float, help="stop at this held-out accuracy (default 0.95)")
+    parser.add_argument("--max-versions", type=int, help="stop after this many model versions")
+    parser.add_argument("--timeout", type=float, help="give up after this many seconds")
+    parser.add_argument("--policy", help="sync, async, ssp or adaptive")
+    parser.add_argument("--link-rate", type=float, dest="link_rate",
+                        help="uplink bytes/s each worker declares (default 1e6; 0 = measure loopback)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--keep-logs", action="store_true", default=None,
+                        help="keep the children's logs after a successful run too (demo.keep_logs)")
+    parser.add_argument("--embedded-broker", action="store_true",
+                        help="use the embedded amqtt broker even if mosquitto is installed")
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    config = cli.load(args)
+    cli.setup_logging(args.log_level or "WARNING")
+    return run_demo(config, report=args.report, external_broker=args.broker is not None, quiet=args.quiet,
+                    embedded_broker=args.embedded_broker)

@@ -1,26 +1,28 @@
-"""A local cluster of EdgeMesh processes: the services and workers of one job on this host.
+"""The process spawner: the services and workers of one job as child processes of this host.
 
-``edgemesh demo`` and ``edgemesh bench fleet`` both run one. Each child is its own Python
-process (``python -m edgemesh.services.cli ROLE``) with the cluster's whole configuration in a
-TOML file, its own log, and its metrics on a free port written to a port file. Children die
-with the parent (parent-death signal) and are stopped with SIGTERM, then SIGKILL.
+``edgemesh demo`` and the benchmarks run a :class:`LocalCluster`. Each child is its own Python
+process (``python -m edgemesh ROLE``) with the cluster's whole configuration in a TOML file, its
+own log, and its metrics on a free port written to a port file. Children die with the parent
+(:func:`parent_death_signal`) and are stopped with SIGTERM, then SIGKILL.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from edgemesh.common.broker import parent_death_signal
 from edgemesh.common.config import Config, to_toml
 from edgemesh.common.metrics import parse_metrics
 
@@ -34,6 +36,27 @@ LOG_TAIL_LINES = 15
 """Lines of a failed child's log shown in its failure."""
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes Linux SIGTERM the child if this process dies without cleanup.
+
+    The signal follows the thread that forked, so it is armed only for children started
+    from the main thread (a worker thread of ``asyncio.to_thread`` may end any time).
+    """
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig = 1
+
+    def arm() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+    return arm
 
 
 @dataclass(slots=True)
@@ -92,7 +115,7 @@ class LocalCluster:
         log_path = self.workdir / f"{self.cfg.job}-{name}.log"
         port_file = self.workdir / f"{self.cfg.job}-{name}.port"
         # job and broker are in the file too; on the command line they tell processes apart in `ps`
-        cmd = [sys.executable, "-m", "edgemesh.services.cli", role, "--config", str(self.config_file),
+        cmd = [sys.executable, "-m", "edgemesh", role, "--config", str(self.config_file),
                "--job", self.cfg.job, "--broker", self.cfg.broker.url,
                "--metrics", "127.0.0.1:0", "--set", f"metrics.port_file={port_file}",
                "--log-level", self.cfg.log_level, *(extra or [])]

@@ -1,31 +1,19 @@
-"""Configuration: nested dataclasses loaded in exactly one function, ``load_config``.
+"""The configuration's sections: nested dataclasses, one docstring per field, validated in ``__post_init__``.
 
-Precedence: defaults < TOML file < ``EDGEMESH_*`` environment < command-line overrides.
-Environment names are ``EDGEMESH_<SECTION>__<FIELD>`` (``EDGEMESH_PS__LR=0.05``) or
-``EDGEMESH_<FIELD>`` for top-level fields (``EDGEMESH_JOB=lab1``). Flags arrive as dotted
-keys (``ps.lr=0.05``). Every value is validated; problems raise ``ConfigError`` naming the key.
+A section is the settings of what it configures, declared once: ``[ps.adaptive]`` is the adaptive
+rule's ``AdaptiveConfig``, ``[compressor]`` the compressor policy's settings.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import os
-import tomllib
-import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Literal
 from urllib.parse import urlparse
 
 from edgemesh.common.errors import ConfigError
-from edgemesh.common.messages import SYNC_POLICIES
 from edgemesh.common.topics import valid_name
-
-ENV_PREFIX = "EDGEMESH_"
-CODECS = ("none", "fp16", "topk", "threshold", "qsgd", "grid")
+from edgemesh.common.vocabulary import CodecName, SparseCodecName, SyncPolicy
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -142,7 +130,7 @@ class TrainingConfig:
     """Seed of the model initialisation, the test split and the partition."""
     batch_size: int = 32
     """Per-device mini-batch size the planner assigns."""
-    sync_policy: Literal["sync", "async", "ssp", "adaptive"] = "sync"
+    sync_policy: SyncPolicy = "sync"
     """Parameter server synchronization policy (switchable at run time)."""
     staleness_bound: int = 4
     """Largest delay (PS versions) of an update that is still applied."""
@@ -155,7 +143,6 @@ class TrainingConfig:
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "training.batch_size", "must be >= 1")
-        _require(self.sync_policy in SYNC_POLICIES, "training.sync_policy", f"one of {SYNC_POLICIES}")
         _require(self.staleness_bound >= 0, "training.staleness_bound", "must be >= 0")
         _require(self.lr > 0, "training.lr", "must be > 0")
         _require(0 <= self.momentum < 1, "training.momentum", "must be in [0, 1)")
@@ -214,6 +201,39 @@ class PlannerConfig:
 
 
 @dataclass(slots=True)
+class AdaptiveConfig:
+    """The adaptive bounded-delay rule (``[ps.adaptive]``; docs/synchronization.md)."""
+
+    alpha: float = 0.3
+    """Weight of the newest delay in each device's delay index (an exponential moving average)."""
+    quantile: float = 0.9
+    """Quantile of the clusters' arrival times (the deadline) and of the delay indices (the bound)."""
+    slack: float = 1.5
+    """Factor on that quantile before clamping the deadline and the bound."""
+    min_deadline_s: float = 0.02
+    """Shortest round deadline, seconds."""
+    max_deadline_s: float = 30.0
+    """Longest round deadline, seconds (also the deadline before any arrival is seen)."""
+    min_bound: int = 1
+    """Smallest delay bound; the largest is training.staleness_bound (``set-bound``)."""
+    slow_factor: float = 2.0
+    """A device is slow when its delay index exceeds the fleet median by this factor (and by one version)."""
+    window: int = 32
+    """Arrival times remembered per cluster."""
+
+    def __post_init__(self) -> None:
+        _require(0 < self.alpha <= 1, "ps.adaptive.alpha", "must be in (0, 1]")
+        _require(0 <= self.quantile <= 1, "ps.adaptive.quantile", "must be in [0, 1]")
+        _require(self.slack >= 1, "ps.adaptive.slack", "must be >= 1")
+        _require(self.min_deadline_s > 0, "ps.adaptive.min_deadline_s", "must be > 0")
+        _require(self.max_deadline_s >= self.min_deadline_s, "ps.adaptive.max_deadline_s",
+                 "must be >= ps.adaptive.min_deadline_s")
+        _require(self.min_bound >= 0, "ps.adaptive.min_bound", "must be >= 0")
+        _require(self.slow_factor >= 1, "ps.adaptive.slow_factor", "must be >= 1")
+        _require(self.window >= 1, "ps.adaptive.window", "must be >= 1")
+
+
+@dataclass(slots=True)
 class ParameterServerConfig:
     """Parameter server service."""
 
@@ -232,7 +252,7 @@ class ParameterServerConfig:
     broadcast: Literal["snapshot", "delta"] = "delta"
     """How the model reaches workers: a full snapshot per version, or encoded deltas on
     ``model/delta`` (with a float32 snapshot every ``snapshot_every`` versions and on request)."""
-    delta_codec: Literal["none", "fp16", "topk", "threshold", "qsgd", "grid"] = "grid"
+    delta_codec: CodecName = "grid"
     """Codec of the model deltas; what it leaves out is sent with the next delta."""
     delta_density: float = 0.3
     """Kept share of each delta for sparsifying codecs."""
@@ -242,20 +262,8 @@ class ParameterServerConfig:
     """Precision of the model snapshots sent to workers; the PS keeps float32 weights and momentum."""
     staleness_weighting: bool = True
     """Under async and ssp, scale an update applied d versions late by 1/(1+d) (adaptive always does)."""
-    adaptive_alpha: float = 0.3
-    """Adaptive policy: weight of the newest delay in each device's delay index (moving average)."""
-    adaptive_quantile: float = 0.9
-    """Adaptive policy: quantile of cluster arrival times (deadline) and of delay indices (bound)."""
-    adaptive_slack: float = 1.5
-    """Adaptive policy: factor on that quantile before clamping the deadline and the bound."""
-    adaptive_min_deadline_s: float = 0.02
-    """Adaptive policy: shortest round deadline in seconds."""
-    adaptive_max_deadline_s: float = 30.0
-    """Adaptive policy: longest round deadline in seconds (also the deadline before any arrival is seen)."""
-    adaptive_min_bound: int = 1
-    """Adaptive policy: smallest delay bound; the largest is training.staleness_bound (set-bound)."""
-    adaptive_slow_factor: float = 2.0
-    """Adaptive policy: a device is slow when its delay index exceeds the fleet median by this factor."""
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
+    """The ``adaptive`` policy's rule (``[ps.adaptive]``)."""
     sync_state_interval_s: float = 2.0
     """Publish the retained sync state (policy, bound, deadline, delay indices) at most this often
     while only the indices move; a change of policy, bound or slow devices goes out at once."""
@@ -264,14 +272,6 @@ class ParameterServerConfig:
 
     def __post_init__(self) -> None:
         _require(self.mesh_assembly_timeout_s > 0, "ps.mesh_assembly_timeout_s", "must be > 0")
-        _require(0 < self.adaptive_alpha <= 1, "ps.adaptive_alpha", "must be in (0, 1]")
-        _require(0 <= self.adaptive_quantile <= 1, "ps.adaptive_quantile", "must be in [0, 1]")
-        _require(self.adaptive_slack >= 1, "ps.adaptive_slack", "must be >= 1")
-        _require(self.adaptive_min_deadline_s > 0, "ps.adaptive_min_deadline_s", "must be > 0")
-        _require(self.adaptive_max_deadline_s >= self.adaptive_min_deadline_s, "ps.adaptive_max_deadline_s",
-                 "must be >= ps.adaptive_min_deadline_s")
-        _require(self.adaptive_min_bound >= 0, "ps.adaptive_min_bound", "must be >= 0")
-        _require(self.adaptive_slow_factor >= 1, "ps.adaptive_slow_factor", "must be >= 1")
         _require(self.sync_state_interval_s >= 0, "ps.sync_state_interval_s", "must be >= 0")
         _require(self.eval_interval_s >= 0, "ps.eval_interval_s", "must be >= 0")
         _require(self.checkpoint_every >= 1, "ps.checkpoint_every", "must be >= 1")
@@ -285,13 +285,13 @@ class ParameterServerConfig:
 class CompressorConfig:
     """Compressor service."""
 
-    default_codec: Literal["none", "fp16", "topk", "threshold", "qsgd", "grid"] = "fp16"
+    default_codec: CodecName = "fp16"
     """Codec assigned to devices without an override."""
-    overrides: dict[str, str] = field(default_factory=dict)
+    overrides: dict[str, CodecName] = field(default_factory=dict)
     """Per-device codec, e.g. ``{"pi-07" = "none"}``."""
     mode: Literal["static", "adaptive"] = "adaptive"
     """static: codecs from config alone; adaptive: codec and density follow each device's link and step time."""
-    adaptive_codec: Literal["topk", "threshold", "grid"] = "grid"
+    adaptive_codec: SparseCodecName = "grid"
     """Sparsifying codec the adaptive mode switches a device to when its link is too slow for a dense one."""
     comm_share: float = 0.5
     """Adaptive target: estimated communication time of one update at most this share of its step time."""
@@ -307,12 +307,8 @@ class CompressorConfig:
     """Density of a sparsifying codec chosen from config alone (static mode, or a link not measured yet)."""
 
     def __post_init__(self) -> None:
-        for device, codec in self.overrides.items():
+        for device in self.overrides:
             _require(valid_name(device), "compressor.overrides", f"invalid device name {device!r}")
-            _require(codec in CODECS, "compressor.overrides", f"{device}: unknown codec {codec!r}")
-        _require(self.mode in ("static", "adaptive"), "compressor.mode", "static or adaptive")
-        _require(self.adaptive_codec in ("topk", "threshold", "grid"), "compressor.adaptive_codec",
-                 "one of topk, threshold, grid")
         _require(0 < self.comm_share <= 100, "compressor.comm_share", "must be in (0, 100]")
         _require(0 < self.min_density <= 1, "compressor.min_density", "must be in (0, 1]")
         _require(self.min_density <= self.max_density <= 1, "compressor.max_density",
@@ -430,179 +426,3 @@ class Config:
         _require(valid_name(self.job), "job", f"{self.job!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
         _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                  "one of DEBUG INFO WARNING ERROR")
-
-
-# --------------------------------------------------------------------------- loading
-
-
-def _convert(tp: Any, value: Any, key: str) -> Any:
-    """Coerce a TOML value or an environment/flag string to the field type."""
-    origin = get_origin(tp)
-    from_text = isinstance(value, str)
-    if origin is Literal:
-        choices = get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if from_text and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if tp is int:
-        try:
-            if isinstance(value, bool) or (not from_text and not isinstance(value, int)):
-                raise ValueError
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if tp is float:
-        try:
-            if isinstance(value, bool) or not math.isfinite(number := float(value)):
-                raise ValueError
-            return number
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}") from None
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    if origin is dict:
-        if from_text:
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{key}: expected a JSON object: {exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a table")
-        _, val_tp = get_args(tp)
-        return {str(k): _convert(val_tp, v, f"{key}.{k}") for k, v in value.items()}
-    raise ConfigError(f"{key}: unsupported type {tp!r}")
-
-
-def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(data) - set(fields)
-    if unknown:
-        where = prefix.rstrip(".") or "top level"
-        raise ConfigError(f"unknown setting(s) {', '.join(sorted(prefix + u for u in unknown))} in {where}")
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        tp = hints[name]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, Mapping):
-                raise ConfigError(f"{prefix}{name}: expected a table")
-            kwargs[name] = _build(typing.cast(type, tp), value, f"{prefix}{name}.")
-        else:
-            kwargs[name] = _convert(tp, value, prefix + name)
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{key}: {part} is not a table")
-        node = child
-    node[parts[-1]] = value
-
-
-def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    sections = {name for name, tp in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(tp)}
-    tree: dict[str, Any] = {}
-    for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
-            continue
-        rest = name[len(ENV_PREFIX):].lower()
-        section, sep, fieldname = rest.partition("__")
-        if sep:
-            if section not in sections:
-                raise ConfigError(f"{name}: unknown section {section!r}")
-            _set_dotted(tree, f"{section}.{fieldname}", value)
-        else:
-            _set_dotted(tree, rest, value)
-    return tree
-
-
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def load_config(
-    path: str | Path | None = None,
-    *,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-) -> Config:
-    """Load the configuration: defaults, then TOML ``path``, then ``EDGEMESH_*``, then ``overrides``.
-
-    ``path`` may also come from ``EDGEMESH_CONFIG``. ``overrides`` maps dotted keys to values.
-    """
-    env = os.environ if env is None else env
-    tree: dict[str, Any] = {}
-    path = path or env.get(ENV_PREFIX + "CONFIG") or None
-    if path:
-        try:
-            with open(path, "rb") as fh:
-                tree = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} not found") from None
-        except OSError as exc:
-            raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {path}: {exc}") from None
-    tree = _merge(tree, _env_overrides(env))
-    flag_tree: dict[str, Any] = {}
-    for key, value in (overrides or {}).items():
-        _set_dotted(flag_tree, key, value)
-    tree = _merge(tree, flag_tree)
-    return typing.cast(Config, _build(Config, tree, ""))
-
-
-def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
-    """(dotted key, value, doc) rows of a config, for ``edgemesh config`` and the docs."""
-    rows: list[tuple[str, Any, str]] = []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            rows.extend(describe(value, f"{prefix}{f.name}."))
-        else:
-            shown = "***" if f.name == "password" and value else value
-            rows.append((prefix + f.name, shown, ""))
-    return rows
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
-    raise ConfigError(f"cannot write {value!r} to TOML")
-
-
-def to_toml(cfg: Config) -> str:
-    """The whole configuration as TOML that ``load_config`` reads back to an equal Config."""
-    top: list[str] = []
-    sections: list[str] = []
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            sections.append(f"\n[{f.name}]")
-            sections.extend(f"{g.name} = {_toml_value(getattr(value, g.name))}" for g in dataclasses.fields(value))
-        else:
-            top.append(f"{f.name} = {_toml_value(value)}")
-    return "\n".join(top + sections) + "\n"

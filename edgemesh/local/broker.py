@@ -1,29 +1,15 @@
-"""Local MQTT brokers: the embedded amqtt broker and broker child processes.
+"""Broker processes on this machine: Mosquitto or the embedded broker in a child process.
 
-Three ways to get a broker on this machine:
-
-* :class:`EmbeddedBroker` runs the amqtt broker inside the current event loop
-  (``async with EmbeddedBroker() as broker: ... broker.url``).
-* :func:`run_embedded_broker` runs it until cancelled or signalled; it backs
-  ``edgemesh broker`` and ``python -m edgemesh.common.broker --host H --port P``.
-* :class:`BrokerProcess` runs Mosquitto or the embedded broker in a child process on
-  a port fixed at construction, so a test or the ``edgemesh demo`` orchestrator can
-  kill it and restart it on the same address.
-
-The embedded broker speaks MQTT 3.1.1 only: a v5 CONNECT is answered with a 3.1.1
-CONNACK carrying return code 1 ("unacceptable protocol version"). amqtt sets no
-payload-size limit of its own on TCP listeners: a PUBLISH may carry up to the MQTT
-maximum remaining length of 268,435,455 bytes (its websocket listeners, unused
-here, inherit the ``websockets`` default frame limit of 1 MiB).
+:class:`BrokerProcess` runs Mosquitto or the embedded broker (``edgemesh.local.embedded``) on a
+port fixed at construction, so a test or ``edgemesh demo`` can kill it and restart it on the same
+address. The helpers find free ports and wait for a port to accept connections.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import logging
 import os
 import re
@@ -35,45 +21,32 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal, Self
-
-from amqtt.plugins.base import BaseAuthPlugin
-from amqtt.session import Session
+from typing import IO, Literal, Self
 
 from edgemesh.common.errors import BrokerError
+from edgemesh.local.processes import parent_death_signal
 
 logger = logging.getLogger(__name__)
 
 LOCALHOST = "127.0.0.1"
 MOSQUITTO_SEARCH_PATH = os.pathsep.join(["/usr/sbin", "/usr/local/sbin"])
 """Where :func:`find_mosquitto` looks when ``mosquitto`` is not on PATH (Debian installs it in sbin)."""
-
 PORT_POLL_INTERVAL = 0.05
 """Seconds between two connection attempts while waiting for a port to accept."""
 PORT_CONNECT_TIMEOUT = 0.5
 """Timeout of one connection attempt while waiting for a port."""
-EMBEDDED_BIND_ATTEMPTS = 5
-"""Free ports tried by :class:`EmbeddedBroker` with ``port=0`` before giving up."""
-EMBEDDED_SESSION_EXPIRY = 3600
-"""Seconds the embedded broker keeps a disconnected persistent (clean_session=False) session."""
 STDERR_TAIL_LINES = 20
 """Lines of a child's log quoted in a :class:`BrokerError`."""
 RESTART_BACKOFF = 0.1
 """Seconds between two spawn attempts while the old socket still holds the port."""
 KEPT_LOG_BYTES = 64 * 1024
 """How much of an exited child's log :meth:`BrokerProcess.log_text` keeps (its end)."""
-
 READY_LINE = "edgemesh broker listening on"
-"""Printed to stdout by `python -m edgemesh.common.broker`, then the URL, once clients can connect."""
+"""Printed to stdout by ``python -m edgemesh.local.embedded``, then the URL, once clients can connect."""
 
 BrokerKind = Literal["mosquitto", "amqtt"]
-
-
-# ---------------------------------------------------------------------------------------------
-# ports
 
 
 def free_port(host: str = LOCALHOST) -> int:
@@ -120,122 +93,9 @@ async def wait_port_async(host: str, port: int, timeout: float) -> None:  # noqa
         raise BrokerError(f"nothing accepted connections on {host}:{port} within {timeout:g} s") from None
 
 
-def _client_host(host: str) -> str:
+def client_host(host: str) -> str:
     """The address a local client uses to reach a listener bound to ``host``."""
     return LOCALHOST if host in ("", "0.0.0.0") else host  # noqa: S104 - comparing, not binding
-
-
-# ---------------------------------------------------------------------------------------------
-# embedded amqtt broker
-
-
-class OpenAuthPlugin(BaseAuthPlugin):
-    """amqtt auth plugin that admits every client as a regular, non-anonymous session.
-
-    amqtt's ``AnonymousAuthPlugin`` marks every session it admits as anonymous, and amqtt
-    drops anonymous sessions on disconnect even with ``clean_session=False``, so QoS 1
-    messages for an offline persistent subscriber are lost. This plugin keeps the
-    Mosquitto behaviour (``allow_anonymous true``): persistent sessions survive a
-    reconnect, bounded by :data:`EMBEDDED_SESSION_EXPIRY`.
-    """
-
-    async def authenticate(self, *, session: Session) -> bool:
-        return True
-
-
-_OPEN_AUTH_PLUGIN = "edgemesh.common.broker.OpenAuthPlugin"
-
-
-def embedded_broker_config(host: str, port: int) -> dict[str, Any]:
-    """amqtt ``BrokerConfig`` dict: one TCP listener, anonymous clients, no ``$SYS`` and no packet logger.
-
-    Listing ``plugins`` explicitly replaces amqtt's defaults (event logger, packet logger,
-    anonymous auth, ``$SYS`` publisher); an empty auth list would reject every client.
-    """
-    return {
-        "listeners": {"default": {"type": "tcp", "bind": f"{host}:{port}"}},
-        "session_expiry_interval": EMBEDDED_SESSION_EXPIRY,
-        "plugins": {_OPEN_AUTH_PLUGIN: {}},
-    }
-
-
-class EmbeddedBroker:
-    """The amqtt broker, run in the current event loop for the life of an ``async with`` block.
-
-    ``port=0`` picks a free port; the chosen one is in :attr:`port` once entered.
-    """
-
-    def __init__(self, host: str = LOCALHOST, port: int = 0) -> None:
-        self.host = host
-        self.port = port
-        self._broker: Any = None
-
-    @property
-    def url(self) -> str:
-        return f"mqtt://{_client_host(self.host)}:{self.port}"
-
-    async def __aenter__(self) -> Self:
-        from amqtt.broker import Broker
-
-        attempts = EMBEDDED_BIND_ATTEMPTS if self.port == 0 else 1
-        last_error: Exception | None = None
-        for _ in range(attempts):
-            port = self.port or free_port(self.host)
-            try:
-                broker = Broker(embedded_broker_config(self.host, port))
-                await broker.start()
-            except Exception as exc:  # amqtt wraps bind and plugin failures in its own errors
-                last_error = exc
-                logger.debug("embedded broker could not start on %s:%s: %s", self.host, port, exc)
-                continue
-            self.port = port
-            self._broker = broker
-            logger.info("embedded MQTT broker listening on %s:%s", self.host, port)
-            return self
-        raise BrokerError(f"embedded broker could not start on {self.host}:{self.port}: {last_error}") from (
-            last_error
-        )
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        broker, self._broker = self._broker, None
-        if broker is not None:
-            await broker.shutdown()
-            logger.info("embedded MQTT broker on %s:%s stopped", self.host, self.port)
-
-
-async def run_embedded_broker(host: str, port: int, *, ready: Callable[[str], None] | None = None) -> None:
-    """Serve the embedded broker on ``host:port`` until cancelled, SIGTERM or SIGINT.
-
-    ``ready`` is called with the URL once the listener accepts connections. A signal
-    makes this coroutine return normally after shutting the broker down.
-    """
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    handled: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no Unix signals
-            continue
-        handled.append(sig)
-    try:
-        async with EmbeddedBroker(host, port) as broker:
-            if ready is not None:
-                ready(f"mqtt://{host}:{broker.port}")
-            await stop.wait()
-            logger.info("signal received, stopping the embedded broker")
-    finally:
-        for sig in handled:
-            loop.remove_signal_handler(sig)
-
-
-# ---------------------------------------------------------------------------------------------
-# broker child processes
 
 
 def find_mosquitto() -> str | None:
@@ -254,27 +114,6 @@ def _kill_leftovers() -> None:
         leftovers = list(_live)
     for proc in leftovers:
         proc.kill()
-
-
-def parent_death_signal() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes Linux SIGTERM the child if this process dies without cleanup.
-
-    The signal follows the thread that forked, so it is armed only for children started
-    from the main thread (a worker thread of ``asyncio.to_thread`` may end any time).
-    """
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-
-    def arm() -> None:
-        prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
-
-    return arm
 
 
 class BrokerProcess:
@@ -325,7 +164,7 @@ class BrokerProcess:
 
     @classmethod
     def embedded(cls, port: int | None = None) -> BrokerProcess:
-        """The embedded amqtt broker, run as ``python -m edgemesh.common.broker``."""
+        """The embedded amqtt broker, run as ``python -m edgemesh.local.embedded``."""
         return cls("amqtt", port)
 
     @classmethod
@@ -454,7 +293,7 @@ class BrokerProcess:
             return [
                 sys.executable,
                 "-m",
-                "edgemesh.common.broker",
+                "edgemesh.local.embedded",
                 "--host",
                 self.host,
                 "--port",
@@ -533,49 +372,3 @@ class BrokerProcess:
     def _log_tail(self, lines: int = STDERR_TAIL_LINES) -> str:
         text = self.log_text().strip()
         return "\n".join(text.splitlines()[-lines:]) if text else "(no output)"
-
-
-# ---------------------------------------------------------------------------------------------
-# python -m edgemesh.common.broker
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the embedded broker in the foreground; log to stderr, print the ready line to stdout."""
-    parser = argparse.ArgumentParser(
-        prog="python -m edgemesh.common.broker",
-        description="Run the embedded MQTT 3.1.1 broker (amqtt) until SIGTERM or SIGINT.",
-    )
-    parser.add_argument("--host", default=LOCALHOST, help="address to listen on (default %(default)s)")
-    parser.add_argument(
-        "--port", type=int, default=1883, help="TCP port, 0 for a free one (default %(default)s)"
-    )
-    parser.add_argument(
-        "--log-level",
-        default="INFO",
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log level (default %(default)s; amqtt's own logs stay at WARNING and above)",
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=args.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # amqtt logs every connection at INFO; keep its warnings only.
-    for name in ("amqtt", "transitions"):
-        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
-
-    def ready(url: str) -> None:
-        print(f"{READY_LINE} {url}", flush=True)
-
-    try:
-        asyncio.run(run_embedded_broker(args.host, args.port, ready=ready))
-    except BrokerError as exc:
-        logger.error("%s", exc)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

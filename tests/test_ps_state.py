@@ -1,4 +1,4 @@
-"""The parameter server's pure parts: sync rules, the SGD step by shard, and durable state (DESIGN.md §4-5)."""
+"""The parameter server's state: the SGD step by shard and durable state (checkpoint, write-ahead log)."""
 
 from __future__ import annotations
 
@@ -9,92 +9,10 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from edgemesh.common.errors import CheckpointError, WireError
-from edgemesh.services.parameter_server import policy as rules
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
-
-# --------------------------------------------------------------------------- judge
-
-
-@pytest.mark.parametrize("policy,version,base,bound,accept,delay,reason", [
-    ("sync", 10, 10, 4, True, 0, ""),
-    ("sync", 10, 9, 4, False, 1, "stale"),  # BSP ignores the bound: only the current version counts
-    ("async", 10, 6, 4, True, 4, ""),
-    ("async", 10, 5, 4, False, 5, "stale"),
-    ("ssp", 10, 6, 4, True, 4, ""),
-    ("ssp", 10, 5, 4, False, 5, "stale"),
-    ("async", 10, 10, 0, True, 0, ""),
-    ("async", 10, 9, 0, False, 1, "stale"),
-    ("async", 10, 11, 4, False, -1, "future"),
-    ("sync", 0, 1, 4, False, -1, "future"),
-    ("ssp", 0, 0, 0, True, 0, ""),
-])
-def test_judge(policy: rules.Policy, version: int, base: int, bound: int, accept: bool, delay: int,
-               reason: str) -> None:
-    assert rules.judge(policy, version, base, bound) == rules.Verdict(accept, delay, reason)
-
-
-@settings(max_examples=200, deadline=None)
-@given(policy=st.sampled_from(["async", "ssp"]), version=st.integers(0, 10**6), back=st.integers(-5, 50),
-       bound=st.integers(0, 20))
-def test_judge_applies_exactly_the_updates_within_the_bound(policy: rules.Policy, version: int, back: int,
-                                                            bound: int) -> None:
-    verdict = rules.judge(policy, version, version - back, bound)
-    assert verdict.delay == back
-    assert verdict.accept is (0 <= back <= bound)
-    assert verdict.reason == ("" if verdict.accept else "future" if back < 0 else "stale")
-
-
-# --------------------------------------------------------------------------- staleness weight
-
-
-def test_staleness_weight() -> None:
-    assert rules.staleness_weight(0) == 1.0
-    assert rules.staleness_weight(1) == 0.5
-    assert rules.staleness_weight(3) == 0.25
-    assert rules.staleness_weight(-2) == 1.0  # never amplifies
-    weights = [rules.staleness_weight(d) for d in range(50)]
-    assert all(a > b > 0 for a, b in zip(weights, weights[1:], strict=False))
-
-
-# --------------------------------------------------------------------------- SSP gate and BSP rounds
-
-
-def test_must_wait_only_under_ssp_and_only_beyond_the_bound() -> None:
-    clocks = {"c0": 10, "c1": 7, "c2": 12}
-    live = ["c0", "c1", "c2"]
-    assert rules.must_wait("ssp", "c2", clocks, live, 4)  # 12 - 7 = 5 > 4
-    assert not rules.must_wait("ssp", "c2", clocks, live, 5)  # exactly the bound is fine
-    assert not rules.must_wait("ssp", "c0", clocks, live, 4)
-    assert not rules.must_wait("ssp", "c1", clocks, live, 0)  # the slowest never waits
-    for other in ("sync", "async", "adaptive"):
-        assert not rules.must_wait(other, "c2", clocks, live, 0)  # type: ignore[arg-type]
-
-
-def test_must_wait_ignores_clusters_that_are_not_live() -> None:
-    clocks = {"c0": 10, "gone": 0}
-    assert not rules.must_wait("ssp", "c0", clocks, ["c0"], 2)  # alone: nobody to wait for
-    assert rules.must_wait("ssp", "c0", clocks, ["c0", "gone"], 2)
-    assert not rules.must_wait("ssp", "c0", {"c0": 10, "c1": 9, "gone": 0}, ["c0", "c1"], 2)
-
-
-def test_must_wait_counts_a_new_live_cluster_at_zero() -> None:
-    assert rules.must_wait("ssp", "c0", {"c0": 3}, ["c0", "new"], 2)
-    assert not rules.must_wait("ssp", "new", {"c0": 3}, ["c0", "new"], 2)
-
-
-def test_round_complete() -> None:
-    assert rules.round_complete(["c0", "c1"], ["c1", "c0"])
-    assert rules.round_complete(["c0", "c1", "left-meanwhile"], ["c0", "c1"])
-    assert not rules.round_complete(["c0"], ["c0", "c1"])
-    assert not rules.round_complete([], ["c0"])
-    assert not rules.round_complete([], [])  # an empty round is never complete
-    assert rules.round_complete(iter(["c0"]), iter(["c0"]))
-
 
 # --------------------------------------------------------------------------- optimizer
 

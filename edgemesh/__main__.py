@@ -1,0 +1,7 @@
+"""``python -m edgemesh``: the ``edgemesh`` command (how the local tools start their child processes)."""
+
+import sys
+
+from edgemesh.cli import main
+
+sys.exit(main())

@@ -1,0 +1,23 @@
+"""Configuration: nested dataclass sections (``sections``) loaded in one function (``loading.load_config``).
+
+Precedence: defaults < TOML file < ``EDGEMESH_*`` environment < command-line flags (docs/operations.md).
+"""
+
+from edgemesh.common.config.loading import describe, load_config, to_toml
+from edgemesh.common.config.sections import (
+    AdaptiveConfig,
+    BrokerConfig,
+    CompressorConfig,
+    Config,
+    DemoConfig,
+    MetricsConfig,
+    ParameterServerConfig,
+    PlannerConfig,
+    TrainingConfig,
+    WorkerConfig,
+)
+
+__all__ = [
+    "AdaptiveConfig", "BrokerConfig", "CompressorConfig", "Config", "DemoConfig", "MetricsConfig",
+    "ParameterServerConfig", "PlannerConfig", "TrainingConfig", "WorkerConfig", "describe", "load_config", "to_toml",
+]

@@ -1,0 +1,198 @@
+"""Loading the configuration, in exactly one function: ``load_config``.
+
+Precedence: defaults < TOML file < ``EDGEMESH_*`` environment < command-line overrides.
+Environment names are ``EDGEMESH_<SECTION>__<FIELD>`` (``EDGEMESH_PS__CHECKPOINT_EVERY=100``,
+``EDGEMESH_PS__ADAPTIVE__ALPHA=0.5`` for a nested section) or ``EDGEMESH_<FIELD>`` for top-level
+fields (``EDGEMESH_JOB=lab1``). Flags arrive as dotted keys (``ps.adaptive.alpha=0.5``). Every
+value is validated; problems raise ``ConfigError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from edgemesh.common.config.sections import Config
+from edgemesh.common.errors import ConfigError
+
+ENV_PREFIX = "EDGEMESH_"
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    """Coerce a TOML value or an environment/flag string to the field type."""
+    origin = get_origin(tp)
+    from_text = isinstance(value, str)
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if tp is int:
+        try:
+            if isinstance(value, bool) or (not from_text and not isinstance(value, int)):
+                raise ValueError
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            if isinstance(value, bool) or not math.isfinite(number := float(value)):
+                raise ValueError
+            return number
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if origin is dict:
+        if from_text:
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{key}: expected a JSON object: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table")
+        _, val_tp = get_args(tp)
+        return {str(k): _convert(val_tp, v, f"{key}.{k}") for k, v in value.items()}
+    raise ConfigError(f"{key}: unsupported type {tp!r}")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        raise ConfigError(f"unknown setting(s) {', '.join(sorted(prefix + u for u in unknown))} in {where}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{prefix}{name}: expected a table")
+            kwargs[name] = _build(typing.cast(type, tp), value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _convert(tp, value, prefix + name)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {part} is not a table")
+        node = child
+    node[parts[-1]] = value
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    sections = {name for name, tp in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(tp)}
+    tree: dict[str, Any] = {}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        levels = name[len(ENV_PREFIX):].lower().split("__")
+        if len(levels) > 1 and levels[0] not in sections:
+            raise ConfigError(f"{name}: unknown section {levels[0]!r}")
+        _set_dotted(tree, ".".join(levels), value)
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load the configuration: defaults, then TOML ``path``, then ``EDGEMESH_*``, then ``overrides``.
+
+    ``path`` may also come from ``EDGEMESH_CONFIG``. ``overrides`` maps dotted keys to values.
+    """
+    env = os.environ if env is None else env
+    tree: dict[str, Any] = {}
+    path = path or env.get(ENV_PREFIX + "CONFIG") or None
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                tree = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror or exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+    tree = _merge(tree, _env_overrides(env))
+    flag_tree: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        _set_dotted(flag_tree, key, value)
+    tree = _merge(tree, flag_tree)
+    return typing.cast(Config, _build(Config, tree, ""))
+
+
+def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """(dotted key, value, doc) rows of a config, for ``edgemesh config`` and the docs."""
+    rows: list[tuple[str, Any, str]] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(value, f"{prefix}{f.name}."))
+        else:
+            shown = "***" if f.name == "password" and value else value
+            rows.append((prefix + f.name, shown, ""))
+    return rows
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise ConfigError(f"cannot write {value!r} to TOML")
+
+
+def to_toml(cfg: Config) -> str:
+    """The whole configuration as TOML that ``load_config`` reads back to an equal Config."""
+    return "\n".join(_toml_table(cfg, "")) + "\n"
+
+
+def _toml_table(table: Any, name: str) -> list[str]:
+    """``table``'s keys, then its sub-tables as ``[name.sub]`` (nested sections)."""
+    lines = [f"\n[{name}]"] if name else []
+    nested: list[str] = []
+    for f in dataclasses.fields(table):
+        value = getattr(table, f.name)
+        if dataclasses.is_dataclass(value):
+            nested += _toml_table(value, f"{name}.{f.name}" if name else f.name)
+        else:
+            lines.append(f"{f.name} = {_toml_value(value)}")
+    return lines + nested

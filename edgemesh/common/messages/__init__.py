@@ -1,0 +1,31 @@
+"""Every message kind, declared once (docs/wire.md), by what it is about.
+
+Frozen dataclasses; ``wire`` encodes and decodes them and checks field types, and each
+``validate()`` checks ranges. New fields get defaults; a field is never reused for a new meaning.
+
+* ``devices``: DeviceHello, DeviceStatus, DeviceStats
+* ``plan``: Plan and its PlanDevice, PlanCluster, LayerDivision
+* ``training``: CodecPolicy, ShardUpdate, GradientUpdate, UpdateAck, ModelSnapshot, ModelDelta, SyncState
+* ``mesh``: MeshReady, MeshBegin, MeshSlice
+* ``operations``: ControlCommand, ControlReply, Event
+"""
+
+from edgemesh.common.messages.devices import DeviceHello, DeviceStats, DeviceStatus
+from edgemesh.common.messages.mesh import MeshBegin, MeshReady, MeshSlice
+from edgemesh.common.messages.operations import ControlCommand, ControlReply, Event, Scalar
+from edgemesh.common.messages.plan import LayerDivision, Plan, PlanCluster, PlanDevice
+from edgemesh.common.messages.training import (
+    CodecPolicy,
+    GradientUpdate,
+    ModelDelta,
+    ModelSnapshot,
+    ShardUpdate,
+    SyncState,
+    UpdateAck,
+)
+
+__all__ = [
+    "CodecPolicy", "ControlCommand", "ControlReply", "DeviceHello", "DeviceStats", "DeviceStatus", "Event",
+    "GradientUpdate", "LayerDivision", "MeshBegin", "MeshReady", "MeshSlice", "ModelDelta", "ModelSnapshot", "Plan",
+    "PlanCluster", "PlanDevice", "Scalar", "ShardUpdate", "SyncState", "UpdateAck",
+]

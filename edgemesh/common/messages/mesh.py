@@ -1,0 +1,81 @@
+"""What the members of a model-parallel cluster exchange within a step (docs/mesh.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from edgemesh.common.messages.checks import MAX_CLUSTER_MEMBERS, check_name, nonneg
+from edgemesh.common.wire import Tensor, message
+
+
+@message("mesh_ready")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshReady:
+    """A member of a model-parallel cluster is subscribed to its topics and holds the model under
+    ``plan_version``: retained on ``mesh/{cluster}/step/ready/{device}``. The first member waits for
+    every other one before the first step of a plan, which would otherwise go to members not yet
+    listening."""
+
+    cluster: str
+    device: str
+    plan_version: int
+
+    def validate(self) -> None:
+        check_name("cluster", self.cluster)
+        check_name("device", self.device)
+        nonneg("plan_version", self.plan_version)
+
+
+@message("mesh_begin")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshBegin:
+    """A model-parallel cluster's first member starts ``step`` on ``model_version``, on
+    ``mesh/{cluster}/step/begin/{device}``; the others follow with the same batch."""
+
+    cluster: str
+    device: str
+    plan_version: int
+    step: int
+    model_version: int
+
+    def validate(self) -> None:
+        check_name("cluster", self.cluster)
+        check_name("device", self.device)
+        nonneg("plan_version", self.plan_version)
+        if self.step < 1:
+            raise ValueError("step must be >= 1")
+        nonneg("model_version", self.model_version)
+
+
+@message("mesh_slice")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MeshSlice:
+    """One member's slice within a model-parallel step (DESIGN.md §4).
+
+    ``fwd``: its output slice of ``layer``, on ``mesh/{cluster}/{layer}/fwd/{sender}``, for all members.
+    ``bwd``: the receiver's channels of its partial input gradient of ``layer``, on
+    ``mesh/{cluster}/{layer}/bwd/{receiver}``.
+    """
+
+    cluster: str
+    plan_version: int
+    step: int
+    layer: str
+    phase: Literal["fwd", "bwd"]
+    sender: int
+    """Member index of the sender in the cluster."""
+    tensor: Tensor
+
+    def validate(self) -> None:
+        check_name("cluster", self.cluster)
+        check_name("layer", self.layer)
+        nonneg("plan_version", self.plan_version)
+        if self.step < 1:
+            raise ValueError("step must be >= 1")
+        if self.phase not in ("fwd", "bwd"):
+            raise ValueError(f"phase {self.phase!r} is not fwd or bwd")
+        if not 0 <= self.sender < MAX_CLUSTER_MEMBERS:
+            raise ValueError("sender index out of range")
+        if self.tensor.dtype not in ("float32", "float16"):
+            raise ValueError(f"mesh tensors are float32 or float16, not {self.tensor.dtype}")

@@ -1,0 +1,78 @@
+"""What operators and services say to each other: control commands, replies, audit events."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from edgemesh.common.messages.checks import check_name
+from edgemesh.common.topics import MAX_TOPIC_CHARS, valid_topic
+from edgemesh.common.wire import message
+
+Scalar = str | int | float | bool | None
+"""A control value or result, an event datum."""
+LIST_MAX_CHARS = 2000
+"""Longest list of names in a control reply or an event (wire strings are bounded); the names that
+do not fit are counted instead."""
+
+
+def listing(names: Sequence[str], limit: int = LIST_MAX_CHARS) -> str:
+    """Comma-separated names, cut to about ``limit`` characters with a count of the rest."""
+    shown: list[str] = []
+    size = 0
+    for name in names:
+        if size + len(name) + 1 > limit:
+            shown.append(f"...(+{len(names) - len(shown)} more)")
+            break
+        shown.append(name)
+        size += len(name) + 1
+    return ",".join(shown)
+
+
+@message("control")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlCommand:
+    """An operator's command on ``control/{target}``; also accepted as a UTF-8 JSON body."""
+
+    command: str
+    value: Scalar = None
+    device: str = ""
+    request_id: str = ""
+    requester: str = "operator"
+    reply_to: str = ""
+    """Topic for the ControlReply; default ``control-reply/{requester}``. No wildcards, at most
+    ``topics.MAX_TOPIC_CHARS`` characters."""
+    expires_at: float = 0.0
+    """Unix time after which the command is ignored (0 = never)."""
+
+    def validate(self) -> None:
+        if not self.command or len(self.command) > 64:
+            raise ValueError("command length out of range")
+        check_name("requester", self.requester)
+        if self.device:
+            check_name("device", self.device)
+        if self.reply_to and not valid_topic(self.reply_to):
+            raise ValueError(f"reply_to must be a topic of at most {MAX_TOPIC_CHARS} characters without wildcards")
+
+
+@message("control_reply")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ControlReply:
+    request_id: str
+    source: str
+    command: str
+    ok: bool
+    message: str = ""
+    result: dict[str, Scalar] = field(default_factory=dict)
+
+
+@message("event")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """An audit-trail entry on ``events``: replans, rejections, control actions, evaluations."""
+
+    kind: str
+    source: str
+    time: float
+    message: str = ""
+    data: dict[str, Scalar] = field(default_factory=dict)

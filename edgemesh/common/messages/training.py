@@ -1,0 +1,184 @@
+"""What training exchanges: codec policies, gradient updates and their acks, the model (snapshots
+and deltas) and the parameter server's synchronization state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edgemesh.common.messages.checks import MAX_DEVICES, MAX_SHARDS, check_name, nonneg
+from edgemesh.common.vocabulary import AckReason, AckStatus, CodecName, SyncPolicy
+from edgemesh.common.wire import Tensor, message
+
+
+@message("codec_policy")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodecPolicy:
+    """The codec a device must use, retained on ``codec/{device}``."""
+
+    device: str
+    codec: CodecName
+    density: float = 1.0
+    """Share of gradient entries kept by sparsifying codecs (0, 1]."""
+    grid_levels: int = 0
+    version: int = 0
+    gateway: bool = False
+    """True: the device sends ``grad-raw`` and the compressor encodes for it."""
+    reason: str = ""
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError("density must be in (0, 1]")
+        nonneg("grid_levels", self.grid_levels)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardUpdate:
+    """An encoded gradient for ``param[start:stop]`` along dim 0."""
+
+    param: str
+    start: int
+    stop: int
+    codec: CodecName
+    data: bytes
+
+    def validate(self) -> None:
+        if not self.param or len(self.param) > 256:
+            raise ValueError("param name length out of range")
+        if not 0 <= self.start < self.stop:
+            raise ValueError(f"shard [{self.start}:{self.stop}] invalid")
+
+
+@message("gradient")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GradientUpdate:
+    """A worker's gradient, on ``grad/{cluster}/{device}``; ``(device, incarnation, seq)`` is unique."""
+
+    device: str
+    cluster: str
+    incarnation: int
+    seq: int
+    base_version: int
+    """Model version the gradient was computed on."""
+    samples: int
+    shards: tuple[ShardUpdate, ...]
+    loss: float = 0.0
+    step_time_s: float = 0.0
+    sent_at: float = 0.0
+    need_snapshot: bool = False
+    """The sender missed a model delta and asks for a full snapshot."""
+    mesh_step: int = 0
+    """Model-parallel clusters: the cluster step these shards belong to (the PS joins the members'
+    updates of one step into the cluster's update); 0 for a single-device cluster."""
+    plan_version: int = 0
+    """The plan the update was computed under (0: not said); for a model-parallel cluster, the one
+    whose filter division the shards follow."""
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+        check_name("cluster", self.cluster)
+        nonneg("incarnation", self.incarnation)
+        nonneg("seq", self.seq)
+        nonneg("base_version", self.base_version)
+        nonneg("mesh_step", self.mesh_step)
+        nonneg("plan_version", self.plan_version)
+        if self.samples < 1:
+            raise ValueError("samples must be >= 1")
+        if not 0 < len(self.shards) <= MAX_SHARDS:
+            raise ValueError("shard count out of range")
+
+
+@message("ack")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UpdateAck:
+    """The PS's answer to one update, on ``ack/{device}``."""
+
+    device: str
+    incarnation: int
+    seq: int
+    status: AckStatus
+    reason: AckReason = ""
+    """Why it was discarded (``vocabulary.DiscardReason``); empty otherwise."""
+    version: int = 0
+    """The PS version after handling the update."""
+    delay: int = 0
+    resync: bool = False
+    """True: fetch the latest model before computing the next update."""
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+
+
+@message("model")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSnapshot:
+    """The full global model, retained on ``model``."""
+
+    version: int
+    model_spec: str
+    tensors: dict[str, Tensor]
+    created: float = 0.0
+    sync_policy: SyncPolicy = "ssp"
+
+    def validate(self) -> None:
+        nonneg("version", self.version)
+        if not self.tensors:
+            raise ValueError("snapshot holds no tensors")
+
+
+@message("model_delta")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelDelta:
+    """The change from ``base_version`` to ``version``, encoded per shard, on ``model/delta``.
+
+    Applying it to the model at ``base_version`` (a snapshot plus the deltas since) gives
+    the model the PS broadcasts at ``version``; anything else is a gap: wait for a snapshot.
+    """
+
+    version: int
+    base_version: int
+    model_spec: str
+    shards: tuple[ShardUpdate, ...]
+    created: float = 0.0
+
+    def validate(self) -> None:
+        nonneg("base_version", self.base_version)
+        if self.version <= self.base_version:
+            raise ValueError("a delta must lead to a later version")
+        if not 0 < len(self.shards) <= MAX_SHARDS:
+            raise ValueError("shard count out of range")
+
+
+@message("sync_state")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncState:
+    """The parameter server's synchronization state, retained on ``sync``.
+
+    The planner sizes batches from it (``adaptive``: slow devices get smaller ones) and
+    operators read it; it changes when the policy or bound is switched and as delay indices move.
+    """
+
+    policy: SyncPolicy
+    version: int
+    """Model version when this state was published."""
+    bound: int
+    """Delay bound in force: the adapted D under ``adaptive``, ``training.staleness_bound`` otherwise."""
+    deadline_s: float = 0.0
+    """``adaptive``: the current round deadline τ, seconds (0 under other policies)."""
+    delay_indices: dict[str, float] = field(default_factory=dict)
+    """``adaptive``: the delay index (moving average of delays, in versions) of each live device."""
+    slow: tuple[str, ...] = ()
+    """``adaptive``: devices far behind the fleet, to be given a smaller batch and harder compression."""
+    time: float = 0.0
+
+    def validate(self) -> None:
+        nonneg("version", self.version)
+        nonneg("bound", self.bound)
+        nonneg("deadline_s", self.deadline_s)
+        if len(self.delay_indices) > MAX_DEVICES or len(self.slow) > MAX_DEVICES:
+            raise ValueError("too many devices")
+        for name, index in self.delay_indices.items():
+            check_name("device", name)
+            nonneg(f"delay index of {name}", index)
+        for name in self.slow:
+            check_name("device", name)

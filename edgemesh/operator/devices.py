@@ -1,0 +1,85 @@
+"""``edgemesh devices``: the devices of a job, from their retained hello, status and stats, the plan
+and the codec policies."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from edgemesh import cli
+from edgemesh.common.bus import Bus
+from edgemesh.common.config import Config
+from edgemesh.common.messages import CodecPolicy, DeviceHello, DeviceStats, DeviceStatus, Plan
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import TopicMatch, Topics
+
+M = TypeVar("M")
+
+
+class Registry:
+    """What the job's retained messages say about its devices."""
+
+    def __init__(self) -> None:
+        self.hello: dict[str, DeviceHello] = {}
+        self.status: dict[str, DeviceStatus] = {}
+        self.stats: dict[str, DeviceStats] = {}
+        self.codec: dict[str, CodecPolicy] = {}
+        self.plan: Plan | None = None
+
+    def keep(self, into: dict[str, M]) -> Callable[[M, TopicMatch], Awaitable[None]]:
+        """A route handler storing each message by the device its topic names."""
+        async def store(msg: M, match: TopicMatch) -> None:
+            into[match.device] = msg
+        return store
+
+    async def keep_plan(self, plan: Plan, _: TopicMatch) -> None:
+        self.plan = plan
+
+
+async def list_devices(config: Config, *, wait_s: float) -> int:
+    """Print the job's devices; 1 if there are none."""
+    topics = Topics(config.job)
+    seen = Registry()
+    bus = Bus(config.broker, client_id=f"edgemesh-devices-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("operator"))
+    bus.route(topics.hello_filter(), DeviceHello, seen.keep(seen.hello))
+    bus.route(topics.status_filter(), DeviceStatus, seen.keep(seen.status))
+    bus.route(topics.stats_filter(), DeviceStats, seen.keep(seen.stats))
+    bus.route(topics.codec_filter(), CodecPolicy, seen.keep(seen.codec))
+    bus.route(topics.plan_filter(), Plan, seen.keep_plan)
+    async with bus.running():
+        await asyncio.sleep(wait_s)  # retained messages arrive at once; wait_s is how long to collect them
+    names = sorted(set(seen.hello) | set(seen.status))
+    if not names:
+        print(f"no devices in job {config.job!r} on {config.broker.url}")
+        return 1
+    print(f"{'device':<16} {'state':<8} {'GFLOP/s':>8} {'mem MiB':>8} {'cluster':<14} {'batch':>5} "
+          f"{'codec':<6} {'steps':>6} {'step ms':>8} {'version':>7}")
+    plan = seen.plan
+    for name in names:
+        h, st, s, c = seen.hello.get(name), seen.status.get(name), seen.stats.get(name), seen.codec.get(name)
+        member = plan.device(name) if plan else None
+        print(f"{name:<16} {st.state if st else '?':<8} "
+              f"{h.flops / 1e9 if h else 0:>8.2f} {h.memory_bytes / 2**20 if h else 0:>8.0f} "
+              f"{member.cluster if member else '-':<14} {member.batch_size if member else 0:>5} "
+              f"{c.codec if c else '-':<6} {s.steps if s else 0:>6} {s.step_time_s * 1e3 if s else 0:>8.1f} "
+              f"{s.model_version if s else 0:>7}")
+    if plan is not None:
+        print(f"\nplan v{plan.version}: {len(plan.clusters)} clusters, policy {plan.sync_policy}, "
+              f"bound {plan.staleness_bound}, model {plan.model_spec}")
+    return 0
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh devices``: the configuration flags and ``--wait``."""
+    cli.config_flags(parser)
+    parser.add_argument("--wait", type=float, default=1.0, help="seconds to collect retained messages")
+    parser.set_defaults(func=_command)
+
+
+def _command(args: argparse.Namespace) -> int:
+    config = cli.load(args)
+    cli.setup_logging(config.log_level if args.log_level else "WARNING")
+    return asyncio.run(list_devices(config, wait_s=args.wait))

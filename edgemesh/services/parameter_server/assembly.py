@@ -1,0 +1,158 @@
+"""Model-parallel shard assembly: the members' shards of one cluster step, joined into one update (pure).
+
+The members of a model-parallel cluster each push the gradient of their rows for the same step
+(``GradientUpdate.mesh_step``). The assembly holds them by ``(cluster, plan version, step)`` until
+their shards tile every parameter exactly; then the cluster's update goes to the scheduler like
+any other. A step whose shards overlap is discarded (``shape``); one not complete within
+``ps.mesh_assembly_timeout_s``, or one of a plan that has been replaced, is discarded too
+(``incomplete``, ``replanned``: its members abandon it and resync). The last ``CLOSED_STEPS``
+steps joined or discarded are remembered, so that a member's resend of its part opens no new one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from edgemesh.common.messages import GradientUpdate
+from edgemesh.common.vocabulary import DiscardReason
+from edgemesh.services.parameter_server.optimizer import ShardGrad
+from edgemesh.services.parameter_server.scheduler import Ack, Candidate, Clock
+
+logger = logging.getLogger(__name__)
+
+StepKey = tuple[str, int, int]
+"""A model-parallel step: (cluster, plan version, mesh step)."""
+CLOSED_STEPS = 1024
+"""Model-parallel steps remembered as joined or discarded, against members' resends."""
+Coverage = Literal["full", "partial", "overlap"]
+
+
+@dataclass(slots=True)
+class _Waiting:
+    opened: float
+    parts: dict[str, Candidate] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a call settled: the cluster's joined update, acks to send, and acks of rejected parts
+    (the service counts those as rejections)."""
+
+    joined: Candidate | None = None
+    acks: list[Ack] = field(default_factory=list)
+    rejected: list[Ack] = field(default_factory=list)
+
+
+class Assembly:
+    """Model-parallel steps waiting for the rest of their members' shards."""
+
+    def __init__(self, rows: Mapping[str, int], timeout_s: float) -> None:
+        self.rows = dict(rows)
+        """Length along dim 0 of every parameter: the shards of a step must tile them."""
+        self.timeout_s = timeout_s
+        self._waiting: dict[StepKey, _Waiting] = {}
+        self._closed: OrderedDict[StepKey, DiscardReason | Literal[""]] = OrderedDict()
+        """Steps joined ('') or discarded (the reason)."""
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def add(self, item: Candidate, clock: Clock, plan_version: int, now: float) -> Outcome:
+        """Hold a member's part; the cluster's update once the step's parts cover the whole model."""
+        u = item.update
+        out = Outcome()
+        if clock.seen(u):
+            out.acks.append(Ack(u, "duplicate"))
+            return out
+        key = (u.cluster, u.plan_version, u.mesh_step)
+        if key in self._closed:  # a resend of a part of a step joined or discarded
+            closed = self._closed[key]
+            if closed:
+                out.acks.append(Ack(u, "discarded", closed, resync=True))
+            return out  # joined and not judged yet: acked with the cluster's update
+        if plan_version and u.plan_version < plan_version:
+            # its members abandon a step when the plan changes: the rest of it will not come
+            self._close(key, "replanned")
+            out.acks.append(Ack(u, "discarded", "replanned", resync=True))
+            return out
+        waiting = self._waiting.setdefault(key, _Waiting(now))
+        waiting.parts[u.device] = item
+        coverage = self._coverage([g for part in waiting.parts.values() for g in part.grads])
+        if coverage == "partial":
+            return out
+        del self._waiting[key]
+        parts = sorted(waiting.parts.values(), key=lambda part: part.update.device)
+        if coverage == "overlap":
+            self._close(key, "shape")
+            out.rejected += [Ack(part.update, "discarded", "shape", resync=True) for part in parts]
+            return out
+        self._close(key, "")
+        first = parts[0].update
+        merged = replace(first, base_version=min(part.update.base_version for part in parts),
+                         need_snapshot=any(part.update.need_snapshot for part in parts),
+                         shards=tuple(sh for part in parts for sh in part.update.shards))
+        out.joined = Candidate(merged, [g for part in parts for g in part.grads],
+                               max(part.received for part in parts), parts=tuple(part.update for part in parts))
+        return out
+
+    def expire(self, now: float) -> Outcome:
+        """Discard the steps whose members did not all report in time (one left or lags)."""
+        return self._discard([k for k, w in self._waiting.items() if now - w.opened >= self.timeout_s],
+                             "incomplete", counted=True)
+
+    def replanned(self, plan_version: int) -> Outcome:
+        """A new plan: steps of older plans still waiting are discarded at once. Members abandon a
+        step when the plan changes, so the rest of it will not come, and the members that did send
+        would otherwise wait ``ps.mesh_assembly_timeout_s`` for their acks."""
+        stale = [k for k in self._waiting if k[1] < plan_version]
+        for key in stale:
+            logger.info("step %d of %s discarded: plan version %d replaced %d", key[2], key[0], plan_version, key[1])
+        return self._discard(stale, "replanned", counted=False)
+
+    def timeout(self, now: float) -> float | None:
+        """Seconds until the oldest waiting step times out (None: none waits)."""
+        if not self._waiting:
+            return None
+        oldest = min(w.opened for w in self._waiting.values())
+        return max(0.0, oldest + self.timeout_s - now)
+
+    def discarded(self, update: GradientUpdate, reason: DiscardReason) -> None:
+        """A joined step the scheduler discarded: a member's resend hears why."""
+        key = (update.cluster, update.plan_version, update.mesh_step)
+        if update.mesh_step and key in self._closed:
+            self._closed[key] = reason
+
+    def _discard(self, keys: list[StepKey], reason: DiscardReason, *, counted: bool) -> Outcome:
+        out = Outcome()
+        for key in keys:
+            waiting = self._waiting.pop(key)
+            self._close(key, reason)
+            acks = [Ack(part.update, "discarded", reason, resync=True) for part in waiting.parts.values()]
+            (out.rejected if counted else out.acks).extend(acks)
+        return out
+
+    def _close(self, key: StepKey, reason: DiscardReason | Literal[""]) -> None:
+        self._closed[key] = reason
+        while len(self._closed) > CLOSED_STEPS:
+            self._closed.popitem(last=False)
+
+    def _coverage(self, grads: list[ShardGrad]) -> Coverage:
+        """``full`` if the shards tile every parameter exactly, ``overlap`` if two cover one row, else ``partial``."""
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for g in grads:
+            spans.setdefault(g.param, []).append((g.start, g.stop))
+        full = len(spans) == len(self.rows)
+        for param, ranges in spans.items():
+            ranges.sort()
+            end = 0
+            for start, stop in ranges:
+                if start < end:
+                    return "overlap"
+                full = full and start == end
+                end = stop
+            full = full and end == self.rows[param]
+        return "full" if full else "partial"

@@ -1,0 +1,153 @@
+"""The parameter server's durability on top of ``store``: resume from checkpoint and log, log every step.
+
+* ``resume``: the checkpoint (weights, momentum, clock, settings) if there is one and it is for this
+  model, then every logged step newer than it replayed through the same SGD step, so the PS comes
+  back exactly where its last acked step left it.
+* ``log``: before any update of a step is acked, the step goes to the write-ahead log (fsynced):
+  its version, the optimizer settings and, per member update, device, cluster, incarnation, seq,
+  weight and the encoded shards.
+* ``checkpoint``: write, fsync, rename; the log then starts afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgemesh.common.codecs import get_codec
+from edgemesh.common.errors import ConfigError, WireError
+from edgemesh.common.messages import ShardUpdate
+from edgemesh.services.parameter_server import store
+from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
+from edgemesh.services.parameter_server.scheduler import Clock, Step
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Optimizer:
+    """The SGD settings of one step (logged with it: a replay applies the step as it was)."""
+
+    lr: float
+    momentum: float
+    weight_decay: float = 0.0
+
+
+@dataclass(slots=True)
+class Resumed:
+    """What ``resume`` found: the model state and the operator's settings (empty when new)."""
+
+    state: ModelState
+    settings: dict[str, Any] = field(default_factory=dict)
+    replayed: int = 0
+
+
+def decode_shard(state: ModelState, param: str, start: int, stop: int, codec: str, data: bytes) -> ShardGrad:
+    """One encoded shard as the gradient of ``param[start:stop]``; WireError (shape, codec, nan) if it does not fit."""
+    shape = state.slice_shape(param, start, stop)
+    values = get_codec(codec).decode(data, int(np.prod(shape)))
+    return ShardGrad(param, start, stop, values.reshape(shape))
+
+
+def decode_shards(state: ModelState, shards: Sequence[ShardUpdate]) -> list[ShardGrad]:
+    """An update's shards decoded; a shard named twice is a ``shape`` error."""
+    seen: set[tuple[str, int, int]] = set()
+    grads = []
+    for s in shards:
+        key = (s.param, s.start, s.stop)
+        if key in seen:
+            raise WireError(f"shard {key} appears twice", "shape")
+        seen.add(key)
+        grads.append(decode_shard(state, s.param, s.start, s.stop, s.codec, s.data))
+    return grads
+
+
+class Recovery:
+    """The checkpoint and write-ahead log in ``state_dir``."""
+
+    def __init__(self, state_dir: Path, *, fsync: bool) -> None:
+        self.state_dir = state_dir
+        self._fsync = fsync
+        self._wal: store.WriteAheadLog | None = None
+
+    def resume(self, model_spec: str, initial: Mapping[str, np.ndarray], clock: Clock) -> Resumed:
+        """The state to start from: ``initial`` weights, or the checkpoint and the log after it; ``clock``
+        takes their version, high-water marks and cluster clocks."""
+        snap = store.read_checkpoint(self.state_dir)
+        if snap is None:
+            resumed = Resumed(ModelState(initial))
+        else:
+            if snap.model_spec != model_spec:
+                raise ConfigError(f"checkpoint in {self.state_dir} is for model {snap.model_spec!r}, config says "
+                                  f"{model_spec!r}; use another ps.state_dir or remove the checkpoint")
+            bad = {k for k, v in snap.params.items() if k not in initial or v.shape != initial[k].shape}
+            if bad or set(initial) - set(snap.params):
+                raise ConfigError(f"checkpoint in {self.state_dir} does not match model {model_spec!r}")
+            resumed = Resumed(ModelState(snap.params, snap.momentum), dict(snap.settings))
+            clock.version, clock.high_water, clock.clocks = snap.version, dict(snap.high_water), dict(snap.clocks)
+            logger.info("resumed from checkpoint at version %d", snap.version)
+        for record in store.read_wal(self.state_dir):
+            if int(record["version"]) > clock.version:
+                self._replay(resumed.state, clock, record)
+                resumed.replayed += 1
+        if resumed.replayed:
+            logger.info("replayed %d logged steps; now at version %d", resumed.replayed, clock.version)
+        self._wal = store.WriteAheadLog(self.state_dir, fsync=self._fsync)
+        return resumed
+
+    @staticmethod
+    def _replay(state: ModelState, clock: Clock, record: dict[str, Any]) -> None:
+        contributions = []
+        clusters = set()
+        for entry in record["entries"]:
+            grads = [decode_shard(state, s["param"], s["start"], s["stop"], s["codec"], s["data"])
+                     for s in entry["shards"]]
+            contributions.append((float(entry["weight"]), grads))
+            clock.high_water[entry["device"]] = (int(entry["incarnation"]), int(entry["seq"]))
+            clusters.add(entry.get("cluster", ""))
+        for cluster in clusters:  # one tick per cluster, however many members logged a part
+            clock.clocks[cluster] = clock.clocks.get(cluster, 0) + 1
+        state.step(contributions, lr=float(record["lr"]), momentum=float(record["momentum"]),
+                   weight_decay=float(record.get("weight_decay", 0.0)))
+        clock.version = int(record["version"])
+
+    def log(self, steps: Sequence[tuple[Step, list[float]]], optimizer: Optimizer) -> int:
+        """Append ``steps`` (each with its items' weights) durably; bytes written."""
+        assert self._wal is not None, "resume() first"
+        records = [{
+            "version": step.version,
+            "lr": optimizer.lr,
+            "momentum": optimizer.momentum,
+            "weight_decay": optimizer.weight_decay,
+            # a model-parallel cluster's update is logged per member, each with the cluster's weight:
+            # members' shards are disjoint, so replaying them applies the same step
+            "entries": [{
+                "device": part.device,
+                "cluster": part.cluster,
+                "incarnation": part.incarnation,
+                "seq": part.seq,
+                "weight": w,
+                "shards": [{"param": s.param, "start": s.start, "stop": s.stop, "codec": s.codec, "data": s.data}
+                           for s in part.shards],
+            } for w, item in zip(weights, step.items, strict=True) for part in item.updates],
+        } for step, weights in steps]
+        return self._wal.append(records)
+
+    def checkpoint(self, model_spec: str, state: ModelState, clock: Clock, settings: dict[str, Any]) -> None:
+        """Write a checkpoint and start a fresh log."""
+        if self._wal is None:
+            return
+        store.write_checkpoint(self.state_dir, store.Snapshot(
+            model_spec=model_spec, version=clock.version, params=state.params, momentum=state.momentum,
+            high_water=clock.high_water, clocks=clock.clocks, settings=settings))
+        self._wal.reset()
+        logger.debug("checkpoint at version %d", clock.version)
+
+    def close(self) -> None:
+        if self._wal is not None:
+            self._wal.close()

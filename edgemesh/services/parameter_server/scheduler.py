@@ -1,0 +1,388 @@
+"""Which updates the parameter server applies, when, and with which weights: one class per policy (pure).
+
+The PS keeps a version clock ``v``; an update computed on version ``b`` has delay ``d = v - b``
+(docs/synchronization.md). A scheduler takes candidates (decoded, shape-checked updates) and gives
+back a :class:`Decision`: the steps to apply, each the version it makes, and an ack for every update
+it settled (accepted, discarded with a reason, or a duplicate). An update it neither applies nor
+discards stays with it (an open round, an SSP wait) for the next call.
+
+* ``sync`` (BSP): one update per live cluster per round, all computed on the current version.
+* ``async`` (ASP): every update with ``d <= bound`` on arrival.
+* ``ssp``: like ``async``; a cluster more than ``bound`` accepted updates ahead of the slowest live
+  one waits.
+* ``adaptive``: rounds like ``sync`` that close at a deadline; bound, deadline and weights from the
+  delay indices (:mod:`edgemesh.services.parameter_server.adaptive`).
+
+Every update is applied at most once: the :class:`Clock` keeps each device's high-water mark
+``(incarnation, seq)``, advanced when a step forms, and anything at or below it is a duplicate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from edgemesh.common.messages import GradientUpdate
+from edgemesh.common.vocabulary import AckReason, AckStatus, SyncPolicy
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, round_weights, staleness_weight
+from edgemesh.services.parameter_server.optimizer import ShardGrad
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A decoded, shape-checked update waiting for the scheduler."""
+
+    update: GradientUpdate
+    grads: list[ShardGrad]
+    received: float
+    parts: tuple[GradientUpdate, ...] = ()
+    """A model-parallel cluster's update: the members' updates it joins (``update`` is the first's)."""
+
+    @property
+    def updates(self) -> tuple[GradientUpdate, ...]:
+        return self.parts or (self.update,)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """What to tell one update's sender."""
+
+    update: GradientUpdate
+    status: AckStatus
+    reason: AckReason = ""
+    delay: int = 0
+    resync: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Candidates applied together, and the version their step makes."""
+
+    items: tuple[Candidate, ...]
+    version: int
+
+    def delay(self, item: Candidate) -> int:
+        return self.version - 1 - item.update.base_version
+
+
+@dataclass(slots=True)
+class Decision:
+    steps: list[Step] = field(default_factory=list)
+    acks: list[Ack] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Clock:
+    """The version clock and what the PS remembers per device and cluster (checkpointed)."""
+
+    version: int = 0
+    high_water: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Device -> the newest (incarnation, seq) applied."""
+    clocks: dict[str, int] = field(default_factory=dict)
+    """Cluster -> steps it contributed to (SSP compares them)."""
+
+    def seen(self, u: GradientUpdate) -> bool:
+        mark = self.high_water.get(u.device)
+        return mark is not None and (u.incarnation, u.seq) <= mark
+
+    def advance(self, items: Iterable[Candidate]) -> None:
+        """A step of ``items`` formed: each cluster ticks once, each member's update is applied."""
+        for cluster in {item.update.cluster for item in items}:
+            self.clocks[cluster] = self.clocks.get(cluster, 0) + 1
+        for item in items:
+            for part in item.updates:
+                self.high_water[part.device] = (part.incarnation, part.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    accept: bool
+    delay: int
+    reason: AckReason = ""
+
+
+def judge(version: int, base_version: int, bound: int) -> Verdict:
+    """Accept an update computed on ``base_version`` at ``version`` if its delay is within ``bound``."""
+    delay = version - base_version
+    if delay < 0:
+        return Verdict(False, delay, "future")
+    if delay > bound:
+        return Verdict(False, delay, "stale")
+    return Verdict(True, delay)
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """What the plan says, for one call: its clusters (empty: none yet), its version, its devices,
+    the configured bound and the samples it expects per round; and the time."""
+
+    clusters: tuple[str, ...] = ()
+    plan_version: int = 0
+    devices: frozenset[str] | None = None
+    bound: int = 0
+    planned_samples: int = 0
+    now: float = 0.0
+
+
+class Scheduler:
+    """The policy-independent part: duplicates, judging, acks, deferral."""
+
+    policy: ClassVar[SyncPolicy]
+    resyncs: ClassVar[bool] = False
+    """Whether an accepted update's sender fetches the model before its next one (round policies)."""
+
+    def __init__(self, clock: Clock, *, staleness_weighting: bool = True) -> None:
+        self.clock = clock
+        self.staleness_weighting = staleness_weighting
+        self.deferred: list[Candidate] = []
+
+    def take(self, batch: Sequence[Candidate], fleet: Fleet) -> Decision:
+        """Judge the updates deferred so far and ``batch``; the steps to apply and the acks."""
+        out = Decision()
+        candidates, self.deferred = [*self.deferred, *batch], []
+        version = self._before(fleet, out)
+        for item in candidates:
+            if self.clock.seen(item.update):
+                out.acks += [Ack(part, "duplicate") for part in item.updates]
+                continue
+            verdict = self._judge(version, item.update, fleet)
+            if not verdict.accept:
+                self._discarded(item, verdict, fleet)
+                out.acks += [Ack(p, "discarded", verdict.reason, verdict.delay, True) for p in item.updates]
+                continue
+            version = self._place(item, verdict, version, fleet, out)
+        self._after(version, fleet, out)
+        return out
+
+    def pending(self) -> list[Candidate]:
+        """Updates held for later (carried over when the policy changes)."""
+        return list(self.deferred)
+
+    def timeout(self, fleet: Fleet) -> float | None:
+        """Seconds until this scheduler must be asked again with no new update (None: not before one)."""
+        return None
+
+    def model_published(self, now: float) -> None:
+        """The model of the last step went out."""
+
+    def weights(self, step: Step, fleet: Fleet) -> list[float]:
+        """Each item's weight in ``step``: its share of the step's samples, damped by its delay under
+        ``ps.staleness_weighting``."""
+        total = sum(item.update.samples for item in step.items)
+        shares = [item.update.samples / total for item in step.items]
+        if not self.staleness_weighting:
+            return shares
+        return [w * staleness_weight(step.delay(i)) for w, i in zip(shares, step.items, strict=True)]
+
+    def live(self, fleet: Fleet) -> tuple[str, ...]:
+        """The clusters a round waits for: the plan's, else every cluster seen."""
+        return fleet.clusters or tuple(sorted(set(self.clock.clocks)))
+
+    # --- what each policy refines ----------------------------------------------------------
+    def _bound(self, fleet: Fleet) -> int:
+        return fleet.bound
+
+    def _before(self, fleet: Fleet, out: Decision) -> int:
+        return self.clock.version
+
+    def _judge(self, version: int, u: GradientUpdate, fleet: Fleet) -> Verdict:
+        return judge(version, u.base_version, self._bound(fleet))
+
+    def _discarded(self, item: Candidate, verdict: Verdict, fleet: Fleet) -> None:
+        """A discarded update, for rules that learn from delays."""
+
+    def _place(self, item: Candidate, verdict: Verdict, version: int, fleet: Fleet, out: Decision) -> int:
+        return self._step([item], version, out)
+
+    def _after(self, version: int, fleet: Fleet, out: Decision) -> None:
+        """After every candidate was judged."""
+
+    def _step(self, items: Sequence[Candidate], version: int, out: Decision) -> int:
+        """``items`` form the next step: tick the clock, ack them accepted; the new version."""
+        step = Step(tuple(items), version + 1)
+        self.clock.advance(step.items)
+        out.steps.append(step)
+        out.acks += [Ack(part, "accepted", "", step.delay(item), self.resyncs) for item in items
+                     for part in item.updates]
+        return step.version
+
+
+class AsyncScheduler(Scheduler):
+    """ASP: every update within the bound, applied on arrival."""
+
+    policy = "async"
+
+
+class SSPScheduler(Scheduler):
+    """Stale synchronous parallel: a cluster more than ``bound`` steps ahead of the slowest live one waits."""
+
+    policy = "ssp"
+
+    def _place(self, item: Candidate, verdict: Verdict, version: int, fleet: Fleet, out: Decision) -> int:
+        if must_wait(item.update.cluster, self.clock.clocks, self.live(fleet), fleet.bound):
+            self.deferred.append(item)
+            return version
+        return self._step([item], version, out)
+
+
+class RoundScheduler(Scheduler):
+    """Rounds of one update per live cluster; what closes a round is the policy's."""
+
+    resyncs = True
+
+    def __init__(self, clock: Clock, *, staleness_weighting: bool = True) -> None:
+        super().__init__(clock, staleness_weighting=staleness_weighting)
+        self.round: dict[str, Candidate] = {}
+
+    def pending(self) -> list[Candidate]:
+        return [*self.round.values(), *self.deferred]
+
+    def live(self, fleet: Fleet) -> tuple[str, ...]:
+        return fleet.clusters or tuple(sorted({i.update.cluster for i in self.round.values()} | set(self.clock.clocks)))
+
+    def _complete(self, fleet: Fleet) -> bool:
+        """Every live cluster has contributed to the open round (and there is one)."""
+        return bool(self.round) and set(self.live(fleet)) <= set(self.round)
+
+    def _close(self, version: int, out: Decision) -> int:
+        """The open round becomes a step."""
+        items, self.round = list(self.round.values()), {}
+        return self._step(items, version, out)
+
+
+class SyncScheduler(RoundScheduler):
+    """BSP: a round waits for every live cluster; an update from a cluster the plan dropped is let go."""
+
+    policy = "sync"
+
+    def _bound(self, fleet: Fleet) -> int:
+        return 0
+
+    def _before(self, fleet: Fleet, out: Decision) -> int:
+        for cluster in [c for c, item in self.round.items() if _left_the_plan(item.update, fleet)]:
+            out.acks += [Ack(part, "discarded", "replanned", 0, True) for part in self.round.pop(cluster).updates]
+        return self.clock.version
+
+    def _place(self, item: Candidate, verdict: Verdict, version: int, fleet: Fleet, out: Decision) -> int:
+        u = item.update
+        if _left_the_plan(u, fleet):
+            out.acks += [Ack(part, "discarded", "replanned", verdict.delay, True) for part in item.updates]
+            return version
+        if u.cluster in self.round:  # the cluster already contributed to this round: a second member or a repeat
+            out.acks += [Ack(part, "discarded", "round_full", verdict.delay, True) for part in item.updates]
+            return version
+        self.round[u.cluster] = item
+        return self._close(version, out) if self._complete(fleet) else version
+
+    def _after(self, version: int, fleet: Fleet, out: Decision) -> None:
+        if self._complete(fleet):  # a round can also complete because a cluster left the plan
+            self._close(version, out)
+
+    def weights(self, step: Step, fleet: Fleet) -> list[float]:
+        total = sum(item.update.samples for item in step.items)
+        return [item.update.samples / total for item in step.items]
+
+
+class AdaptiveScheduler(RoundScheduler):
+    """Adaptive bounded delay: a round closes when every cluster is in or at its deadline τ, whoever
+    is missing; updates with ``d <= D`` are applied, weighted by their share of the planned samples
+    and their delay; each delay moves its device's index."""
+
+    policy = "adaptive"
+
+    def __init__(self, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool = True) -> None:
+        super().__init__(clock, staleness_weighting=staleness_weighting)
+        self.rule = rule
+        self.opened: float | None = None
+        """When the open round began (its model went out, or its first update came); its deadline and
+        the clusters' arrival times run from here."""
+        self._bound_now = 0
+
+    def deadline(self, fleet: Fleet) -> float:
+        return self.rule.deadline(self.live(fleet))
+
+    def timeout(self, fleet: Fleet) -> float | None:
+        if self.opened is None or not self.round:
+            return None
+        return max(0.0, self.opened + self.deadline(fleet) - fleet.now)
+
+    def model_published(self, now: float) -> None:
+        self.opened = now  # the next round's deadline runs from its model
+
+    def weights(self, step: Step, fleet: Fleet) -> list[float]:
+        return round_weights([i.update.samples for i in step.items], [step.delay(i) for i in step.items],
+                             fleet.planned_samples)
+
+    def _before(self, fleet: Fleet, out: Decision) -> int:
+        self.rule.follow(fleet.bound, fleet.devices)
+        self._bound_now = self.rule.bound()
+        return self.clock.version
+
+    def _bound(self, fleet: Fleet) -> int:
+        return self._bound_now
+
+    def _discarded(self, item: Candidate, verdict: Verdict, fleet: Fleet) -> None:
+        if verdict.reason == "stale":
+            # "later than the bound" is what a discard says; a device back from a long outage would
+            # otherwise carry a huge index for many rounds
+            for part in item.updates:
+                self.rule.observe_delay(part.device, min(verdict.delay, self._bound_now + 1))
+
+    def _place(self, item: Candidate, verdict: Verdict, version: int, fleet: Fleet, out: Decision) -> int:
+        u = item.update
+        if u.cluster in self.round:
+            self.deferred.append(item)  # the cluster's next update: it goes into the next round
+            return version
+        if self.opened is None:
+            self.opened = fleet.now
+        if verdict.delay == 0:  # how long a cluster takes from the model it trained on to its update
+            self.rule.observe_arrival(u.cluster, fleet.now - self.opened)
+        self.round[u.cluster] = item
+        return self._close(version, out) if self._complete(fleet) else version
+
+    def _after(self, version: int, fleet: Fleet, out: Decision) -> None:
+        if self.round and (self._complete(fleet) or (
+                self.opened is not None and fleet.now - self.opened >= self.deadline(fleet))):
+            self._close(version, out)
+
+    def _close(self, version: int, out: Decision) -> int:
+        version = super()._close(version, out)
+        self.opened = None
+        step = out.steps[-1]
+        for item in step.items:
+            for part in item.updates:
+                self.rule.observe_delay(part.device, step.delay(item))
+        return version
+
+
+SCHEDULERS: Mapping[SyncPolicy, type[Scheduler]] = {
+    "sync": SyncScheduler, "async": AsyncScheduler, "ssp": SSPScheduler, "adaptive": AdaptiveScheduler}
+
+
+def make_scheduler(policy: SyncPolicy, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool,
+                   carry: Iterable[Candidate] = ()) -> Scheduler:
+    """The scheduler of ``policy``; updates another one held (``carry``) are judged again under it."""
+    scheduler: Scheduler
+    if policy == "adaptive":
+        scheduler = AdaptiveScheduler(clock, rule, staleness_weighting=staleness_weighting)
+    else:
+        scheduler = SCHEDULERS[policy](clock, staleness_weighting=staleness_weighting)
+    scheduler.deferred = list(carry)
+    return scheduler
+
+
+def must_wait(cluster: str, clocks: Mapping[str, int], live: Iterable[str], bound: int) -> bool:
+    """SSP gate: True when ``cluster`` is more than ``bound`` accepted updates ahead of the slowest live one."""
+    others = [clocks.get(c, 0) for c in live if c != cluster]
+    if not others:
+        return False
+    return clocks.get(cluster, 0) - min(others) > bound
+
+
+def _left_the_plan(u: GradientUpdate, fleet: Fleet) -> bool:
+    """Sync: ``u`` comes from a cluster the plan no longer has, computed under an older plan. No
+    round waits for that cluster, and its devices, now in others, must not wait for its ack (a
+    sender ahead of the PS, under a plan the PS has not received yet, is not one)."""
+    return bool(fleet.clusters) and u.cluster not in fleet.clusters and 0 < u.plan_version < fleet.plan_version
+

@@ -1,0 +1,159 @@
+"""The device a worker runs on: the real board, or an emulated one (docs/emulation.md).
+
+The worker asks its board the same things whichever it is, and never branches on emulation:
+
+* ``measure()``: the profile its hello announces (speed, memory, cores, platform);
+* ``connect(stack, broker)``: where its MQTT client connects;
+* ``hold(real_s, flops, samples)``: a piece of training took ``real_s`` on this host; how long it
+  takes on the board. An emulated board waits out the rest: ``flops`` (the piece's training FLOPs)
+  at ``costs.TRAIN_EFFICIENCY`` of the board's rate, the planner's cost model whatever the host's
+  load; a model without cost figures (``flops`` None) is held to the calibrated host step times the
+  board's slowness. A piece the host could not finish in time is an overrun;
+* ``link_rates()``: uplink and downlink bytes/s.
+
+An emulated board (``worker.emulate = PROFILE``) takes the profile's speed, memory and links,
+time-dilated by ``worker.emulation_dilation``, and connects through an :class:`EmulatedLink` with
+the board's rates, latency and disconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import replace
+
+from edgemesh.common import costs
+from edgemesh.common.config import BrokerConfig, WorkerConfig
+from edgemesh.common.emulation.compute import ComputeStretch, measure_host_gflops
+from edgemesh.common.emulation.link import EmulatedLink
+from edgemesh.common.emulation.profiles import DeviceProfile, get_profile
+from edgemesh.common.errors import ConfigError
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.services.worker import profile as prof
+from edgemesh.services.worker.link import LinkMeter
+
+logger = logging.getLogger(__name__)
+
+
+class Board:
+    """The real device: measured at start, connected straight to the broker, its steps as long as they take."""
+
+    profile_name = ""
+    """The emulated profile's name (empty: a real device)."""
+    downlink_bps = 0.0
+    latency_s = 0.0
+
+    def __init__(self, config: WorkerConfig, device: str, link: LinkMeter, metrics: ServiceMetrics) -> None:
+        self.cfg = config
+        self.device = device
+        self.link = link
+        self.m_overruns = metrics.counter("emulation_overruns", "Emulated steps the host could not compute in the "
+                                          "emulated time (the device then ran at the host's pace)")
+        self.m_link_cuts = metrics.gauge("emulation_link_disconnects", "Emulated link: connections cut "
+                                         "(spontaneous or forced) so far")
+
+    def measure(self) -> prof.Profile:
+        """The device's profile (in a thread: it benchmarks)."""
+        return prof.measure(self.cfg.profile_seconds, self.cfg.memory_bytes)
+
+    async def connect(self, stack: contextlib.AsyncExitStack, broker: BrokerConfig) -> BrokerConfig:
+        return broker
+
+    async def hold(self, real_s: float, flops: float | None, samples: int = 0) -> float:
+        return real_s
+
+    def calibrate(self, step: Callable[[int], float]) -> None:
+        """Time real steps of a model without cost figures (only an emulated board needs them)."""
+
+    def link_rates(self) -> tuple[float, float]:
+        """Uplink and downlink bytes/s (0 = unknown): the measured uplink for both (the cost model's
+        convention for an unknown downlink)."""
+        return self.link.rate_bps, self.link.rate_bps
+
+    def describe(self) -> str:
+        return ""
+
+    def sample(self) -> None:
+        """Bring the board's gauges up to date (stats time)."""
+
+
+class EmulatedBoard(Board):
+    """A board of ``edgemesh.common.emulation``'s profiles, emulated on this host."""
+
+    def __init__(self, config: WorkerConfig, device: str, link: LinkMeter, metrics: ServiceMetrics,
+                 broker: BrokerConfig) -> None:
+        super().__init__(config, device, link, metrics)
+        if broker.tls:
+            raise ConfigError("worker.emulate: the emulated link relays plain TCP; use mqtt://, not mqtts://")
+        self.board: DeviceProfile = get_profile(config.emulate, config.emulation_profiles or None).dilated(
+            config.emulation_dilation)
+        self.profile_name = self.board.name
+        self.downlink_bps, self.latency_s = self.board.downlink_bps, self.board.latency_s
+        if not config.link_rate_bps:
+            link.declare(self.board.uplink_bps)
+        self.stretch: ComputeStretch | None = None
+        self.emulated_link: EmulatedLink | None = None
+
+    def measure(self) -> prof.Profile:
+        host = self.cfg.emulation_host_gflops or measure_host_gflops(self.cfg.threads)
+        self.stretch = ComputeStretch.for_device(host, self.board.train_gflops)
+        if self.stretch.ratio < 1:
+            logger.warning("%s: this host (%.1f GFLOP/s) is slower than an emulated %s (%.1f): steps run at the "
+                           "host's pace", self.device, host, self.board.name, self.board.train_gflops)
+        return prof.Profile(flops=self.board.train_gflops * 1e9,
+                            memory_bytes=self.cfg.memory_bytes or self.board.memory_bytes,
+                            cores=os.cpu_count() or 1, platform=f"emulated-{self.board.name}")
+
+    async def connect(self, stack: contextlib.AsyncExitStack, broker: BrokerConfig) -> BrokerConfig:
+        """Start the emulated link in front of the broker; the bus connects to it instead."""
+        w = self.cfg
+        seed = int.from_bytes(hashlib.sha256(f"{w.emulation_seed}/{self.device}".encode()).digest()[:4], "big")
+        link = self.emulated_link = await stack.enter_async_context(EmulatedLink(
+            self.board.link(), upstream_host=broker.host, upstream_port=broker.port, seed=seed, name=self.device,
+            max_outage_s=w.emulation_max_outage_s or None))
+        logger.info("%s: emulated link %s:%d -> %s (%s)", self.device, link.host, link.port, broker.url,
+                    self.board.description or self.board.name)
+        return replace(broker, url=f"mqtt://{link.host}:{link.port}")
+
+    async def hold(self, real_s: float, flops: float | None, samples: int = 0) -> float:
+        if flops is None:
+            assert self.stretch is not None
+            overruns = self.stretch.overruns
+            rest = self.stretch.hold_s(samples, real_s)
+            self.m_overruns.inc(self.stretch.overruns - overruns)
+        else:
+            target = flops / (costs.TRAIN_EFFICIENCY * self.board.train_gflops * 1e9)
+            if real_s > target and flops:
+                self.m_overruns.inc()
+            rest = max(target - real_s, 0.0)
+        await asyncio.sleep(rest)  # the rest of the piece, at the emulated board's speed
+        return real_s + rest
+
+    def calibrate(self, step: Callable[[int], float]) -> None:
+        assert self.stretch is not None
+        overhead, per_sample = self.stretch.calibrate(step)
+        logger.info("%s: host step %.2f ms + %.4f ms/sample, emulated x%.1f", self.device, overhead * 1e3,
+                    per_sample * 1e3, self.stretch.ratio)
+
+    def link_rates(self) -> tuple[float, float]:
+        return self.board.uplink_bps, self.board.downlink_bps
+
+    def sample(self) -> None:
+        if self.emulated_link is not None:
+            self.m_link_cuts.set(self.emulated_link.disconnects)
+
+    def describe(self) -> str:
+        ratio = f": steps {self.stretch.ratio:.1f}x the host's" if self.stretch is not None else ""
+        return f" (emulating {self.board.name}{ratio})"
+
+
+def board_for(config: WorkerConfig, device: str, link: LinkMeter, metrics: ServiceMetrics,
+              broker: BrokerConfig) -> Board:
+    """The worker's board: emulated when ``worker.emulate`` names a profile."""
+    if config.emulate:
+        return EmulatedBoard(config, device, link, metrics, broker)
+    return Board(config, device, link, metrics)

@@ -1,0 +1,320 @@
+"""A worker's membership of a model-parallel cluster: joining, agreeing on each step, leaving (docs/mesh.md).
+
+* **Join** (a plan puts the device in a cluster of several): build this member's slices
+  (``MeshMember``), keep only its rows of the model (a new division needs a fresh snapshot), route
+  the other members' forward slices and step messages and the backward slices addressed to it,
+  and take its part of every model delta (``model/delta/{device}``) instead of the broadcast.
+* **A step**: the first member waits, before a plan's first step, until every other member is
+  ready (their retained ``MeshReady``), then announces the step and model version (``MeshBegin``);
+  the others follow with the same batch (``batch_at``). Each piece of compute runs in a thread and
+  is held to the board's speed; gradients leave as the member's shards.
+* **Leave** (a plan makes it a cluster of one): whole parameters again, the broadcast again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from edgemesh.common import costs
+from edgemesh.common.broadcast import ModelView
+from edgemesh.common.bus import Bus, Route
+from edgemesh.common.config import WorkerConfig
+from edgemesh.common.data import batch_at
+from edgemesh.common.errors import BusError, ModelError
+from edgemesh.common.messages import (
+    CodecPolicy,
+    ControlCommand,
+    MeshBegin,
+    MeshReady,
+    MeshSlice,
+    ModelDelta,
+    Plan,
+    PlanCluster,
+    PlanDevice,
+    ShardUpdate,
+)
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import Filter, TopicMatch, Topics
+from edgemesh.services.worker.board import Board
+from edgemesh.services.worker.mesh.exchange import BusExchange
+from edgemesh.services.worker.mesh.member import MeshMember
+from edgemesh.services.worker.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+AVERAGE_WINDOW = 20
+"""Steps over which per-layer busy times are averaged for stats."""
+MIN_MEASURED_SHARE = 0.1
+"""Members doing less than this share of the model's work report no measured speed."""
+Wait = Callable[[str, Callable[[], bool]], Awaitable[None]]
+"""``wait(what, predicate)``: until ``predicate()`` holds, saying what it waits for."""
+
+
+@dataclass(frozen=True, slots=True)
+class MeshResult:
+    """One step of this member: its shards and what the worker reports of it."""
+
+    shards: list[ShardUpdate]
+    samples: int
+    loss: float
+    elapsed_s: float
+    version: int
+    gap: bool
+    step: int
+    work: tuple[float, float] | None
+    """(training FLOPs, compute seconds), when this member's share is large enough to measure speed by."""
+
+
+class MeshSession:
+    """This device's part of a model-parallel cluster (None of it while in a cluster of one)."""
+
+    def __init__(self, *, bus: Bus, topics: Topics, device: str, config: WorkerConfig, view: ModelView, board: Board,
+                 trainer: Trainer, metrics: ServiceMetrics, current_plan: Callable[[], Plan | None], wait: Wait,
+                 on_delta: Callable[[ModelDelta, TopicMatch], Awaitable[None]], model_route: Route[Any],
+                 broadcast_route: Route[Any]) -> None:
+        self.bus, self.topics, self.device, self.cfg = bus, topics, device, config
+        self.view, self.board, self.trainer = view, board, trainer
+        self._current_plan, self._wait, self._on_delta = current_plan, wait, on_delta
+        self._model_route, self._broadcast_route = model_route, broadcast_route
+        self.member: MeshMember | None = None
+        self._key: tuple[Any, ...] | None = None
+        self._exchange: BusExchange | None = None
+        self._routes: list[Route[Any]] = []
+        self._begin: MeshBegin | None = None
+        """The latest step start announced by this device's cluster leader."""
+        self._ready: dict[tuple[str, str], int] = {}
+        """(cluster, member) -> the latest plan version that member is ready under."""
+        self._ready_sent: tuple[str, int] | None = None
+        """(cluster, plan version) this device last announced itself ready for."""
+        self._step = 0
+        """The last step this device took part in, in the current exchange (0 = none yet)."""
+        self._changed = asyncio.Event()
+        self.layer_busy: dict[str, deque[float]] = {}
+        """Seconds per step each layer kept this member busy: computing, or its link moving the layer's slices."""
+        self.m_steps = metrics.counter("mesh_steps", "Model-parallel steps by outcome", ["outcome"])
+        self.m_wait = metrics.histogram("mesh_wait_seconds", "Time of a model-parallel step spent waiting for "
+                                        "other members", STEP_BUCKETS)
+
+    @property
+    def active(self) -> bool:
+        return self.member is not None
+
+    def new_plan(self, plan: Plan) -> None:
+        """A plan arrived: a step of an older one is abandoned at once."""
+        if self._exchange is not None and self._exchange.plan_version != plan.version:
+            self._exchange.abort(f"plan version {plan.version} replaced {self._exchange.plan_version}")
+        self._changed.set()
+
+    # ------------------------------------------------------------------ routes
+    async def on_slice(self, piece: MeshSlice, _: TopicMatch) -> None:
+        if self._exchange is not None:
+            self._exchange.deliver(piece)
+
+    async def on_begin(self, begin: MeshBegin, _: TopicMatch) -> None:
+        self._begin = begin
+        self._changed.set()
+
+    async def on_ready(self, ready: MeshReady, _: TopicMatch) -> None:
+        self._ready[(ready.cluster, ready.device)] = ready.plan_version
+        self._changed.set()
+
+    def _member_routes(self, cluster: PlanCluster) -> list[Route[Any]]:
+        """What a member consumes: the other members' forward slices, step starts and readiness (one
+        filter each, so its own do not come back), the backward slices addressed to it, and its part
+        of every model delta."""
+        t, c = self.topics, cluster.cluster
+        others = [m for m in cluster.members if m != self.device]
+        return [*(Route(t.mesh_filter(c, "+", "fwd", m), MeshSlice, self.on_slice) for m in others),
+                *(Route(t.mesh_filter(c, "step", "begin", m), MeshBegin, self.on_begin) for m in others),
+                *(Route(t.mesh_filter(c, "step", "ready", m), MeshReady, self.on_ready) for m in others),
+                Route(t.mesh_filter(c, "+", "bwd", self.device), MeshSlice, self.on_slice),
+                Route(t.delta_filter(self.device), ModelDelta, self._on_delta)]
+
+    # ------------------------------------------------------------------ joining and leaving
+    async def join(self, plan: Plan, me: PlanDevice, cluster: PlanCluster) -> None:
+        """Be member ``me`` of model-parallel ``cluster`` under ``plan``: its slices, routes and exchange."""
+        index = cluster.members.index(self.device)
+        key = (plan.model_spec, plan.seed, cluster.cluster, index, tuple(sorted(cluster.counts.items())))
+        if key != self._key:
+            self.member = await asyncio.to_thread(MeshMember, plan.model_spec, cluster.counts, index, seed=plan.seed)
+            self._key = key
+            self.layer_busy.clear()
+            if not self.view.restrict(self.member.rows()):  # keep this member's rows of the model only
+                await self.refresh_model()
+            logger.info("%s: member %d of %s (%s), %d parameters", self.device, index, cluster.cluster,
+                        ", ".join(f"{k} {v[index]}/{sum(v)}" for k, v in cluster.counts.items()),
+                        self.member.param_count)
+        await asyncio.to_thread(self.trainer.know_model, plan.model_spec, plan.seed)
+        # its part of every model delta replaces the broadcast (routed first: no delta falls between)
+        routes = self._member_routes(cluster)
+        if [r.filter for r in routes] != [r.filter for r in self._routes]:
+            new = {r.filter for r in routes}
+            await self.bus.subscribe(*(r for r in routes if r.filter not in {o.filter for o in self._routes}))
+            await self.bus.unsubscribe(*[r.filter for r in self._routes if r.filter not in new],
+                                       *([] if self._routes else [self._broadcast_route.filter]))
+            self._routes = routes
+        if self._exchange is None or (self._exchange.plan_version, self._exchange.cluster) != (plan.version,
+                                                                                              cluster.cluster):
+            assert self.member is not None
+            if self._exchange is not None:
+                self._exchange.abort(f"plan version {plan.version} replaced {self._exchange.plan_version}")
+            self._step = 0  # step numbers belong to one leader and plan
+            self._exchange = BusExchange(self.bus, self.topics, cluster=cluster.cluster, device=self.device,
+                                         members=cluster.members, counts=cluster.counts, order=self.member.order,
+                                         plan_version=plan.version, timeout_s=self.cfg.mesh_timeout_s,
+                                         dtype=self.cfg.mesh_dtype)
+        await asyncio.to_thread(self.trainer.shard, plan, me)
+
+    async def leave(self) -> None:
+        """Back to training the whole model: the view needs every row again (a snapshot)."""
+        if self.member is not None and not self.view.restrict(None):
+            await self.refresh_model()
+        if self._routes:
+            await self.bus.subscribe(self._broadcast_route)
+            await self.bus.unsubscribe(*(r.filter for r in self._routes))
+        self._routes, self.member, self._key, self._exchange = [], None, None, None
+        self.layer_busy.clear()
+
+    async def refresh_model(self) -> None:
+        """Get a whole snapshot again: the view lacks rows it now needs. Subscribing anew makes the
+        broker send the retained one; the parameter server publishes a newer one if that is old."""
+        logger.info("%s: the new division needs other rows of the model: fetching a snapshot", self.device)
+        await self.bus.unsubscribe(self._model_route.filter)
+        await self.bus.subscribe(self._model_route)
+        with contextlib.suppress(BusError):
+            await self.bus.publish(self.topics.control("ps"), ControlCommand(
+                command="snapshot", requester=self.device, request_id=f"{self.device}-{time.time_ns()}"))
+
+    # ------------------------------------------------------------------ one step
+    async def step(self, plan: Plan, me: PlanDevice, cluster: PlanCluster, policy: CodecPolicy | None,
+                   link_rates: tuple[float, float]) -> MeshResult | None:
+        """One step of this device's slice with the rest of its cluster; None if it was abandoned."""
+        await self.join(plan, me, cluster)
+        member, exchange = self.member, self._exchange
+        assert member is not None and exchange is not None
+        await self._wait("a model snapshot", lambda: self.view.ready)
+        started = time.perf_counter()
+        agreed = await self._start(plan, cluster)
+        if agreed is None:
+            self.m_steps.labels(outcome="no_start").inc()
+            return None
+        step, _ = agreed
+        self._step = step
+        assert self.view.params is not None
+        params, version, gap = self.view.params, self.view.version, self.view.gap
+        if member.version != version:
+            await asyncio.to_thread(member.load, params, version)
+        x, y = batch_at(self.trainer.shard(plan, me), me.batch_size, seed=plan.seed + me.shard_index, step=step)
+        exchange.begin(step, len(y))
+        try:
+            result = await member.step(step, x, y, exchange, run=self._run)
+        except ModelError as exc:  # a member timed out, or sent what does not fit
+            self.m_steps.labels(outcome="abandoned").inc()
+            logger.warning("%s: model-parallel step abandoned: %s", self.device, exc)
+            return None
+        elapsed = time.perf_counter() - started
+        self.m_steps.labels(outcome="done").inc()
+        compute = result.compute_s  # board seconds (see _run)
+        self.m_wait.observe(max(elapsed - compute, 0.0))
+        work = None
+        with contextlib.suppress(ModelError):  # a small share's speed is its per-call overhead: not reported
+            if member.flops_per_sample() >= MIN_MEASURED_SHARE * costs.cost(plan.model_spec).train_flops_per_sample:
+                work = (member.flops_per_sample() * len(y), compute)
+        up, down = link_rates
+        for layer, seconds in result.layer_s.items():  # busy: computing, or its link moving the layer's slices
+            sent, received = exchange.layer_bytes.get(layer, (0, 0))
+            busy = seconds + (sent / up if up else 0.0) + (received / down if down else 0.0)
+            self.layer_busy.setdefault(layer, deque(maxlen=AVERAGE_WINDOW)).append(busy)
+        shards = await asyncio.to_thread(self.trainer.encode, result.grads, policy)
+        return MeshResult(shards, len(y), result.loss, elapsed, version, gap, step, work)
+
+    def layer_busy_s(self) -> dict[str, float]:
+        """Median busy seconds per layer of recent steps (for stats)."""
+        return {k: float(np.median(v)) for k, v in self.layer_busy.items() if v}
+
+    async def _run(self, fn: Any, *args: Any, flops: float = 0.0) -> Any:
+        """One piece of a step in a thread, held to the board's speed; its seconds become the board's."""
+        result = await asyncio.to_thread(fn, *args)
+        took = await self.board.hold(result[-1], flops)
+        return (*result[:-1], took)
+
+    async def _start(self, plan: Plan, cluster: PlanCluster) -> tuple[int, int] | None:
+        """Agree on the step and model version with the cluster: the first member announces them,
+        the others wait for the announcement and that model. None if none came in time."""
+        timeout = self.cfg.mesh_timeout_s
+        if cluster.members[0] == self.device:
+            if not self._step and not await self._members_ready(plan, cluster):
+                return None  # a new plan came meanwhile
+            # milliseconds since the epoch at the first step: a restarted leader never reuses a step number
+            step = self._step + 1 if self._step else time.time_ns() // 1_000_000
+            version = self.view.version
+            await self.bus.publish(self.topics.mesh(cluster.cluster, "step", "begin", self.device), MeshBegin(
+                cluster=cluster.cluster, device=self.device, plan_version=plan.version, step=step,
+                model_version=version))
+            return step, version
+
+        if self._ready_sent != (cluster.cluster, plan.version):  # routed and holding the model: ready
+            await self.bus.publish(self.topics.mesh(cluster.cluster, "step", "ready", self.device), MeshReady(
+                cluster=cluster.cluster, device=self.device, plan_version=plan.version), retain=True)
+            self._ready_sent = (cluster.cluster, plan.version)
+
+        def announced() -> MeshBegin | None:
+            b = self._begin
+            if b is None or (b.cluster, b.plan_version) != (cluster.cluster, plan.version):
+                return None
+            return b if b.step > self._step else None
+
+        try:
+            async with asyncio.timeout(timeout):
+                while announced() is None:
+                    if self._replaced(plan):
+                        return None  # a new plan: start over with it
+                    self._changed.clear()
+                    await self._changed.wait()
+                begin = announced()
+                assert begin is not None
+                await self._wait(f"model version {begin.model_version}",
+                                 lambda: self.view.version >= begin.model_version or self.view.gap)
+        except TimeoutError:
+            logger.info("%s: no step start from %s within %.0fs", self.device, cluster.members[0], timeout)
+            return None
+        return begin.step, begin.model_version
+
+    async def _members_ready(self, plan: Plan, cluster: PlanCluster) -> bool:
+        """The first member, before a plan's first step: wait until every other member is ready under
+        ``plan`` (its retained ``MeshReady``), at most ``worker.mesh_timeout_s`` (then the step
+        starts anyway, and a member still not listening times it out). False if a new plan came."""
+        others = [m for m in cluster.members if m != self.device]
+
+        def waiting() -> list[str]:
+            return [m for m in others if self._ready.get((cluster.cluster, m), -1) != plan.version]
+
+        try:
+            async with asyncio.timeout(self.cfg.mesh_timeout_s):
+                while waiting():
+                    if self._replaced(plan):
+                        return False
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            logger.info("%s: %s not ready within %.0fs; starting the step anyway", self.device,
+                        ", ".join(waiting()), self.cfg.mesh_timeout_s)
+        return True
+
+    def _replaced(self, plan: Plan) -> bool:
+        current = self._current_plan()
+        return current is not None and current.version != plan.version
+
+    def filters(self) -> list[Filter]:
+        """The filters this member routes now (tests)."""
+        return [r.filter for r in self._routes]

@@ -1,0 +1,98 @@
+"""Sending updates: publish one, wait for its ack, resend it until the parameter server answers.
+
+The PS applies an update at most once (``(device, incarnation, seq)``), so resending is safe: after
+``worker.ack_timeout_s`` without an ack, and at once after a reconnect. The first publish of an
+update, if the connection held throughout, is a sample of the uplink rate (``LinkMeter``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+
+from edgemesh.common import wire
+from edgemesh.common.bus import Bus
+from edgemesh.common.errors import BusError
+from edgemesh.common.messages import GradientUpdate, UpdateAck
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import TopicMatch
+from edgemesh.services.worker.link import LinkMeter
+
+logger = logging.getLogger(__name__)
+
+ACK_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+AVERAGE_WINDOW = 20
+"""Updates over which the time to an ack is averaged for stats."""
+
+
+class Sender:
+    """One device's updates to the parameter server and their acks."""
+
+    def __init__(self, bus: Bus, *, device: str, incarnation: int, ack_timeout_s: float, link: LinkMeter,
+                 metrics: ServiceMetrics) -> None:
+        self.bus = bus
+        self.device, self.incarnation = device, incarnation
+        self.ack_timeout_s = ack_timeout_s
+        self.link = link
+        self.comm_times: deque[float] = deque(maxlen=AVERAGE_WINDOW)
+        """Seconds from publishing an update to its ack, latest first out."""
+        self._acks: dict[int, asyncio.Future[UpdateAck]] = {}
+        self._pending: tuple[str, bytes, int] | None = None
+        """The update waiting for its ack: (topic, envelope, seq)."""
+        self.m_resends = metrics.counter("resends", "Updates sent again after an ack timeout or a reconnect")
+        self.m_ack = metrics.histogram("ack_seconds", "Time from publishing an update to its ack", ACK_BUCKETS)
+
+    async def send(self, update: GradientUpdate, topic: str) -> UpdateAck:
+        """Publish ``update`` on ``topic`` and wait for its ack, resending on timeout."""
+        payload = wire.encode(update)
+        future: asyncio.Future[UpdateAck] = asyncio.get_running_loop().create_future()
+        self._acks[update.seq] = future
+        self._pending = (topic, payload, update.seq)
+        started = time.perf_counter()
+        try:
+            attempt = 0
+            while True:
+                if attempt:
+                    self.m_resends.inc()
+                    logger.info("%s: no ack for update %d after %.1fs; resending", self.device, update.seq,
+                                self.ack_timeout_s)
+                connection = self.bus.connections if self.bus.is_connected else -1
+                publish_started = time.perf_counter()
+                try:
+                    sent = await self.bus.publish(topic, payload, kind="gradient")
+                except BusError as exc:  # a long outage: keep the update and try again
+                    logger.warning("%s: update %d not sent yet (%s); still trying", self.device, update.seq, exc)
+                    attempt += 1
+                    continue
+                if not attempt and connection == self.bus.connections and self.bus.is_connected:
+                    self.link.observe(sent, time.perf_counter() - publish_started)
+                attempt += 1
+                try:
+                    async with asyncio.timeout(self.ack_timeout_s):
+                        ack = await asyncio.shield(future)
+                    break
+                except TimeoutError:
+                    continue
+        finally:
+            self._acks.pop(update.seq, None)
+            self._pending = None
+        rtt = time.perf_counter() - started
+        self.comm_times.append(rtt)
+        self.m_ack.observe(rtt)
+        return ack
+
+    async def on_ack(self, ack: UpdateAck, _: TopicMatch) -> None:
+        """An ack on ``ack/{device}``: it settles the update of this incarnation it names, if still waited for."""
+        future = self._acks.get(ack.seq)
+        if ack.incarnation == self.incarnation and future is not None and not future.done():
+            future.set_result(ack)
+
+    async def on_connect(self) -> None:
+        """After a reconnect, resend the update still waiting for its ack (the PS may never have got it)."""
+        if self._pending is not None and self.bus.connections > 1:
+            topic, payload, seq = self._pending
+            self.m_resends.inc()
+            logger.info("%s: resending update %d after reconnect", self.device, seq)
+            await self.bus.publish(topic, payload, kind="gradient")

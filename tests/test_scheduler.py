@@ -1,0 +1,196 @@
+"""The parameter server's scheduler (pure): judging delays, and what each policy applies, holds and acks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgemesh.common.config import AdaptiveConfig
+from edgemesh.common.messages import GradientUpdate, ShardUpdate
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, staleness_weight
+from edgemesh.services.parameter_server.optimizer import ShardGrad
+from edgemesh.services.parameter_server.scheduler import (
+    Candidate,
+    Clock,
+    Decision,
+    Fleet,
+    Verdict,
+    judge,
+    make_scheduler,
+    must_wait,
+)
+
+TWO = Fleet(clusters=("c-a", "c-b"), plan_version=1, devices=frozenset({"a", "b"}), bound=4, planned_samples=16)
+
+
+def update(device: str, seq: int, base: int, *, samples: int = 8, plan_version: int = 1,
+           cluster: str = "") -> Candidate:
+    """A candidate of ``device`` computed on ``base``, with one gradient of ones."""
+    u = GradientUpdate(device=device, cluster=cluster or f"c-{device}", incarnation=1, seq=seq, base_version=base,
+                       samples=samples, plan_version=plan_version,
+                       shards=(ShardUpdate(param="w", start=0, stop=1, codec="none", data=b"\0" * 4),))
+    return Candidate(u, [ShardGrad("w", 0, 1, np.ones(1, np.float32))], 0.0)
+
+
+def acks(decision: Decision) -> list[tuple[str, int, str, str]]:
+    return [(a.update.device, a.update.seq, a.status, a.reason) for a in decision.acks]
+
+
+# --------------------------------------------------------------------------- judging
+
+
+@pytest.mark.parametrize("version,base,bound,accept,delay,reason", [
+    (10, 6, 4, True, 4, ""),
+    (10, 5, 4, False, 5, "stale"),
+    (10, 10, 0, True, 0, ""),
+    (10, 9, 0, False, 1, "stale"),
+    (10, 11, 4, False, -1, "future"),
+    (0, 1, 4, False, -1, "future"),
+    (0, 0, 0, True, 0, ""),
+])
+def test_judge(version: int, base: int, bound: int, accept: bool, delay: int, reason: str) -> None:
+    assert judge(version, base, bound) == Verdict(accept, delay, reason)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(version=st.integers(0, 10**6), back=st.integers(-5, 50), bound=st.integers(0, 20))
+def test_judge_applies_exactly_the_updates_within_the_bound(version: int, back: int, bound: int) -> None:
+    verdict = judge(version, version - back, bound)
+    assert verdict.delay == back
+    assert verdict.accept is (0 <= back <= bound)
+    assert verdict.reason == ("" if verdict.accept else "future" if back < 0 else "stale")
+
+
+def test_staleness_weight() -> None:
+    assert staleness_weight(0) == 1.0
+    assert staleness_weight(1) == 0.5
+    assert staleness_weight(3) == 0.25
+    assert staleness_weight(-2) == 1.0  # never amplifies
+    weights = [staleness_weight(d) for d in range(50)]
+    assert all(a > b > 0 for a, b in zip(weights, weights[1:], strict=False))
+
+
+def test_must_wait_only_beyond_the_bound() -> None:
+    clocks = {"c0": 10, "c1": 7, "c2": 12}
+    live = ["c0", "c1", "c2"]
+    assert must_wait("c2", clocks, live, 4)  # 12 - 7 = 5 > 4
+    assert not must_wait("c2", clocks, live, 5)  # exactly the bound is fine
+    assert not must_wait("c0", clocks, live, 4)
+    assert not must_wait("c1", clocks, live, 0)  # the slowest never waits
+
+
+def test_must_wait_ignores_clusters_that_are_not_live() -> None:
+    clocks = {"c0": 10, "gone": 0}
+    assert not must_wait("c0", clocks, ["c0"], 2)  # alone: nobody to wait for
+    assert must_wait("c0", clocks, ["c0", "gone"], 2)
+    assert not must_wait("c0", {"c0": 10, "c1": 9, "gone": 0}, ["c0", "c1"], 2)
+
+
+def test_must_wait_counts_a_new_live_cluster_at_zero() -> None:
+    assert must_wait("c0", {"c0": 3}, ["c0", "new"], 2)
+    assert not must_wait("new", {"c0": 3}, ["c0", "new"], 2)
+
+
+# --------------------------------------------------------------------------- the policies
+
+
+def scheduler(policy: str, clock: Clock | None = None, **settings: float) -> tuple:
+    clock = clock or Clock()
+    rule = AdaptiveDelay(AdaptiveConfig(**settings))  # type: ignore[arg-type]
+    return make_scheduler(policy, clock, rule, staleness_weighting=True), clock, rule  # type: ignore[arg-type]
+
+
+def test_async_applies_each_update_on_arrival_with_its_delay() -> None:
+    s, clock, _ = scheduler("async")
+    d = s.take([update("a", 1, 0), update("b", 1, 0), update("a", 2, 9)], TWO)
+    assert [step.version for step in d.steps] == [1, 2]
+    assert acks(d) == [("a", 1, "accepted", ""), ("b", 1, "accepted", ""), ("a", 2, "discarded", "future")]
+    assert [a.delay for a in d.acks[:2]] == [0, 1] and not any(a.resync for a in d.acks[:2])
+    assert clock.high_water == {"a": (1, 1), "b": (1, 1)} and clock.clocks == {"c-a": 1, "c-b": 1}
+    # staleness weighting: the second update, one version late, weighs half
+    assert s.weights(d.steps[1], TWO) == [0.5]
+
+
+def test_every_policy_acks_an_applied_update_again_as_a_duplicate() -> None:
+    for policy in ("sync", "async", "ssp", "adaptive"):
+        s, clock, _ = scheduler(policy)
+        clock.high_water["a"] = (1, 5)
+        d = s.take([update("a", 5, 0), update("a", 3, 0)], TWO)
+        assert acks(d) == [("a", 5, "duplicate", ""), ("a", 3, "duplicate", "")] and not d.steps, policy
+
+
+def test_sync_waits_for_every_cluster_and_takes_one_update_of_each() -> None:
+    s, clock, _ = scheduler("sync")
+    d = s.take([update("a", 1, 0), update("a", 2, 0)], TWO)
+    assert not d.steps and acks(d) == [("a", 2, "discarded", "round_full")]
+    assert [i.update.device for i in s.pending()] == ["a"]
+    d = s.take([update("b", 1, 0)], TWO)
+    assert [(step.version, [i.update.device for i in step.items]) for step in d.steps] == [(1, ["a", "b"])]
+    assert all(a.status == "accepted" and a.resync for a in d.acks)
+    assert s.weights(d.steps[0], TWO) == [0.5, 0.5]
+    clock.version = 1
+    assert acks(s.take([update("a", 3, 0)], TWO)) == [("a", 3, "discarded", "stale")]  # BSP: no bound
+
+
+def test_sync_lets_go_of_a_cluster_the_plan_dropped() -> None:
+    s, _, _ = scheduler("sync")
+    s.take([update("a", 1, 0)], TWO)
+    replanned = Fleet(clusters=("c-b",), plan_version=2, bound=4)
+    d = s.take([], replanned)  # a's round entry came from plan 1, whose cluster c-a is gone
+    assert acks(d) == [("a", 1, "discarded", "replanned")]
+    d = s.take([update("b", 1, 0, plan_version=2)], replanned)
+    assert [step.version for step in d.steps] == [1]
+
+
+def test_a_resend_after_its_round_closed_is_a_duplicate_not_a_second_contribution() -> None:
+    s, _, _ = scheduler("sync")
+    d = s.take([update("a", 1, 0), update("b", 1, 0), update("a", 1, 0)], TWO)
+    assert len(d.steps) == 1 and acks(d)[-1] == ("a", 1, "duplicate", "")
+
+
+def test_ssp_holds_a_cluster_too_far_ahead_until_the_slowest_catches_up() -> None:
+    s, clock, _ = scheduler("ssp")
+    fleet = Fleet(clusters=("c-a", "c-b"), bound=1)
+    d = s.take([update("a", 1, 0), update("a", 2, 1), update("a", 3, 2)], fleet)
+    assert [a.update.seq for a in d.acks] == [1, 2] and len(s.pending()) == 1
+    clock.version = 2
+    d = s.take([update("b", 1, 2)], fleet)  # the held update is judged first: b has not caught up yet
+    assert [(a.update.device, a.update.seq) for a in d.acks] == [("b", 1)] and len(s.pending()) == 1
+    clock.version = 3
+    d = s.take([], fleet)  # the next call (the PS asks again when a step moved the clocks) releases it
+    assert [(a.update.device, a.update.seq, a.delay) for a in d.acks] == [("a", 3, 1)]
+
+
+def test_adaptive_closes_a_round_at_its_deadline_with_whoever_is_in() -> None:
+    s, _, rule = scheduler("adaptive", min_deadline_s=0.2, max_deadline_s=0.2)
+    d = s.take([update("a", 1, 0)], _at(TWO, 10.0))
+    assert not d.steps and s.timeout(_at(TWO, 10.1)) == pytest.approx(0.1)
+    d = s.take([], _at(TWO, 10.25))
+    assert [len(step.items) for step in d.steps] == [1]
+    assert s.weights(d.steps[0], TWO) == [0.5]  # 8 of the 16 samples the plan expects: half a step
+    assert rule.indices == {"a": 0.0}
+
+
+def test_adaptive_discards_beyond_its_bound_and_learns_from_it() -> None:
+    s, clock, rule = scheduler("adaptive", alpha=1.0, min_bound=1, slack=1.0)
+    rule.indices.update({"a": 0.0, "b": 1.0})
+    clock.version = 10
+    d = s.take([update("a", 1, 5)], _at(TWO, 0.0))  # delay 5 > D
+    assert acks(d) == [("a", 1, "discarded", "stale")]
+    assert rule.indices["a"] == 2.0  # counted as "later than the bound", not as 5
+
+
+def test_switching_policy_judges_an_open_round_again() -> None:
+    s, clock, rule = scheduler("sync")
+    s.take([update("a", 1, 0)], TWO)
+    switched = make_scheduler("async", clock, rule, staleness_weighting=True, carry=s.pending())
+    d = switched.take([], TWO)
+    assert acks(d) == [("a", 1, "accepted", "")] and [step.version for step in d.steps] == [1]
+
+
+def _at(fleet: Fleet, now: float) -> Fleet:
+    return dataclasses.replace(fleet, now=now)
