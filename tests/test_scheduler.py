@@ -112,7 +112,7 @@ def test_async_applies_each_update_on_arrival_with_its_delay() -> None:
     assert [a.delay for a in d.acks[:2]] == [0, 1] and not any(a.resync for a in d.acks[:2])
     assert clock.high_water == {"a": (1, 1), "b": (1, 1)} and clock.clocks == {"c-a": 1, "c-b": 1}
     # staleness weighting: the second update, one version late, weighs half
-    assert s.weights(d.steps[1], TWO) == [0.5]
+    assert d.steps[1].weights == (0.5,)
 
 
 def test_every_policy_acks_an_applied_update_again_as_a_duplicate() -> None:
@@ -131,7 +131,7 @@ def test_sync_waits_for_every_cluster_and_takes_one_update_of_each() -> None:
     d = s.take([update("b", 1, 0)], TWO)
     assert [(step.version, [i.update.device for i in step.items]) for step in d.steps] == [(1, ["a", "b"])]
     assert all(a.status == "accepted" and a.resync for a in d.acks)
-    assert s.weights(d.steps[0], TWO) == [0.5, 0.5]
+    assert d.steps[0].weights == (0.5, 0.5)
     clock.version = 1
     assert acks(s.take([update("a", 3, 0)], TWO)) == [("a", 3, "discarded", "stale")]  # BSP: no bound
 
@@ -171,7 +171,7 @@ def test_adaptive_closes_a_round_at_its_deadline_with_whoever_is_in() -> None:
     assert not d.steps and s.timeout(_at(TWO, 10.1)) == pytest.approx(0.1)
     d = s.take([], _at(TWO, 10.25))
     assert [len(step.items) for step in d.steps] == [1]
-    assert s.weights(d.steps[0], TWO) == [0.5]  # 8 of the 16 samples the plan expects: half a step
+    assert d.steps[0].weights == (0.5,)  # 8 of the 16 samples the plan expects: half a step
     assert rule.indices == {"a": 0.0}
 
 

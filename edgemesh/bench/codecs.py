@@ -10,8 +10,8 @@ For each codec, at its default policy:
 * ``final_accuracy``: held-out accuracy after a fixed synchronous training run of 4 simulated
   workers whose gradients go through the codec with error feedback, same seeds for every codec.
 
-``same_density`` compares ``grid`` and ``threshold`` at one kept density (seed 001 reports
-grid at about half the bytes of threshold at equal accuracy).
+``same_density`` compares ``grid`` and ``threshold`` at one kept density (the grid-clustering paper
+reports grid at about half the bytes of threshold at equal accuracy).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from edgemesh import cli
-from edgemesh.bench.reporting import pyplot, write_report
+from edgemesh.bench.reporting import pyplot, save, write_report
 from edgemesh.common.codecs import ErrorFeedback, available_codecs, get_codec
 from edgemesh.common.messages import CodecPolicy
 from edgemesh.common.vocabulary import SPARSE_CODECS, CodecName
@@ -204,10 +204,7 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     axes[2].legend()
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return save(fig, path)
 
 
 def register(parser: argparse.ArgumentParser) -> None:

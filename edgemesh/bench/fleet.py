@@ -29,22 +29,18 @@ import asyncio
 import logging
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edgemesh import cli
-from edgemesh.bench.reporting import finish, pyplot
-from edgemesh.bench.runs import device_names, drive, fleet_profiles, names, observe
-from edgemesh.common.bus import Route
+from edgemesh.bench.reporting import finish, pyplot, save
+from edgemesh.bench.runs import Timeline, device_names, drive, fleet_profiles, names, observe
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
 from edgemesh.common.errors import ConfigError, EdgeMeshError
-from edgemesh.common.messages import Event, Plan
-from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
 
@@ -65,16 +61,8 @@ START_TIMEOUT_S = 120.0
 """Longest wait for the plan to name every device."""
 
 
-@dataclass(slots=True)
-class Run:
-    """What one policy's run observed."""
-
-    t0: float | None = None
-    evaluations: list[tuple[float, int, float]] = field(default_factory=list)
-    """(seconds since t0, model version, accuracy)."""
-    plan: Plan | None = None
-    """The last plan of the run (batch sizes)."""
-    failure: str | None = None
+Run = Timeline
+"""What one policy's run observed (the last plan gives the batch sizes)."""
 
 
 def run_config(base: dict[str, str], *, policy: str, devices: int, job: str, broker_url: str,
@@ -93,19 +81,7 @@ def run_config(base: dict[str, str], *, policy: str, devices: int, job: str, bro
 
 async def _watch(cfg: Config, run: Run, devices: set[str]) -> None:
     """Note when the plan first names every device (t0) and every evaluation after it."""
-    topics = Topics(cfg.job)
-
-    async def on_plan(plan: Plan, _: TopicMatch) -> None:
-        run.plan = plan
-        if run.t0 is None and {d.device for d in plan.devices} >= devices:
-            run.t0 = time.monotonic()
-
-    async def on_event(event: Event, _: TopicMatch) -> None:
-        if event.kind == "evaluation" and event.source == "ps" and run.t0 is not None:
-            run.evaluations.append((time.monotonic() - run.t0, int(event.data.get("version") or 0),
-                                    float(event.data.get("accuracy") or 0.0)))
-
-    await observe(cfg, Route(topics.plan_filter(), Plan, on_plan), Route(topics.events_filter(), Event, on_event))
+    await observe(cfg, *run.routes(Topics(cfg.job), devices))
 
 
 async def _run_policy(cluster: LocalCluster, devices: list[tuple[str, str]], budget_s: float,
@@ -254,10 +230,7 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     ax.set_title(f"emulated fleet of {len(result['fleet'])} ({kinds}); single = one {result['single']['profile']}")
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return save(fig, path)
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ from edgemesh.services.worker.mesh.member import MeshMember
 def held_bytes(spec: str, batch: int, plan: Plan | None) -> dict[str, Any]:
     """Bytes of parameters, optimizer-like state and activations per device, measured on real
     tensors: every cluster of ``plan`` runs one step of its batch (at most ``batch``) in this process
-    (saved-tensor hooks). ``mean`` over the devices (seed 000 reports average memory), ``max``, and
+    (saved-tensor hooks). ``mean`` over the devices (the Edge Mesh paper reports average memory), ``max``, and
     the parts of the largest holder."""
     shape = models.get_spec(spec).input_shape
     rng = np.random.default_rng(0)

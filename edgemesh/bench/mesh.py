@@ -31,7 +31,7 @@ its units and publishing its slices, per layer, summed over layers, worst cluste
 no unit of a layer left out; for data parallelism the slowest over the fastest
 device's step); ``peak_rss_mb_per_device``, the largest peak RSS of a worker process; and
 ``param_optimizer_activation_bytes_per_device``, measured in this process on real tensors, the
-mean over devices (seed 000 reports average memory; ``..._max_device`` is the largest): the rows
+mean over devices (the Edge Mesh paper reports average memory; ``..._max_device`` is the largest): the rows
 of the model a worker keeps in its view and trains, their gradients and error-feedback residual
 (the optimizer's momentum lives on the parameter server), and every activation autograd saved
 for the backward pass (torch saved-tensor hooks; the weights it saves are the parameters, counted
@@ -60,14 +60,14 @@ from typing import Any
 
 from edgemesh import cli
 from edgemesh.bench.memory import held_bytes
-from edgemesh.bench.reporting import finish, pyplot
-from edgemesh.bench.runs import device_names, drive, fleet_profiles, names, observe
+from edgemesh.bench.reporting import finish, pyplot, save
+from edgemesh.bench.runs import Timeline, device_names, drive, fleet_profiles, names, observe
 from edgemesh.common import costs
 from edgemesh.common.bus import Route
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
 from edgemesh.common.errors import ConfigError, EdgeMeshError
-from edgemesh.common.messages import DeviceHello, DeviceStats, Event, Plan, PlanCluster, UpdateAck
+from edgemesh.common.messages import DeviceHello, DeviceStats, PlanCluster, UpdateAck
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
@@ -99,17 +99,13 @@ RUN_TIMEOUT_S = 900.0
 
 
 @dataclass(slots=True)
-class Run:
+class Run(Timeline):
     """What one run observed on the bus."""
 
-    t0: float | None = None
-    plan: Plan | None = None
     versions: dict[int, float] = field(default_factory=dict)
     """Model version -> when an ack first named it (seconds since t0)."""
-    evaluations: list[tuple[float, int, float]] = field(default_factory=list)
     stats: dict[str, DeviceStats] = field(default_factory=dict)
     hellos: dict[str, DeviceHello] = field(default_factory=dict)
-    failure: str | None = None
 
     @property
     def version(self) -> int:
@@ -121,11 +117,6 @@ async def _watch(cfg: Config, run: Run, devices: set[str]) -> None:
     devices' hellos and stats, and every evaluation after t0."""
     topics = Topics(cfg.job)
 
-    async def on_plan(plan: Plan, _: TopicMatch) -> None:
-        run.plan = plan
-        if run.t0 is None and {d.device for d in plan.devices} >= devices:
-            run.t0 = time.monotonic()
-
     async def on_ack(ack: UpdateAck, _: TopicMatch) -> None:
         if run.t0 is not None and ack.status == "accepted":
             run.versions.setdefault(ack.version, time.monotonic() - run.t0)
@@ -136,14 +127,9 @@ async def _watch(cfg: Config, run: Run, devices: set[str]) -> None:
     async def on_hello(hello: DeviceHello, _: TopicMatch) -> None:
         run.hellos[hello.device] = hello
 
-    async def on_event(event: Event, _: TopicMatch) -> None:
-        if event.kind == "evaluation" and event.source == "ps" and run.t0 is not None:
-            run.evaluations.append((time.monotonic() - run.t0, int(event.data.get("version") or 0),
-                                    float(event.data.get("accuracy") or 0.0)))
-
-    await observe(cfg, Route(topics.plan_filter(), Plan, on_plan), Route(topics.ack_filter("+"), UpdateAck, on_ack),
+    await observe(cfg, *run.routes(topics, devices), Route(topics.ack_filter("+"), UpdateAck, on_ack),
                   Route(topics.stats_filter(), DeviceStats, on_stats),
-                  Route(topics.hello_filter(), DeviceHello, on_hello), Route(topics.events_filter(), Event, on_event))
+                  Route(topics.hello_filter(), DeviceHello, on_hello))
 
 
 async def _run(cluster: LocalCluster, devices: list[tuple[str, str]], versions: int,
@@ -417,10 +403,7 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
     right.legend()
     for ax in (left, right):
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return save(fig, path)
 
 
 def register(parser: argparse.ArgumentParser) -> None:

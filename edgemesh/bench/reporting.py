@@ -26,6 +26,16 @@ def pyplot() -> ModuleType | None:
     return plt
 
 
+def save(fig: Any, path: Path) -> bool:
+    """Lay ``fig`` out, write it to ``path`` and close it; True (a plot was written)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def write_report(report: Path, result: dict[str, Any], plot: Callable[[dict[str, Any], Path], bool],
                  progress: Callable[[str], None]) -> None:
     """``result`` as JSON at ``report`` and ``plot`` of it as the PNG beside it."""

@@ -7,13 +7,16 @@ import contextlib
 import time
 import uuid
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
 from edgemesh.common.bus import Bus, Route
 from edgemesh.common.config import Config
 from edgemesh.common.emulation.profiles import DeviceProfile, load_profiles
 from edgemesh.common.errors import ConfigError
+from edgemesh.common.messages import Event, Plan
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.processes import LocalCluster
 
 GUARD_INTERVAL_S = 0.25
@@ -88,6 +91,32 @@ async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Co
             await watcher
         cluster.stop()
     return failure
+
+
+@dataclass(slots=True)
+class Timeline:
+    """What a cluster benchmark's run sees of its timeline: t0, when the plan first names every
+    device; the last plan; the evaluations after t0; and why it failed, if it did."""
+
+    t0: float | None = None
+    plan: Plan | None = None
+    evaluations: list[tuple[float, int, float]] = field(default_factory=list)
+    """(seconds since t0, model version, accuracy)."""
+    failure: str | None = None
+
+    def routes(self, topics: Topics, devices: set[str]) -> list[Route[Any]]:
+        """Routes that keep this timeline: the plans (t0 once they name ``devices``) and the PS's evaluations."""
+        async def on_plan(plan: Plan, _: TopicMatch) -> None:
+            self.plan = plan
+            if self.t0 is None and {d.device for d in plan.devices} >= devices:
+                self.t0 = time.monotonic()
+
+        async def on_event(event: Event, _: TopicMatch) -> None:
+            if event.kind == "evaluation" and event.source == "ps" and self.t0 is not None:
+                self.evaluations.append((time.monotonic() - self.t0, int(event.data.get("version") or 0),
+                                         float(event.data.get("accuracy") or 0.0)))
+
+        return [Route(topics.plan_filter(), Plan, on_plan), Route(topics.events_filter(), Event, on_event)]
 
 
 async def observe(cfg: Config, *routes: Route[Any]) -> None:

@@ -17,6 +17,7 @@ every view follows one model while a member's downlink carries its share.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -224,6 +225,10 @@ class ModelView:
     def apply(self, delta: ModelDelta) -> bool:
         """``commit(decode(delta))``: add a delta that starts at this view's version; True if applied."""
         return self.commit(self.decode(delta), delta)
+
+    async def receive(self, delta: ModelDelta) -> bool:
+        """``apply`` with the decoding off the event loop (in a thread); True if applied."""
+        return self.commit(await asyncio.to_thread(self.decode, delta), delta)
 
     def decode(self, delta: ModelDelta) -> Decoded | None:
         """The parameters ``delta`` leads to from this view, or None when it does not apply (older, a

@@ -27,7 +27,6 @@ import random
 import socket
 import ssl
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -39,7 +38,7 @@ from edgemesh.common import wire
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import Filter, TopicError, TopicMatch, Topics, base_topic, parse
+from edgemesh.common.topics import CHUNK_SEGMENT, Filter, TopicError, TopicMatch, match
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +48,6 @@ Handler = Callable[[M, TopicMatch], Awaitable[None]]
 
 QOS_STATE = 1
 """QoS for everything that matters (updates, acks, plan, model); MQTT 3.1.1 and 5 both have it."""
-REFUSED_IDS_KEPT = 256
-"""Ids of refused chunked messages remembered, so their other chunks are dropped silently."""
 INBOX_MESSAGES = 10_000
 """Messages buffered between the network and the router before back-pressure."""
 UNROUTED = "none"
@@ -96,10 +93,9 @@ class Bus:
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
         self._inbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
-        self._reassembler = wire.Reassembler(max_bytes=config.reassembly_budget_bytes,
-                                             timeout=config.reassembly_timeout_s)
+        self._receiver = wire.Receiver(max_bytes=config.max_message_bytes, budget_bytes=config.reassembly_budget_bytes,
+                                       timeout_s=config.reassembly_timeout_s)
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
-        self._refused_ids: deque[str] = deque(maxlen=REFUSED_IDS_KEPT)
         self._closing = False
         self.connections = 0
 
@@ -297,36 +293,41 @@ class Bus:
             topic, payload = await self._inbox.get()
             await self._dispatch(topic, payload)
 
-    def _route_for(self, topic: str) -> Route[Any] | None:
-        return next((r for r in self._routes if r.filter.matches(topic)), None)
-
     async def _dispatch(self, topic: str, payload: bytes) -> None:
-        """Route one received payload: parse, unpack, decode, check, handle; every failure counted."""
-        base = base_topic(topic)
-        route = self._route_for(base)
-        label = route.label if route is not None else UNROUTED
+        """Route one received payload: match and parse its topic, decode and check its body, hand it
+        to its route's handler. Every failure is counted, with the route's label."""
+        routes = self._routes
+        label = UNROUTED
         try:
-            if route is None:
-                raise WireError(f"no route takes {base}", "topic")
+            found = match(topic, [r.filter for r in routes])
+            if found is None:
+                raise WireError(f"no route takes {topic}", "topic")
+            index, where = found
+            route = routes[index]
+            label = route.label
+            dropped = dict(self._receiver.dropped)
             try:
-                match = parse(base)
-            except TopicError as exc:
-                raise WireError(str(exc), "topic") from None
-            envelope = self._unpack(base, payload, json_body=route.json_body, route=label)
-            if envelope is None:
+                message = self._receiver.take(where.topic, payload, route.message,
+                                              json_kind="control" if route.json_body else "")
+            finally:  # partial chunked messages that timed out, gave way or contradicted themselves
+                for reason, n in self._receiver.dropped.items():
+                    if n > dropped.get(reason, 0):
+                        self.metrics.reject(reason, topic, "partial chunked message dropped", route=label)
+            if message is None:
                 return  # more chunks to come
-            message = wire.decode_envelope(envelope, route.message)
-            why = match.disagreement(message)
+            why = where.disagreement(message)
             if why is not None:
                 raise WireError(why, "topic")
+        except TopicError as exc:
+            self.metrics.reject("topic", topic, exc, route=label)
+            return
         except WireError as exc:
             self.metrics.reject(exc.reason, topic, f"{exc} payload={wire.truncate(payload)}", route=label)
             return
-        assert route is not None
         self.metrics.received_messages.labels(route=label).inc()
         started = time.perf_counter()
         try:
-            await route.handler(message, match)
+            await route.handler(message, where)
         except WireError as exc:
             self.metrics.reject(exc.reason, topic, exc, route=label)
         except Exception as exc:  # a handler's bug or a lost connection must not end the router
@@ -334,54 +335,26 @@ class Bus:
         finally:
             self.metrics.handler_seconds.labels(route=label).observe(time.perf_counter() - started)
 
-    def _unpack(self, topic: str, payload: bytes, *, json_body: bool, route: str) -> wire.Envelope | None:
-        try:
-            envelope = wire.unpack(payload, max_bytes=self.config.max_message_bytes)
-        except WireError as exc:
-            if exc.reason != "malformed" or not json_body:
-                raise
-            return wire.unpack_json(payload, "control", max_bytes=self.config.max_message_bytes)
-        if envelope.kind != wire.CHUNK_KIND:
-            return envelope
-        chunk = wire.decode_envelope(envelope, wire.Chunk)
-        if chunk.id in self._refused_ids:
-            return None  # the rest of a message already counted as rejected
-        if chunk.size > self.config.max_message_bytes:
-            self._refused_ids.append(chunk.id)
-            raise WireError(f"chunked message of {chunk.size} bytes exceeds the limit", "oversized")
-        before = dict(self._reassembler.dropped)
-        whole = self._reassembler.add(topic, chunk)
-        for reason, n in self._reassembler.dropped.items():
-            if n > before.get(reason, 0):
-                self.metrics.reject(reason, topic, "partial chunked message dropped", route=route)
-        if whole is None:
-            return None
-        inner = wire.unpack(whole, max_bytes=self.config.max_message_bytes)
-        if inner.kind == wire.CHUNK_KIND:
-            raise WireError("a chunk inside a chunk", "chunk")
-        return inner
-
     # --- publishing ----------------------------------------------------------------------
     async def publish(self, topic: str, msg: Any, *, retain: bool = False, qos: int = QOS_STATE,
                       kind: str = "") -> int:
-        """Publish a message (or ready envelope bytes); returns bytes sent. Chunks large payloads.
+        """Publish a message (or ready envelope bytes); returns bytes sent. Chunks large payloads
+        (retained ones onto ``{topic}/chunk/{i}``).
 
         Waits up to ``publish_timeout_s`` for a connection; raises BusError after that.
         """
-        payload = msg if isinstance(msg, (bytes, bytearray)) else wire.encode(msg)
-        kind = kind or ("raw" if isinstance(msg, (bytes, bytearray)) else wire.kind_of(msg))
-        pieces = wire.split(bytes(payload), self.config.chunk_bytes)
+        encoded_kind, pieces = wire.frames(msg, self.config.chunk_bytes)
         if len(pieces) == 1:
             targets = [topic]
         elif retain:
-            targets = [Topics.chunk(topic, i) for i in range(len(pieces))]
+            targets = [f"{topic}/{CHUNK_SEGMENT}/{i}" for i in range(len(pieces))]
         else:
             targets = [topic] * len(pieces)
         sent = 0
         for target, piece in zip(targets, pieces, strict=True):
             await self._publish_raw(target, piece, retain=retain, qos=qos)
             sent += len(piece)
-        self.metrics.published_messages.labels(kind=kind).inc()
+        self.metrics.published_messages.labels(kind=kind or encoded_kind).inc()
         self.metrics.published_bytes.inc(sent)
         return sent
 

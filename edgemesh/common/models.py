@@ -301,7 +301,7 @@ REPLICATED: Final = (Standardize, nn.Flatten, nn.Identity)
 
 @dataclass(frozen=True, slots=True)
 class Stage:
-    """One divisible layer of a spec, as model parallelism runs it (DESIGN.md §4).
+    """One divisible layer of a spec, as model parallelism runs it (docs/mesh.md).
 
     A member applies ``pre`` to the whole (gathered) input, its slice of ``layer``'s output
     units, then ``tail`` to that slice; the slices are then all-gathered along dim 1.

@@ -4,9 +4,10 @@ All topics live under ``edgemesh/v1/{job}/`` so several trainings can share one 
 
 * ``Topics(job)`` builds the topics a service publishes on (``topics.grad(cluster, device)``)
   and the :class:`Filter` objects it subscribes with (``topics.grad_filter()``).
-* :func:`parse` turns a received topic into a :class:`TopicMatch` (job, kind, device,
-  cluster, ...) once, for the bus's router; :meth:`TopicMatch.disagreement` checks a decoded
-  body against it (the device a topic names is the device in the body).
+* :func:`match` finds the filter a received topic falls under and parses the topic into a
+  :class:`TopicMatch` (job, kind, device, cluster, ...) once, for the bus's router;
+  :meth:`TopicMatch.disagreement` checks a decoded body against it (the device a topic names is
+  the device in the body).
 
 Large retained messages are chunked onto ``{topic}/chunk/{index}`` (see ``wire``); a filter
 subscribes to both the topic and its chunks (``Filter.patterns``).
@@ -14,41 +15,25 @@ subscribes to both the topic and its chunks (``Filter.patterns``).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from edgemesh.common.vocabulary import MAX_TOPIC_CHARS, check_name, valid_name, valid_topic
+
+__all__ = ["MAX_TOPIC_CHARS", "CHUNK_SEGMENT", "PREFIX", "Filter", "TopicError", "TopicMatch", "Topics", "base_topic",
+           "check_name", "match", "matches", "parse", "valid_name", "valid_topic"]
+
 PREFIX = "edgemesh/v1"
 CHUNK_SEGMENT = "chunk"
-
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 TopicKind = Literal["hello", "status", "stats", "plan", "sync", "codec", "model", "delta", "grad", "grad_raw",
                     "ack", "mesh", "control", "reply", "events"]
 """The families of topics; a route is named after the family it consumes."""
 SERVICE_TARGETS = ("planner", "ps", "compressor", "all")
 """Control targets other than ``device/{id}``."""
-MAX_TOPIC_CHARS = 1024
-"""Longest topic a message may name as its reply topic (MQTT allows 65,535 bytes; ours are far shorter)."""
 CHECKED_FIELDS = ("device", "cluster", "layer", "phase")
 """Fields a topic names that a message body must not contradict."""
-
-
-def valid_name(name: str) -> bool:
-    """A job, device or cluster name: 1-64 chars of ``[A-Za-z0-9_.-]``, no MQTT wildcards or ``/``."""
-    return bool(_NAME.match(name))
-
-
-def valid_topic(topic: str) -> bool:
-    """A topic a message may be published on: 1-``MAX_TOPIC_CHARS`` characters, no wildcard or NUL."""
-    return 0 < len(topic) <= MAX_TOPIC_CHARS and not any(c in topic for c in "+#\x00")
-
-
-def check_name(kind: str, name: str) -> str:
-    if not valid_name(name):
-        raise ValueError(f"invalid {kind} name {name!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
-    return name
 
 
 class TopicError(ValueError):
@@ -61,6 +46,8 @@ class TopicMatch:
 
     job: str
     kind: TopicKind
+    topic: str = ""
+    """The topic itself (without a chunk suffix)."""
     device: str = ""
     """The device the topic is about: the sender of a hello, stats or gradient, the owner of a codec
     policy or ack, the member sending a mesh forward slice or step message, the receiver of a
@@ -236,33 +223,43 @@ def parse(topic: str) -> TopicMatch:
         parts = parts[:-2]
     if len(parts) < 4 or "/".join(parts[:2]) != PREFIX or not valid_name(parts[2]):
         raise TopicError(f"{topic!r} is not under {PREFIX}/{{job}}/")
-    job, rest = parts[2], parts[3:]
+    job, rest, base = parts[2], parts[3:], "/".join(parts)
     match rest:
         case ["device", device, ("hello" | "status" | "stats") as kind]:
-            return TopicMatch(job, kind, device=device)
+            return TopicMatch(job, kind, base, device=device)
         case ["plan" | "sync" | "model" | "events" as kind]:
-            return TopicMatch(job, kind)
+            return TopicMatch(job, kind, base)
         case ["model", "delta"]:
-            return TopicMatch(job, "delta")
+            return TopicMatch(job, "delta", base)
         case ["model", "delta", device]:
-            return TopicMatch(job, "delta", device=device)
+            return TopicMatch(job, "delta", base, device=device)
         case ["codec", device]:
-            return TopicMatch(job, "codec", device=device)
+            return TopicMatch(job, "codec", base, device=device)
         case ["ack", device]:
-            return TopicMatch(job, "ack", device=device)
+            return TopicMatch(job, "ack", base, device=device)
         case ["grad", cluster, device]:
-            return TopicMatch(job, "grad", device=device, cluster=cluster)
+            return TopicMatch(job, "grad", base, device=device, cluster=cluster)
         case ["grad-raw", cluster, device]:
-            return TopicMatch(job, "grad_raw", device=device, cluster=cluster)
+            return TopicMatch(job, "grad_raw", base, device=device, cluster=cluster)
         case ["mesh", cluster, layer, phase, device]:
-            return TopicMatch(job, "mesh", device=device, cluster=cluster, layer=layer, phase=phase)
+            return TopicMatch(job, "mesh", base, device=device, cluster=cluster, layer=layer, phase=phase)
         case ["control", target] if target in SERVICE_TARGETS:
-            return TopicMatch(job, "control", target=target)
+            return TopicMatch(job, "control", base, target=target)
         case ["control", "device", device]:
-            return TopicMatch(job, "control", device=device, target=f"device/{device}")
+            return TopicMatch(job, "control", base, device=device, target=f"device/{device}")
         case ["control-reply", requester]:
-            return TopicMatch(job, "reply", target=requester)
+            return TopicMatch(job, "reply", base, target=requester)
     raise TopicError(f"{topic!r} is not an EdgeMesh topic")
+
+
+def match(topic: str, filters: Sequence[Filter]) -> tuple[int, TopicMatch] | None:
+    """The first of ``filters`` that ``topic`` falls under (a trailing ``chunk/{i}`` ignored), and the
+    topic parsed; None when none does. Raises TopicError for a matching topic that is not EdgeMesh's."""
+    base = base_topic(topic)
+    for index, filter_ in enumerate(filters):
+        if matches(filter_.pattern, base):
+            return index, parse(base)
+    return None
 
 
 def base_topic(topic: str) -> str:

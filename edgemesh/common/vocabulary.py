@@ -1,10 +1,12 @@
-"""The words EdgeMesh's messages, configuration and services share, each declared once.
+"""The words EdgeMesh's messages, configuration and services share, each declared once, and what a
+name or a topic may be.
 
 A typo in one of them is a type error (mypy) and a decode error (the wire checks ``Literal``s).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Literal, get_args
 
 CodecName = Literal["none", "fp16", "topk", "threshold", "qsgd", "grid"]
@@ -40,3 +42,25 @@ def payload_reason(reason: str) -> DiscardReason:
         if reason == known:
             return known
     return "codec"
+
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+"""A job, device or cluster name: 1-64 characters of ``[A-Za-z0-9_.-]``, the first a letter or digit."""
+MAX_TOPIC_CHARS = 1024
+"""Longest topic a message may name as its reply topic (MQTT allows 65,535 bytes; ours are far shorter)."""
+
+
+def valid_name(name: str) -> bool:
+    """A job, device or cluster name: 1-64 chars of ``[A-Za-z0-9_.-]``, no MQTT wildcards or ``/``."""
+    return bool(NAME_PATTERN.match(name))
+
+
+def check_name(kind: str, name: str) -> str:
+    if not valid_name(name):
+        raise ValueError(f"invalid {kind} name {name!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
+    return name
+
+
+def valid_topic(topic: str) -> bool:
+    """A topic a message may be published on: 1-``MAX_TOPIC_CHARS`` characters, no wildcard or NUL."""
+    return 0 < len(topic) <= MAX_TOPIC_CHARS and not any(c in topic for c in "+#\x00")

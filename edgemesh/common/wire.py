@@ -1,4 +1,4 @@
-"""The wire format: one versioned MessagePack envelope for every message (DESIGN.md §3).
+"""The wire format: one versioned MessagePack envelope for every message (docs/wire.md).
 
 ``{"v": 1, "kind": str, "body": {...}}``. Each message kind is a frozen dataclass declared
 once in ``messages`` and registered here with ``@message("kind")``; ``encode`` and ``decode``
@@ -9,7 +9,8 @@ the class's own ``validate()``; every failure is one ``WireError`` with a short 
 Tensors travel as ``(dtype, shape, raw little-endian bytes)``: never pickle.
 
 Large payloads are split into ``chunk`` envelopes carrying ``(id, index, count)`` and joined
-again by a ``Reassembler`` whose buffer is bounded in bytes and time.
+again by a ``Reassembler`` whose buffer is bounded in bytes and time. The bus makes one call here
+per message: ``frames`` on the way out, ``Receiver.take`` on the way in.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from edgemesh.common.errors import WireError
 WIRE_VERSION = 1
 CHUNK_KIND = "chunk"
 
+REFUSED_IDS_KEPT = 256
+"""Ids of refused chunked messages remembered, so their other chunks are dropped silently."""
 MAX_STR = 4096
 MAX_ITEMS = 1_000_000
 MAX_TENSOR_DIMS = 8
@@ -229,7 +232,7 @@ def _from_plain(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 - one swit
             for k, v in value.items()
         }
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return _dataclass_from_plain(tp, value, path)
+        return _dataclass_from_plain(tp, value, path, top=False)
     raise TypeError(f"{path}: wire cannot decode type {tp!r}")
 
 
@@ -241,7 +244,9 @@ def _as_list(value: Any, path: str) -> list[Any]:
     return list(value)
 
 
-def _dataclass_from_plain(cls: type[T], value: Any, path: str) -> T:
+def _dataclass_from_plain(cls: type[T], value: Any, path: str, *, top: bool = True) -> T:
+    """``value`` as a ``cls``, every field checked; the message's ``validate()`` (``top``: a message
+    validates the parts it is made of) turns its ValueError into a ``field`` WireError."""
     if not isinstance(value, dict):
         _fail(path, f"expected map, got {type(value).__name__}")
     hints = _hints(cls)
@@ -254,7 +259,7 @@ def _dataclass_from_plain(cls: type[T], value: Any, path: str) -> T:
     # unknown keys are ignored: a newer sender may add fields with defaults
     try:
         obj = cls(**kwargs)
-        validate = getattr(obj, "validate", None)
+        validate = getattr(obj, "validate", None) if top else None
         if validate is not None:
             validate()
     except WireError:
@@ -479,3 +484,61 @@ class Reassembler:
         if len(payload) != partial.size:
             raise WireError(f"reassembled {len(payload)} bytes, header said {partial.size}", "chunk")
         return payload
+
+
+# --------------------------------------------------------------------------- one call per message
+
+
+def frames(msg: Any, chunk_size: int) -> tuple[str, list[bytes]]:
+    """A message (or ready envelope bytes) as the payloads to publish: one envelope, or its chunks;
+    with its kind (``raw`` for bytes)."""
+    if isinstance(msg, (bytes, bytearray)):
+        return "raw", split(bytes(msg), chunk_size)
+    return kind_of(msg), split(encode(msg), chunk_size)
+
+
+class Receiver:
+    """Received payloads to messages, one call each (``take``): the envelope (or a UTF-8 JSON body
+    where allowed), chunks joined within a byte budget and a timeout, the body checked against the
+    expected kind. ``dropped`` counts partial chunked messages dropped, by reason."""
+
+    def __init__(self, *, max_bytes: int, budget_bytes: int, timeout_s: float) -> None:
+        self.max_bytes = max_bytes
+        self._reassembler = Reassembler(max_bytes=budget_bytes, timeout=timeout_s)
+        self.dropped = self._reassembler.dropped
+        self._refused: OrderedDict[str, None] = OrderedDict()
+
+    def take(self, topic: str, payload: bytes, expected: type[T] | tuple[type, ...], *, json_kind: str = ""
+             ) -> T | None:
+        """The message ``payload`` completes on ``topic``, or None while its chunks are missing.
+
+        Raises WireError (with its reason) for a payload that is not a message of ``expected``. With
+        ``json_kind``, a payload that is not MessagePack may be a JSON object, the body of that kind.
+        """
+        envelope = self._envelope(topic, payload, json_kind)
+        return None if envelope is None else decode_envelope(envelope, expected)
+
+    def _envelope(self, topic: str, payload: bytes, json_kind: str) -> Envelope | None:
+        try:
+            envelope = unpack(payload, max_bytes=self.max_bytes)
+        except WireError as exc:
+            if exc.reason != "malformed" or not json_kind:
+                raise
+            return unpack_json(payload, json_kind, max_bytes=self.max_bytes)
+        if envelope.kind != CHUNK_KIND:
+            return envelope
+        chunk = decode_envelope(envelope, Chunk)
+        if chunk.id in self._refused:
+            return None  # the rest of a message already counted as rejected
+        if chunk.size > self.max_bytes:
+            self._refused[chunk.id] = None
+            while len(self._refused) > REFUSED_IDS_KEPT:
+                self._refused.popitem(last=False)
+            raise WireError(f"chunked message of {chunk.size} bytes exceeds the limit", "oversized")
+        whole = self._reassembler.add(topic, chunk)
+        if whole is None:
+            return None
+        inner = unpack(whole, max_bytes=self.max_bytes)
+        if inner.kind == CHUNK_KIND:
+            raise WireError("a chunk inside a chunk", "chunk")
+        return inner

@@ -1,6 +1,6 @@
-"""``grid``: gradient compression by multi-resolution grid clustering (DESIGN.md §6).
+"""``grid``: gradient compression by multi-resolution grid clustering (docs/compression.md).
 
-After seed 001, "The Research And Implementation Of Distributed Deep Learning Optimization
+After "The Research And Implementation Of Distributed Deep Learning Optimization
 Methods For Edge Computing": gradients above a threshold are divided into intervals by their
 absolute value, each is replaced by its interval's mean, and only the indices, the interval of
 each value and one representative per interval are sent. The paper reports about half the

@@ -1,4 +1,4 @@
-"""Sparsification baselines ``threshold`` and ``topk`` (DESIGN.md §6), and the selection ``grid`` shares.
+"""Sparsification baselines ``threshold`` and ``topk`` (docs/compression.md), and the selection ``grid`` shares.
 
 Selection by threshold: ``t`` is the ``1 - density`` quantile of ``|g|`` on a deterministic
 strided sample of at most ``SAMPLE_MAX`` values (exact for smaller tensors), never below the

@@ -12,8 +12,7 @@ from typing import Literal
 from urllib.parse import urlparse
 
 from edgemesh.common.errors import ConfigError
-from edgemesh.common.topics import valid_name
-from edgemesh.common.vocabulary import CodecName, SparseCodecName, SyncPolicy
+from edgemesh.common.vocabulary import CodecName, SparseCodecName, SyncPolicy, valid_name
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -176,7 +175,7 @@ class PlannerConfig:
     """Balanced batching: at most one re-plan for new batch sizes per this many seconds."""
     parallelism: Literal["data", "mesh"] = "data"
     """data: every device is its own cluster (data parallelism); mesh: the hybrid training grid of Edge
-    Mesh, clusters of devices that divide the model's filters among them (DESIGN.md §4)."""
+    Mesh, clusters of devices that divide the model's filters among them (docs/mesh.md)."""
     max_cluster_size: int = 8
     """Mesh: most devices in one model-parallel cluster."""
     replan_threshold: float = 0.25

@@ -3,7 +3,7 @@ turns into a ``field`` rejection."""
 
 from __future__ import annotations
 
-from edgemesh.common.topics import check_name
+from edgemesh.common.vocabulary import check_name
 
 __all__ = ["MAX_CLUSTER_MEMBERS", "MAX_DEVICES", "MAX_SHARDS", "check_name", "nonneg"]
 

@@ -51,7 +51,7 @@ class MeshBegin:
 @message("mesh_slice")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshSlice:
-    """One member's slice within a model-parallel step (DESIGN.md §4).
+    """One member's slice within a model-parallel step (docs/mesh.md).
 
     ``fwd``: its output slice of ``layer``, on ``mesh/{cluster}/{layer}/fwd/{sender}``, for all members.
     ``bwd``: the receiver's channels of its partial input gradient of ``layer``, on

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from edgemesh.common.messages.checks import check_name
-from edgemesh.common.topics import MAX_TOPIC_CHARS, valid_topic
+from edgemesh.common.vocabulary import MAX_TOPIC_CHARS, valid_topic
 from edgemesh.common.wire import message
 
 Scalar = str | int | float | bool | None

@@ -104,6 +104,8 @@ class Plan:
         if len(self.devices) > MAX_DEVICES:
             raise ValueError("too many devices")
         nonneg("staleness_bound", self.staleness_bound)
+        for d in self.devices:
+            d.validate()
         names = [d.device for d in self.devices]
         if len(set(names)) != len(names):
             raise ValueError("a device appears twice in the plan")

@@ -86,6 +86,8 @@ class GradientUpdate:
             raise ValueError("samples must be >= 1")
         if not 0 < len(self.shards) <= MAX_SHARDS:
             raise ValueError("shard count out of range")
+        for shard in self.shards:
+            shard.validate()
 
 
 @message("ack")
@@ -147,6 +149,8 @@ class ModelDelta:
             raise ValueError("a delta must lead to a later version")
         if not 0 < len(self.shards) <= MAX_SHARDS:
             raise ValueError("shard count out of range")
+        for shard in self.shards:
+            shard.validate()
 
 
 @message("sync_state")

@@ -5,7 +5,7 @@ entry, which beats the choice below.
 
 * ``static`` mode (the behaviour before adaptive compression): the codec is
   ``compressor.default_codec``, at density 1 (dense codecs) or ``static_density`` (sparsifying).
-* ``adaptive`` mode (DESIGN.md §6): the codec and density follow the device's latest
+* ``adaptive`` mode (docs/compression.md): the codec and density follow the device's latest
   ``DeviceStats`` so that the estimated communication time of one update stays under
   ``comm_share`` × its step time. A pinned sparsifying codec (operator or override) keeps
   its codec and gets the adaptive density; a pinned dense codec is sent as is.
@@ -26,7 +26,7 @@ payload formats of ``edgemesh.common.codecs``, are
 
 The budget of one update is ``comm_share × step_time_s × link_rate_bps`` bytes, divided by
 ``1 + delay_pressure × max(0, delay_index − reference_delay)`` so that a device lagging behind
-the fleet's median delay compresses harder (seed 001: "compress harder"). Then:
+the fleet's median delay compresses harder (the adaptive bounded-delay paper's "compress harder"). Then:
 
 1. unknown link rate, step time or gradient size (any of them 0): the configured codec, at
    ``static_density`` if it is a sparsifying one, else density 1;

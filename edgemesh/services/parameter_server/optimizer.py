@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgemesh.common.codecs import get_codec
 from edgemesh.common.errors import WireError
+from edgemesh.common.messages import ShardUpdate
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +50,24 @@ class ModelState:
 
     def numel(self, param: str, start: int, stop: int) -> int:
         return math.prod(self.slice_shape(param, start, stop))
+
+    def decode_shard(self, param: str, start: int, stop: int, codec: str, data: bytes) -> ShardGrad:
+        """One encoded shard as the gradient of ``param[start:stop]``; WireError (shape, codec, nan) if it
+        does not fit."""
+        shape = self.slice_shape(param, start, stop)
+        return ShardGrad(param, start, stop, get_codec(codec).decode(data, math.prod(shape)).reshape(shape))
+
+    def decode(self, shards: Iterable[ShardUpdate]) -> list[ShardGrad]:
+        """An update's shards as gradients of this model's slices; a shard named twice is a ``shape`` error."""
+        seen: set[tuple[str, int, int]] = set()
+        grads = []
+        for s in shards:
+            key = (s.param, s.start, s.stop)
+            if key in seen:
+                raise WireError(f"shard {key} appears twice", "shape")
+            seen.add(key)
+            grads.append(self.decode_shard(s.param, s.start, s.stop, s.codec, s.data))
+        return grads
 
     def step(
         self,

@@ -19,11 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from edgemesh.common.codecs import get_codec
-from edgemesh.common.errors import ConfigError, WireError
-from edgemesh.common.messages import ShardUpdate
+from edgemesh.common.errors import ConfigError
 from edgemesh.services.parameter_server import store
-from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
+from edgemesh.services.parameter_server.optimizer import ModelState
 from edgemesh.services.parameter_server.scheduler import Clock, Step
 
 logger = logging.getLogger(__name__)
@@ -45,26 +43,6 @@ class Resumed:
     state: ModelState
     settings: dict[str, Any] = field(default_factory=dict)
     replayed: int = 0
-
-
-def decode_shard(state: ModelState, param: str, start: int, stop: int, codec: str, data: bytes) -> ShardGrad:
-    """One encoded shard as the gradient of ``param[start:stop]``; WireError (shape, codec, nan) if it does not fit."""
-    shape = state.slice_shape(param, start, stop)
-    values = get_codec(codec).decode(data, int(np.prod(shape)))
-    return ShardGrad(param, start, stop, values.reshape(shape))
-
-
-def decode_shards(state: ModelState, shards: Sequence[ShardUpdate]) -> list[ShardGrad]:
-    """An update's shards decoded; a shard named twice is a ``shape`` error."""
-    seen: set[tuple[str, int, int]] = set()
-    grads = []
-    for s in shards:
-        key = (s.param, s.start, s.stop)
-        if key in seen:
-            raise WireError(f"shard {key} appears twice", "shape")
-        seen.add(key)
-        grads.append(decode_shard(state, s.param, s.start, s.stop, s.codec, s.data))
-    return grads
 
 
 class Recovery:
@@ -105,7 +83,7 @@ class Recovery:
         contributions = []
         clusters = set()
         for entry in record["entries"]:
-            grads = [decode_shard(state, s["param"], s["start"], s["stop"], s["codec"], s["data"])
+            grads = [state.decode_shard(s["param"], s["start"], s["stop"], s["codec"], s["data"])
                      for s in entry["shards"]]
             contributions.append((float(entry["weight"]), grads))
             clock.high_water[entry["device"]] = (int(entry["incarnation"]), int(entry["seq"]))
@@ -116,8 +94,8 @@ class Recovery:
                    weight_decay=float(record.get("weight_decay", 0.0)))
         clock.version = int(record["version"])
 
-    def log(self, steps: Sequence[tuple[Step, list[float]]], optimizer: Optimizer) -> int:
-        """Append ``steps`` (each with its items' weights) durably; bytes written."""
+    def log(self, steps: Sequence[Step], optimizer: Optimizer) -> int:
+        """Append ``steps`` durably (each with its items' weights, so that a replay is exact); bytes written."""
         assert self._wal is not None, "resume() first"
         records = [{
             "version": step.version,
@@ -134,8 +112,8 @@ class Recovery:
                 "weight": w,
                 "shards": [{"param": s.param, "start": s.start, "stop": s.stop, "codec": s.codec, "data": s.data}
                            for s in part.shards],
-            } for w, item in zip(weights, step.items, strict=True) for part in item.updates],
-        } for step, weights in steps]
+            } for w, item in zip(step.weights, step.items, strict=True) for part in item.updates],
+        } for step in steps]
         return self._wal.append(records)
 
     def checkpoint(self, model_spec: str, state: ModelState, clock: Clock, settings: dict[str, Any]) -> None:

@@ -57,10 +57,11 @@ class Ack:
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """Candidates applied together, and the version their step makes."""
+    """Candidates applied together, the version their step makes, and each one's weight in it."""
 
     items: tuple[Candidate, ...]
     version: int
+    weights: tuple[float, ...] = ()
 
     def delay(self, item: Candidate) -> int:
         return self.version - 1 - item.update.base_version
@@ -193,14 +194,15 @@ class Scheduler:
         """A discarded update, for rules that learn from delays."""
 
     def _place(self, item: Candidate, verdict: Verdict, version: int, fleet: Fleet, out: Decision) -> int:
-        return self._step([item], version, out)
+        return self._step([item], version, out, fleet)
 
     def _after(self, version: int, fleet: Fleet, out: Decision) -> None:
         """After every candidate was judged."""
 
-    def _step(self, items: Sequence[Candidate], version: int, out: Decision) -> int:
-        """``items`` form the next step: tick the clock, ack them accepted; the new version."""
+    def _step(self, items: Sequence[Candidate], version: int, out: Decision, fleet: Fleet) -> int:
+        """``items`` form the next step, weighted: tick the clock, ack them accepted; the new version."""
         step = Step(tuple(items), version + 1)
+        step = Step(step.items, step.version, tuple(self.weights(step, fleet)))
         self.clock.advance(step.items)
         out.steps.append(step)
         out.acks += [Ack(part, "accepted", "", step.delay(item), self.resyncs) for item in items
@@ -223,7 +225,7 @@ class SSPScheduler(Scheduler):
         if must_wait(item.update.cluster, self.clock.clocks, self.live(fleet), fleet.bound):
             self.deferred.append(item)
             return version
-        return self._step([item], version, out)
+        return self._step([item], version, out, fleet)
 
 
 class RoundScheduler(Scheduler):
@@ -245,10 +247,10 @@ class RoundScheduler(Scheduler):
         """Every live cluster has contributed to the open round (and there is one)."""
         return bool(self.round) and set(self.live(fleet)) <= set(self.round)
 
-    def _close(self, version: int, out: Decision) -> int:
+    def _close(self, version: int, out: Decision, fleet: Fleet) -> int:
         """The open round becomes a step."""
         items, self.round = list(self.round.values()), {}
-        return self._step(items, version, out)
+        return self._step(items, version, out, fleet)
 
 
 class SyncScheduler(RoundScheduler):
@@ -273,11 +275,11 @@ class SyncScheduler(RoundScheduler):
             out.acks += [Ack(part, "discarded", "round_full", verdict.delay, True) for part in item.updates]
             return version
         self.round[u.cluster] = item
-        return self._close(version, out) if self._complete(fleet) else version
+        return self._close(version, out, fleet) if self._complete(fleet) else version
 
     def _after(self, version: int, fleet: Fleet, out: Decision) -> None:
         if self._complete(fleet):  # a round can also complete because a cluster left the plan
-            self._close(version, out)
+            self._close(version, out, fleet)
 
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
         total = sum(item.update.samples for item in step.items)
@@ -339,15 +341,15 @@ class AdaptiveScheduler(RoundScheduler):
         if verdict.delay == 0:  # how long a cluster takes from the model it trained on to its update
             self.rule.observe_arrival(u.cluster, fleet.now - self.opened)
         self.round[u.cluster] = item
-        return self._close(version, out) if self._complete(fleet) else version
+        return self._close(version, out, fleet) if self._complete(fleet) else version
 
     def _after(self, version: int, fleet: Fleet, out: Decision) -> None:
         if self.round and (self._complete(fleet) or (
                 self.opened is not None and fleet.now - self.opened >= self.deadline(fleet))):
-            self._close(version, out)
+            self._close(version, out, fleet)
 
-    def _close(self, version: int, out: Decision) -> int:
-        version = super()._close(version, out)
+    def _close(self, version: int, out: Decision, fleet: Fleet) -> int:
+        version = super()._close(version, out, fleet)
         self.opened = None
         step = out.steps[-1]
         for item in step.items:

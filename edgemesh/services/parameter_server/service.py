@@ -39,7 +39,7 @@ from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
 from edgemesh.services.parameter_server.assembly import Assembly, Outcome
 from edgemesh.services.parameter_server.evaluation import Evaluator
 from edgemesh.services.parameter_server.optimizer import ModelState
-from edgemesh.services.parameter_server.recovery import Optimizer, Recovery, decode_shards
+from edgemesh.services.parameter_server.recovery import Optimizer, Recovery
 from edgemesh.services.parameter_server.scheduler import (
     Ack,
     AdaptiveScheduler,
@@ -175,7 +175,7 @@ class ParameterServer:
             await self._ack(Ack(update, "discarded", "unknown_device"))
             return
         try:
-            grads = await asyncio.to_thread(decode_shards, self.state, update.shards)
+            grads = await asyncio.to_thread(self.state.decode, update.shards)
         except WireError as exc:
             self.metrics.reject(exc.reason, where, exc, route="grad")
             await self._ack(Ack(update, "discarded", payload_reason(exc.reason)))
@@ -248,7 +248,7 @@ class ParameterServer:
             if ack.status == "discarded" and ack.reason:
                 self.assembly.discarded(ack.update, ack.reason)
         steps = decision.steps
-        message = await asyncio.to_thread(self._apply, steps, fleet) if steps else None
+        message = await asyncio.to_thread(self._apply, steps) if steps else None
         for step in steps:
             for item in step.items:
                 self.m_delay.observe(step.delay(item))
@@ -271,16 +271,15 @@ class ParameterServer:
                 await asyncio.to_thread(self._checkpoint)
         return bool(steps)
 
-    def _apply(self, steps: list[Step], fleet: Fleet) -> ModelMessage:
+    def _apply(self, steps: list[Step]) -> ModelMessage:
         """Apply and log ``steps``, then encode the model to broadcast (one thread hop for all)."""
         assert self.state is not None
         t = self.cfg.training
         with self._state_lock:
-            weighted = [(step, self.scheduler.weights(step, fleet)) for step in steps]
-            for step, weights in weighted:
-                self.state.step(list(zip(weights, (i.grads for i in step.items), strict=True)), lr=self.lr,
+            for step in steps:
+                self.state.step(list(zip(step.weights, (i.grads for i in step.items), strict=True)), lr=self.lr,
                                 momentum=t.momentum, weight_decay=t.weight_decay)
-            self.m_wal.inc(self.recovery.log(weighted, Optimizer(self.lr, t.momentum, t.weight_decay)))
+            self.m_wal.inc(self.recovery.log(steps, Optimizer(self.lr, t.momentum, t.weight_decay)))
             self.clock.version = steps[-1].version
             self.m_version.set(self.version)
         return self.broadcast.after_step(self.state.params, self.version, self.policy, self.plan)

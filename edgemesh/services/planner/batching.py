@@ -15,7 +15,7 @@ One iteration of device *i* at batch *b* takes ``t_i(b) = fixed_i + b x sample_i
 * A device the parameter server lists as slow (``SyncState.slow``) is ``1 + delay index``
   times slower than measured: its updates arrive that many rounds late, whatever the cause
   (compute, link stalls), so it gets a batch that much smaller ("shrink the computation" of
-  seed 001).
+  the adaptive bounded-delay paper).
 
 **Balanced** batches: the smallest round time *T* for which the batches
 ``b_i = clamp(floor((T - fixed_i) / sample_i), min_batch, cap_i)`` add up to at least ``total``

@@ -12,7 +12,6 @@ import logging
 import time
 from collections import deque
 
-from edgemesh.common import wire
 from edgemesh.common.bus import Bus
 from edgemesh.common.errors import BusError
 from edgemesh.common.messages import GradientUpdate, UpdateAck
@@ -39,17 +38,16 @@ class Sender:
         self.comm_times: deque[float] = deque(maxlen=AVERAGE_WINDOW)
         """Seconds from publishing an update to its ack, latest first out."""
         self._acks: dict[int, asyncio.Future[UpdateAck]] = {}
-        self._pending: tuple[str, bytes, int] | None = None
-        """The update waiting for its ack: (topic, envelope, seq)."""
+        self._pending: tuple[str, GradientUpdate] | None = None
+        """The update waiting for its ack, and its topic."""
         self.m_resends = metrics.counter("resends", "Updates sent again after an ack timeout or a reconnect")
         self.m_ack = metrics.histogram("ack_seconds", "Time from publishing an update to its ack", ACK_BUCKETS)
 
     async def send(self, update: GradientUpdate, topic: str) -> UpdateAck:
         """Publish ``update`` on ``topic`` and wait for its ack, resending on timeout."""
-        payload = wire.encode(update)
         future: asyncio.Future[UpdateAck] = asyncio.get_running_loop().create_future()
         self._acks[update.seq] = future
-        self._pending = (topic, payload, update.seq)
+        self._pending = (topic, update)
         started = time.perf_counter()
         try:
             attempt = 0
@@ -61,7 +59,7 @@ class Sender:
                 connection = self.bus.connections if self.bus.is_connected else -1
                 publish_started = time.perf_counter()
                 try:
-                    sent = await self.bus.publish(topic, payload, kind="gradient")
+                    sent = await self.bus.publish(topic, update)
                 except BusError as exc:  # a long outage: keep the update and try again
                     logger.warning("%s: update %d not sent yet (%s); still trying", self.device, update.seq, exc)
                     attempt += 1
@@ -92,7 +90,7 @@ class Sender:
     async def on_connect(self) -> None:
         """After a reconnect, resend the update still waiting for its ack (the PS may never have got it)."""
         if self._pending is not None and self.bus.connections > 1:
-            topic, payload, seq = self._pending
+            topic, update = self._pending
             self.m_resends.inc()
-            logger.info("%s: resending update %d after reconnect", self.device, seq)
-            await self.bus.publish(topic, payload, kind="gradient")
+            logger.info("%s: resending update %d after reconnect", self.device, update.seq)
+            await self.bus.publish(topic, update)

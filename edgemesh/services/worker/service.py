@@ -220,7 +220,7 @@ class Worker:
     async def _on_delta(self, delta: ModelDelta, _: TopicMatch) -> None:
         """The broadcast, or this member's part of it: decoded off the event loop."""
         if delta.model_spec == self._spec():
-            self.view.commit(await asyncio.to_thread(self.view.decode, delta), delta)
+            await self.view.receive(delta)
             await self._notify()
 
     def _spec(self) -> str:
@@ -323,12 +323,11 @@ class Worker:
             if result.work is not None:
                 self._work.append(result.work)
         else:
-            if self.mesh.active:  # a model-parallel member until this plan: its view held its rows
+            if self.mesh.member is not None:  # a model-parallel member until this plan: its view held its rows
                 await self.mesh.leave()
                 return None  # start over with the whole model
-            shards, samples, loss, real_s = await asyncio.to_thread(self.trainer.step, plan, me, params, version,
-                                                                   policy)
-            flops = self.trainer.flops(plan.model_spec, samples)
+            shards, samples, loss, real_s, flops = await asyncio.to_thread(self.trainer.step, plan, me, params,
+                                                                          version, policy)
             elapsed = await self.board.hold(real_s, flops, samples)
             if flops is not None:  # no cost figures: no measured speed
                 self._work.append((flops, elapsed))

@@ -92,9 +92,9 @@ class Trainer:
             self.layout = models.param_layout(models.build_model(model_spec, seed=seed))
 
     def step(self, plan: Plan, me: PlanDevice, params: Mapping[str, np.ndarray], version: int,
-             policy: CodecPolicy | None) -> tuple[list[ShardUpdate], int, float, float]:
+             policy: CodecPolicy | None) -> tuple[list[ShardUpdate], int, float, float, float | None]:
         """Follow the plan, load the model if newer, take a batch, compute and encode the gradient:
-        (shards, samples, loss, compute seconds)."""
+        (shards, samples, loss, compute seconds, training FLOPs: None for a model without cost figures)."""
         self._prepare(plan, me)
         assert self._batches is not None
         if version != self.model_version:
@@ -105,7 +105,7 @@ class Trainer:
         loss, grads = models.compute_gradients(self._model, x, y)
         elapsed = time.perf_counter() - started
         shards = self.encode({name: (0, int(g.shape[0]), g) for name, g in grads.items()}, policy)
-        return shards, len(y), loss, elapsed
+        return shards, len(y), loss, elapsed, self._flops(plan.model_spec, len(y))
 
     def encode(self, grads: Rows, policy: CodecPolicy | None) -> list[ShardUpdate]:
         """Shards of ``grads`` with the device's codec and error feedback (per parameter rows)."""
@@ -147,7 +147,8 @@ class Trainer:
 
         return step
 
-    def flops(self, model_spec: str, samples: int) -> float | None:
+    @staticmethod
+    def _flops(model_spec: str, samples: int) -> float | None:
         """Training FLOPs of ``samples`` of the whole model (None: a model without cost figures)."""
         try:
             return costs.cost(model_spec).train_flops_per_sample * samples
