@@ -290,6 +290,7 @@ class Worker:
             raw = self.policy is not None and self.policy.gateway
             topic = (self.topics.grad_raw if raw else self.topics.grad)(update.cluster, self.device)
             ack = await self.sender.send(update, topic)
+            await self._notify()  # the stats loop waits for the first ack
             self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
             self._delays.append(ack.delay)
             min_version = ack.version if ack.resync else 0

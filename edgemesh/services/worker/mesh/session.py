@@ -43,7 +43,7 @@ from edgemesh.common.messages import (
     ShardUpdate,
 )
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import Filter, TopicMatch, Topics
+from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.services.worker.board import Board
 from edgemesh.services.worker.mesh.exchange import BusExchange
 from edgemesh.services.worker.mesh.member import MeshMember
@@ -314,7 +314,3 @@ class MeshSession:
     def _replaced(self, plan: Plan) -> bool:
         current = self._current_plan()
         return current is not None and current.version != plan.version
-
-    def filters(self) -> list[Filter]:
-        """The filters this member routes now (tests)."""
-        return [r.filter for r in self._routes]
