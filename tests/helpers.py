@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+import torch
 
 from edgemesh.common import costs, models
 from edgemesh.common.bus import Bus
@@ -26,7 +27,11 @@ from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.messages import (
     ControlReply,
+    DeviceHello,
+    DeviceStatus,
+    Event,
     GradientUpdate,
+    LayerDivision,
     ModelSnapshot,
     Plan,
     PlanCluster,
@@ -316,3 +321,111 @@ def check_division(division: Division, spec: str, members: list[DeviceInfo], bat
     assert division.predicted_s == pytest.approx(cluster_iteration_s(spec, members, division.counts, batch=batch))
     assert division.fits == all(m <= d.memory_bytes for m, d in zip(division.member_memory_bytes, members,
                                                                      strict=True))
+
+
+# --- the planner and its devices -------------------------------------------------
+
+PLANNER_DEBOUNCE_S = 0.2
+"""Re-plan debounce of the planners under test: joins within it give one plan."""
+
+
+def planner_config(broker: BrokerProcess, *, job: str, **settings: object) -> Config:
+    """A planner test's configuration: ``make_config`` with the re-plan debounce ``PLANNER_DEBOUNCE_S``."""
+    return make_config(broker, job=job, **{"planner.replan_debounce_s": PLANNER_DEBOUNCE_S, **settings})
+
+
+@contextlib.asynccontextmanager
+async def planner_devices(config: Config) -> AsyncIterator[Inbox]:
+    """An :class:`Inbox` playing devices and the operator of a planner: it sees plans, events and the
+    operator's control replies."""
+    topics = Topics(config.job)
+    async with inbox(config, (topics.plan_filter(), Plan), (topics.events_filter(), Event),
+                     (topics.reply_filter("operator"), ControlReply), name="devices") as box:
+        yield box
+
+
+def device_hello(name: str, *, incarnation: int = 1, flops: float = 1e9, memory: int = GIB) -> DeviceHello:
+    """The hello of a test device of ``flops`` FLOP/s and ``memory`` bytes."""
+    return DeviceHello(device=name, incarnation=incarnation, flops=flops, memory_bytes=memory)
+
+
+async def join(box: Inbox, name: str, *, incarnation: int = 1, flops: float = 1e9, memory: int = GIB) -> None:
+    """What a worker does on start: its retained hello and ``online`` status."""
+    await box.publish(box.topics.hello(name), device_hello(name, incarnation=incarnation, flops=flops,
+                                                           memory=memory), retain=True)
+    await box.publish(box.topics.status(name), DeviceStatus(device=name, state="online", incarnation=incarnation),
+                      retain=True)
+
+
+def device_names(plan: Plan) -> list[str]:
+    """The devices of ``plan``, in its order."""
+    return [d.device for d in plan.devices]
+
+
+# --- model-parallel clusters -----------------------------------------------------
+
+UNEVEN = {
+    "digits-cnn": {"conv1": (7, 5, 4), "conv2": (3, 20, 9), "fc1": (30, 4, 30), "fc2": (5, 0, 5)},
+    "cifar-cnn": {"conv1": (20, 8, 4), "conv2": (10, 30, 24), "conv3": (64, 1, 63), "fc1": (100, 100, 56),
+                  "fc2": (3, 3, 4)},
+}
+"""Filter divisions of three uneven members; member 1 has no unit of digits' last layer."""
+SPLIT = {"conv1": (10, 6), "conv2": (12, 20), "fc1": (40, 24), "fc2": (4, 6)}
+"""A filter division of ``digits-cnn`` between two members."""
+
+
+def reference(spec: str, seed: int, batch: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray, float,
+                                                           np.ndarray, dict[str, np.ndarray]]:
+    """Parameters, a batch, and what one process computes on it: loss, logits, gradients."""
+    model = models.build_model(spec, seed=seed)
+    params = models.get_params(model)
+    shape = models.get_spec(spec).input_shape
+    rng = np.random.default_rng(seed)
+    x = rng.random((batch, *shape), dtype=np.float32)
+    y = rng.integers(0, 10, batch)
+    loss, grads = models.compute_gradients(model, x, y)
+    with torch.no_grad():
+        logits = model(torch.tensor(x)).numpy()
+    return params, x, y, loss, logits, grads
+
+
+def assert_matches_one_process(results: list[Any], loss: float, logits: np.ndarray,
+                               grads: dict[str, np.ndarray]) -> None:
+    """Assert that the members' step results are one process's loss and logits, and that their
+    gradient shards tile its gradients, each row computed once."""
+    covered = {name: np.zeros(g.shape[0], bool) for name, g in grads.items()}
+    for r in results:
+        assert r.loss == pytest.approx(loss, abs=1e-5)
+        np.testing.assert_allclose(r.logits, logits, rtol=1e-4, atol=1e-5)
+        for name, (start, stop, g) in r.grads.items():
+            assert not covered[name][start:stop].any(), f"{name}[{start}:{stop}] computed twice"
+            covered[name][start:stop] = True
+            np.testing.assert_allclose(g, grads[name][start:stop], rtol=1e-4, atol=1e-6)
+    assert all(c.all() for c in covered.values()), "some gradient rows were computed by no member"
+
+
+def mesh_plan(devices: list[str], counts: dict[str, tuple[int, ...]], *, cluster: str = "m-a", batch: int = 8,
+              version: int = 1) -> Plan:
+    """A sync plan of ``digits-cnn``: ``devices`` are one model-parallel cluster divided by ``counts``."""
+    return Plan(version=version, created=time.time(), model_spec="digits-cnn", dataset="digits",
+                sync_policy="sync", devices=tuple(PlanDevice(device=d, cluster=cluster, shard_index=0, shard_count=1,
+                                                             batch_size=batch) for d in devices),
+                clusters=(PlanCluster(cluster=cluster, members=tuple(devices), division=tuple(
+                    LayerDivision(layer=k, counts=tuple(v)) for k, v in counts.items())),))
+
+
+def member_update(device: str, index: int, seq: int, base: int, *, step: int = 1,
+                  counts: dict[str, tuple[int, ...]] = SPLIT, cluster: str = "m-a") -> GradientUpdate:
+    """Member ``index``'s shards (its rows under ``counts``) of a ``digits-cnn`` gradient of 0.01, for
+    model-parallel step ``step`` of plan version 1."""
+    enc = get_codec("none")
+    shards = []
+    for layer, c in counts.items():
+        start, stop = costs.slices(c)[index]
+        for part in ("weight", "bias"):
+            shape = DIGITS_LAYOUT[f"{layer}.{part}"][0]
+            n = (stop - start) * int(np.prod(shape[1:]))
+            shards.append(ShardUpdate(param=f"{layer}.{part}", start=start, stop=stop, codec="none",
+                                      data=enc.encode(np.full(n, 0.01, np.float32), None)))
+    return GradientUpdate(device=device, cluster=cluster, incarnation=1, seq=seq, base_version=base, samples=8,
+                          shards=tuple(shards), mesh_step=step, plan_version=1)

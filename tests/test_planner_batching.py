@@ -5,24 +5,21 @@ from __future__ import annotations
 
 import time
 
-from edgemesh.common import costs
-from edgemesh.common.broker import BrokerProcess
-from edgemesh.common.messages import DeviceHello, DeviceStats, DeviceStatus, Plan, SyncState
-from edgemesh.services.planner.service import Planner
-from tests.test_planner import GIB, TOPICS, Inbox, device_bus, make_config, names, running
+from helpers import Inbox, device_names, join, planner_config, planner_devices, running
 
+from edgemesh.common import costs
+from edgemesh.common.messages import ControlReply, DeviceStats, DeviceStatus, Plan, SyncState
+from edgemesh.common.topics import Topics
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.services.planner.service import Planner
+
+JOB = "t-planner"
+TOPICS = Topics(JOB)
 BATCH = 32
 
 
 def sizes(plan: Plan) -> dict[str, int]:
     return {d.device: d.batch_size for d in plan.devices}
-
-
-async def join(bus: Inbox, name: str, *, flops: float, memory: int = GIB, incarnation: int = 1) -> None:
-    await bus.publish(TOPICS.hello(name), DeviceHello(device=name, incarnation=incarnation, flops=flops,
-                                                      memory_bytes=memory), retain=True)
-    await bus.publish(TOPICS.status(name), DeviceStatus(device=name, state="online", incarnation=incarnation),
-                      retain=True)
 
 
 async def stats(bus: Inbox, name: str, *, batch: int, step_s: float) -> None:
@@ -37,12 +34,13 @@ async def sync_state(bus: Inbox, policy: str, slow: tuple[str, ...] = (), indice
 
 
 async def test_adaptive_balances_batches_to_speed_and_follows_measured_step_times(broker: BrokerProcess) -> None:
-    config = make_config(broker, **{"training.sync_policy": "adaptive", "planner.min_devices": 2,
-                                    "planner.rebalance_interval_s": 0})
-    async with device_bus(config) as bus, running(Planner(config)) as planner:
+    config = planner_config(broker, job=JOB, **{"training.sync_policy": "adaptive", "planner.min_devices": 2,
+                                                 "planner.rebalance_interval_s": 0})
+    planner = Planner(config)
+    async with planner_devices(config) as bus, running(planner):
         await join(bus, "slow", flops=2e9)
         await join(bus, "fast", flops=8e9)
-        first = await bus.plan()
+        first = await bus.next(Plan)
         assert first.batching == "balanced" and first.round_time_s > 0
         assert sizes(first)["fast"] > sizes(first)["slow"]
         assert sum(sizes(first).values()) >= 2 * BATCH  # a round carries as many samples as a uniform one
@@ -63,18 +61,18 @@ async def test_adaptive_balances_batches_to_speed_and_follows_measured_step_time
 async def _status(bus: Inbox, planner: Planner) -> int:
     """Plan version after the planner handled everything sent so far (a control round trip)."""
     await bus.bus.publish(TOPICS.control("planner"), b'{"command": "status", "request_id": "st"}')
-    reply = await bus.reply("st")
+    reply = await bus.next(ControlReply, lambda r: r.request_id == "st")
     assert reply.ok
     return int(reply.result["plan_version"])  # type: ignore[arg-type]
 
 
 async def test_the_ps_sync_state_switches_batching_and_shrinks_slow_devices(broker: BrokerProcess) -> None:
-    config = make_config(broker, **{"training.sync_policy": "sync", "planner.min_devices": 2,
-                                    "planner.rebalance_interval_s": 0})
-    async with device_bus(config) as bus, running(Planner(config)):
+    config = planner_config(broker, job=JOB, **{"training.sync_policy": "sync", "planner.min_devices": 2,
+                                                 "planner.rebalance_interval_s": 0})
+    async with planner_devices(config) as bus, running(Planner(config)):
         await join(bus, "a", flops=4e9)
         await join(bus, "b", flops=4e9)
-        plan = await bus.plan()
+        plan = await bus.next(Plan)
         assert plan.batching == "uniform" and set(sizes(plan).values()) == {BATCH} and plan.sync_policy == "sync"
         # an operator switched the PS to adaptive: balanced batches (equal devices: equal batches)
         await sync_state(bus, "adaptive")
@@ -91,22 +89,23 @@ async def test_the_ps_sync_state_switches_batching_and_shrinks_slow_devices(brok
 
 
 async def test_devices_without_room_for_a_share_are_left_out(broker: BrokerProcess) -> None:
-    config = make_config(broker, **{"planner.min_devices": 1})
-    async with device_bus(config) as bus, running(Planner(config)) as planner:
+    config = planner_config(broker, job=JOB, **{"planner.min_devices": 1})
+    planner = Planner(config)
+    async with planner_devices(config) as bus, running(planner):
         await join(bus, "tiny", flops=1e9, memory=costs.RUNTIME_BYTES)  # the runtime alone fills it
         await join(bus, "ok", flops=1e9)
-        plan = await bus.plan()
-        assert names(plan) == ["ok"]
+        plan = await bus.next(Plan)
+        assert device_names(plan) == ["ok"]
         assert planner.metrics.value("edgemesh_planner_devices_excluded") == 1
         # a device that refused its share (its retained status says so) leaves the plan ...
         await join(bus, "picky", flops=1e9)
-        plan = await bus.next(Plan, lambda p: "picky" in names(p))
+        plan = await bus.next(Plan, lambda p: "picky" in device_names(p))
         await bus.publish(TOPICS.status("picky"), DeviceStatus(device="picky", state="online", incarnation=1,
                                                                refused_plan=plan.version, reason="too big"),
                           retain=True)
-        plan = await bus.next(Plan, lambda p: "picky" not in names(p))
-        assert plan.reason == "leave" and names(plan) == ["ok"]
+        plan = await bus.next(Plan, lambda p: "picky" not in device_names(p))
+        assert plan.reason == "leave" and device_names(plan) == ["ok"]
         # ... until it restarts (a new incarnation, no refusal)
         await join(bus, "picky", flops=1e9, incarnation=2)
-        plan = await bus.next(Plan, lambda p: "picky" in names(p))
-        assert names(plan) == ["ok", "picky"]
+        plan = await bus.next(Plan, lambda p: "picky" in device_names(p))
+        assert device_names(plan) == ["ok", "picky"]
