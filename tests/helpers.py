@@ -28,6 +28,7 @@ from edgemesh.common.config import Config, load_config
 from edgemesh.common.messages import (
     ControlReply,
     DeviceHello,
+    DeviceStats,
     DeviceStatus,
     Event,
     GradientUpdate,
@@ -262,6 +263,26 @@ async def serving_ps(config: Config, names: list[str]) -> AsyncIterator[tuple[De
         await c.version_at_least(0)
         await c.until("the plan", lambda: ps.plan is not None)
         yield c, ps
+
+
+# --- compressor: device stats ------------------------------------------------------
+
+STEP_S = 0.1
+"""Step time, seconds, of the devices of the compressor tests."""
+GRADIENT_BYTES = 4_000_000
+"""Float32 size of one gradient of the compressor tests' devices: a one-million-value model."""
+
+
+def device_stats(rate: float, *, step: float = STEP_S, gradient_bytes: int = GRADIENT_BYTES, delay: float = 0.0,
+                 device: str = "pi-1") -> DeviceStats:
+    """The stats of ``device``: an uplink of ``rate`` bytes/s, ``step``-second steps, its gradient size and delay."""
+    return DeviceStats(device=device, link_rate_bps=rate, step_time_s=step, gradient_bytes=gradient_bytes,
+                       delay_index=delay)
+
+
+def rate_for(nbytes: float, step: float = STEP_S, comm_share: float = 0.5) -> float:
+    """The link rate at which ``nbytes`` per update take exactly ``comm_share`` (the default's) of the step."""
+    return nbytes / (comm_share * step)
 
 
 # --- mesh planning ---------------------------------------------------------------

@@ -21,7 +21,8 @@ from edgemesh.common.codecs.indices import decode_indices, encode_indices
 from edgemesh.common.codecs.qsgd import HEADER as QSGD_HEADER
 from edgemesh.common.codecs.qsgd import QSGDCodec
 from edgemesh.common.errors import CodecError, WireError
-from edgemesh.common.messages import CodecName, CodecPolicy
+from edgemesh.common.messages import CodecPolicy
+from edgemesh.common.vocabulary import CODECS, CodecName
 
 FP16_MAX = float(np.finfo(np.float16).max)
 FP16_EPS = float(np.finfo(np.float16).eps)
@@ -216,7 +217,7 @@ def kept_count(data: bytes) -> int:
 
 
 def test_every_codec_of_the_design_is_registered() -> None:
-    assert set(available_codecs()) == set(typing.get_args(CodecName))
+    assert set(available_codecs()) == set(CODECS)
     for name in LOSSY:
         assert not get_codec(name).lossless
 
@@ -487,7 +488,7 @@ def test_qsgd_sends_levels_of_max_abs_within_one_step(grad: np.ndarray, levels: 
 # --------------------------------------------------------------------------- error feedback, every codec
 
 
-@pytest.mark.parametrize("name", sorted(typing.get_args(CodecName)))
+@pytest.mark.parametrize("name", sorted(CODECS))
 def test_error_feedback_conserves_the_gradient_sum_for_every_codec(name: str) -> None:
     """Sum of what was decoded + the final residual == sum of the raw gradients, whatever the codec."""
     rng = np.random.default_rng(9)
@@ -527,6 +528,19 @@ def test_error_feedback_eventually_sends_what_was_held_back(name: str) -> None:
     for _ in range(30):
         sent += codec.decode(ef.encode("k", np.zeros_like(grad), codec, policy(name, 0.1)), grad.size)
     np.testing.assert_allclose(sent, grad, rtol=0, atol=1e-3 * np.abs(grad).max())
+
+
+def test_error_feedback_carries_over_a_change_of_density() -> None:
+    """What one density did not send is sent under the next: nothing is lost when the policy changes."""
+    rng = np.random.default_rng(2)
+    feedback, codec = ErrorFeedback(), get_codec("grid")
+    grads = [rng.standard_normal(5000).astype(np.float32) for _ in range(3)]
+    sent = np.zeros(5000, np.float32)
+    for grad, density in zip(grads, (0.25, 0.01, 0.05), strict=True):
+        sent += codec.decode(feedback.encode("fc1.weight", grad, codec, policy("grid", density)), grad.size)
+    residual = feedback.residual("fc1.weight")
+    assert residual is not None
+    np.testing.assert_allclose(sent + residual, np.sum(grads, axis=0), atol=1e-4)
 
 
 # --------------------------------------------------------------------------- bad input, bad payloads

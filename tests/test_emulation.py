@@ -4,30 +4,30 @@ Mosquitto the test starts; the link emulator itself is tested in ``test_emulatio
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import inbox, make_config, running, until
 
 from edgemesh.common import costs
-from edgemesh.common.broker import BrokerProcess
-from edgemesh.common.config import Config, load_config
+from edgemesh.common.config import Config
 from edgemesh.common.emulation.compute import ComputeStretch
 from edgemesh.common.emulation.profiles import FIGURES, get_profile, load_profiles, parallel_efficiency, parse_profiles
 from edgemesh.common.errors import ConfigError
 from edgemesh.common.messages import DeviceHello, DeviceStatus, Event, Plan, PlanCluster, PlanDevice, UpdateAck
 from edgemesh.common.topics import Topics
+from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
+from edgemesh.services.worker.board import Board, EmulatedBoard
 from edgemesh.services.worker.service import Worker
-from tests.test_adaptive_compression import Tap, services, tap, until
 
-WAIT_S = 30.0
+BOARD_WAIT_S = 30.0
+"""Seconds one expected event of emulated boards (slower than the host, behind their links) may take."""
 OUTAGE_S = 30.0
 """How long the straggler drops off (the issue's scenario)."""
 PROFILES = ("pi3", "pi4", "pi5", "jetson-nano", "laptop")
@@ -129,15 +129,11 @@ def test_steps_are_stretched_to_the_boards_speed_from_the_hosts_uncontended_time
 
 # --------------------------------------------------------------------------- services
 
-
-def make_config(broker: BrokerProcess, tmp_path: Path, job: str, **extra: object) -> Config:
-    overrides = {"broker.url": broker.url, "job": job, "metrics.address": "127.0.0.1:0",
-                 "ps.state_dir": str(tmp_path / "ps"), "ps.fsync": "false", "ps.eval_every": "0",
-                 "broker.backoff_initial_s": "0.05", "broker.backoff_max_s": "0.5", "broker.connect_timeout_s": "2",
-                 "planner.replan_debounce_s": "0.2", "worker.ack_timeout_s": "2", "worker.codec_wait_s": "0.5",
-                 "worker.emulation_host_gflops": "50", "worker.stats_interval_s": "0.5",
-                 **{k: str(v) for k, v in extra.items()}}
-    return load_config(env={}, overrides=overrides)
+def emulation_config(broker: BrokerProcess, tmp_path: Path, job: str, **settings: object) -> Config:
+    return make_config(broker, job=job, **{
+        "ps.state_dir": tmp_path / "ps", "ps.fsync": "false", "ps.eval_every": "0", "broker.connect_timeout_s": "2",
+        "planner.replan_debounce_s": "0.2", "worker.ack_timeout_s": "2", "worker.codec_wait_s": "0.5",
+        "worker.emulation_host_gflops": "50", "worker.stats_interval_s": "0.5", **settings})
 
 
 def quiet_profiles(tmp_path: Path) -> Path:
@@ -153,48 +149,50 @@ def quiet_profiles(tmp_path: Path) -> Path:
     return path
 
 
-@contextlib.asynccontextmanager
-async def recorder(cfg: Config, topics: list[str]) -> AsyncIterator[Tap]:
-    async with tap(cfg, *topics, kinds=(UpdateAck, Plan, DeviceHello, DeviceStatus, Event)) as t:
-        yield t
+def emulated(worker: Worker) -> EmulatedBoard:
+    """The emulated board ``worker`` runs on."""
+    assert isinstance(worker.board, EmulatedBoard), worker.board
+    return worker.board
 
 
 async def test_an_emulated_worker_reports_its_board_and_trains_through_its_link(
         mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
     job = "emu-hello"
-    cfg = make_config(mosquitto_broker, tmp_path, job, **{"training.sync_policy": "async"})
+    cfg = emulation_config(mosquitto_broker, tmp_path, job, **{"training.sync_policy": "async"})
     topics = Topics(job)
     pi3 = get_profile("pi3")
-    worker = Worker(make_config(mosquitto_broker, tmp_path, job, **{"worker.device": "board", "worker.emulate": "pi3",
-                                                                   "worker.max_steps": "6"}))
-    async with recorder(cfg, [topics.hello("board")]) as rec, services(Planner(cfg), ParameterServer(cfg), worker):
-        hello = await until("the hello", lambda: next(iter(rec.of(DeviceHello)), None))
+    worker = Worker(emulation_config(mosquitto_broker, tmp_path, job, **{
+        "worker.device": "board", "worker.emulate": "pi3", "worker.max_steps": "6"}))
+    async with inbox(cfg, (topics.hello_filter(), DeviceHello)) as rec, \
+            running(Planner(cfg), ParameterServer(cfg), worker):
+        hello = await rec.next(DeviceHello, lambda h: h.device == "board", BOARD_WAIT_S)
         # the board's figures, not the host's
         assert (hello.profile, hello.flops, hello.memory_bytes, hello.link_rate_bps) == (
             "pi3", pi3.train_gflops * 1e9, pi3.memory_bytes, pi3.uplink_bps)
-        await until("six accepted updates", lambda: worker.accepted >= 6)
-        link = worker.emulated_link
+        await until("six accepted updates", lambda: worker.accepted >= 6, BOARD_WAIT_S)
+        board = emulated(worker)
+        link = board.emulated_link
         assert link is not None and link.bytes_up > 0 and link.bytes_down > 0
         # its steps took as long as a Pi 3's would have: its FLOPs at the training share of its rate
-        stretch = worker.stretch
+        stretch = board.stretch
         assert stretch is not None and stretch.ratio == pytest.approx(50 / pi3.train_gflops)
         steps = worker.metrics.value("edgemesh_worker_step_seconds_count")
         mean_step = worker.metrics.value("edgemesh_worker_step_seconds_sum") / steps
         board_step = costs.step_seconds_estimate("digits-cnn", 32, pi3.train_gflops * 1e9)
         assert mean_step >= 0.99 * board_step
-    # a real worker has no emulated link and reports what it measured
-    real = Worker(make_config(mosquitto_broker, tmp_path, job, **{"worker.device": "real"}))
-    assert real.emulated is None and real.stretch is None
+    # a real worker has no emulated link and no stretched steps: it reports what it measured
+    real = Worker(emulation_config(mosquitto_broker, tmp_path, job, **{"worker.device": "real"}))
+    assert type(real.board) is Board and real.board.profile_name == ""
 
 
 async def test_an_emulated_worker_over_tls_or_of_an_unknown_board_is_refused_at_start(
         mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown device profile 'pi9'"):
-        Worker(make_config(mosquitto_broker, tmp_path, "emu-bad", **{"worker.emulate": "pi9"}))
+        Worker(emulation_config(mosquitto_broker, tmp_path, "emu-bad", **{"worker.emulate": "pi9"}))
     ca = tmp_path / "ca.pem"
     ca.write_text("not used")
     with pytest.raises(ConfigError, match="plain TCP"):
-        Worker(make_config(mosquitto_broker, tmp_path, "emu-bad", **{
+        Worker(emulation_config(mosquitto_broker, tmp_path, "emu-bad", **{
             "worker.emulate": "pi4", "broker.url": "mqtts://127.0.0.1:8883", "broker.ca_file": str(ca)}))
 
 
@@ -203,11 +201,12 @@ async def test_a_device_refuses_a_share_that_does_not_fit_its_memory(
     job = "emu-refuse"
     topics = Topics(job)
     memory = costs.training_memory_bytes("digits-cnn", 64)  # holds a batch of 64, not of 65
-    worker = Worker(make_config(mosquitto_broker, tmp_path, job, **{"worker.device": "small",
-                                                                   "worker.memory_bytes": str(memory)}))
-    cfg = make_config(mosquitto_broker, tmp_path, job)
-    async with recorder(cfg, [topics.status("small"), topics.events()]) as rec, services(worker):
-        await until("the worker online", lambda: any(s.state == "online" for s in rec.of(DeviceStatus)))
+    worker = Worker(emulation_config(mosquitto_broker, tmp_path, job, **{"worker.device": "small",
+                                                                        "worker.memory_bytes": str(memory)}))
+    cfg = emulation_config(mosquitto_broker, tmp_path, job)
+    async with inbox(cfg, (topics.status_filter(), DeviceStatus), (topics.events_filter(), Event)) as rec, \
+            running(worker):
+        await rec.next(DeviceStatus, lambda s: s.device == "small" and s.state == "online", BOARD_WAIT_S)
 
         def plan(version: int, batch: int) -> Plan:
             return Plan(version=version, created=time.time(), model_spec="digits-cnn", dataset="digits",
@@ -215,16 +214,16 @@ async def test_a_device_refuses_a_share_that_does_not_fit_its_memory(
                                             batch_size=batch),),
                         clusters=(PlanCluster(cluster="c-small", members=("small",)),))
 
-        await rec.bus.publish(topics.plan(), plan(1, 65), retain=True)
-        refusal = await until("the refusal", lambda: next((s for s in rec.of(DeviceStatus) if s.refused_plan), None))
+        await rec.publish(topics.plan(), plan(1, 65), retain=True)
+        refusal = await rec.next(DeviceStatus, lambda s: s.refused_plan != 0, BOARD_WAIT_S)
         assert refusal.refused_plan == 1 and "batch 65" in refusal.reason and refusal.state == "online"
-        event = await until("the event", lambda: next((e for e in rec.of(Event) if e.kind == "share_refused"), None))
+        event = await rec.next(Event, lambda e: e.kind == "share_refused", BOARD_WAIT_S)
         assert event.data["plan_version"] == 1
         assert worker.metrics.value("edgemesh_worker_refused_shares_total") == 1
         assert worker.metrics.value("edgemesh_worker_steps_total") == 0
         # a plan that fits: the worker takes it (it then waits for a model: there is no PS here)
-        await rec.bus.publish(topics.plan(), plan(2, 64), retain=True)
-        await until("the new plan", lambda: worker.plan is not None and worker.plan.version == 2)
+        await rec.publish(topics.plan(), plan(2, 64), retain=True)
+        await until("the new plan", lambda: worker.plan is not None and worker.plan.version == 2, BOARD_WAIT_S)
         assert worker.metrics.value("edgemesh_worker_refused_shares_total") == 1
 
 
@@ -234,21 +233,21 @@ async def test_a_straggler_that_drops_off_for_30s_rejoins_and_resyncs_without_a_
     topics = Topics(job)
     bound = 2
     profiles = quiet_profiles(tmp_path)
-    cfg = make_config(mosquitto_broker, tmp_path, job, **{
+    cfg = emulation_config(mosquitto_broker, tmp_path, job, **{
         "training.sync_policy": "adaptive", "training.staleness_bound": bound, "planner.min_devices": 2,
-        "ps.adaptive_max_deadline_s": "5", "worker.emulation_profiles": str(profiles)})
+        "ps.adaptive.max_deadline_s": "5", "worker.emulation_profiles": str(profiles)})
 
     def worker(name: str) -> Worker:
-        return Worker(make_config(mosquitto_broker, tmp_path, job, **{
+        return Worker(emulation_config(mosquitto_broker, tmp_path, job, **{
             "training.sync_policy": "adaptive", "worker.device": name, "worker.emulate": "quiet-pi5",
             "worker.emulation_profiles": str(profiles)}))
 
     steady, straggler = worker("steady"), worker("straggler")
     planner, ps = Planner(cfg), ParameterServer(cfg)
-    async with recorder(cfg, [topics.ack("straggler"), topics.plan()]) as rec, \
-            services(planner, ps, Compressor(cfg), steady, straggler):
+    async with inbox(cfg, (topics.ack_filter("straggler"), UpdateAck), (topics.plan_filter(), Plan)) as rec, \
+            running(planner, ps, Compressor(cfg), steady, straggler):
         await until("both training", lambda: steady.accepted >= 3 and straggler.accepted >= 3, 60)
-        link = straggler.emulated_link
+        link = emulated(straggler).emulated_link
         assert link is not None
 
         # the straggler's Wi-Fi drops for 30 s: the broker publishes its will, the planner drops it
@@ -256,17 +255,18 @@ async def test_a_straggler_that_drops_off_for_30s_rejoins_and_resyncs_without_a_
         await link.outage(OUTAGE_S)
         cut_at = time.monotonic()
         await until("a plan without the straggler", lambda: planner.plan is not None
-                    and [d.device for d in planner.plan.devices] == ["steady"])
+                    and [d.device for d in planner.plan.devices] == ["steady"], BOARD_WAIT_S)
         # training goes on without waiting for it
-        await until("progress while it is away", lambda: ps.version >= before + 10)
+        await until("progress while it is away", lambda: ps.version >= before + 10, BOARD_WAIT_S)
         away_acks = len(rec.of(UpdateAck))
 
         # it comes back, is planned again, resyncs to the current model and trains on
         await until("a plan with the straggler again", lambda: planner.plan is not None
-                    and len(planner.plan.devices) == 2, OUTAGE_S + WAIT_S)
+                    and len(planner.plan.devices) == 2, OUTAGE_S + BOARD_WAIT_S)
         assert time.monotonic() - cut_at >= OUTAGE_S - 1
         back_at = straggler.accepted
-        await until("the straggler's updates accepted again", lambda: straggler.accepted >= back_at + 3)
+        await until("the straggler's updates accepted again", lambda: straggler.accepted >= back_at + 3,
+                    BOARD_WAIT_S)
 
         acks = rec.of(UpdateAck)
         after = acks[away_acks:]
@@ -289,4 +289,4 @@ async def test_a_straggler_that_drops_off_for_30s_rejoins_and_resyncs_without_a_
         assert over_bound == 0
         assert link.outages == 1 and link.disconnects >= 1 and math.isclose(link.down_seconds, OUTAGE_S)
         await until("the cut in the worker's metrics", lambda: straggler.metrics.value(
-            "edgemesh_worker_emulation_link_disconnects") >= 1)
+            "edgemesh_worker_emulation_link_disconnects") >= 1, BOARD_WAIT_S)

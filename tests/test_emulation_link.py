@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiomqtt
 import pytest
 
-from edgemesh.common.broker import BrokerProcess, free_port
 from edgemesh.common.emulation.link import EmulatedLink, LinkClock, LinkShape, _ChunkQueue, outage_schedule
+from edgemesh.local.broker import BrokerProcess, free_port
 
 WAIT = 10.0
 """Seconds any single expected event may take."""
