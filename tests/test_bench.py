@@ -1,4 +1,5 @@
-"""``edgemesh bench codecs`` writes the report layout the issue fixes, and a PNG beside it."""
+"""The benchmarks' quick runs: each writes its report layout and a PNG beside it, with figures that show
+training learns (digits has 10 classes: chance is 0.1). Nothing here asserts a speed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 
 from edgemesh.common.codecs import available_codecs
 
+LEARNED = 0.3
+"""Held-out accuracy a quick run reaches at the least; measured on this host: codecs 0.68-0.77 after 30 rounds,
+fleet 0.85-0.94 after 4 s, mesh 0.49-0.51 over 60 versions (one run each)."""
 CODEC_KEYS = {"compression_ratio", "bytes_per_step", "relative_error", "encode_gbps", "decode_gbps",
               "final_accuracy"}
 
@@ -16,8 +20,8 @@ CODEC_KEYS = {"compression_ratio", "bytes_per_step", "relative_error", "encode_g
 def test_bench_codecs_report_layout(tmp_path: Path) -> None:
     report = tmp_path / "codecs.json"
     result = subprocess.run(
-        [sys.executable, "-m", "edgemesh.services.cli", "bench", "codecs", "--report", str(report),
-         "--rounds", "3", "--elements", "200000"],
+        [sys.executable, "-m", "edgemesh", "bench", "codecs", "--report", str(report),
+         "--rounds", "30", "--elements", "200000"],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(report.read_text())
@@ -26,7 +30,7 @@ def test_bench_codecs_report_layout(tmp_path: Path) -> None:
     for name, entry in data["codecs"].items():
         assert CODEC_KEYS <= entry.keys(), name
         assert entry["compression_ratio"] >= 1.0 or name == "qsgd"
-        assert 0.0 <= entry["final_accuracy"] <= 1.0
+        assert LEARNED <= entry["final_accuracy"] <= 1.0, name  # every codec still trains
         assert entry["encode_gbps"] > 0 and entry["decode_gbps"] > 0
     assert data["codecs"]["none"]["relative_error"] == 0.0
     assert data["codecs"]["fp16"]["compression_ratio"] == 2.0
@@ -44,7 +48,7 @@ def test_bench_fleet_report_layout(tmp_path: Path) -> None:
     """A short run of two policies on a small fleet: the layout the issue fixes, real figures, a plot."""
     report = tmp_path / "fleet.json"
     result = subprocess.run(
-        [sys.executable, "-m", "edgemesh.services.cli", "bench", "fleet", "--report", str(report),
+        [sys.executable, "-m", "edgemesh", "bench", "fleet", "--report", str(report),
          "--fleet", "pi5,laptop", "--policies", "single,adaptive", "--budget-s", "4", "--target", "0.5"],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -57,7 +61,8 @@ def test_bench_fleet_report_layout(tmp_path: Path) -> None:
         assert FLEET_KEYS <= entry.keys(), name
         assert entry["failure"] is None
         assert entry["avg_iteration_delay_s"] > 0 and entry["bytes_published"] > 0 and entry["model_versions"] > 0
-        assert entry["curve"] and 0.0 <= entry["final_accuracy"] <= 1.0
+        assert entry["curve"] and LEARNED <= entry["final_accuracy"] <= 1.0, name
+        assert entry["time_to_target_s"] is not None, name  # 0.5 within the 4 s budget
     assert data["policies"]["single"]["devices"] == 1 and data["policies"]["adaptive"]["devices"] == 2
     assert data["policies"]["adaptive"]["batching"] == "balanced"
     assert "single_over_adaptive_time_to_target" in data["ratios"]
@@ -67,7 +72,7 @@ def test_bench_fleet_report_layout(tmp_path: Path) -> None:
 def test_bench_fleet_refuses_unknown_profiles_and_policies(tmp_path: Path) -> None:
     for args, message in ((["--fleet", "pi3,pi9"], "unknown device profile(s) pi9"),
                           (["--policies", "sync,bogus"], "unknown polic")):
-        result = subprocess.run([sys.executable, "-m", "edgemesh.services.cli", "bench", "fleet",
+        result = subprocess.run([sys.executable, "-m", "edgemesh", "bench", "fleet",
                                  "--report", str(tmp_path / "x.json"), *args],
                                 capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 2 and message in result.stderr, result.stderr
@@ -81,9 +86,9 @@ def test_bench_mesh_report_layout(tmp_path: Path) -> None:
     """A short run of two modes on two boards: the layout the issue fixes, measured figures, a plot."""
     report = tmp_path / "mesh.json"
     result = subprocess.run(
-        [sys.executable, "-m", "edgemesh.services.cli", "bench", "mesh", "--report", str(report),
+        [sys.executable, "-m", "edgemesh", "bench", "mesh", "--report", str(report),
          "--fleet", "pi5,laptop", "--modes", "single,edge_mesh", "--batch", "8", "--iterations", "2",
-         "--accuracy-iterations", "3", "--dilation", "1"],
+         "--accuracy-iterations", "60", "--dilation", "1"],
         capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(report.read_text())
@@ -95,7 +100,7 @@ def test_bench_mesh_report_layout(tmp_path: Path) -> None:
         assert entry["failure"] is None and entry["accuracy_failure"] is None
         assert entry["avg_iteration_delay_s"] > 0 and entry["predicted_iteration_s"] > 0
         assert entry["param_optimizer_activation_bytes_per_device"] > 0 and entry["peak_rss_mb_per_device"] > 0
-        assert 0.0 <= entry["final_accuracy"] <= 1.0
+        assert LEARNED <= entry["final_accuracy"] <= 1.0, name
         assert entry["samples_per_iteration"] == 8  # every mode trains the same batch per iteration
     assert "single_over_edge_mesh_delay" in data["ratios"]
     assert report.with_suffix(".png").stat().st_size > 1000
@@ -105,7 +110,7 @@ def test_bench_mesh_refuses_bad_arguments(tmp_path: Path) -> None:
     for args, message in ((["--fleet", "pi3,pi9"], "unknown device profile(s) pi9"),
                           (["--modes", "single,bogus"], "unknown mode(s) bogus"),
                           (["--batch", "12"], "a multiple of the fleet's 8 devices")):
-        result = subprocess.run([sys.executable, "-m", "edgemesh.services.cli", "bench", "mesh",
+        result = subprocess.run([sys.executable, "-m", "edgemesh", "bench", "mesh",
                                  "--report", str(tmp_path / "x.json"), *args],
                                 capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -16,17 +16,9 @@ import aiomqtt
 import paho.mqtt.reasoncodes
 import pytest
 
-from edgemesh.common.broker import (
-    READY_LINE,
-    BrokerProcess,
-    EmbeddedBroker,
-    free_port,
-    port_accepts,
-    run_embedded_broker,
-    wait_port,
-    wait_port_async,
-)
 from edgemesh.common.errors import BrokerError
+from edgemesh.local.broker import READY_LINE, BrokerProcess, free_port, port_accepts, wait_port, wait_port_async
+from edgemesh.local.embedded import EmbeddedBroker, run_embedded_broker
 
 WAIT = 10.0
 """Seconds any single expected event may take."""

@@ -1,5 +1,5 @@
-"""Gradient codecs (DESIGN.md §6): references ``none``/``fp16``, sparse ``threshold``/``topk``/``grid``, ``qsgd``,
-their shared bit packing and index coding, the registry and error feedback."""
+"""Gradient codecs (docs/compression.md): references ``none``/``fp16``, sparse ``threshold``/``topk``/``grid``,
+``qsgd``, their shared bit packing and index coding, the registry and error feedback."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ def test_error_feedback_drops_a_residual_of_another_shape() -> None:
     assert out.tolist() == [0.5, 0.25, 0.0]
 
 
-# =========================================================================== lossy codecs of DESIGN.md §6
+# =========================================================================== the lossy codecs
 
 SPARSE = ("threshold", "topk", "grid")
 LOSSY = ("fp16", "threshold", "topk", "grid", "qsgd")

@@ -1,4 +1,4 @@
-"""Configuration loading: defaults < TOML file < ``EDGEMESH_*`` environment < flags (DESIGN.md §7).
+"""Configuration loading: defaults < TOML file < ``EDGEMESH_*`` environment < flags (docs/operations.md).
 
 Every test passes ``env=`` explicitly (or patches the environment) so the machine's own
 ``EDGEMESH_*`` variables cannot leak in.
@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 
 from edgemesh.common.config import (
+    AdaptiveConfig,
     BrokerConfig,
     Config,
-    ConfigError,
     TrainingConfig,
     describe,
     load_config,
+    to_toml,
 )
-from edgemesh.common.errors import EdgeMeshError
+from edgemesh.common.errors import ConfigError, EdgeMeshError
 
 
 def _toml(tmp_path: Path, text: str, name: str = "edgemesh.toml") -> Path:
@@ -42,7 +43,7 @@ def test_defaults_are_valid_and_match_the_dataclasses() -> None:
     assert cfg == Config()
     assert cfg.job == "default"
     assert (cfg.broker.host, cfg.broker.port, cfg.broker.tls) == ("127.0.0.1", 1883, False)
-    assert cfg.broker.chunk_bytes < 1 << 20  # "well under 1 MiB" (DESIGN.md §3)
+    assert cfg.broker.chunk_bytes < 1 << 20  # "well under 1 MiB" (docs/wire.md)
     assert cfg.training.sync_policy in ("sync", "async", "ssp", "adaptive")
 
 
@@ -291,9 +292,12 @@ def test_describe_lists_every_leaf_and_masks_the_password() -> None:
     assert rows["broker.username"] == "worker"
     assert "hunter2" not in repr(describe(cfg))
     assert rows["job"] == "default" and rows["training.lr"] == cfg.training.lr
-    leaves = sum(len(dataclasses.fields(getattr(cfg, f.name))) if dataclasses.is_dataclass(getattr(cfg, f.name))
-                 else 1 for f in dataclasses.fields(cfg))
-    assert len(rows) == leaves
+    def leaves(section: object) -> int:
+        return sum(leaves(v) if dataclasses.is_dataclass(v := getattr(section, f.name)) else 1
+                   for f in dataclasses.fields(section))  # type: ignore[arg-type]
+
+    assert len(rows) == leaves(cfg)
+    assert rows["ps.adaptive.alpha"] == 0.3  # a nested section's keys are dotted twice
 
 
 def test_describe_shows_an_empty_password_as_empty() -> None:
@@ -302,11 +306,42 @@ def test_describe_shows_an_empty_password_as_empty() -> None:
 
 
 def test_to_toml_round_trips_a_changed_config(tmp_path: Path) -> None:
-    from edgemesh.common.config import to_toml
-
     cfg = load_config(env={}, overrides={"job": "lab-1", "training.lr": "0.25", "ps.fsync": "false",
+                                         "ps.adaptive.alpha": "0.5", "ps.adaptive.window": "4",
                                          "compressor.overrides": '{"pi-7": "none", "pi-8": "fp16"}',
                                          "broker.password": 'p"w\\\\x'})
     path = tmp_path / "c.toml"
     path.write_text(to_toml(cfg))
     assert load_config(path, env={}) == cfg
+    assert "[ps.adaptive]" in to_toml(cfg)
+
+
+# --------------------------------------------------------------------------- nested sections
+
+
+def test_the_adaptive_rule_is_a_nested_section_from_toml_env_and_flags(tmp_path: Path) -> None:
+    path = _toml(tmp_path, "[ps]\ncheckpoint_every = 7\n[ps.adaptive]\nalpha = 0.5\nmin_bound = 2\n")
+    cfg = load_config(path, env={"EDGEMESH_PS__ADAPTIVE__SLACK": "2.5"}, overrides={"ps.adaptive.quantile": "0.8"})
+    assert cfg.ps.checkpoint_every == 7
+    assert cfg.ps.adaptive == AdaptiveConfig(alpha=0.5, min_bound=2, slack=2.5, quantile=0.8)
+    # the flag beats the environment, which beats the file
+    cfg = load_config(path, env={"EDGEMESH_PS__ADAPTIVE__ALPHA": "0.7"}, overrides={"ps.adaptive.alpha": "0.9"})
+    assert cfg.ps.adaptive.alpha == 0.9
+    assert load_config(path, env={"EDGEMESH_PS__ADAPTIVE__ALPHA": "0.7"}).ps.adaptive.alpha == 0.7
+
+
+@pytest.mark.parametrize("key,value", [("ps.adaptive.alpha", "0"), ("ps.adaptive.slack", "0.5"),
+                                       ("ps.adaptive.max_deadline_s", "0.001"), ("ps.adaptive.window", "0")])
+def test_the_adaptive_rule_s_settings_are_validated_with_their_key(key: str, value: str) -> None:
+    assert key in _error(env={}, overrides={key: value})
+
+
+def test_the_old_flat_adaptive_keys_are_unknown() -> None:
+    assert "ps.adaptive_alpha" in _error(env={}, overrides={"ps.adaptive_alpha": "0.5"})
+    assert "ps.adaptive.nope" in _error(env={"EDGEMESH_PS__ADAPTIVE__NOPE": "1"})
+
+
+def test_codec_names_are_checked_where_they_are_set() -> None:
+    assert "compressor.overrides.pi-1" in _error(env={}, overrides={"compressor.overrides": '{"pi-1": "gzip"}'})
+    assert "compressor.adaptive_codec" in _error(env={}, overrides={"compressor.adaptive_codec": "fp16"})
+    assert "ps.delta_codec" in _error(env={}, overrides={"ps.delta_codec": "zip"})

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
@@ -37,15 +38,16 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 from prometheus_client import CollectorRegistry
 
-from edgemesh.common.broker import find_mosquitto, free_port, parent_death_signal, wait_port
+from edgemesh import cli
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import BrokerConfig, load_config
 from edgemesh.common.errors import BrokerError
 from edgemesh.common.messages import ModelSnapshot
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import Topics
+from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.common.wire import Tensor
-from edgemesh.services import cli
+from edgemesh.local.broker import find_mosquitto, free_port, wait_port
+from edgemesh.local.processes import parent_death_signal
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
@@ -153,7 +155,7 @@ def exec_args(unit: Unit) -> tuple[str, Any]:
     argv = shlex.split(unit.value("Service", "ExecStart").replace("%i", "pi-07"))
     assert argv[0] == EDGEMESH_BIN, f"{unit.path.name}: ExecStart runs {argv[0]}, not {EDGEMESH_BIN}"
     try:
-        args = cli.build_parser().parse_args(argv[1:])
+        args = cli.build_parser(argv[1:]).parse_args(argv[1:])
     except SystemExit:
         pytest.fail(f"{unit.path.name}: `edgemesh` rejects ExecStart arguments {argv[1:]}")
     return argv[1], args
@@ -408,7 +410,7 @@ def test_unit_runs_a_real_subcommand(path: Path) -> None:
     assert {"Unit", "Service", "Install"} <= set(unit.sections)
     command, args = exec_args(unit)
     service = path.name.removeprefix("edgemesh-").split("@")[0].removesuffix(".service")
-    assert command == service and command in cli.SERVICES
+    assert command == service and cli.COMMANDS[command][0].startswith("edgemesh.services.")
     assert args.config == "/etc/edgemesh/edgemesh.toml"
     host, _, port = args.metrics.rpartition(":")
     assert host == "0.0.0.0" and port.isdigit()  # noqa: S104 - the unit's scrape address
@@ -642,18 +644,22 @@ async def test_production_broker_carries_a_chunked_model_over_tls(
 
     ps_cfg = BrokerConfig(url=url, username="ps", password=ProductionBroker.password("ps"), publish_timeout_s=WAIT_S)
     ps_metrics = ServiceMetrics("ps")
-    async with Bus(ps_cfg, client_id="test-ps", metrics=ps_metrics) as ps_bus:
-        await ps_bus.wait_connected(WAIT_S)
+    async with Bus(ps_cfg, client_id="test-ps", metrics=ps_metrics).running() as ps_bus:
         sent = await ps_bus.publish(topics.model(), snapshot, retain=True)
     assert sent > 3 * ps_cfg.chunk_bytes
 
     worker_cfg = BrokerConfig(url=url, username="pi-01", password=ProductionBroker.password("pi-01"))
     worker_metrics = ServiceMetrics("worker")
-    async with Bus(worker_cfg, client_id="test-pi-01", metrics=worker_metrics,
-                   subscriptions=[topics.model()]) as worker_bus:
-        msg = await worker_bus.next_message(WAIT_S)
-    received = msg.decode(ModelSnapshot)
-    assert msg.topic == topics.model() and received.version == 7
+    worker_bus = Bus(worker_cfg, client_id="test-pi-01", metrics=worker_metrics)
+    got: asyncio.Queue[tuple[str, ModelSnapshot]] = asyncio.Queue()
+
+    async def keep(snap: ModelSnapshot, where: TopicMatch) -> None:
+        await got.put((where.topic, snap))
+
+    worker_bus.route(topics.model_filter(), ModelSnapshot, keep)
+    async with worker_bus.running():
+        topic, received = await asyncio.wait_for(got.get(), WAIT_S)
+    assert topic == topics.model() and received.version == 7
     assert received.tensors["w"].data == weights.tobytes()
     assert worker_metrics.value("edgemesh_worker_rejected_total") == 0
 

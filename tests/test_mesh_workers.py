@@ -52,7 +52,7 @@ async def test_three_workers_train_one_model_parallel_cluster(broker: BrokerProc
         await c.publish(c.topics.plan(), alone, retain=True)
         before = [w.accepted for w in workers]
         await c.until("data-parallel steps", lambda: all(
-            w.accepted >= b + 5 and w.mesh is not None and not w.mesh.active
+            w.accepted >= b + 5 and not w.mesh.active
             for w, b in zip(workers, before, strict=True)), TRAIN_S)
     # one version per cluster step: every member's update of a step went into the same version
     assert cluster_steps <= min(before) + 1
@@ -78,7 +78,7 @@ async def test_the_first_member_starts_a_plan_only_once_every_member_is_ready(br
         async with running(leader):
             await c.publish(c.topics.plan(), mesh_plan(names, SPLIT, cluster=cluster, batch=16), retain=True)
             await c.until("the first member in the cluster, holding the model",
-                          lambda: leader.mesh is not None and leader.mesh.active and leader.view.ready,
+                          lambda: leader.mesh.active and leader.view.ready,
                           TRAIN_S)
             async with running(workers["w1"]):  # seconds later: it measures itself first
                 await c.until("two cluster steps", lambda: ps.version >= 2 and all(

@@ -1,27 +1,32 @@
-"""``edgemesh devices`` and ``edgemesh ctl`` against running services, as an operator runs them."""
+"""The ``edgemesh`` command: ``devices`` and ``ctl`` against running services, as an operator runs them;
+``config``; and what a subcommand imports (``worker`` on a Pi loads neither the benchmarks nor amqtt)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
-from edgemesh.common.broker import BrokerProcess
-from edgemesh.common.config import load_config
+from helpers import inbox, make_config, running, until
+
+from edgemesh.common.messages import DeviceHello
+from edgemesh.common.topics import Topics
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.operator.ctl import parse_value
 from edgemesh.services.compressor.service import Compressor
-from edgemesh.services.operator import parse_value
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.service import Worker
 
 WAIT_S = 60.0
-POLL_S = 0.1
 
 
 async def cli(*args: str) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "edgemesh.services.cli", *args,
+        sys.executable, "-m", "edgemesh", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), WAIT_S)
     assert proc.returncode is not None
@@ -34,17 +39,13 @@ def test_parse_value_sends_numbers_as_numbers() -> None:
 
 
 async def test_devices_lists_a_worker_and_ctl_steers_the_ps(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
-    base = {"broker.url": mosquitto_broker.url, "job": "ops", "metrics.address": "127.0.0.1:0",
-            "ps.state_dir": str(tmp_path / "ps")}
-    cfg = load_config(env={}, overrides=base)
-    worker = Worker(load_config(env={}, overrides={**base, "worker.device": "pi-07"}))
+    cfg = make_config(mosquitto_broker, job="ops", **{"ps.state_dir": tmp_path / "ps"})
+    worker = Worker(make_config(mosquitto_broker, job="ops", **{"ps.state_dir": tmp_path / "ps",
+                                                                "worker.device": "pi-07"}))
     services = [Planner(cfg), ParameterServer(cfg), Compressor(cfg), worker]
-    tasks = [asyncio.create_task(s.run()) for s in services]
     common = ["--broker", mosquitto_broker.url, "--job", "ops"]
-    try:
-        async with asyncio.timeout(WAIT_S):
-            while worker.accepted < 2:
-                await asyncio.sleep(POLL_S)
+    async with running(*services):
+        await until("two accepted updates", lambda: worker.accepted >= 2, WAIT_S)
         code, out, err = await cli("devices", *common, "--wait", "1.5")
         assert code == 0, err
         row = next(line for line in out.splitlines() if line.startswith("pi-07"))
@@ -61,10 +62,6 @@ async def test_devices_lists_a_worker_and_ctl_steers_the_ps(mosquitto_broker: Br
 
         code, out, err = await cli("ctl", "status", "--target", "nobody-home", *common, "--timeout-s", "1")
         assert code == 1 and "no reply" in err
-    finally:
-        for s in services:
-            s.stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S)
 
 
 async def test_devices_on_an_empty_job_says_so(mosquitto_broker: BrokerProcess) -> None:
@@ -73,9 +70,7 @@ async def test_devices_on_an_empty_job_says_so(mosquitto_broker: BrokerProcess) 
 
 
 def test_config_prints_the_effective_settings_and_bad_ones_fail_clearly(tmp_path: Path) -> None:
-    import subprocess
-
-    run = [sys.executable, "-m", "edgemesh.services.cli", "config"]
+    run = [sys.executable, "-m", "edgemesh", "config"]
     ok = subprocess.run([*run, "--set", "training.lr=0.3", "--set", "broker.password=secret"],
                         capture_output=True, text=True, timeout=WAIT_S, check=False)
     assert ok.returncode == 0 and "training.lr = 0.3" in ok.stdout and "secret" not in ok.stdout
@@ -87,3 +82,46 @@ def test_config_prints_the_effective_settings_and_bad_ones_fail_clearly(tmp_path
     typo = subprocess.run([*run, "--config", str(toml)], capture_output=True, text=True, timeout=WAIT_S,
                           check=False)
     assert typo.returncode == 2 and "ps.lr" in typo.stderr
+
+
+# --------------------------------------------------------------------------- what a subcommand imports
+
+RECORD_MODULES = ("import atexit, sys; from edgemesh.cli import main; "
+                  "atexit.register(lambda: open(sys.argv.pop(1), 'w').write('\\n'.join(sorted(sys.modules)))); "
+                  "sys.exit(main(sys.argv[2:]))")
+"""``edgemesh`` as a ``python -c`` program that writes the modules it imported, at exit, to its first argument."""
+
+
+def run_recording(out: Path, *args: str, **kwargs: object) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", RECORD_MODULES, str(out), *args], **kwargs)  # type: ignore[call-overload]
+
+
+async def test_a_started_worker_has_imported_neither_the_benchmarks_nor_amqtt(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    cfg = make_config(mosquitto_broker, job="imports")
+    out = tmp_path / "modules"
+    proc = run_recording(out, "worker", "--broker", mosquitto_broker.url, "--job", "imports", "--device", "pi-1",
+                         "--metrics", "", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        async with inbox(cfg, (Topics("imports").hello_filter(), DeviceHello)) as devices:
+            await devices.next(DeviceHello, timeout_s=WAIT_S)  # up: measured, connected, announced
+    finally:
+        proc.send_signal(signal.SIGTERM)  # a clean stop: the modules loaded by then are written at exit
+        assert proc.wait(timeout=WAIT_S) == 0
+    modules = set(out.read_text().split())
+    assert {"edgemesh.services.worker.service", "torch"} <= modules  # what it needs, it loaded
+    assert not {m for m in modules if m.startswith(("edgemesh.bench", "amqtt", "edgemesh.local"))}
+
+
+def test_only_the_subcommand_that_runs_is_imported(tmp_path: Path) -> None:
+    out = tmp_path / "modules"
+    bench = run_recording(out, "bench", "--help", stdout=subprocess.PIPE)
+    assert bench.wait(timeout=WAIT_S) == 0
+    assert {"edgemesh.bench.codecs", "edgemesh.bench.fleet", "edgemesh.bench.mesh"} <= set(out.read_text().split())
+    top = run_recording(out, "--help", stdout=subprocess.PIPE)
+    stdout, _ = top.communicate(timeout=WAIT_S)
+    assert top.returncode == 0
+    for command in ("planner", "ps", "compressor", "worker", "broker", "demo", "devices", "ctl", "bench", "config"):
+        assert command in stdout.decode()
+    assert not {m for m in out.read_text().split() if m.startswith(("edgemesh.services", "edgemesh.bench", "torch",
+                                                                    "amqtt"))}

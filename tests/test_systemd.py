@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from edgemesh.common import systemd
-from edgemesh.common.broker import BrokerProcess
 from edgemesh.common.config import load_config
+from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.compressor.service import Compressor
 
 WAIT_S = 20.0

@@ -1,4 +1,4 @@
-"""Topic building and matching (DESIGN.md §2): one module builds every topic a service uses."""
+"""Topic building, matching and parsing (docs/topics.md): one module builds and parses every topic a service uses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgemesh.common.topics import PREFIX, Topics, base_topic, check_name, matches, valid_name
+from edgemesh.common.topics import (
+    PREFIX,
+    Filter,
+    TopicError,
+    TopicMatch,
+    Topics,
+    base_topic,
+    check_name,
+    match,
+    matches,
+    parse,
+    valid_name,
+    valid_topic,
+)
 
 JOB = "lab-1"
 T = Topics(JOB)
@@ -20,22 +33,22 @@ ROOT = f"edgemesh/v1/{JOB}/"
     (T.hello("pi-07"), "device/pi-07/hello"),
     (T.status("pi-07"), "device/pi-07/status"),
     (T.stats("pi-07"), "device/pi-07/stats"),
-    (T.all_hello(), "device/+/hello"),
-    (T.all_status(), "device/+/status"),
-    (T.all_stats(), "device/+/stats"),
+    (T.hello_filter().pattern, "device/+/hello"),
+    (T.status_filter().pattern, "device/+/status"),
+    (T.stats_filter().pattern, "device/+/stats"),
     (T.plan(), "plan"),
     (T.codec("pi-07"), "codec/pi-07"),
-    (T.all_codec(), "codec/+"),
+    (T.codec_filter().pattern, "codec/+"),
     (T.grad("c0", "pi-07"), "grad/c0/pi-07"),
-    (T.all_grad(), "grad/+/+"),
+    (T.grad_filter().pattern, "grad/+/+"),
     (T.grad_raw("c0", "pi-07"), "grad-raw/c0/pi-07"),
-    (T.all_grad_raw(), "grad-raw/+/+"),
+    (T.grad_raw_filter().pattern, "grad-raw/+/+"),
     (T.model(), "model"),
     (T.model_delta(), "model/delta"),
     (T.sync(), "sync"),
     (T.ack("pi-07"), "ack/pi-07"),
     (T.mesh("c0", "conv2", "fwd", "pi-07"), "mesh/c0/conv2/fwd/pi-07"),
-    (T.cluster_mesh("c0"), "mesh/c0/#"),
+    (T.cluster_mesh_filter("c0").pattern, "mesh/c0/#"),
     (T.control("ps"), "control/ps"),
     (T.control("all"), "control/all"),
     (T.control("device/pi-07"), "control/device/pi-07"),
@@ -50,7 +63,7 @@ def test_every_builder_yields_the_design_topic_under_the_job_root(built: str, re
 
 def test_jobs_do_not_see_each_others_topics() -> None:
     other = Topics("lab-2")
-    for filter_ in (T.all_hello(), T.all_grad(), T.cluster_mesh("c0"), T.plan()):
+    for filter_ in (T.hello_filter().pattern, T.grad_filter().pattern, T.cluster_mesh_filter("c0").pattern, T.plan()):
         assert not matches(filter_, other.hello("pi-1"))
         assert not matches(filter_, other.grad("c0", "pi-1"))
         assert not matches(filter_, other.mesh("c0", "l", "fwd", "pi-1"))
@@ -58,16 +71,16 @@ def test_jobs_do_not_see_each_others_topics() -> None:
 
 
 def test_subscription_filters_match_what_the_builders_publish() -> None:
-    assert matches(T.all_hello(), T.hello("pi-1"))
-    assert not matches(T.all_hello(), T.stats("pi-1"))
-    assert matches(T.all_status(), T.status("jetson.2"))
-    assert matches(T.all_stats(), T.stats("x"))
-    assert matches(T.all_codec(), T.codec("pi-1"))
-    assert matches(T.all_grad(), T.grad("c0", "pi-1"))
-    assert not matches(T.all_grad(), T.grad_raw("c0", "pi-1"))
-    assert matches(T.all_grad_raw(), T.grad_raw("c0", "pi-1"))
-    assert matches(T.cluster_mesh("c0"), T.mesh("c0", "conv1", "bwd", "pi-1"))
-    assert not matches(T.cluster_mesh("c0"), T.mesh("c1", "conv1", "bwd", "pi-1"))
+    assert matches(T.hello_filter().pattern, T.hello("pi-1"))
+    assert not matches(T.hello_filter().pattern, T.stats("pi-1"))
+    assert matches(T.status_filter().pattern, T.status("jetson.2"))
+    assert matches(T.stats_filter().pattern, T.stats("x"))
+    assert matches(T.codec_filter().pattern, T.codec("pi-1"))
+    assert matches(T.grad_filter().pattern, T.grad("c0", "pi-1"))
+    assert not matches(T.grad_filter().pattern, T.grad_raw("c0", "pi-1"))
+    assert matches(T.grad_raw_filter().pattern, T.grad_raw("c0", "pi-1"))
+    assert matches(T.cluster_mesh_filter("c0").pattern, T.mesh("c0", "conv1", "bwd", "pi-1"))
+    assert not matches(T.cluster_mesh_filter("c0").pattern, T.mesh("c1", "conv1", "bwd", "pi-1"))
     assert not matches(T.model(), T.model_delta())
 
 
@@ -151,19 +164,32 @@ def test_matches_a_filter_made_from_the_topic(levels: list[str], data: st.DataOb
 # --------------------------------------------------------------------------- parsing
 
 
-@pytest.mark.parametrize("topic,parts", [
-    (T.plan(), ["plan"]),
-    (T.hello("pi-1"), ["device", "pi-1", "hello"]),
-    (T.grad("c0", "pi-1"), ["grad", "c0", "pi-1"]),
-    (T.model_delta(), ["model", "delta"]),
-    (T.chunk(T.model(), 0), ["model"]),
-    (T.chunk(T.model(), 12), ["model"]),
-    (T.chunk(T.hello("pi-1"), 3), ["device", "pi-1", "hello"]),
-    (T.chunk(T.grad("c0", "pi-1"), 7), ["grad", "c0", "pi-1"]),
-    (T.control("device/pi-1"), ["control", "device", "pi-1"]),
+@pytest.mark.parametrize("topic,expected", [
+    (T.plan(), TopicMatch(JOB, "plan", T.plan())),
+    (T.sync(), TopicMatch(JOB, "sync", T.sync())),
+    (T.model(), TopicMatch(JOB, "model", T.model())),
+    (T.events(), TopicMatch(JOB, "events", T.events())),
+    (T.hello("pi-1"), TopicMatch(JOB, "hello", T.hello("pi-1"), device="pi-1")),
+    (T.status("pi-1"), TopicMatch(JOB, "status", T.status("pi-1"), device="pi-1")),
+    (T.stats("pi-1"), TopicMatch(JOB, "stats", T.stats("pi-1"), device="pi-1")),
+    (T.codec("pi-4"), TopicMatch(JOB, "codec", T.codec("pi-4"), device="pi-4")),
+    (T.ack("pi-5"), TopicMatch(JOB, "ack", T.ack("pi-5"), device="pi-5")),
+    (T.model_delta(), TopicMatch(JOB, "delta", T.model_delta())),
+    (T.model_delta_for("w1"), TopicMatch(JOB, "delta", T.model_delta_for("w1"), device="w1")),
+    (T.grad("c0", "pi-1"), TopicMatch(JOB, "grad", T.grad("c0", "pi-1"), device="pi-1", cluster="c0")),
+    (T.grad_raw("c1", "pi-7"), TopicMatch(JOB, "grad_raw", T.grad_raw("c1", "pi-7"), device="pi-7", cluster="c1")),
+    (T.mesh("m-a", "conv1", "fwd", "a"), TopicMatch(JOB, "mesh", T.mesh("m-a", "conv1", "fwd", "a"), device="a",
+                                                    cluster="m-a", layer="conv1", phase="fwd")),
+    (T.control("ps"), TopicMatch(JOB, "control", T.control("ps"), target="ps")),
+    (T.control("all"), TopicMatch(JOB, "control", T.control("all"), target="all")),
+    (T.control("device/pi-1"), TopicMatch(JOB, "control", T.control("device/pi-1"), device="pi-1",
+                                          target="device/pi-1")),
+    (T.control_reply("ops"), TopicMatch(JOB, "reply", T.control_reply("ops"), target="ops")),
 ])
-def test_relative_gives_levels_below_the_root_without_the_chunk_suffix(topic: str, parts: list[str]) -> None:
-    assert T.relative(topic) == parts
+def test_parse_names_the_family_and_the_names_of_every_topic(topic: str, expected: TopicMatch) -> None:
+    assert parse(topic) == expected
+    # a retained chunk of it parses as the topic itself
+    assert parse(T.chunk(topic, 3)) == expected
 
 
 def test_chunk_topics() -> None:
@@ -175,66 +201,98 @@ def test_chunk_topics() -> None:
 
 def test_a_device_cluster_or_job_named_chunk_is_not_mistaken_for_a_chunk_suffix() -> None:
     """'chunk' is a valid name; only ``chunk/{index}`` at the end is a chunk suffix."""
-    assert T.relative(T.hello("chunk")) == ["device", "chunk", "hello"]
-    assert T.device_of(T.hello("chunk")) == "chunk"
-    assert T.device_of(T.grad("chunk", "pi-1")) == "pi-1"
+    assert parse(T.hello("chunk")).device == "chunk"
+    assert parse(T.grad("chunk", "pi-1")) == TopicMatch(JOB, "grad", T.grad("chunk", "pi-1"), device="pi-1",
+                                                        cluster="chunk")
     assert base_topic(T.hello("chunk")) == T.hello("chunk")
     job = Topics("chunk")
     assert base_topic(job.plan()) == job.plan()
-    assert job.relative(job.plan()) == ["plan"]
+    assert parse(job.plan()) == TopicMatch("chunk", "plan", job.plan())
     assert base_topic(job.chunk(job.plan(), 0)) == job.plan()
 
 
-@pytest.mark.parametrize("topic,device", [
-    (T.hello("pi-1"), "pi-1"),
-    (T.status("pi-2"), "pi-2"),
-    (T.stats("pi-3"), "pi-3"),
-    (T.codec("pi-4"), "pi-4"),
-    (T.ack("pi-5"), "pi-5"),
-    (T.grad("c0", "pi-6"), "pi-6"),
-    (T.grad_raw("c1", "pi-7"), "pi-7"),
-    (T.chunk(T.grad("c0", "pi-8"), 2), "pi-8"),
-    (T.chunk(T.codec("pi-9"), 0), "pi-9"),
-])
-def test_device_of(topic: str, device: str) -> None:
-    assert T.device_of(topic) == device
-
-
-@pytest.mark.parametrize("topic", [T.plan(), T.model(), T.events(), T.control("ps"),
-                                   ROOT + "device/pi-1", ROOT + "grad/c0", ROOT + "device/pi-1/hello/extra"])
-def test_device_of_a_topic_naming_no_device_raises(topic: str) -> None:
-    with pytest.raises(ValueError):
-        T.device_of(topic)
-
-
 @pytest.mark.parametrize("topic", [
-    Topics("lab-2").hello("pi-1"),
-    Topics("lab-10").plan(),  # a job whose name starts with this one's
     "edgemesh/v1/lab-1",  # the root itself has no levels below it
     "edgemesh/v2/lab-1/plan",
     "other/edgemesh/v1/lab-1/plan",
     "",
+    ROOT + "device/pi-1",
+    ROOT + "grad/c0",
+    ROOT + "device/pi-1/hello/extra",
+    ROOT + "control/nobody",
+    ROOT + "mesh/c/l/fwd",
+    ROOT + "unknown",
+    "edgemesh/v1/bad+job/plan",
 ])
-def test_topics_outside_the_job_raise(topic: str) -> None:
-    with pytest.raises(ValueError, match="outside job"):
-        T.relative(topic)
-    with pytest.raises(ValueError):
-        T.device_of(topic)
+def test_parse_refuses_a_topic_that_is_not_edgemeshs(topic: str) -> None:
+    with pytest.raises(TopicError):
+        parse(topic)
 
 
-# --------------------------------------------------------------------------- chunk filters
+def test_match_finds_the_first_filter_a_topic_falls_under_and_parses_it_once() -> None:
+    filters = [T.plan_filter(), T.grad_filter(), T.control_filter("ps"), T.control_filter("all")]
+    assert match(T.grad("c0", "pi-1"), filters) == (1, parse(T.grad("c0", "pi-1")))
+    assert match(T.chunk(T.plan(), 2), filters) == (0, parse(T.plan()))
+    assert match(T.control("all"), filters) == (3, parse(T.control("all")))
+    assert match(T.hello("pi-1"), filters) is None
+    assert match(Topics("lab-2").plan(), filters) is None  # another job's plan
+    with pytest.raises(TopicError):  # falls under a filter, but is no topic of ours
+        match(ROOT + "grad/c0", [Filter(ROOT + "#", "grad")])
 
 
-def test_with_chunks_adds_the_chunk_filter() -> None:
-    assert Topics.with_chunks(T.model()) == [T.model(), ROOT + "model/chunk/+"]
-    assert Topics.with_chunks(T.all_grad()) == [T.all_grad(), ROOT + "grad/+/+/chunk/+"]
-    for filter_ in Topics.with_chunks(T.model()):
-        assert not matches(filter_, T.model_delta())
-    assert any(matches(f, T.chunk(T.model(), 9)) for f in Topics.with_chunks(T.model()))
-    assert any(matches(f, T.chunk(T.grad("c0", "pi-1"), 0)) for f in Topics.with_chunks(T.all_grad()))
+def test_a_topic_match_tells_when_a_body_contradicts_it() -> None:
+    class Body:
+        def __init__(self, **fields: str) -> None:
+            self.__dict__.update(fields)
+
+    where = parse(T.grad("c0", "pi-1"))
+    assert where.disagreement(Body(device="pi-1", cluster="c0")) is None
+    assert "device" in (where.disagreement(Body(device="pi-2", cluster="c0")) or "")
+    assert "cluster" in (where.disagreement(Body(device="pi-1", cluster="c9")) or "")
+    assert where.disagreement(Body(device="")) is None  # a field the body leaves empty says nothing
+    mesh = parse(T.mesh("m-a", "conv1", "bwd", "b"))
+    assert mesh.disagreement(Body(cluster="m-a", layer="conv1", phase="bwd")) is None
+    assert "layer" in (mesh.disagreement(Body(cluster="m-a", layer="conv2", phase="bwd")) or "")
+    assert "phase" in (mesh.disagreement(Body(cluster="m-a", layer="conv1", phase="fwd")) or "")
+    assert parse(T.plan()).disagreement(Body(device="anyone")) is None  # the topic names no device
 
 
-def test_with_chunks_keeps_a_multilevel_filter_alone() -> None:
+# --------------------------------------------------------------------------- filters
+
+
+def test_a_filter_subscribes_to_its_topic_and_its_retained_chunks() -> None:
+    model = T.model_filter()
+    assert model.patterns == (T.model(), ROOT + "model/chunk/+")
+    assert T.grad_filter().patterns == (ROOT + "grad/+/+", ROOT + "grad/+/+/chunk/+")
+    assert model.matches(T.model()) and not model.matches(T.model_delta())
+    assert any(matches(p, T.chunk(T.model(), 9)) for p in model.patterns)
+    assert T.delta_filter().matches(T.model_delta()) and not T.delta_filter().matches(T.model_delta_for("w1"))
+    assert T.delta_filter("w1").matches(T.model_delta_for("w1"))
+    assert T.ack_filter("+").matches(T.ack("pi-1")) and T.ack_filter("pi-1").matches(T.ack("pi-1"))
+    assert T.codec_filter("pi-1").matches(T.codec("pi-1")) and not T.codec_filter("pi-1").matches(T.codec("pi-2"))
+    assert T.mesh_filter("m-a", "+", "fwd", "b").matches(T.mesh("m-a", "conv1", "fwd", "b"))
+    assert not T.mesh_filter("m-a", "+", "fwd", "b").matches(T.mesh("m-a", "step", "begin", "b"))
+    assert T.reply_filter("ops").matches(T.control_reply("ops")) and T.events_filter().matches(T.events())
+    assert T.sync_filter().kind == "sync" and T.grad_raw_filter().kind == "grad_raw"
+
+
+def test_a_multilevel_filter_needs_no_chunk_pattern() -> None:
     """``#`` already covers the chunk topics."""
-    assert Topics.with_chunks(T.cluster_mesh("c0")) == [T.cluster_mesh("c0")]
-    assert matches(T.cluster_mesh("c0"), T.chunk(T.mesh("c0", "l1", "fwd", "pi-1"), 3))
+    mesh = T.cluster_mesh_filter("c0")
+    assert mesh.patterns == (mesh.pattern,)
+    assert mesh.matches(T.chunk(T.mesh("c0", "l1", "fwd", "pi-1"), 3))
+
+
+@pytest.mark.parametrize("topic,ok", [
+    (T.control_reply("ops"), True),
+    ("anything/at/all", True),
+    ("a/+/b", False),
+    ("#", False),
+    ("a/#", False),
+    ("", False),
+    ("x" * 1024, True),
+    ("x" * 1025, False),
+    ("a\x00b", False),
+])
+def test_valid_topic(topic: str, ok: bool) -> None:
+    assert valid_topic(topic) is ok

@@ -1,4 +1,4 @@
-"""The wire format (DESIGN.md §3): envelopes, every message kind, tensors, rejections, chunking.
+"""The wire format (docs/wire.md): envelopes, every message kind, tensors, rejections, chunking.
 
 Pure unit tests: no broker. Every rejection asserts the ``WireError.reason`` a service counts it
 under, because operators read those labels on the ``rejected_total`` metrics.

@@ -123,6 +123,11 @@ class Bus:
             with contextlib.suppress(aiomqtt.MqttError):  # a lost connection re-subscribes what is left
                 await client.unsubscribe(patterns)
 
+    @property
+    def filters(self) -> tuple[Filter, ...]:
+        """What this bus consumes: its routes' filters, in the order they are matched."""
+        return tuple(r.filter for r in self._routes)
+
     def on_connect(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Await ``hook()`` after every (re)connect, once the subscriptions are in place."""
         self._hooks.append(hook)

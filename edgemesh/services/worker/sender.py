@@ -29,9 +29,10 @@ AVERAGE_WINDOW = 20
 class Sender:
     """One device's updates to the parameter server and their acks."""
 
-    def __init__(self, bus: Bus, *, device: str, incarnation: int, ack_timeout_s: float, link: LinkMeter,
+    def __init__(self, *, device: str, incarnation: int, ack_timeout_s: float, link: LinkMeter,
                  metrics: ServiceMetrics) -> None:
-        self.bus = bus
+        self.bus: Bus | None = None
+        """Set when the runtime attaches the worker to its bus."""
         self.device, self.incarnation = device, incarnation
         self.ack_timeout_s = ack_timeout_s
         self.link = link
@@ -45,6 +46,7 @@ class Sender:
 
     async def send(self, update: GradientUpdate, topic: str) -> UpdateAck:
         """Publish ``update`` on ``topic`` and wait for its ack, resending on timeout."""
+        assert self.bus is not None
         future: asyncio.Future[UpdateAck] = asyncio.get_running_loop().create_future()
         self._acks[update.seq] = future
         self._pending = (topic, update)
@@ -89,6 +91,7 @@ class Sender:
 
     async def on_connect(self) -> None:
         """After a reconnect, resend the update still waiting for its ack (the PS may never have got it)."""
+        assert self.bus is not None
         if self._pending is not None and self.bus.connections > 1:
             topic, update = self._pending
             self.m_resends.inc()

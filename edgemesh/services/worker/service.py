@@ -110,8 +110,11 @@ class Worker:
         self.profile: prof.Profile | None = None
         self.bus: Bus | None = None
         self.events: Events | None = None
-        self.sender: Sender | None = None
-        self.mesh: MeshSession | None = None
+        self.sender = Sender(device=self.device, incarnation=self.incarnation,
+                             ack_timeout_s=config.worker.ack_timeout_s, link=self.link, metrics=m)
+        self.mesh = MeshSession(topics=self.topics, device=self.device, config=config.worker, view=self.view,
+                                board=self.board, trainer=self.trainer, metrics=m, current_plan=lambda: self.plan,
+                                wait=self._wait_for, on_delta=self._on_delta)
         self._changed = asyncio.Condition()
         self._refused = 0
         """Version of the last plan whose share did not fit this device's memory (0 = none)."""
@@ -151,8 +154,7 @@ class Worker:
     def attach(self, bus: Bus, events: Events) -> None:
         self.bus, self.events = bus, events
         t = self.topics
-        self.sender = Sender(bus, device=self.device, incarnation=self.incarnation,
-                             ack_timeout_s=self.cfg.worker.ack_timeout_s, link=self.link, metrics=self.metrics)
+        self.sender.bus = bus
         bus.route(t.plan_filter(), Plan, self._on_plan)
         bus.route(t.codec_filter(self.device), CodecPolicy, self._on_policy)
         model = bus.route(t.model_filter(), ModelSnapshot, self._on_snapshot)
@@ -160,10 +162,7 @@ class Worker:
         bus.route(t.ack_filter(self.device), UpdateAck, self.sender.on_ack)
         bus.on_connect(self._announce)
         bus.on_connect(self.sender.on_connect)
-        self.mesh = MeshSession(bus=bus, topics=t, device=self.device, config=self.cfg.worker, view=self.view,
-                                board=self.board, trainer=self.trainer, metrics=self.metrics,
-                                current_plan=lambda: self.plan, wait=self._wait_for, on_delta=self._on_delta,
-                                model_route=model, broadcast_route=broadcast)
+        self.mesh.attach(bus, model, broadcast)
 
     def jobs(self) -> list[Job]:
         return [self._train(), self._report()]
@@ -198,7 +197,6 @@ class Worker:
     async def _on_plan(self, plan: Plan, _: TopicMatch) -> None:
         if self.plan is None or plan.version >= self.plan.version:
             self.plan, self.me = plan, plan.device(self.device)
-            assert self.mesh is not None
             self.mesh.new_plan(plan)
             await self._notify()
 
@@ -264,7 +262,6 @@ class Worker:
 
     # ------------------------------------------------------------------ training
     async def _train(self) -> None:
-        assert self.sender is not None and self.mesh is not None
         await self._wait_for("a plan naming this device", lambda: self.me is not None)
         if self.policy is None:
             with contextlib.suppress(TimeoutError):
@@ -309,7 +306,6 @@ class Worker:
     async def _compute(self) -> GradientUpdate | None:
         """One step under the current plan: this device's update, or None when there is none to send."""
         assert self.plan is not None and self.me is not None and self.view.params is not None
-        assert self.mesh is not None
         params, version, gap = self.view.params, self.view.version, self.view.gap
         plan, me, policy = self.plan, self.me, self.policy
         cluster = plan.cluster(me.cluster)
@@ -396,7 +392,7 @@ class Worker:
     async def _report(self) -> None:
         """Stats after the first update (the compressor needs step time and gradient size to
         choose a codec at once), then every ``worker.stats_interval_s``."""
-        assert self.bus is not None and self.sender is not None and self.mesh is not None
+        assert self.bus is not None
         sender = self.sender
         await self._wait_for("the first update", lambda: len(sender.comm_times) > 0)
         while True:
@@ -405,7 +401,7 @@ class Worker:
             await asyncio.sleep(self.cfg.worker.stats_interval_s)
 
     async def _publish_stats(self) -> None:
-        assert self.bus is not None and self.sender is not None and self.mesh is not None
+        assert self.bus is not None
         self.m_link.set(self.link.rate_bps)
         self.board.sample()
         stats = DeviceStats(

@@ -78,14 +78,15 @@ class MeshResult:
 class MeshSession:
     """This device's part of a model-parallel cluster (None of it while in a cluster of one)."""
 
-    def __init__(self, *, bus: Bus, topics: Topics, device: str, config: WorkerConfig, view: ModelView, board: Board,
+    def __init__(self, *, topics: Topics, device: str, config: WorkerConfig, view: ModelView, board: Board,
                  trainer: Trainer, metrics: ServiceMetrics, current_plan: Callable[[], Plan | None], wait: Wait,
-                 on_delta: Callable[[ModelDelta, TopicMatch], Awaitable[None]], model_route: Route[Any],
-                 broadcast_route: Route[Any]) -> None:
-        self.bus, self.topics, self.device, self.cfg = bus, topics, device, config
+                 on_delta: Callable[[ModelDelta, TopicMatch], Awaitable[None]]) -> None:
+        self.topics, self.device, self.cfg = topics, device, config
         self.view, self.board, self.trainer = view, board, trainer
         self._current_plan, self._wait, self._on_delta = current_plan, wait, on_delta
-        self._model_route, self._broadcast_route = model_route, broadcast_route
+        self._bus: Bus | None = None
+        self._model_route: Route[Any] | None = None
+        self._broadcast_route: Route[Any] | None = None
         self.member: MeshMember | None = None
         self._key: tuple[Any, ...] | None = None
         self._exchange: BusExchange | None = None
@@ -104,6 +105,16 @@ class MeshSession:
         self.m_steps = metrics.counter("mesh_steps", "Model-parallel steps by outcome", ["outcome"])
         self.m_wait = metrics.histogram("mesh_wait_seconds", "Time of a model-parallel step spent waiting for "
                                         "other members", STEP_BUCKETS)
+
+    def attach(self, bus: Bus, model_route: Route[Any], broadcast_route: Route[Any]) -> None:
+        """The worker's bus, and its routes of snapshots and of broadcast deltas (which a member trades
+        for its own part of every delta, and takes back when it leaves)."""
+        self._bus, self._model_route, self._broadcast_route = bus, model_route, broadcast_route
+
+    @property
+    def bus(self) -> Bus:
+        assert self._bus is not None, "attach() first"
+        return self._bus
 
     @property
     def active(self) -> bool:
@@ -160,6 +171,7 @@ class MeshSession:
         if [r.filter for r in routes] != [r.filter for r in self._routes]:
             new = {r.filter for r in routes}
             await self.bus.subscribe(*(r for r in routes if r.filter not in {o.filter for o in self._routes}))
+            assert self._broadcast_route is not None
             await self.bus.unsubscribe(*[r.filter for r in self._routes if r.filter not in new],
                                        *([] if self._routes else [self._broadcast_route.filter]))
             self._routes = routes
@@ -180,6 +192,7 @@ class MeshSession:
         if self.member is not None and not self.view.restrict(None):
             await self.refresh_model()
         if self._routes:
+            assert self._broadcast_route is not None
             await self.bus.subscribe(self._broadcast_route)
             await self.bus.unsubscribe(*(r.filter for r in self._routes))
         self._routes, self.member, self._key, self._exchange = [], None, None, None
@@ -189,6 +202,7 @@ class MeshSession:
         """Get a whole snapshot again: the view lacks rows it now needs. Subscribing anew makes the
         broker send the retained one; the parameter server publishes a newer one if that is old."""
         logger.info("%s: the new division needs other rows of the model: fetching a snapshot", self.device)
+        assert self._model_route is not None
         await self.bus.unsubscribe(self._model_route.filter)
         await self.bus.subscribe(self._model_route)
         with contextlib.suppress(BusError):

@@ -1,0 +1,164 @@
+"""The bus and its router, on real brokers: one SUBSCRIBE, typed routes, counted failures, refused logins."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import subprocess
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from helpers import WAIT_S, until
+
+from edgemesh.common import wire
+from edgemesh.common.bus import Bus
+from edgemesh.common.config import BrokerConfig, Config, load_config
+from edgemesh.common.errors import BusError
+from edgemesh.common.messages import DeviceHello, Event, Plan
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.local.broker import BrokerProcess
+
+JOB = "bus"
+T = Topics(JOB)
+
+
+def config(broker: BrokerProcess, **settings: str) -> Config:
+    return load_config(env={}, overrides={"broker.url": broker.url, "job": JOB, "broker.backoff_initial_s": "0.05",
+                                          "broker.backoff_max_s": "0.5", **settings})
+
+
+def hello(device: str) -> DeviceHello:
+    return DeviceHello(device=device, incarnation=1, flops=1e9, memory_bytes=1 << 30)
+
+
+class Recorder:
+    """A route handler that keeps what it is given, and raises for a device named ``boom``."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, object]] = []
+        self.changed = asyncio.Condition()
+
+    async def __call__(self, msg: object, match: TopicMatch) -> None:
+        if getattr(msg, "device", "") == "boom":
+            raise RuntimeError("a handler's bug")
+        self.seen.append((match.topic, msg))
+        async with self.changed:
+            self.changed.notify_all()
+
+
+@contextlib.asynccontextmanager
+async def routed(cfg: Config, name: str = "bus") -> AsyncIterator[tuple[Bus, Recorder]]:
+    """A bus routing hellos and events to a Recorder, running."""
+    bus = Bus(cfg.broker, client_id=f"{name}-{uuid.uuid4().hex[:6]}", metrics=ServiceMetrics("test"))
+    seen = Recorder()
+    bus.route(T.hello_filter(), DeviceHello, seen)
+    bus.route(T.events_filter(), Event, seen)
+    async with bus.running():
+        yield bus, seen
+
+
+def rejected(bus: Bus, route: str, reason: str) -> float:
+    return bus.metrics.value("edgemesh_test_rejected_total", route=route, reason=reason)
+
+
+async def test_a_handler_that_raises_is_counted_and_the_router_goes_on(broker: BrokerProcess) -> None:
+    cfg = config(broker)
+    async with routed(cfg) as (bus, seen), routed(cfg, "sender") as (sender, _):
+        await sender.publish(T.hello("boom"), hello("boom"))
+        await sender.publish(T.hello("pi-1"), hello("pi-1"))
+        await until("the next message handled", lambda: seen.seen, changed=seen.changed)
+        assert [m.device for _, m in seen.seen] == ["pi-1"]  # type: ignore[attr-defined]
+        assert rejected(bus, "hello", "handler") == 1
+        assert bus.metrics.value("edgemesh_test_received_messages_total", route="hello") == 2
+        assert bus.metrics.value("edgemesh_test_handler_seconds_count", route="hello") == 2
+
+
+async def test_a_body_that_contradicts_its_topic_never_reaches_the_handler(broker: BrokerProcess) -> None:
+    cfg = config(broker)
+    async with routed(cfg) as (bus, seen), routed(cfg, "sender") as (sender, _):
+        await sender.publish(T.hello("pi-1"), hello("pi-2"))  # pi-2's hello on pi-1's topic
+        await sender.publish(T.hello("pi-3"), Plan(version=1, created=0.0, model_spec="m", dataset="d"))  # wrong kind
+        await sender.publish(T.hello("pi-4"), hello("pi-4"))
+        await until("the good hello", lambda: seen.seen, changed=seen.changed)
+        assert [t for t, _ in seen.seen] == [T.hello("pi-4")]
+        assert rejected(bus, "hello", "topic") == 1 and rejected(bus, "hello", "kind") == 1
+
+
+async def test_junk_is_counted_on_its_route(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    cfg = config(mosquitto_broker, **{"broker.max_message_bytes": str(1 << 20), "broker.chunk_bytes": "1024"})
+    async with routed(cfg) as (bus, seen), routed(cfg, "sender") as (sender, _):
+        pub = ["mosquitto_pub", "-h", mosquitto_broker.host, "-p", str(mosquitto_broker.port), "-q", "1"]
+        subprocess.run([*pub, "-t", T.hello("pi-1"), "-m", "not msgpack"], check=True, timeout=WAIT_S)
+        big = tmp_path / "big"
+        big.write_bytes(b"\0" * (2 << 20))
+        subprocess.run([*pub, "-t", T.events(), "-f", str(big)], check=True, timeout=WAIT_S)
+        await sender.publish(T.events(), b"\0" * (2 << 20))  # chunked by the sender: refused once, as a whole
+        event = Event(kind="evaluation", source="ps", time=1.0, message="x" * 4000)
+        await sender.publish(T.events(), event)  # four chunks of 1 KiB, joined again
+        await until("the chunked event", lambda: seen.seen, changed=seen.changed)
+        assert seen.seen == [(T.events(), event)]
+        assert rejected(bus, "hello", "malformed") == 1 and rejected(bus, "events", "oversized") == 2
+
+
+async def test_every_route_goes_out_in_one_subscribe_and_again_on_reconnect(tmp_path: Path) -> None:
+    with BrokerProcess.mosquitto(extra_config="log_type all\n", workdir=tmp_path) as broker:
+        cfg = config(broker)
+        bus = Bus(cfg.broker, client_id="one-subscribe", metrics=ServiceMetrics("test"))
+        for filter_ in (T.plan_filter(), T.hello_filter(), T.status_filter(), T.grad_filter(), T.events_filter()):
+            bus.route(filter_, (Plan, DeviceHello, Event), Recorder())
+        async with bus.running():
+            await until("the subscription", lambda: f"one-subscribe 1 {T.root}/events/chunk/+" in broker.log_text())
+            assert len(re.findall(r"Received SUBSCRIBE from one-subscribe\b", broker.log_text())) == 1
+            broker.kill()
+            broker.start()
+            await until("a reconnect", lambda: bus.connections >= 2 and bus.is_connected)
+            await until("the subscription again", lambda: "Received SUBSCRIBE from one-subscribe" in broker.log_text())
+            assert len(re.findall(r"Received SUBSCRIBE from one-subscribe\b", broker.log_text())) == 1
+
+
+async def test_a_refused_login_ends_run_with_an_error_instead_of_retrying(tmp_path: Path) -> None:
+    passwords = tmp_path / "passwords"
+    passwords.write_text("")
+    subprocess.run(["mosquitto_passwd", "-b", str(passwords), "ops", "secret"], check=True, timeout=WAIT_S)
+    with BrokerProcess.mosquitto(extra_config=f"allow_anonymous false\npassword_file {passwords}\n",
+                                 workdir=tmp_path) as broker:
+        for username, password in (("ops", "wrong"), ("", "")):
+            broker_cfg = BrokerConfig(url=broker.url, username=username, password=password, backoff_initial_s=0.05)
+            bus = Bus(broker_cfg, client_id="refused", metrics=ServiceMetrics("test"))
+            with pytest.raises(BusError, match=re.escape(broker.url)):
+                async with asyncio.timeout(WAIT_S):  # a retry loop would run into this timeout instead
+                    await bus.run()
+            assert bus.connections == 0
+        # the right password connects
+        bus = Bus(BrokerConfig(url=broker.url, username="ops", password="secret"), client_id="ok",
+                  metrics=ServiceMetrics("test"))
+        async with bus.running():
+            assert bus.is_connected
+
+
+async def test_cancelling_run_leaves_no_task_behind(broker: BrokerProcess) -> None:
+    before = set(asyncio.all_tasks())
+    bus = Bus(config(broker).broker, client_id="tasks", metrics=ServiceMetrics("test"))
+    bus.route(T.hello_filter(), DeviceHello, Recorder())
+    async with asyncio.TaskGroup() as group:
+        task = group.create_task(bus.run())
+        await bus.wait_connected(WAIT_S)
+        assert len(set(asyncio.all_tasks()) - before) >= 2  # the reader and the router, under the caller's group
+        task.cancel()
+    leftover = {t for t in set(asyncio.all_tasks()) - before if not t.done()}
+    assert not leftover, leftover
+    assert not bus.is_connected
+
+
+def test_a_message_is_one_call_into_wire_each_way() -> None:
+    """The bus hands the wire a message once on the way out and once on the way in (chunks included)."""
+    receiver = wire.Receiver(max_bytes=1 << 20, budget_bytes=1 << 20, timeout_s=5)
+    event = Event(kind="x", source="ps", time=1.0, message="y" * 4000)
+    kind, pieces = wire.frames(event, 1024)
+    assert kind == "event" and len(pieces) > 1
+    got = [receiver.take(T.events(), piece, Event) for piece in pieces]
+    assert got[:-1] == [None] * (len(pieces) - 1) and got[-1] == event
