@@ -35,6 +35,7 @@ from edgemesh.common.config import Config, ParameterServerConfig
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import CodecPolicy, ControlCommand, ModelDelta, ModelSnapshot, ShardUpdate
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.service import ParameterServer
@@ -48,7 +49,7 @@ RUN_S = 30.0
 def snapshot(version: int, value: float = 1.0) -> ModelSnapshot:
     """A snapshot of model ``m``: one parameter ``w`` of 4 x 2, ``value`` everywhere."""
     return ModelSnapshot(version=version, model_spec="m",
-                         tensors={"w": wire.Tensor.from_numpy(np.full((4, 2), value, np.float32))})
+                         tensors={"w": Tensor.from_numpy(np.full((4, 2), value, np.float32))})
 
 
 def delta(version: int, base: int, change: float) -> ModelDelta:
@@ -60,7 +61,7 @@ def delta(version: int, base: int, change: float) -> ModelDelta:
 
 def digits_snapshot(params: dict[str, np.ndarray], version: int) -> ModelSnapshot:
     return ModelSnapshot(version=version, model_spec="digits-cnn",
-                         tensors={k: wire.Tensor.from_numpy(v) for k, v in params.items()})
+                         tensors={k: Tensor.from_numpy(v) for k, v in params.items()})
 
 
 # --------------------------------------------------------------------------- the worker's view (pure)

@@ -44,8 +44,8 @@ from edgemesh.common.config import BrokerConfig, load_config
 from edgemesh.common.errors import BrokerError
 from edgemesh.common.messages import ModelSnapshot
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
-from edgemesh.common.wire import Tensor
 from edgemesh.local.broker import find_mosquitto, free_port, wait_port
 from edgemesh.local.processes import parent_death_signal
 from edgemesh.services.compressor.service import Compressor

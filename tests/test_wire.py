@@ -41,7 +41,8 @@ from edgemesh.common.messages import (
     SyncState,
     UpdateAck,
 )
-from edgemesh.common.wire import Chunk, Reassembler, Tensor
+from edgemesh.common.tensor import MAX_TENSOR_DIMS, TENSOR_DTYPES, Tensor
+from edgemesh.common.wire import Chunk, Reassembler
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 """Hypothesis settings that keep the whole file well under a few seconds."""
@@ -229,7 +230,7 @@ def test_a_message_holding_an_arbitrary_object_is_not_pickled() -> None:
 # --------------------------------------------------------------------------- tensors
 
 
-_DTYPES = st.sampled_from(wire.TENSOR_DTYPES)
+_DTYPES = st.sampled_from(TENSOR_DTYPES)
 
 
 @st.composite
@@ -428,7 +429,7 @@ def test_a_float_tensor_holding_nan_or_inf_is_refused(dtype: str, bad: float) ->
     {"dtype": "float32", "shape": [2, 5], "data": b"\x00" * 20},
     {"dtype": "int64", "shape": [10], "data": b"\x00" * 40},
     {"dtype": "float32", "shape": [-10], "data": b""},
-    {"dtype": "float32", "shape": [1] * (wire.MAX_TENSOR_DIMS + 1), "data": b"\x00" * 4},
+    {"dtype": "float32", "shape": [1] * (MAX_TENSOR_DIMS + 1), "data": b"\x00" * 4},
 ], ids=["short", "long", "wrong-shape", "wrong-itemsize", "negative-dim", "too-many-dims"])
 def test_a_tensor_whose_bytes_disagree_with_dtype_and_shape_is_refused(tensor: dict[str, object]) -> None:
     assert _reason(_model_with(tensor), ModelSnapshot) == "shape"

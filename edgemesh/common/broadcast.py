@@ -30,6 +30,7 @@ from edgemesh.common.codecs import codec_for, get_codec
 from edgemesh.common.config import ParameterServerConfig
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import CodecPolicy, ModelDelta, ModelSnapshot, Plan, ShardUpdate
+from edgemesh.common.tensor import Tensor
 from edgemesh.common.vocabulary import SyncPolicy
 
 Rows = Mapping[str, tuple[int, int]]
@@ -74,7 +75,7 @@ class Broadcaster:
         """The model as a snapshot; in delta mode it is exact (float32) and resets the workers' view."""
         delta_mode = self.cfg.broadcast == "delta"
         dtype = "float32" if delta_mode else self.cfg.snapshot_dtype
-        tensors = {k: wire.Tensor.from_numpy(v.astype(dtype, copy=False)) for k, v in params.items()}
+        tensors = {k: Tensor.from_numpy(v.astype(dtype, copy=False)) for k, v in params.items()}
         snap = ModelSnapshot(version=version, model_spec=self.model_spec, created=time.time(), sync_policy=policy,
                              tensors=tensors)
         if delta_mode:

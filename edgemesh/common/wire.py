@@ -6,7 +6,7 @@ are the only functions that turn them into bytes and back. The decoder checks ev
 against the dataclass's type hints (types, finite floats, tensor dtype/shape/length), then
 the class's own ``validate()``; every failure is one ``WireError`` with a short reason.
 
-Tensors travel as ``(dtype, shape, raw little-endian bytes)``: never pickle.
+Tensors travel as ``(dtype, shape, raw little-endian bytes)`` (``tensor.Tensor``): never pickle.
 
 Large payloads are split into ``chunk`` envelopes carrying ``(id, index, count)`` and joined
 again by a ``Reassembler`` whose buffer is bounded in bytes and time. The bus makes one call here
@@ -30,6 +30,7 @@ import msgpack
 import numpy as np
 
 from edgemesh.common.errors import WireError
+from edgemesh.common.tensor import Tensor
 
 WIRE_VERSION = 1
 CHUNK_KIND = "chunk"
@@ -38,8 +39,6 @@ REFUSED_IDS_KEPT = 256
 """Ids of refused chunked messages remembered, so their other chunks are dropped silently."""
 MAX_STR = 4096
 MAX_ITEMS = 1_000_000
-MAX_TENSOR_DIMS = 8
-TENSOR_DTYPES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool")
 
 T = TypeVar("T")
 
@@ -71,50 +70,6 @@ def kind_of(cls_or_msg: Any) -> str:
 
 def registered_kinds() -> dict[str, type]:
     return dict(_KINDS)
-
-
-# --------------------------------------------------------------------------- tensors
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Tensor:
-    """A tensor on the wire: dtype name, shape and raw little-endian bytes."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-
-    @classmethod
-    def from_numpy(cls, array: np.ndarray) -> Tensor:
-        arr = np.asarray(array, order="C")  # unlike ascontiguousarray, keeps a 0-d shape ()
-        name = arr.dtype.name
-        if name not in TENSOR_DTYPES:
-            raise WireError(f"dtype {name} cannot travel on the wire", "dtype")
-        if arr.dtype.byteorder == ">":
-            arr = arr.astype(arr.dtype.newbyteorder("<"))
-        return cls(dtype=name, shape=tuple(int(d) for d in arr.shape), data=arr.tobytes())
-
-    def to_numpy(self) -> np.ndarray:
-        """A read-only view of the bytes (copy it before writing)."""
-        return np.frombuffer(self.data, dtype=np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    def validate(self) -> None:
-        if self.dtype not in TENSOR_DTYPES:
-            raise WireError(f"tensor dtype {self.dtype!r} not allowed", "dtype")
-        if len(self.shape) > MAX_TENSOR_DIMS or any(d < 0 for d in self.shape):
-            raise WireError(f"tensor shape {self.shape} invalid", "shape")
-        expected = self.numel * np.dtype(self.dtype).itemsize
-        if len(self.data) != expected:
-            raise WireError(
-                f"tensor of dtype {self.dtype} and shape {self.shape} needs {expected} bytes, got {len(self.data)}",
-                "shape",
-            )
-        if self.dtype.startswith("float") and not np.isfinite(self.to_numpy()).all():
-            raise WireError("tensor holds NaN or Inf", "nan")
 
 
 # --------------------------------------------------------------------------- plain conversion

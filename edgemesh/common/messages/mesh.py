@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from edgemesh.common.messages.checks import MAX_CLUSTER_MEMBERS, check_name, nonneg
-from edgemesh.common.wire import Tensor, message
+from edgemesh.common.tensor import Tensor
+from edgemesh.common.wire import message
 
 
 @message("mesh_ready")

@@ -13,8 +13,8 @@ import numpy as np
 from edgemesh.common.bus import Bus
 from edgemesh.common.errors import ModelError, WireError
 from edgemesh.common.messages import MeshSlice
+from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import Topics
-from edgemesh.common.wire import Tensor
 from edgemesh.services.worker.mesh.member import Exchange
 
 MAILBOX_STEPS = 3
