@@ -40,6 +40,7 @@ from edgemesh.bench.runs import Timeline, device_names, drive, fleet_profiles, n
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
 from edgemesh.common.errors import ConfigError, EdgeMeshError
+from edgemesh.common.metrics import sum_samples
 from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
@@ -109,12 +110,12 @@ def summarize(run: Run, cluster: LocalCluster, *, target: float, budget_s: float
     workers = cluster.samples_of("worker")
     iteration = []
     for samples in workers:
-        steps = sum(v for (n, _), v in samples.items() if n == "edgemesh_worker_steps_total")
+        steps = sum_samples(samples, "edgemesh_worker_steps_total")
         if steps:
             iteration.append(budget_s / steps)
     versions = cluster.total("edgemesh_ps_model_version", "ps")
-    steps_total = sum(v for s in workers for (n, _), v in s.items() if n == "edgemesh_worker_steps_total")
-    overruns = sum(v for s in workers for (n, _), v in s.items() if n == "edgemesh_worker_emulation_overruns_total")
+    steps_total = sum(sum_samples(s, "edgemesh_worker_steps_total") for s in workers)
+    overruns = sum(sum_samples(s, "edgemesh_worker_emulation_overruns_total") for s in workers)
     last = [a for _, _, a in evaluations[-FINAL_EVALUATIONS:]]
     plan = run.plan
     return {

@@ -68,6 +68,7 @@ from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
 from edgemesh.common.errors import ConfigError, EdgeMeshError
 from edgemesh.common.messages import DeviceHello, DeviceStats, PlanCluster, UpdateAck
+from edgemesh.common.metrics import sum_samples
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
@@ -250,8 +251,8 @@ def summarize(run: Run, cluster: LocalCluster, *, spec: str, batch: int) -> dict
     imbalance, per_layer = load_imbalance(run)
     plan = run.plan
     workers = cluster.samples_of("worker")
-    steps = sum(v for s in workers for (n, _), v in s.items() if n == "edgemesh_worker_steps_total")
-    overruns = sum(v for s in workers for (n, _), v in s.items() if n == "edgemesh_worker_emulation_overruns_total")
+    steps = sum(sum_samples(s, "edgemesh_worker_steps_total") for s in workers)
+    overruns = sum(sum_samples(s, "edgemesh_worker_emulation_overruns_total") for s in workers)
     rss = [c.peak_rss_kb / 1024 for c in cluster.children if c.role == "worker"]
     return {
         "avg_iteration_delay_s": round(statistics.fmean(times), 4) if times else None,

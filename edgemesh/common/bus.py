@@ -381,9 +381,6 @@ class Bus:
         except TimeoutError:
             raise BusError(f"could not publish on {topic} within {self.config.publish_timeout_s}s") from None
 
-    async def clear_retained(self, topic: str) -> None:
-        await self._publish_raw(topic, b"", retain=True, qos=QOS_STATE)
-
 
 def _code_in(exc: aiomqtt.MqttError, codes: tuple[int, ...]) -> bool:
     """Whether the broker answered with one of ``codes`` (a refused CONNECT)."""
