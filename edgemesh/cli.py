@@ -3,6 +3,7 @@
     edgemesh planner|ps|compressor|worker [--config F] [--broker URL] [--job J] [--set key=value ...]
     edgemesh broker [--host H] [--port P]            the embedded MQTT broker
     edgemesh demo [--workers N] [--report PATH] ...  a whole local cluster on one machine
+    edgemesh job submit|list|status|pause|resume|stop|export   training jobs on the running services
     edgemesh devices | ctl COMMAND ...              operator tools
     edgemesh bench codecs|fleet|mesh [--report PATH] benchmarks: JSON report + PNG
     edgemesh config [--config F] [--set ...]         print the effective configuration
@@ -36,6 +37,8 @@ COMMANDS: Mapping[str, tuple[str, str]] = {
     "demo": ("edgemesh.local.demo", "a whole local cluster: broker, planner, PS, compressor, N workers"),
     "devices": ("edgemesh.operator.devices", "list the devices of a job and their state"),
     "ctl": ("edgemesh.operator.ctl", "send a control command and print the replies"),
+    "job": ("edgemesh.operator.job", "submit a training job to the running services, follow, steer, export it"),
+    "predict": ("edgemesh.operator.predict", "classify images with an exported model (ONNX runs without torch)"),
     "bench": ("edgemesh.bench", "benchmarks that write JSON reports and PNG plots"),
 }
 """Subcommand -> (module with ``register(parser)``, one-line help)."""
@@ -74,6 +77,13 @@ def overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def load(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides=overrides(args))
+
+
+def require_job(config: Config) -> Config:
+    """``config``, which must name a job (the operator tools speak to one job's topics)."""
+    if not config.job:
+        raise EdgeMeshError("name the job with --job NAME (or job = \"NAME\" in the configuration)")
+    return config
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

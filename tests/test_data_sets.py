@@ -80,8 +80,6 @@ def test_dataset_validates_dtypes_shapes_and_labels() -> None:
     assert len(Dataset("ok", x, y, 3)) == 4
     with pytest.raises(DataError, match="float32"):
         Dataset("bad", x.astype(np.float64), y, 3)
-    with pytest.raises(DataError, match="float32"):
-        Dataset("bad", x[:, 0], y, 3)
     with pytest.raises(DataError, match="int64"):
         Dataset("bad", x, y.astype(np.int32), 3)
     with pytest.raises(DataError, match="labels"):
@@ -93,6 +91,18 @@ def test_dataset_validates_dtypes_shapes_and_labels() -> None:
     with pytest.raises(DataError, match="num_classes"):
         Dataset("bad", x, y, 0)
     assert issubclass(DataError, EdgeMeshError)
+
+
+def test_dataset_accepts_any_sample_shape_with_at_least_one_dimension() -> None:
+    y = np.array([0, 1, 2, 1], dtype=np.int64)
+    features = Dataset("csv", np.zeros((4, 5), dtype=np.float32), y, 3)  # (N, F): the rows of a CSV file
+    assert features.x.shape == (4, 5) and len(features) == 4
+    assert Dataset("chw", np.zeros((4, 1, 2, 2), dtype=np.float32), y, 3).x.shape == (4, 1, 2, 2)
+    assert Dataset("hw", np.zeros((4, 2, 2), dtype=np.float32), y, 3).x.shape == (4, 2, 2)
+    with pytest.raises(DataError, match=r"sample_shape.*\(4,\)"):  # x.ndim == 1: samples with no shape
+        Dataset("scalars", np.zeros(4, dtype=np.float32), y, 3)
+    with pytest.raises(DataError, match="float32"):
+        Dataset("doubles", np.zeros((4, 5), dtype=np.float64), y, 3)
 
 
 def test_dataset_arrays_are_read_only_without_touching_caller_arrays() -> None:

@@ -1,13 +1,15 @@
 """What training one model spec costs a device: FLOPs and memory, without importing torch.
 
-The planner sizes batches and checks memory with these figures, and it runs on small hosts
-that must not pay for torch, so the figures are a table here; ``models.measure_cost`` derives
-the same numbers from the torch modules and a test keeps the two equal.
+The planner sizes batches and checks memory with these figures, and it runs on small hosts that
+must not pay for torch, so this module only holds them: a registry of every spec's figures, filled
+with figures derived from the torch modules (``models.derive_costs``). A process that has torch
+derives a spec's figures on first use (``models`` is imported then, not before); one that has not
+registers the figures it is given (``cost_from_plain``: the plain form travels in a message).
 
 Cost model
 ----------
 * **Compute.** ``train_flops_per_sample = 6 x MACs``: a forward pass costs 2 FLOPs per
-  multiply-accumulate of every conv and linear layer; the backward pass about twice the forward
+  multiply-accumulate of every conv, linear and attention layer; the backward pass about twice the forward
   (input and weight gradients). Element-wise layers are left out (they are memory-bound and small).
 * **Memory** of a training process at batch ``b``:
   ``RUNTIME_BYTES + PARAM_COPIES x 4 x params + ACTIVATION_COPIES x 4 x b x activations``
@@ -23,8 +25,9 @@ Cost model
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from edgemesh.common.errors import ModelError
 
@@ -48,22 +51,16 @@ class ModelCost:
     """Per-sample training cost of a model spec."""
 
     params: int
-    """Number of trainable parameters."""
+    """Number of parameters (every one of ``named_parameters()``: all of them travel)."""
     macs_per_sample: int
-    """Multiply-accumulates of the conv and linear layers in one forward pass of one sample."""
+    """Multiply-accumulates of the matrix multiplies (linear layers), convolutions and attention in one
+    forward pass of one sample, as torch's flop counter counts them (``models.cost``)."""
     activations_per_sample: int
     """float32 values every layer outputs for one sample (input included)."""
 
     @property
     def train_flops_per_sample(self) -> float:
         return float(FLOPS_PER_MAC * self.macs_per_sample)
-
-
-COSTS: dict[str, ModelCost] = {
-    "digits-cnn": ModelCost(params=38_282, macs_per_sample=337_536, activations_per_sample=7_434),
-    "cifar-cnn": ModelCost(params=620_362, macs_per_sample=10_848_768, activations_per_sample=137_738),
-}
-"""Cost of every spec in ``models.MODEL_SPECS`` (checked against the modules by the tests)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,24 +87,6 @@ class LayerCost:
     """float32 values of the layer's whole input, for one sample."""
 
 
-LAYERS: dict[str, tuple[LayerCost, ...]] = {
-    "digits-cnn": (
-        LayerCost("conv1", 16, 576, 10, 64, 64, 64),
-        LayerCost("conv2", 32, 9_216, 145, 64, 16, 1_024),
-        LayerCost("fc1", 64, 512, 513, 1, 1, 512),
-        LayerCost("fc2", 10, 64, 65, 1, 1, 64),
-    ),
-    "cifar-cnn": (
-        LayerCost("conv1", 32, 27_648, 28, 1_024, 256, 3_072),
-        LayerCost("conv2", 64, 73_728, 289, 256, 64, 8_192),
-        LayerCost("conv3", 128, 36_864, 577, 64, 16, 4_096),
-        LayerCost("fc1", 256, 2_048, 2_049, 1, 1, 2_048),
-        LayerCost("fc2", 10, 256, 257, 1, 1, 256),
-    ),
-}
-"""The divisible layers of every spec, in forward order (checked against the modules by the tests)."""
-
-
 def slices(counts: Sequence[int]) -> list[tuple[int, int]]:
     """Contiguous ``[start, stop)`` ranges of the units of one layer, member by member in member order:
     how a filter division's counts become each member's rows."""
@@ -121,18 +100,107 @@ def slices(counts: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def layers(spec: str) -> tuple[LayerCost, ...]:
-    try:
-        return LAYERS[spec]
-    except KeyError:
-        raise ModelError(f"no layer figures for model {spec!r}; known: {', '.join(sorted(LAYERS))}") from None
+_COSTS: dict[str, ModelCost] = {}
+_LAYERS: dict[str, tuple[LayerCost, ...] | None] = {}
+_WHY: dict[str, str] = {}
+"""Why a registered spec has no layer figures (the module model parallelism refuses)."""
+
+
+def register(spec: str, cost: ModelCost, layers: tuple[LayerCost, ...] | None, *, why: str = "") -> None:
+    """Figures of ``spec`` (replacing any it had): ``layers`` None when model parallelism cannot divide
+    it, ``why`` saying what stops it."""
+    _COSTS[spec], _LAYERS[spec] = cost, (tuple(layers) if layers is not None else None)
+    _WHY[spec] = why
+
+
+def forget(spec: str) -> None:
+    """Drop the figures of ``spec`` (its model changed); the next lookup derives them again."""
+    _COSTS.pop(spec, None)
+    _LAYERS.pop(spec, None)
+    _WHY.pop(spec, None)
+
+
+def known(spec: str) -> bool:
+    """Whether figures of ``spec`` are registered (nothing is derived)."""
+    return spec in _COSTS
+
+
+def _figures(spec: str) -> tuple[ModelCost, tuple[LayerCost, ...] | None]:
+    """The registered figures of ``spec``, derived from its modules (torch) the first time."""
+    if spec not in _COSTS:
+        try:
+            from edgemesh.common import models
+        except ImportError as exc:
+            raise ModelError(f"no cost figures for model {spec!r}, and none can be derived here: {exc}") from exc
+        models.register_costs(spec)  # ModelError for an unknown spec, listing the known ones
+    return _COSTS[spec], _LAYERS[spec]
 
 
 def cost(spec: str) -> ModelCost:
-    try:
-        return COSTS[spec]
-    except KeyError:
-        raise ModelError(f"no cost figures for model {spec!r}; known: {', '.join(sorted(COSTS))}") from None
+    """Per-sample cost of ``spec``; ModelError for an unknown spec."""
+    return _figures(spec)[0]
+
+
+def layers(spec: str) -> tuple[LayerCost, ...]:
+    """The divisible layers of ``spec`` in forward order; ModelError for an unknown spec or one model
+    parallelism cannot divide (saying why)."""
+    figures = _figures(spec)[1]
+    if figures is None:
+        raise ModelError(f"no layer figures for model {spec!r}: {_WHY.get(spec) or 'it cannot be divided'}")
+    return figures
+
+
+PLAIN_VERSION = 1
+"""Version of the plain form (``cost_to_plain``); another version is refused."""
+_COST_FIELDS = ("params", "macs_per_sample", "activations_per_sample")
+_LAYER_FIELDS = ("name", "units", "macs_per_unit", "params_per_unit", "out_per_unit", "gathered_per_unit",
+                 "in_values")
+
+
+def cost_to_plain(cost: ModelCost, layers: Sequence[LayerCost] | None) -> dict[str, Any]:
+    """The figures as JSON-ready plain data (ints, strings, lists), for a message."""
+    return {
+        "version": PLAIN_VERSION,
+        **{f: getattr(cost, f) for f in _COST_FIELDS},
+        "layers": None if layers is None else [{f: getattr(la, f) for f in _LAYER_FIELDS} for la in layers],
+    }
+
+
+def _fields(d: Any, names: tuple[str, ...], ints: tuple[str, ...], where: str) -> dict[str, Any]:
+    """``d`` as a dict: a table of exactly ``names``, those of ``ints`` integers >= 0."""
+    if not isinstance(d, Mapping):
+        raise ModelError(f"{where}: expected a table, got {type(d).__name__}")
+    if set(d) != set(names):
+        missing, extra = sorted(set(names) - set(d)), sorted(set(d) - set(names))
+        raise ModelError(f"{where}: missing {missing}, unexpected {extra}")
+    for name in ints:
+        if not (isinstance(d[name], int) and not isinstance(d[name], bool) and d[name] >= 0):
+            raise ModelError(f"{where}: {name} must be an integer >= 0, got {d[name]!r}")
+    return dict(d)
+
+
+def cost_from_plain(d: Any) -> tuple[ModelCost, tuple[LayerCost, ...] | None]:
+    """The figures ``cost_to_plain`` gave; ModelError naming the first thing wrong."""
+    top = _fields(d, ("version", *_COST_FIELDS, "layers"), ("version", *_COST_FIELDS), "cost figures")
+    if top["version"] != PLAIN_VERSION:
+        raise ModelError(f"cost figures: version {top['version']} is not {PLAIN_VERSION}")
+    cost = ModelCost(**{f: top[f] for f in _COST_FIELDS})
+    if top["layers"] is None:
+        return cost, None
+    if not isinstance(top["layers"], list | tuple) or not top["layers"]:
+        raise ModelError(f"cost figures: layers must be a non-empty list or null, got {top['layers']!r}")
+    out = []
+    for i, item in enumerate(top["layers"]):
+        la = _fields(item, _LAYER_FIELDS, _LAYER_FIELDS[1:], f"cost figures: layer {i}")
+        if not isinstance(la["name"], str) or not la["name"]:
+            raise ModelError(f"cost figures: layer {i}: name must be a non-empty string, got {la['name']!r}")
+        if la["units"] < 1:
+            raise ModelError(f"cost figures: layer {i} ({la['name']}): units must be >= 1")
+        out.append(LayerCost(**la))
+    names = [la.name for la in out]
+    if len(set(names)) != len(names):
+        raise ModelError(f"cost figures: layer names repeat: {names}")
+    return cost, tuple(out)
 
 
 def training_memory_bytes(spec: str, batch: int) -> int:

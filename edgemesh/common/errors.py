@@ -48,3 +48,16 @@ class ModelError(EdgeMeshError):
 
 class CheckpointError(EdgeMeshError):
     """A checkpoint or write-ahead log is unreadable or belongs to another model."""
+
+
+class JobError(EdgeMeshError):
+    """A job file (or a submitted job) is invalid; ``problems`` names each thing wrong, by its key."""
+
+    def __init__(self, origin: str, problems: list[str]) -> None:
+        self.origin = origin
+        self.problems = list(problems)
+        super().__init__(f"{origin}: " + "; ".join(self.problems))
+
+
+class ExportError(EdgeMeshError):
+    """A model could not be exported or its export (model file, model card) cannot be read back."""

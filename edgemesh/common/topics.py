@@ -21,16 +21,17 @@ from typing import Literal
 
 from edgemesh.common.vocabulary import MAX_TOPIC_CHARS, check_name, valid_name, valid_topic
 
-__all__ = ["MAX_TOPIC_CHARS", "CHUNK_SEGMENT", "PREFIX", "Filter", "TopicError", "TopicMatch", "Topics", "base_topic",
-           "check_name", "match", "matches", "parse", "valid_name", "valid_topic"]
+__all__ = ["MAX_TOPIC_CHARS", "CHUNK_SEGMENT", "PREFIX", "Filter", "TopicError", "TopicMatch", "Topics",
+           "all_job_states_filter", "all_jobs_filter", "base_topic", "check_name", "match", "matches", "parse",
+           "valid_name", "valid_topic"]
 
 PREFIX = "edgemesh/v1"
 CHUNK_SEGMENT = "chunk"
 
-TopicKind = Literal["hello", "status", "stats", "plan", "sync", "codec", "model", "delta", "grad", "grad_raw",
-                    "ack", "mesh", "control", "reply", "events"]
+TopicKind = Literal["hello", "status", "stats", "evaluation", "plan", "sync", "codec", "model", "delta", "grad",
+                    "grad_raw", "ack", "mesh", "control", "reply", "events", "job", "job_state", "job_model"]
 """The families of topics; a route is named after the family it consumes."""
-SERVICE_TARGETS = ("planner", "ps", "compressor", "all")
+SERVICE_TARGETS = ("planner", "ps", "compressor", "all", "job")
 """Control targets other than ``device/{id}``."""
 CHECKED_FIELDS = ("device", "cluster", "layer", "phase")
 """Fields a topic names that a message body must not contradict."""
@@ -113,6 +114,13 @@ class Topics:
 
     def stats(self, device: str) -> str:
         return f"{self.root}/device/{device}/stats"
+
+    def evaluation(self, device: str) -> str:
+        """A device's accuracy on its local validation share (jobs evaluated where the data lives)."""
+        return f"{self.root}/device/{device}/evaluation"
+
+    def evaluation_filter(self) -> Filter:
+        return self._filter("device/+/evaluation", "evaluation")
 
     def hello_filter(self) -> Filter:
         return self._filter("device/+/hello", "hello")
@@ -210,10 +218,39 @@ class Topics:
     def events_filter(self) -> Filter:
         return self._filter("events", "events")
 
+    # --- jobs -------------------------------------------------------------------------------
+    def job_file(self) -> str:
+        """The submitted job file (retained): what every service serves while the job runs."""
+        return f"{self.root}/job"
+
+    def job_state(self) -> str:
+        """The job's state and progress (retained), published by the parameter server's host."""
+        return f"{self.root}/job/state"
+
+    def job_model(self) -> str:
+        """The job's final model (retained, float32), for ``edgemesh job export``."""
+        return f"{self.root}/job/model"
+
+    def job_state_filter(self) -> Filter:
+        return self._filter("job/state", "job_state")
+
+    def job_model_filter(self) -> Filter:
+        return self._filter("job/model", "job_model")
+
     # --- chunking --------------------------------------------------------------------------
     @staticmethod
     def chunk(topic: str, index: int) -> str:
         return f"{topic}/{CHUNK_SEGMENT}/{index}"
+
+
+def all_jobs_filter() -> Filter:
+    """Every job submitted on the broker (the services that serve submitted jobs consume it)."""
+    return Filter(f"{PREFIX}/+/job", "job")
+
+
+def all_job_states_filter() -> Filter:
+    """Every job's state (``edgemesh job list``, and the services: which job runs now)."""
+    return Filter(f"{PREFIX}/+/job/state", "job_state")
 
 
 def parse(topic: str) -> TopicMatch:
@@ -225,10 +262,16 @@ def parse(topic: str) -> TopicMatch:
         raise TopicError(f"{topic!r} is not under {PREFIX}/{{job}}/")
     job, rest, base = parts[2], parts[3:], "/".join(parts)
     match rest:
-        case ["device", device, ("hello" | "status" | "stats") as kind]:
+        case ["device", device, ("hello" | "status" | "stats" | "evaluation") as kind]:
             return TopicMatch(job, kind, base, device=device)
         case ["plan" | "sync" | "model" | "events" as kind]:
             return TopicMatch(job, kind, base)
+        case ["job"]:
+            return TopicMatch(job, "job", base)
+        case ["job", "state"]:
+            return TopicMatch(job, "job_state", base)
+        case ["job", "model"]:
+            return TopicMatch(job, "job_model", base)
         case ["model", "delta"]:
             return TopicMatch(job, "delta", base)
         case ["model", "delta", device]:

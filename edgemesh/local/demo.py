@@ -1,10 +1,11 @@
-"""``edgemesh demo``: a whole local cluster, each service its own process.
+"""``edgemesh demo``: a whole local cluster, each service its own process, and one job submitted to it.
 
-Starts a broker unless one is given (Mosquitto if installed, else the embedded amqtt one),
-then the planner, the parameter server, the compressor and N workers; follows the PS's
-evaluation events with a progress bar; stops at the target accuracy, the version limit or
-the timeout; reads every process's ``/metrics``; prints a summary and writes a JSON report.
-Ctrl-C (or SIGTERM) stops every child; none is left behind.
+Starts a broker unless one is given (Mosquitto if installed, else the embedded amqtt one), then the
+planner, the parameter server, the compressor and N workers, all serving submitted jobs as they do
+under systemd; submits the digits job (``DIGITS_JOB``, the same as ``examples/digits.toml``) as
+``edgemesh job submit`` does; follows the PS's evaluation events with a progress bar; stops at the
+target accuracy, the version limit or the timeout; reads every process's ``/metrics``; prints a
+summary and writes a JSON report. Ctrl-C (or SIGTERM) stops every child; none is left behind.
 """
 
 from __future__ import annotations
@@ -27,15 +28,26 @@ from edgemesh import cli
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError
+from edgemesh.common.jobs import parse_job, render_job
 from edgemesh.common.messages import Event
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
+from edgemesh.operator.job import submission_of, submit
 from edgemesh.services.runtime import install_stop_signals
 
 logger = logging.getLogger(__name__)
 
+DIGITS_MODEL: dict[str, Any] = {
+    "input_shape": [1, 8, 8],
+    "classes": [str(d) for d in range(10)],
+    "layers": [{"conv2d": 16, "kernel": 3, "padding": 1}, "relu", {"conv2d": 32, "kernel": 3, "padding": 1}, "relu",
+               {"maxpool2d": 2}, "flatten", {"linear": 64}, "relu", {"linear": 10}],
+}
+"""The demo's CNN: two 3x3 conv layers (16, 32), max-pool, two linear layers (``examples/digits.toml``)."""
+DIGITS_NORMALIZATION = {"mean": [0.3055], "std": [0.3761]}
+"""Pixel mean and standard deviation of the digits training split (pixels in [0, 1])."""
 PROGRESS_WIDTH = 30
 GUARD_INTERVAL_S = 0.5
 """How often the demo checks that its children still run."""
@@ -71,8 +83,8 @@ class Demo:
             self.broker = BrokerProcess.embedded() if self.embedded_broker else BrokerProcess.default()
             self.broker.start()
             self.cfg = replace(self.cfg, broker=replace(self.cfg.broker, url=self.broker.url))
-        # every child gets the demo's whole configuration (file, environment, flags)
-        self.cluster = LocalCluster(self.cfg, self.workdir)
+        # every child gets the demo's whole configuration (file, environment, flags) and serves submitted jobs
+        self.cluster = LocalCluster(self.cfg, self.workdir, serve_jobs=True)
         self.cluster.start_services(min_devices=self.cfg.demo.workers)
         link = ["--set", f"worker.link_rate_bps={self.cfg.demo.link_rate_bps}"] if self.cfg.demo.link_rate_bps else []
         for i in range(self.cfg.demo.workers):
@@ -83,6 +95,26 @@ class Demo:
             self.cluster.stop()
         if self.broker is not None:
             self.broker.stop()
+
+    def job(self) -> str:
+        """The job the demo submits: the digits CNN, stopping at the demo's target or version limit."""
+        c = self.cfg
+        return render_job({
+            "job": {"name": c.job, "target_accuracy": c.demo.target_accuracy, "max_versions": c.demo.max_versions},
+            "model": DIGITS_MODEL,
+            "data": {"format": "digits", **DIGITS_NORMALIZATION, "partition": c.training.partition,
+                     "partition_alpha": c.training.partition_alpha},
+            "evaluation": {"every": max(1, c.ps.eval_every)}})
+
+    async def _submit(self) -> None:
+        """Submit the job as ``edgemesh job submit`` does, once the parameter server's host is up."""
+        spec = parse_job(self.job(), origin="the demo's job")
+        submission = await asyncio.to_thread(submission_of, spec, search_path=[])
+        with contextlib.redirect_stdout(sys.stderr):
+            code = await submit(self.cfg, spec, submission, wait_s=self.cfg.demo.timeout_s)
+        if code != 0:
+            self.failure = self.failure or "the job was not taken"
+            self.stop.set()
 
     # ------------------------------------------------------------------ watching
     async def _watch(self) -> None:
@@ -156,7 +188,7 @@ class Demo:
               f"{self.cfg.demo.workers} workers, policy {self.cfg.training.sync_policy}; logs in {self.workdir}",
               file=sys.stderr, flush=True)
         tasks = [asyncio.create_task(self._watch()), asyncio.create_task(self._guard()),
-                 asyncio.create_task(self._show(started))]
+                 asyncio.create_task(self._show(started)), asyncio.create_task(self._submit())]
         try:
             async with asyncio.timeout(self.cfg.demo.timeout_s):
                 await self.stop.wait()
@@ -235,7 +267,7 @@ def _print_summary(report: dict[str, Any]) -> None:
 def run_demo(config: Config, *, report: str | None, external_broker: bool, quiet: bool = False,
              embedded_broker: bool = False) -> int:
     """Run the demo; returns the process exit code (0 when the target was reached)."""
-    if config.job == "default":
+    if not config.job:
         config = replace(config, job=f"demo-{uuid.uuid4().hex[:6]}")
     demo = Demo(config, external_broker=external_broker, quiet=quiet, embedded_broker=embedded_broker)
     wall = 0.0

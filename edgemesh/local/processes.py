@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -94,13 +94,15 @@ def scrape(port_file: Path) -> Samples:
 class LocalCluster:
     """The processes of one job. ``config.broker.url`` must point at a running broker."""
 
-    def __init__(self, config: Config, workdir: Path, *, write_config: bool = True) -> None:
+    def __init__(self, config: Config, workdir: Path, *, write_config: bool = True, serve_jobs: bool = False) -> None:
         self.cfg = config
         self.workdir = workdir
+        self.serve_jobs = serve_jobs
+        """The services serve submitted jobs (no ``--job``): ``config.job`` only names the files."""
         self.children: list[Child] = []
         self.config_file = workdir / f"{config.job}.toml"
         if write_config:
-            self.config_file.write_text(to_toml(config))
+            self.config_file.write_text(to_toml(replace(config, job="") if serve_jobs else config))
 
     @classmethod
     def empty(cls, config: Config, workdir: Path) -> LocalCluster:
@@ -114,9 +116,11 @@ class LocalCluster:
         """
         log_path = self.workdir / f"{self.cfg.job}-{name}.log"
         port_file = self.workdir / f"{self.cfg.job}-{name}.port"
-        # job and broker are in the file too; on the command line they tell processes apart in `ps`
-        cmd = [sys.executable, "-m", "edgemesh", role, "--config", str(self.config_file),
-               "--job", self.cfg.job, "--broker", self.cfg.broker.url,
+        # job and broker are in the file too; on the command line they tell processes apart in `ps` (the
+        # config file's name too, which names the job: services serving submitted jobs have no --job)
+        job = [] if self.serve_jobs else ["--job", self.cfg.job]
+        cmd = [sys.executable, "-m", "edgemesh", role, "--config", str(self.config_file), *job,
+               "--broker", self.cfg.broker.url,
                "--metrics", "127.0.0.1:0", "--set", f"metrics.port_file={port_file}",
                "--log-level", self.cfg.log_level, *(extra or [])]
         log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - handed to the child

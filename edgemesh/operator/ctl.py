@@ -85,7 +85,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    config = cli.load(args)
+    config = cli.require_job(cli.load(args))
     cli.setup_logging(config.log_level if args.log_level else "WARNING")
     return asyncio.run(send_command(config, target=args.target, command=args.command, value=args.value,
                                     device=args.device_name or "", timeout_s=args.timeout_s))

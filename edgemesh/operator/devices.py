@@ -80,6 +80,6 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    config = cli.load(args)
+    config = cli.require_job(cli.load(args))
     cli.setup_logging(config.log_level if args.log_level else "WARNING")
     return asyncio.run(list_devices(config, wait_s=args.wait))

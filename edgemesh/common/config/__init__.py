@@ -3,7 +3,7 @@
 Precedence: defaults < TOML file < ``EDGEMESH_*`` environment < command-line flags (docs/operations.md).
 """
 
-from edgemesh.common.config.loading import describe, load_config, to_toml
+from edgemesh.common.config.loading import describe, load_config, to_toml, with_settings
 from edgemesh.common.config.sections import (
     AdaptiveConfig,
     BrokerConfig,
@@ -20,4 +20,5 @@ from edgemesh.common.config.sections import (
 __all__ = [
     "AdaptiveConfig", "BrokerConfig", "CompressorConfig", "Config", "DemoConfig", "MetricsConfig",
     "ParameterServerConfig", "PlannerConfig", "TrainingConfig", "WorkerConfig", "describe", "load_config", "to_toml",
+    "with_settings",
 ]

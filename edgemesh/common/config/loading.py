@@ -155,6 +155,12 @@ def load_config(
     return typing.cast(Config, _build(Config, tree, ""))
 
 
+def with_settings(cfg: Config, tree: Mapping[str, Any]) -> Config:
+    """``cfg`` with the settings of ``tree`` (nested tables, as in a TOML file) over it, validated as
+    ``load_config`` validates (ConfigError names the key)."""
+    return typing.cast(Config, _build(Config, _merge(dataclasses.asdict(cfg), tree), ""))
+
+
 def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
     """(dotted key, value, doc) rows of a config, for ``edgemesh config`` and the docs."""
     rows: list[tuple[str, Any, str]] = []

@@ -118,9 +118,9 @@ class TrainingConfig:
     model_spec: str = "digits-cnn"
     """Named model spec (see ``edgemesh.common.models``)."""
     dataset: str = "digits"
-    """digits | mnist-idx | cifar10."""
+    """digits | mnist-idx | cifar10 | synthetic-cifar; under a submitted job, the job's data format."""
     dataset_path: str = ""
-    """Directory of the data set files (not needed for digits)."""
+    """Directory of the data set files (not needed for digits); under a job, the data's path on each device."""
     partition: Literal["iid", "dirichlet"] = "iid"
     """How the training split is divided among devices."""
     partition_alpha: float = 0.5
@@ -268,6 +268,9 @@ class ParameterServerConfig:
     while only the indices move; a change of policy, bound or slow devices goes out at once."""
     eval_interval_s: float = 0.0
     """Also evaluate when this many seconds passed since the last evaluation and the model moved (0 = off)."""
+    data_dir: str = ""
+    """Directory a submitted job's relative ``evaluation.path`` is read from on this host; empty = the working
+    directory."""
 
     def __post_init__(self) -> None:
         _require(self.mesh_assembly_timeout_s > 0, "ps.mesh_assembly_timeout_s", "must be > 0")
@@ -345,6 +348,9 @@ class WorkerConfig:
     """Uplink rate to report, bytes/s; 0 = measure it from gradient publishes (time to the broker's PUBACK)."""
     can_encode: bool = True
     """False: send raw float32 gradients on ``grad-raw`` and let the compressor gateway encode them."""
+    data_dir: str = ""
+    """Directory a submitted job's relative ``data.path`` is read from on this device (absolute paths are
+    read as they are); empty = the working directory."""
     emulate: str = ""
     """Emulate this device profile (``edgemesh.common.emulation``: pi3, pi4, ...): its speed, memory and
     link; empty = a real device (the default)."""
@@ -408,8 +414,10 @@ class DemoConfig:
 class Config:
     """Everything a service needs."""
 
-    job: str = "default"
-    """Job name: the topic namespace, so several trainings can share a broker."""
+    job: str = ""
+    """Job name: the topic namespace, so several trainings can share a broker. A service started without
+    one serves the jobs operators submit (``edgemesh job submit``), one after another; the operator tools
+    need it to know which job they speak to."""
     log_level: str = "INFO"
     """Python logging level."""
     broker: BrokerConfig = field(default_factory=BrokerConfig)
@@ -422,6 +430,7 @@ class Config:
     demo: DemoConfig = field(default_factory=DemoConfig)
 
     def __post_init__(self) -> None:
-        _require(valid_name(self.job), "job", f"{self.job!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
+        _require(not self.job or valid_name(self.job), "job",
+                 f"{self.job!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
         _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                  "one of DEBUG INFO WARNING ERROR")

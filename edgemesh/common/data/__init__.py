@@ -10,6 +10,7 @@ Modules: ``dataset`` (:class:`Dataset`, the registry of named sets and :func:`lo
 ``digits``, ``mnist`` (IDX files), ``cifar`` (CIFAR-10 batches, the restricted unpickler, the
 synthetic set), ``partitions`` (:func:`split_indices`, :func:`shard`) and ``batches``
 (:class:`BatchIterator`, :func:`batch_at`). Importing the package registers every data set.
+``local`` reads a device's own data (:func:`load_local`: image folders, CSV, npz) into :class:`LocalData`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from edgemesh.common.data.cifar import (
 )
 from edgemesh.common.data.dataset import DATASET_NAMES, UINT8_PIXEL_MAX, Dataset, load_dataset
 from edgemesh.common.data.digits import DIGITS_COLUMNS, DIGITS_PIXEL_MAX, stratified_test_indices
+from edgemesh.common.data.local import DATA_FORMATS, IMAGE_SUFFIXES, LocalData, load_local, read_image
 from edgemesh.common.data.mnist import MNIST_FILES, MNIST_IMAGE_SHAPE, MNIST_NUM_CLASSES, parse_idx
 from edgemesh.common.data.partitions import SPLIT_SCHEMES, shard, split_indices
 
@@ -39,8 +41,10 @@ __all__ = [
     "CIFAR_TEST_BATCH",
     "CIFAR_TRAIN_BATCHES",
     "DATASET_NAMES",
+    "DATA_FORMATS",
     "DIGITS_COLUMNS",
     "DIGITS_PIXEL_MAX",
+    "IMAGE_SUFFIXES",
     "MNIST_FILES",
     "MNIST_IMAGE_SHAPE",
     "MNIST_NUM_CLASSES",
@@ -50,10 +54,13 @@ __all__ = [
     "UINT8_PIXEL_MAX",
     "BatchIterator",
     "Dataset",
+    "LocalData",
     "RestrictedUnpickler",
     "batch_at",
     "load_dataset",
+    "load_local",
     "parse_idx",
+    "read_image",
     "restricted_loads",
     "shard",
     "split_indices",

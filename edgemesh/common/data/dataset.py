@@ -23,11 +23,12 @@ UINT8_PIXEL_MAX: Final = 255.0
 
 @dataclass(frozen=True, slots=True)
 class Dataset:
-    """An in-memory labelled image set.
+    """An in-memory labelled data set.
 
-    ``x`` is float32 of shape (N, C, H, W), ``y`` int64 of shape (N,) with labels in
-    ``[0, num_classes)``. The stored arrays are read-only views, so a cached data set
-    cannot be changed by one of its users.
+    ``x`` is float32 of shape (N, *sample_shape) with at least one sample dimension: (N, C, H, W)
+    for images, (N, F) for the feature rows of a CSV file. ``y`` is int64 of shape (N,) with labels
+    in ``[0, num_classes)``. The stored arrays are read-only views, so a cached data set cannot be
+    changed by one of its users.
     """
 
     name: str
@@ -38,17 +39,17 @@ class Dataset:
     def __post_init__(self) -> None:
         if not isinstance(self.x, np.ndarray) or not isinstance(self.y, np.ndarray):
             raise DataError(f"dataset {self.name!r}: x and y must be numpy arrays")
-        if self.x.dtype != np.float32 or self.x.ndim != 4:
+        if self.x.dtype != np.float32 or self.x.ndim < 2:
             raise DataError(
-                f"dataset {self.name!r}: x must be float32 of shape (N, C, H, W), "
-                f"got {self.x.dtype} {self.x.shape}"
+                f"dataset {self.name!r}: x must be float32 of shape (N, *sample_shape) with at least "
+                f"one sample dimension, got {self.x.dtype} {self.x.shape}"
             )
         if self.y.dtype != np.int64 or self.y.ndim != 1:
             raise DataError(
                 f"dataset {self.name!r}: y must be int64 of shape (N,), got {self.y.dtype} {self.y.shape}"
             )
         if self.x.shape[0] != self.y.shape[0]:
-            raise DataError(f"dataset {self.name!r}: {self.x.shape[0]} images but {self.y.shape[0]} labels")
+            raise DataError(f"dataset {self.name!r}: {self.x.shape[0]} samples but {self.y.shape[0]} labels")
         if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int):
             raise DataError(f"dataset {self.name!r}: num_classes must be an int")
         if self.num_classes < 1:

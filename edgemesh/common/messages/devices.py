@@ -51,10 +51,11 @@ class DeviceHello:
 @message("status")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeviceStatus:
-    """Liveness, retained on ``device/{id}/status``; ``offline`` is also the MQTT will."""
+    """Liveness, retained on ``device/{id}/status``; ``offline`` is also the MQTT will. ``left``: the device
+    left this job (its data is missing or broken: ``reason`` says why) and trains no more in it."""
 
     device: str
-    state: Literal["online", "offline"]
+    state: Literal["online", "offline", "left"]
     incarnation: int = 0
     time: float = 0.0
     refused_plan: int = 0

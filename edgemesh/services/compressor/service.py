@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import statistics
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from edgemesh import cli
 from edgemesh.common import wire
@@ -55,6 +56,9 @@ from edgemesh.common.topics import TopicMatch, Topics, valid_name
 from edgemesh.common.vocabulary import CODECS, CodecName
 from edgemesh.services.compressor.policy import FP32_BYTES, REASON_OPERATOR, change_kind, choose_policy
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
+
+if TYPE_CHECKING:
+    from edgemesh.services.host import ActiveJob
 
 logger = logging.getLogger(__name__)
 
@@ -359,5 +363,16 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 async def run(config: Config) -> None:
-    """Run the compressor until stopped (SIGINT, SIGTERM or a ``stop`` command)."""
-    await Compressor(config).run(signals=True)
+    """Run the compressor until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of
+    the configuration, or without one the jobs operators submit, one after another."""
+    if config.job:
+        await Compressor(config).run(signals=True)
+        return
+    from edgemesh.services.host import JobHost
+
+    await JobHost("compressor", config, for_job).run(signals=True)
+
+
+async def for_job(active: ActiveJob) -> Compressor:
+    """The compressor of a submitted job (the job's cost figures are registered by the host)."""
+    return Compressor(active.config)

@@ -25,14 +25,25 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edgemesh import cli
 from edgemesh.common.broadcast import Broadcaster, ModelMessage
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import WireError
-from edgemesh.common.messages import ControlCommand, GradientUpdate, Plan, SyncState, UpdateAck
+from edgemesh.common.jobs import JobSpec
+from edgemesh.common.messages import (
+    ControlCommand,
+    GradientUpdate,
+    LocalEvaluation,
+    ModelSnapshot,
+    Plan,
+    SyncState,
+    UpdateAck,
+)
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy, payload_reason
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
@@ -51,6 +62,9 @@ from edgemesh.services.parameter_server.scheduler import (
 )
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
 
+if TYPE_CHECKING:
+    from edgemesh.services.host import ActiveJob
+
 logger = logging.getLogger(__name__)
 
 DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
@@ -64,8 +78,10 @@ class ParameterServer:
     name = "ps"
     control_target = "ps"
 
-    def __init__(self, config: Config, *, stop: asyncio.Event | None = None) -> None:
+    def __init__(self, config: Config, *, stop: asyncio.Event | None = None, job: JobSpec | None = None) -> None:
         self.cfg = config
+        self.job = job
+        """The submitted job this server serves (None: the job of the configuration)."""
         self.topics = Topics(config.job)
         self.stop = stop or asyncio.Event()
         t, p = config.training, config.ps
@@ -80,7 +96,7 @@ class ParameterServer:
         self.scheduler = make_scheduler(self.policy, self.clock, self.rule, staleness_weighting=p.staleness_weighting)
         self.recovery = Recovery(Path(p.state_dir), fsync=p.fsync)
         self.broadcast = Broadcaster(p, t.model_spec)
-        self.evaluator = Evaluator(config)
+        self.evaluator = Evaluator(config, job)
         self.state: ModelState | None = None
         self.assembly = Assembly({}, p.mesh_assembly_timeout_s)
         self.bus: Bus | None = None
@@ -147,6 +163,8 @@ class ParameterServer:
         self.bus, self.events = bus, events
         bus.route(self.topics.plan_filter(), Plan, self._on_plan)
         bus.route(self.topics.grad_filter(), GradientUpdate, self._on_gradient)
+        if self.evaluator.local:
+            bus.route(self.topics.evaluation_filter(), LocalEvaluation, self._on_local_evaluation)
         bus.on_connect(self._on_connect)
 
     def jobs(self) -> list[Job]:
@@ -165,6 +183,13 @@ class ParameterServer:
             self.plan = plan
             await self._settle(self.assembly.replanned(plan.version))
             self._wake.set()  # a cluster may have left: an open round may now be complete
+
+    async def _on_local_evaluation(self, report: LocalEvaluation, _: TopicMatch) -> None:
+        """A device's accuracy on its own validation share: combined with the others' by sample count."""
+        devices = {d.device for d in self.plan.devices} if self.plan is not None else set()
+        combined = self.evaluator.combine(report, devices)
+        if combined is not None:
+            await self._report_evaluation(*combined)
 
     async def _on_gradient(self, update: GradientUpdate, match: TopicMatch) -> None:
         """Check an update against plan and model; queue it, or discard it with an ack."""
@@ -323,6 +348,16 @@ class ParameterServer:
                              *(self.bus.publish(self.topics.model_delta_for(device), part, kind="model_delta")
                                for device, part in message.parts.items()))
 
+    async def publish_final_model(self) -> None:
+        """The model as it stands, float32 and retained on ``job/model``: what ``edgemesh job export`` reads."""
+        assert self.bus is not None and self.state is not None
+        with self._state_lock:
+            tensors = {k: Tensor.from_numpy(v.astype("float32", copy=True)) for k, v in self.state.params.items()}
+            version = self.version
+        await self.bus.publish(self.topics.job_model(), ModelSnapshot(
+            version=version, model_spec=self.cfg.training.model_spec, tensors=tensors, created=time.time(),
+            sync_policy=self.policy), retain=True, kind="model")
+
     def sync_state(self) -> SyncState:
         """What the parameter server tells the planner about synchronization now."""
         scheduler = self.scheduler
@@ -418,5 +453,22 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 async def run(config: Config) -> None:
-    """Run the parameter server until stopped (SIGINT, SIGTERM or a ``stop`` command)."""
-    await ParameterServer(config).run(signals=True)
+    """Run the parameter server until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of the
+    configuration, or without one the jobs operators submit (``host``), their states kept by the job board."""
+    if config.job:
+        await ParameterServer(config).run(signals=True)
+        return
+    from edgemesh.services.host import JobHost
+    from edgemesh.services.parameter_server.jobs import JobBoard
+
+    host = JobHost("ps", config, for_job)
+    board = JobBoard(host)
+    await host.run(signals=True, extra=board.attach)
+
+
+async def for_job(active: ActiveJob) -> ParameterServer:
+    """The parameter server of a submitted job: its model registered (built from the job file) first."""
+    from edgemesh.common.jobs import model_spec
+
+    await asyncio.to_thread(model_spec, active.spec)
+    return ParameterServer(active.config, job=active.spec)

@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 from edgemesh import cli
 from edgemesh.common import costs
@@ -49,6 +50,9 @@ from edgemesh.services.planner.layout import plan_data_parallel, plan_mesh
 from edgemesh.services.planner.mesh import DeviceInfo, wire_for
 from edgemesh.services.planner.registry import Registry
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
+
+if TYPE_CHECKING:
+    from edgemesh.services.host import ActiveJob
 
 logger = logging.getLogger(__name__)
 
@@ -475,5 +479,16 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 async def run(config: Config) -> None:
-    """Run the planner until stopped (SIGINT, SIGTERM or a ``stop`` command)."""
-    await Planner(config).run(signals=True)
+    """Run the planner until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of
+    the configuration, or without one the jobs operators submit, one after another."""
+    if config.job:
+        await Planner(config).run(signals=True)
+        return
+    from edgemesh.services.host import JobHost
+
+    await JobHost("planner", config, for_job).run(signals=True)
+
+
+async def for_job(active: ActiveJob) -> Planner:
+    """The planner of a submitted job (the job's cost figures are registered by the host)."""
+    return Planner(active.config)

@@ -30,7 +30,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,7 +40,9 @@ from edgemesh.common.broadcast import ModelView
 from edgemesh.common.bus import Bus
 from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config
+from edgemesh.common.data import Dataset, LocalData, load_local
 from edgemesh.common.errors import BusError, ModelError, WireError
+from edgemesh.common.jobs import JobSpec
 from edgemesh.common.messages import (
     CodecPolicy,
     ControlCommand,
@@ -48,6 +50,7 @@ from edgemesh.common.messages import (
     DeviceStats,
     DeviceStatus,
     GradientUpdate,
+    LocalEvaluation,
     ModelDelta,
     ModelSnapshot,
     Plan,
@@ -65,6 +68,9 @@ from edgemesh.services.worker.link import LinkMeter
 from edgemesh.services.worker.mesh.session import MeshSession
 from edgemesh.services.worker.sender import Sender
 from edgemesh.services.worker.trainer import Trainer
+
+if TYPE_CHECKING:
+    from edgemesh.services.host import ActiveJob
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +95,10 @@ class Worker:
 
     name = "worker"
 
-    def __init__(self, config: Config, *, stop: asyncio.Event | None = None) -> None:
+    def __init__(self, config: Config, *, stop: asyncio.Event | None = None, job: JobSpec | None = None,
+                 local: LocalData | None = None) -> None:
         self.cfg = config
-        self.device = config.worker.device or socket.gethostname().split(".")[0]
+        self.device = device_name(config)
         self.control_target = f"device/{self.device}"
         self.topics = Topics(config.job)
         self.stop = stop or asyncio.Event()
@@ -106,7 +113,12 @@ class Worker:
         """Uplink rate reported in stats: ``worker.link_rate_bps`` if set, else measured."""
         m = self.metrics = ServiceMetrics(self.name)
         self.board = board_for(config.worker, self.device, self.link, m, config.broker)
-        self.trainer = Trainer(config, self.device, self.board)
+        self.trainer = Trainer(config, self.device, self.board, local=local.train if local is not None else None)
+        self.validation: Dataset | None = local.validation if local is not None else None
+        """A submitted job's local validation share: this device reports its accuracy on it."""
+        self._eval_every = job.evaluation.every if job is not None else 0
+        self._evaluated = -1
+        """``version // eval_every`` of the last local evaluation."""
         self.profile: prof.Profile | None = None
         self.bus: Bus | None = None
         self.events: Events | None = None
@@ -293,6 +305,7 @@ class Worker:
             min_version = ack.version if ack.resync else 0
             if ack.status in ("accepted", "duplicate"):
                 self.accepted += 1
+                await self._evaluate_locally()
                 if self.cfg.worker.max_steps and self.accepted >= self.cfg.worker.max_steps:
                     logger.info("%s: reached worker.max_steps=%d", self.device, self.accepted)
                     self.stop.set()
@@ -384,6 +397,22 @@ class Worker:
             await self.events.emit("share_refused", f"{self.device} refused plan version {self.plan.version}: "
                                    f"{reason}", device=self.device, plan_version=self.plan.version)
 
+    async def _evaluate_locally(self) -> None:
+        """Every ``evaluation.every`` versions, the model's accuracy on this device's validation share, for the
+        parameter server to combine (a job whose data may not leave the devices)."""
+        if self.validation is None or self.bus is None or not self.view.ready or self.mesh.active:
+            return
+        params, version = self.view.params, self.view.version
+        if params is None or version // self._eval_every <= self._evaluated:
+            return
+        self._evaluated = version // self._eval_every
+        loss, accuracy = await asyncio.to_thread(self.trainer.evaluate, self.validation, params, version)
+        samples = len(self.validation)
+        with contextlib.suppress(BusError):
+            await self.bus.publish(self.topics.evaluation(self.device), LocalEvaluation(
+                device=self.device, version=version, samples=samples, correct=round(accuracy * samples),
+                loss_sum=loss * samples))
+
     # ------------------------------------------------------------------ reporting
     def _compute_flops(self) -> float:
         seconds = sum(t for _, t in self._work)
@@ -431,6 +460,38 @@ def register(parser: argparse.ArgumentParser) -> None:
     cli.service_command(parser, run, {"device": "worker.device", "emulate": "worker.emulate"})
 
 
+def device_name(config: Config) -> str:
+    """The device's name: ``worker.device``, else the host name."""
+    return config.worker.device or socket.gethostname().split(".")[0]
+
+
 async def run(config: Config) -> None:
-    """Run one worker until stopped (SIGINT, SIGTERM, a ``stop`` command or ``worker.max_steps``)."""
-    await Worker(config).run(signals=True)
+    """Run one worker until stopped (SIGINT, SIGTERM, a ``stop`` command or ``worker.max_steps``): the job
+    of the configuration, or without one every job submitted that this device has the data for."""
+    if config.job:
+        await Worker(config).run(signals=True)
+        return
+    from edgemesh.services.host import JobHost
+
+    await JobHost("worker", config, for_job, device=device_name(config)).run(signals=True)
+
+
+async def for_job(active: ActiveJob) -> Worker:
+    """This device's worker in a submitted job: the model built from the job file and the device's own data
+    read first, so a device whose data is missing or broken says why and stays out (DataError, ModelError)."""
+    from edgemesh.common.jobs import model_spec, resolve
+
+    spec = active.spec
+    await asyncio.to_thread(model_spec, spec)
+    local = None
+    if spec.data.format != "digits":
+        local = await asyncio.to_thread(
+            load_local, spec.data.format, resolve(spec.data.path, active.config.worker.data_dir),
+            input_shape=spec.model.input_shape, classes=spec.model.classes,
+            validation_share=spec.evaluation.local_share, seed=active.config.training.seed,
+            label_column=spec.data.label_column,
+            max_samples=spec.data.max_samples)
+        logger.info("%s: job %s, %d local samples (%s)%s", device_name(active.config), spec.name, len(local.train),
+                    ", ".join(f"{k} {v}" for k, v in local.class_counts.items()),
+                    f", {len(local.validation)} for validation" if local.validation is not None else "")
+    return Worker(active.config, job=spec, local=local)

@@ -56,10 +56,12 @@ def shard_weights(plan: Plan) -> tuple[int, ...] | None:
 class Trainer:
     """The model and the data of one device."""
 
-    def __init__(self, config: Config, device: str, board: Board) -> None:
+    def __init__(self, config: Config, device: str, board: Board, *, local: Dataset | None = None) -> None:
         self.cfg = config
         self.device = device
         self.board = board
+        self.local = local
+        """A submitted job's data on this device: trained whole, whatever shard the plan names."""
         self.layout: Layout = {}
         """The model's parameters, to check snapshots against (empty until a plan named the model)."""
         self.model_version = -1
@@ -74,6 +76,11 @@ class Trainer:
 
     def shard(self, plan: Plan, me: PlanDevice) -> Dataset:
         """This device's shard of the plan's data set (loaded again only when the plan changes it)."""
+        if self.local is not None:
+            if self._data is not self.local:
+                self._data, self._batches = self.local, None
+                logger.info("%s: %d local samples, batch %d", self.device, len(self.local), me.batch_size)
+            return self.local
         weights = shard_weights(plan)
         key = (plan.dataset, plan.partition, plan.partition_alpha, plan.seed, me.shard_index, me.shard_count, weights)
         if key != self._data_key or self._data is None:
@@ -107,6 +114,17 @@ class Trainer:
         shards = self.encode({name: (0, int(g.shape[0]), g) for name, g in grads.items()}, policy)
         return shards, len(y), loss, elapsed, self._flops(plan.model_spec, len(y))
 
+    def evaluate(self, data: Dataset, params: Mapping[str, np.ndarray], version: int) -> tuple[float, float]:
+        """(mean loss, accuracy) of the model at ``version`` on ``data`` (the training thread's model, between
+        steps)."""
+        if self._model is None:
+            self._model = models.build_model(self.cfg.training.model_spec, seed=self.cfg.training.seed)
+            self.layout = models.param_layout(self._model)
+        if version != self.model_version:
+            models.set_params(self._model, params)
+            self.model_version = version
+        return models.evaluate(self._model, data)
+
     def encode(self, grads: Rows, policy: CodecPolicy | None) -> list[ShardUpdate]:
         """Shards of ``grads`` with the device's codec and error feedback (per parameter rows)."""
         name = codec_of(policy, self.cfg.worker.can_encode)
@@ -123,7 +141,7 @@ class Trainer:
         if self._model is None:
             self._model = models.build_model(plan.model_spec, seed=plan.seed)
             self.layout = models.param_layout(self._model)
-            if plan.model_spec not in costs.COSTS:
+            if self._flops(plan.model_spec, 1) is None:
                 self.board.calibrate(self._timed_step(plan.model_spec))  # no cost figures: emulate from host steps
         data = self.shard(plan, me)
         if self._batches is None:

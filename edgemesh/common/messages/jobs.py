@@ -1,0 +1,123 @@
+"""What training jobs exchange: the submitted job, its state, a device's local evaluation (docs/jobs.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from edgemesh.common.messages.checks import MAX_DEVICES, check_name, nonneg
+from edgemesh.common.wire import message
+
+JobPhase = Literal["queued", "running", "paused", "finished", "stopped", "failed"]
+"""A job's life: queued until the fleet is free, running (or paused by an operator), then ended at its stop
+rule (finished), by an operator (stopped), or by an error (failed)."""
+ENDED: Final[tuple[JobPhase, ...]] = ("finished", "stopped", "failed")
+ACTIVE: Final[tuple[JobPhase, ...]] = ("running", "paused")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerFigures:
+    """One divisible layer's per-sample figures (``costs.LayerCost``), as they travel."""
+
+    name: str
+    units: int
+    macs_per_unit: int
+    params_per_unit: int
+    out_per_unit: int
+    gathered_per_unit: int
+    in_values: int
+
+
+@message("job")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobSubmission:
+    """A job file an operator submitted, retained on ``job``; every service parses ``source`` itself."""
+
+    name: str
+    source: bytes
+    """The job file (UTF-8 TOML), as written."""
+    sha256: str
+    """Hash of ``source``: this submission's identity."""
+    submitted_at: float
+    requester: str = "operator"
+    params: int = 0
+    """The model's cost, derived from the module at submission (the planner plans with it, without torch)."""
+    macs_per_sample: int = 0
+    activations_per_sample: int = 0
+    layers: tuple[LayerFigures, ...] = ()
+    """Its divisible layers, for model parallelism; empty when the model cannot be divided."""
+    refusal: str = ""
+    """Why model parallelism cannot divide the model ('' when it can)."""
+
+    def validate(self) -> None:
+        check_name("job", self.name)
+        if len(self.sha256) != 64:
+            raise ValueError("sha256 must be 64 hex digits")
+        nonneg("submitted_at", self.submitted_at)
+        for value in (self.params, self.macs_per_sample, self.activations_per_sample):
+            nonneg("cost", value)
+
+
+@message("job_state")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobState:
+    """A job's state and progress, retained on ``job/state`` by the parameter server's host."""
+
+    name: str
+    state: JobPhase
+    sha256: str = ""
+    """The submission this state is about."""
+    submitted_at: float = 0.0
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    updated_at: float = 0.0
+    version: int = 0
+    accuracy: float | None = None
+    loss: float | None = None
+    devices: tuple[str, ...] = ()
+    """Devices in the current plan."""
+    bytes_received: int = 0
+    """Encoded gradient bytes the parameter server received for this job."""
+    target_accuracy: float = 0.0
+    max_versions: int = 0
+    max_minutes: float = 0.0
+    reason: str = ""
+    """Why it ended or failed, or the last operator action."""
+    device_errors: dict[str, str] = field(default_factory=dict)
+    """Devices that left the job, and why (their data is broken or missing)."""
+
+    def validate(self) -> None:
+        check_name("job", self.name)
+        nonneg("version", self.version)
+        if len(self.devices) > MAX_DEVICES or len(self.device_errors) > MAX_DEVICES:
+            raise ValueError("too many devices")
+        for name in (*self.devices, *self.device_errors):
+            check_name("device", name)
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ENDED
+
+
+@message("local_evaluation")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalEvaluation:
+    """A device's evaluation of the model on its own validation share, on ``device/{id}/evaluation``;
+    the parameter server combines them by sample count."""
+
+    device: str
+    version: int
+    samples: int
+    correct: int
+    loss_sum: float
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+        for name in ("version", "samples", "correct"):
+            nonneg(name, getattr(self, name))
+        if self.correct > self.samples:
+            raise ValueError("correct exceeds samples")

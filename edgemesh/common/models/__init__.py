@@ -1,0 +1,76 @@
+"""Named model specs, so the parameter server and every worker agree on parameter names and shapes.
+
+A spec is built in (``digits-cnn``, ``cifar-cnn``) or brought by a job: a layer list
+(:func:`layer_list_spec`) or the user's own Python function (:func:`entry_point_spec`), checked when
+it is made and then registered (:func:`register_spec`). Costs are derived from the modules
+(:func:`derive_costs`), never kept by hand; ``costs`` holds them for hosts without torch.
+
+Modules: ``lean`` (Standardize, LeanReLU, LeanMaxPool2d), ``specs`` (ModelSpec, the registry, the
+built-ins, build_model), ``layer_list``, ``entry_point``, ``probe`` (a zero sample through a model,
+on the meta device when it can), ``cost`` (derived costs, mesh_stages) and ``training`` (parameters
+in and out, a gradient step, evaluation). Parameters cross process boundaries as
+``dict[str, np.ndarray]`` (float32) keyed by ``named_parameters()`` names.
+"""
+
+from __future__ import annotations
+
+from edgemesh.common.models.cost import (
+    CHANNELWISE,
+    REPLICATED,
+    Stage,
+    derive_costs,
+    measure_cost,
+    measure_layers,
+    mesh_stages,
+    register_costs,
+)
+from edgemesh.common.models.entry_point import entry_point_spec
+from edgemesh.common.models.layer_list import KINDS, layer_list_spec
+from edgemesh.common.models.lean import LeanMaxPool2d, LeanReLU, Standardize
+from edgemesh.common.models.specs import (
+    CIFAR_MEAN_STD,
+    DIGITS_MEAN_STD,
+    MODEL_SPECS,
+    ModelSpec,
+    build_model,
+    get_spec,
+    register_spec,
+)
+from edgemesh.common.models.training import (
+    ParamLayout,
+    compute_gradients,
+    evaluate,
+    get_params,
+    param_layout,
+    set_params,
+)
+
+__all__ = [
+    "CHANNELWISE",
+    "CIFAR_MEAN_STD",
+    "DIGITS_MEAN_STD",
+    "KINDS",
+    "MODEL_SPECS",
+    "REPLICATED",
+    "LeanMaxPool2d",
+    "LeanReLU",
+    "ModelSpec",
+    "ParamLayout",
+    "Stage",
+    "Standardize",
+    "build_model",
+    "compute_gradients",
+    "derive_costs",
+    "entry_point_spec",
+    "evaluate",
+    "get_params",
+    "get_spec",
+    "layer_list_spec",
+    "measure_cost",
+    "measure_layers",
+    "mesh_stages",
+    "param_layout",
+    "register_costs",
+    "register_spec",
+    "set_params",
+]

@@ -1,0 +1,131 @@
+"""Parameters in and out of a model, and a training step and evaluation on numpy batches.
+
+Parameters cross process boundaries as ``dict[str, np.ndarray]`` (float32) keyed by
+``named_parameters()`` names; batches are ``x`` of shape (N, *sample_shape) and integer labels ``y`` (N,).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from edgemesh.common.data import Dataset
+from edgemesh.common.errors import DataError, ModelError
+
+ParamLayout = dict[str, tuple[tuple[int, ...], str]]
+
+
+def param_layout(model: nn.Module) -> ParamLayout:
+    """Name -> (shape, dtype name such as ``"float32"``), in ``named_parameters()`` order."""
+    return {
+        name: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()
+    }
+
+
+def get_params(model: nn.Module) -> dict[str, np.ndarray]:
+    """Float32 numpy copies of every parameter, keyed by name."""
+    return {
+        name: p.detach().cpu().numpy().astype(np.float32, copy=True) for name, p in model.named_parameters()
+    }
+
+
+def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
+    """Copy ``params`` into ``model``; all names and shapes must match exactly.
+
+    Everything is validated before the first parameter is written, so a rejected update
+    leaves the model unchanged.
+    """
+    own = dict(model.named_parameters())
+    missing = [n for n in own if n not in params]
+    extra = [n for n in params if n not in own]
+    if missing or extra:
+        raise ModelError(f"parameter names do not match the model: missing {missing}, unexpected {extra}")
+    converted: dict[str, torch.Tensor] = {}
+    for name, target in own.items():
+        try:
+            array = np.asarray(params[name], dtype=np.float32)
+        except (TypeError, ValueError) as exc:
+            raise ModelError(f"parameter {name!r} is not a numeric array") from exc
+        if array.shape != tuple(target.shape):
+            raise ModelError(
+                f"parameter {name!r} has shape {array.shape}, model expects {tuple(target.shape)}"
+            )
+        converted[name] = torch.tensor(array, dtype=target.dtype)
+    with torch.no_grad():
+        for name, target in own.items():
+            target.copy_(converted[name])
+
+
+def _batch_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    x_arr, y_arr = np.asarray(x), np.asarray(y)
+    if x_arr.ndim < 2 or y_arr.ndim != 1 or x_arr.shape[0] != y_arr.shape[0] or y_arr.shape[0] == 0:
+        raise ModelError(
+            f"expected a non-empty batch x (N, *sample_shape) and y (N,), got {x_arr.shape} and {y_arr.shape}"
+        )
+    if not np.issubdtype(y_arr.dtype, np.integer):
+        raise ModelError(f"labels must be integers, got {y_arr.dtype}")
+    # torch.tensor copies, so read-only views of a cached data set are fine.
+    return torch.tensor(x_arr, dtype=torch.float32), torch.tensor(y_arr, dtype=torch.int64)
+
+
+def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Logits for ``x``; shape and label-range problems become :class:`ModelError`."""
+    try:
+        logits = model(x)
+    except RuntimeError as exc:
+        raise ModelError(f"model rejected input of shape {tuple(x.shape)}: {exc}") from exc
+    num_classes = logits.shape[-1]
+    if int(y.min()) < 0 or int(y.max()) >= num_classes:
+        raise ModelError(f"labels must lie in [0, {num_classes}), got [{int(y.min())}, {int(y.max())}]")
+    return logits
+
+
+def compute_gradients(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    """Cross-entropy loss of one batch and the float32 gradient of every parameter.
+
+    Gradients are zeroed first; parameters that take no part in the loss get zeros.
+    """
+    x_t, y_t = _batch_tensors(x, y)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(_forward(model, x_t, y_t), y_t)
+    loss.backward()
+    grads = {
+        name: (
+            p.grad.detach().cpu().numpy().astype(np.float32, copy=True)
+            if p.grad is not None
+            else np.zeros(tuple(p.shape), dtype=np.float32)
+        )
+        for name, p in model.named_parameters()
+    }
+    return float(loss.item()), grads
+
+
+def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 512) -> tuple[float, float]:
+    """(mean cross-entropy loss, accuracy) of ``model`` on ``dataset``, without gradients.
+
+    The model's train/eval mode is restored afterwards.
+    """
+    if len(dataset) == 0:
+        raise DataError(f"cannot evaluate on empty dataset {dataset.name!r}")
+    if batch_size < 1:
+        raise ModelError(f"batch_size must be >= 1, got {batch_size}")
+    was_training = model.training
+    model.eval()
+    total_loss, correct = 0.0, 0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(dataset), batch_size):
+                x_t, y_t = _batch_tensors(
+                    dataset.x[start : start + batch_size], dataset.y[start : start + batch_size]
+                )
+                logits = _forward(model, x_t, y_t)
+                total_loss += float(F.cross_entropy(logits, y_t, reduction="sum").item())
+                correct += int((logits.argmax(dim=1) == y_t).sum().item())
+    finally:
+        model.train(was_training)
+    return total_loss / len(dataset), correct / len(dataset)

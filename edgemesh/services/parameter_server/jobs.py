@@ -1,0 +1,220 @@
+"""The job board: the parameter server's host owns every job's state (docs/jobs.md).
+
+It queues submitted jobs and starts the oldest when the fleet is free (one job at a time), follows the
+running job's progress (version, accuracy, devices, bytes) in its retained state, ends it at its stop
+rule (target accuracy, most versions, most minutes) after publishing the final model retained, and
+answers the operators' ``control/job`` commands: status, pause, resume, stop. A job whose parameter
+server fails (its model does not build, its held-out set is broken) is marked failed with the reason.
+
+Every decision is published as the job's retained ``JobState``; the hosts of all services (this one
+too) start and stop serving jobs from those states alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from edgemesh.common.bus import Bus
+from edgemesh.common.errors import EdgeMeshError
+from edgemesh.common.messages import ControlCommand, ControlReply, DeviceStatus, Event, JobState, Scalar
+from edgemesh.common.messages.jobs import JobPhase
+from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
+from edgemesh.services.host import JobHost
+from edgemesh.services.parameter_server.service import ParameterServer
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 1.0
+"""How often a running job's retained state is refreshed while it makes progress."""
+COMMANDS = ("status", "pause", "resume", "stop")
+
+
+class JobBoard:
+    """Queue, start, follow and end jobs, on the parameter server's host."""
+
+    def __init__(self, host: JobHost, *, progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
+        self.host = host
+        self.interval = progress_interval_s
+        self.bus: Bus | None = None
+        self.device_errors: dict[str, dict[str, str]] = {}
+        """Job -> device -> why it left the job."""
+        self._wake = asyncio.Event()
+        self._published: dict[str, JobState] = {}
+        self._ending: set[str] = set()
+        host.listeners.append(self._wake.set)
+
+    def attach(self, bus: Bus) -> list[Any]:
+        """Routes on the host's bus, and the board's loop."""
+        self.bus = bus
+        bus.route(Filter(f"{PREFIX}/+/control/job", "control"), ControlCommand, self._on_command, json_body=True)
+        bus.route(Filter(f"{PREFIX}/+/device/+/status", "status"), DeviceStatus, self._on_status)
+        return [self._loop()]
+
+    # ------------------------------------------------------------------ the loop
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval):
+                    await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._tick()
+            except EdgeMeshError as exc:  # the broker went away mid-publish: the next tick tries again
+                logger.warning("job board: %s", exc)
+
+    async def _tick(self) -> None:
+        host, now = self.host, time.time()
+        for name, sub in host.submissions.items():
+            state = host.states.get(name)
+            if state is None or (state.sha256 != sub.sha256 and state.ended):
+                spec = host.specs[sub.sha256]
+                await self._publish(JobState(name=name, state="queued", sha256=sub.sha256,
+                                             submitted_at=sub.submitted_at, updated_at=now,
+                                             target_accuracy=spec.target_accuracy, max_versions=spec.max_versions,
+                                             max_minutes=spec.max_minutes))
+        states = host.states
+        if not any(s.active for s in states.values()):
+            queued = sorted((s for s in states.values() if s.state == "queued" and s.sha256 in host.specs),
+                            key=lambda s: (s.submitted_at, s.name))
+            if queued:
+                first = queued[0]
+                logger.info("job board: starting job %s", first.name)
+                await self._publish(replace(first, state="running", started_at=now, updated_at=now, reason=""))
+                return
+        for state in [s for s in states.values() if s.active]:
+            await self._follow(state, now)
+
+    async def _follow(self, state: JobState, now: float) -> None:
+        """Progress of the active job this host serves; its end at the stop rule or on failure."""
+        host = self.host
+        ps = host.service if host.current == (state.name, state.sha256) else None
+        if host.current == (state.name, state.sha256) and host.failure is not None:
+            await self._end(state, "failed", f"the parameter server failed: {host.failure}")
+            return
+        if host.current == (state.name, state.sha256) and host.refusal is not None:
+            await self._end(state, "failed", f"the parameter server cannot serve this job: {host.refusal}")
+            return
+        if not isinstance(ps, ParameterServer) or ps.state is None:
+            return
+        if state.state == "paused" and not ps.paused:
+            await ps.control(ControlCommand(command="pause", requester="jobs"))  # a restarted PS resumes paused
+        progress = self._progress(state, ps)
+        reason = _stop_reason(progress, now)
+        if reason and state.state == "running":
+            await self._end(progress, "finished", reason)
+            return
+        last = self._published.get(state.name)
+        if last is None or _progress(last) != _progress(progress) or now - last.updated_at >= 10 * self.interval:
+            await self._publish(replace(progress, updated_at=now))
+
+    def _progress(self, state: JobState, ps: ParameterServer) -> JobState:
+        """``state`` with the running parameter server's figures."""
+        return replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss,
+                       devices=tuple(d.device for d in ps.plan.devices) if ps.plan else (),
+                       bytes_received=int(ps.metrics.value("edgemesh_ps_received_gradient_bytes_total")),
+                       device_errors=dict(self.device_errors.get(state.name, {})))
+
+    async def _end(self, state: JobState, phase: JobPhase, reason: str) -> None:
+        """End a job: its final model out (retained), then its state."""
+        if state.name in self._ending:
+            return
+        self._ending.add(state.name)
+        try:
+            ps = self.host.service
+            if isinstance(ps, ParameterServer) and self.host.current == (state.name, state.sha256) \
+                    and ps.state is not None:
+                with contextlib.suppress(EdgeMeshError):
+                    await ps.publish_final_model()
+            logger.info("job board: job %s %s: %s", state.name, phase, reason)
+            await self._publish(replace(state, state=phase, reason=reason, ended_at=time.time(),
+                                        updated_at=time.time()))
+            await self._event(state.name, f"job_{phase}", reason)
+        finally:
+            self._ending.discard(state.name)
+
+    async def _publish(self, state: JobState) -> None:
+        assert self.bus is not None
+        self._published[state.name] = state
+        self.host.states[state.name] = state  # at once: the next tick must not decide on the old state
+        await self.bus.publish(Topics(state.name).job_state(), state, retain=True)
+
+    async def _event(self, job: str, kind: str, message: str, **data: Scalar) -> None:
+        assert self.bus is not None
+        with contextlib.suppress(EdgeMeshError):
+            await self.bus.publish(Topics(job).events(), Event(kind=kind, source="jobs", time=time.time(),
+                                                               message=message, data=data))
+
+    # ------------------------------------------------------------------ devices
+    async def _on_status(self, status: DeviceStatus, match: TopicMatch) -> None:
+        errors = self.device_errors.setdefault(match.job, {})
+        if status.state == "left":
+            errors[status.device] = status.reason
+        elif status.state == "online":
+            errors.pop(status.device, None)
+        self._wake.set()
+
+    # ------------------------------------------------------------------ control
+    async def _on_command(self, cmd: ControlCommand, match: TopicMatch) -> None:
+        assert self.bus is not None
+        topics = Topics(match.job)
+        if cmd.expires_at and time.time() > cmd.expires_at:
+            self.host.metrics.reject("expired", match.topic, f"{cmd.command} expired", route="control")
+            return
+        ok, text = await self._apply(match.job, cmd.command)
+        if not ok:
+            self.host.metrics.reject("bad_command", match.topic, text, route="control")
+        state = self.host.states.get(match.job)
+        result: dict[str, Scalar] = {"state": state.state if state else "unknown",
+                                     "version": state.version if state else 0,
+                                     "accuracy": state.accuracy if state else None}
+        await self.bus.publish(cmd.reply_to or topics.control_reply(cmd.requester), ControlReply(
+            request_id=cmd.request_id, source="jobs", command=cmd.command, ok=ok, message=text, result=result))
+        await self._event(match.job, "control", f"{cmd.command} from {cmd.requester}: {text}", command=cmd.command,
+                          requester=cmd.requester, ok=ok)
+
+    async def _apply(self, job: str, command: str) -> tuple[bool, str]:
+        state = self.host.states.get(job)
+        if state is None:
+            return False, f"no job {job!r} was submitted"
+        ps = self.host.service if self.host.current == (job, state.sha256) else None
+        match command:
+            case "status":
+                return True, state.state
+            case "pause" | "resume":
+                want: JobPhase = "paused" if command == "pause" else "running"
+                if not state.active:
+                    return False, f"job {job} is {state.state}, not running"
+                if isinstance(ps, ParameterServer):
+                    await ps.control(ControlCommand(command=command, requester="jobs"))
+                    state = self._progress(state, ps)
+                await self._publish(replace(state, state=want, reason=f"{command}d by an operator",
+                                            updated_at=time.time()))
+                return True, want
+            case "stop":
+                if state.ended:
+                    return False, f"job {job} has already ended ({state.state})"
+                if isinstance(ps, ParameterServer) and ps.state is not None:
+                    state = self._progress(state, ps)
+                await self._end(state, "stopped", "stopped by an operator")
+                return True, "stopped"
+        return False, f"unknown command {command!r} for a job ({', '.join(COMMANDS)})"
+
+
+def _progress(state: JobState) -> tuple[Any, ...]:
+    return (state.state, state.version, state.accuracy, state.devices, state.device_errors)
+
+
+def _stop_reason(state: JobState, now: float) -> str:
+    """Why the job's stop rule ends it now ('' while it goes on)."""
+    if state.target_accuracy and state.accuracy is not None and state.accuracy >= state.target_accuracy:
+        return f"reached the target accuracy: {state.accuracy:.4f} >= {state.target_accuracy:g}"
+    if state.max_versions and state.version >= state.max_versions:
+        return f"reached model version {state.version} (job.max_versions = {state.max_versions})"
+    if state.max_minutes and state.started_at and now - state.started_at >= state.max_minutes * 60:
+        return f"ran for {state.max_minutes:g} minutes (job.max_minutes)"
+    return ""

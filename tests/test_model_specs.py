@@ -1,0 +1,432 @@
+"""Models a job brings: layer lists and Python entry points, checked when the spec is made; their
+costs derived from the modules; the torch-free cost registry and its plain form."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_matches_one_process, reference
+from torch import nn
+
+from edgemesh.common import costs, models
+from edgemesh.common.costs import LayerCost, ModelCost
+from edgemesh.common.errors import ModelError
+from edgemesh.common.models import (
+    DIGITS_MEAN_STD,
+    LeanMaxPool2d,
+    LeanReLU,
+    Stage,
+    Standardize,
+    build_model,
+    compute_gradients,
+    derive_costs,
+    entry_point_spec,
+    get_params,
+    layer_list_spec,
+    mesh_stages,
+    param_layout,
+    register_spec,
+)
+from edgemesh.services.worker.mesh.exchange import LocalHub
+from edgemesh.services.worker.mesh.member import MeshMember
+
+SMALL: list[Any] = [{"conv2d": 4, "kernel": 3}, "relu", {"maxpool2d": 2}, "flatten", {"linear": 5}, "relu",
+                    {"linear": 3}]
+"""A small CNN on (1, 6, 6) images, 3 classes: conv (4, 4, 4), pool (4, 2, 2), 16 features, 5, 3."""
+DIGITS_LIST: list[Any] = [{"conv2d": 16, "kernel": 3, "padding": 1}, "relu", {"conv2d": 32, "kernel": 3, "padding": 1},
+                          "relu", {"maxpool2d": 2}, "flatten", {"linear": 64}, "relu", {"linear": 10}]
+"""digits-cnn, written as a layer list."""
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def build_model_of(spec: models.ModelSpec) -> nn.Module:
+    """``spec``'s model, built without a name in the registry."""
+    with torch.random.fork_rng(devices=[]):
+        return spec.builder()
+
+
+def _small(name: str = "small", **kwargs: Any) -> models.ModelSpec:
+    return layer_list_spec(name, SMALL, (1, 6, 6), 3, mean=(0.5,), std=(0.25,), **kwargs)
+
+
+# --------------------------------------------------------------------------- layer lists
+
+
+def test_a_layer_list_builds_named_children_and_trains_a_step() -> None:
+    spec = _small("list-small", description="a small CNN")
+    register_spec(spec)
+    assert spec.input_shape == (1, 6, 6) and spec.description == "a small CNN"
+    model = build_model("list-small", seed=1)
+    assert isinstance(model, nn.Sequential)
+    assert [n for n, _ in model.named_children()] == ["input", "conv1", "relu1", "pool1", "flatten1", "fc1", "relu2",
+                                                      "fc2"]
+    assert isinstance(model.input, Standardize) and isinstance(model.relu1, LeanReLU)
+    assert isinstance(model.pool1, LeanMaxPool2d)
+    assert param_layout(model) == {
+        "conv1.weight": ((4, 1, 3, 3), "float32"), "conv1.bias": ((4,), "float32"),
+        "fc1.weight": ((5, 16), "float32"), "fc1.bias": ((5,), "float32"),
+        "fc2.weight": ((3, 5), "float32"), "fc2.bias": ((3,), "float32"),
+    }
+    assert [n for n, _ in model.named_buffers()] == ["input.mean", "input.std"]  # constants never travel
+    rng = np.random.default_rng(0)
+    x, y = rng.random((8, 1, 6, 6), dtype=np.float32), rng.integers(0, 3, 8)
+    loss, grads = compute_gradients(model, x, y)
+    assert np.isfinite(loss) and set(grads) == set(param_layout(model))
+    params = {n: p - 0.5 * grads[n] for n, p in get_params(model).items()}
+    models.set_params(model, params)
+    assert compute_gradients(model, x, y)[0] < loss
+    # a fresh module every build, the same one for the same seed
+    again = build_model("list-small", seed=1)
+    assert again is not model and all(np.array_equal(a, b) for a, b in zip(
+        get_params(again).values(), get_params(build_model("list-small", seed=1)).values(), strict=True))
+
+
+def test_digits_cnn_as_a_layer_list_is_digits_cnn() -> None:
+    register_spec(layer_list_spec("list-digits", DIGITS_LIST, [1, 8, 8], 10, mean=DIGITS_MEAN_STD[0],
+                                  std=DIGITS_MEAN_STD[1]))
+    ours, builtin = build_model("list-digits", seed=4), build_model("digits-cnn", seed=4)
+    assert param_layout(ours) == param_layout(builtin)
+    assert all(np.array_equal(a, b) for a, b in zip(get_params(ours).values(), get_params(builtin).values(),
+                                                   strict=True))
+    assert derive_costs(ours, (1, 8, 8)) == derive_costs(builtin, (1, 8, 8))
+    x = torch.rand((2, 1, 8, 8), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ours(x), builtin(x))
+
+
+def test_layer_list_costs_by_hand() -> None:
+    cost, layers = derive_costs(build_model_of(_small()), (1, 6, 6))
+    conv, fc1, fc2 = 4 * 4 * 4 * 9, 16 * 5, 5 * 3
+    assert cost == ModelCost(
+        params=(4 * 9 + 4) + (16 * 5 + 5) + (5 * 3 + 3),
+        macs_per_sample=conv + fc1 + fc2,
+        # input, standardized, conv, relu, pool, flatten, fc1, relu, fc2
+        activations_per_sample=36 + 36 + 64 + 64 + 16 + 16 + 5 + 5 + 3,
+    )
+    assert layers == (
+        LayerCost("conv1", units=4, macs_per_unit=16 * 9, params_per_unit=10, out_per_unit=16, gathered_per_unit=4,
+                  in_values=36),
+        LayerCost("fc1", units=5, macs_per_unit=16, params_per_unit=17, out_per_unit=1, gathered_per_unit=1,
+                  in_values=16),
+        LayerCost("fc2", units=3, macs_per_unit=5, params_per_unit=6, out_per_unit=1, gathered_per_unit=1,
+                  in_values=5),
+    )
+
+
+def test_feature_vectors_standardize_per_feature_and_train() -> None:
+    spec = layer_list_spec("list-features", [{"linear": 8}, "tanh", "batchnorm", {"dropout": 0.25}, {"linear": 3},
+                                             "sigmoid"], (6,), 3, mean=[0.5] * 6, std=[2.0] * 6)
+    model = build_model_of(spec)
+    assert isinstance(model.bn1, nn.BatchNorm1d) and isinstance(model.drop1, nn.Dropout)
+    first = model.get_submodule("input")
+    assert isinstance(first, Standardize) and first.mean.shape == (1, 6) and first.std.shape == (1, 6)
+    rng = np.random.default_rng(0)
+    loss, grads = compute_gradients(model, rng.random((8, 6), dtype=np.float32), rng.integers(0, 3, 8))
+    assert np.isfinite(loss) and grads["fc1.weight"].shape == (8, 6) and grads["bn1.weight"].shape == (8,)
+
+
+def test_standardize_broadcasts_over_dim_1_for_any_rank() -> None:
+    assert Standardize((0.5,), (2.0,)).mean.shape == (1, 1, 1, 1)  # images, the default
+    three = Standardize((1.0, 2.0, 3.0), (1.0, 1.0, 2.0), sample_rank=2)
+    assert three.std.shape == (1, 3, 1)
+    x = torch.ones((2, 3, 5))
+    assert torch.equal(three(x)[:, :, 0], torch.tensor([[0.0, -1.0, -1.0]] * 2))
+    assert [n for n, _ in three.named_parameters()] == []
+    with pytest.raises(ModelError, match="> 0"):
+        Standardize((0.0,), (0.0,))
+
+
+def test_batchnorm_follows_the_incoming_rank() -> None:
+    model = build_model_of(layer_list_spec("list-bn", [{"conv2d": 2, "kernel": 1}, "batchnorm", "flatten",
+                                                       {"linear": 2}], (1, 2, 2), 2))
+    assert isinstance(model.bn1, nn.BatchNorm2d) and model.bn1.num_features == 2
+
+
+BAD_LAYERS: list[tuple[list[Any], str]] = [
+    (["relu", "relux"], r"layer 2 \('relux'\): unknown layer; known: conv2d, linear, relu, maxpool2d"),
+    ([{"conv": 4, "kernel": 3}], r"layer 1 \(\{'conv': 4, 'kernel': 3\}\): unknown layer"),
+    ([{"conv2d": 4, "linear": 3}], r"layer 1 .*names 2 layers \(conv2d, linear\)"),
+    (["conv2d"], r"layer 1 \('conv2d'\): conv2d needs its output channels"),
+    ([{"relu": True}], r"layer 1 \(\{'relu': True\}\): relu takes no value"),
+    ([7], r"layer 1 \(7\): a layer is a name or a table, not int"),
+    ([{"conv2d": 4, "kernal": 3}], r"layer 1 \(\{'conv2d': 4, 'kernal': 3\}\): unknown option 'kernal' for "
+                                   r"conv2d; options: kernel, padding, stride"),
+    ([{"conv2d": 4}], r"layer 1 \(\{'conv2d': 4\}\): conv2d needs option kernel"),
+    ([{"conv2d": 4, "kernel": 2.5}], r"layer 1 .*conv2d option kernel must be an integer >= 1, got 2.5"),
+    ([{"conv2d": 4, "kernel": 3, "padding": -1}], r"layer 1 .*option padding must be an integer >= 0, got -1"),
+    ([{"conv2d": 4, "kernel": True}], r"layer 1 .*option kernel must be an integer >= 1, got True"),
+    (["flatten", {"linear": -3}], r"layer 2 \(\{'linear': -3\}\): linear output features must be a positive"),
+    (["flatten", {"dropout": 1.0}, {"linear": 3}], r"layer 2 \(\{'dropout': 1.0\}\): dropout probability must be "
+                                                   r"a number in \[0, 1\)"),
+    (["flatten", {"linear": 3, "bias": 0}], r"layer 2 .*unknown option 'bias' for linear; options: none"),
+    (["flatten", {"conv2d": 4, "kernel": 3}], r"layer 2 \(\{'conv2d': 4, 'kernel': 3\}\): expects a \(channels, "
+                                              r"height, width\) input but gets shape \(36,\)"),
+    ([{"conv2d": 4, "kernel": 3}, {"linear": 3}], r"layer 2 \(\{'linear': 3\}\): expects a flat \(features,\) input "
+                                                  r"but gets shape \(4, 4, 4\); put 'flatten' before it"),
+    ([{"maxpool2d": 8}, "flatten", {"linear": 3}], r"layer 1 \(\{'maxpool2d': 8\}\): does not fit its input of shape "
+                                                   r"\(1, 6, 6\)"),
+    ([{"conv2d": 4, "kernel": 7}, "flatten", {"linear": 3}], r"layer 1 .*does not fit its input of shape"),
+    ([{"avgpool2d": 2, "stride": 0}], r"layer 1 .*option stride must be an integer >= 1, got 0"),
+    (["flatten", {"linear": 4}], r"layer 2 \(\{'linear': 4\}\): the model's output per sample is \(4,\), but it "
+                                 r"must be \(3,\) for 3 classes"),
+    (["flatten", {"linear": 3}, "batchnorm", {"conv2d": 1, "kernel": 1}], r"layer 4 .*expects a \(channels"),
+    ([], r"model 'bad': the layer list is empty"),
+]
+
+
+@pytest.mark.parametrize(("layers", "match"), BAD_LAYERS)
+def test_a_bad_layer_list_is_refused_when_the_spec_is_made_naming_the_layer(layers: list[Any], match: str) -> None:
+    with pytest.raises(ModelError, match=match):
+        layer_list_spec("bad", layers, (1, 6, 6), 3)
+
+
+@pytest.mark.parametrize(("shape", "classes", "kwargs", "match"), [
+    ((1, 0, 6), 3, {}, r"input_shape must be one or more positive integers, got \(1, 0, 6\)"),
+    ((), 3, {}, "input_shape"),
+    ((1, 6.0, 6), 3, {}, "input_shape"),
+    ((1, 6, 6), 0, {}, "num_classes must be a positive integer"),
+    ((1, 6, 6), 3, {"mean": (0.5, 0.5), "std": (1.0, 1.0)}, r"one value per channel \(input_shape\[0\] = 1\)"),
+    ((1, 6, 6), 3, {"mean": (0.5,)}, "one value per channel"),
+    ((1, 6, 6), 3, {"mean": (0.5,), "std": (0.0,)}, "std must be > 0"),
+])
+def test_bad_inputs_are_refused(shape: tuple[int, ...], classes: int, kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ModelError, match=match):
+        layer_list_spec("bad", ["flatten", {"linear": 3}], shape, classes, **kwargs)
+
+
+def test_a_layer_list_cnn_is_divided_by_mesh_and_dropout_is_refused_by_name() -> None:
+    assert mesh_stages(build_model_of(_small())) == (
+        Stage("conv1", ("input",), ("relu1", "pool1")), Stage("fc1", ("flatten1",), ("relu2",)), Stage("fc2", (), ()))
+    dropped = layer_list_spec("list-dropout", [*SMALL[:5], {"dropout": 0.5}, {"linear": 3}], (1, 6, 6), 3)
+    with pytest.raises(ModelError, match=r"cannot divide module 'drop1' \(Dropout\)"):
+        mesh_stages(build_model_of(dropped))
+    register_spec(dropped)
+    assert costs.cost("list-dropout").params == 143  # whole-model figures still derive
+    with pytest.raises(ModelError, match=r"no layer figures for model 'list-dropout': .*'drop1' \(Dropout\)"):
+        costs.layers("list-dropout")
+
+
+async def test_members_of_a_layer_list_model_compute_what_one_process_does() -> None:
+    layers = [{"conv2d": 6, "kernel": 3, "padding": 1}, "tanh", {"avgpool2d": 2}, {"conv2d": 8, "kernel": 3},
+              "relu", "flatten", {"linear": 12}, "sigmoid", {"linear": 10}]
+    register_spec(layer_list_spec("list-mesh", layers, (2, 8, 8), 10, mean=(0.5, 0.4), std=(0.3, 0.2)))
+    counts = {"conv1": (4, 2), "conv2": (3, 5), "fc1": (6, 6), "fc2": (0, 10)}
+    params, x, y, loss, logits, grads = reference("list-mesh", seed=2, batch=8)
+    hub = LocalHub(2)
+    members = [MeshMember("list-mesh", counts, i, seed=2) for i in range(2)]
+    for m in members:
+        m.load(params, version=0)
+    results = await asyncio.gather(*(m.step(1, x, y, hub.member(i)) for i, m in enumerate(members)))
+    assert_matches_one_process(list(results), loss, logits, grads)
+
+
+# --------------------------------------------------------------------------- entry points
+
+USER_MODELS = '''
+from torch import nn
+
+calls = 0
+
+
+def build(num_classes):
+    global calls
+    calls += 1
+    return nn.Sequential(nn.Flatten(), nn.Linear(36, 16), nn.ReLU(), nn.Linear(16, num_classes))
+
+
+def shaped(*, input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0] * input_shape[1] * input_shape[2], num_classes))
+
+
+def bare():
+    return nn.Sequential(nn.Flatten(), nn.Linear(36, 3))
+
+
+def four():
+    return nn.Sequential(nn.Flatten(), nn.Linear(36, 4))
+
+
+def text():
+    return "a model"
+
+
+def fails():
+    raise RuntimeError("out of ideas")
+
+
+def rejects():
+    return nn.Sequential(nn.Linear(7, 3))
+
+
+class Factory:
+    @staticmethod
+    def make():
+        return bare()
+
+
+SIZE = 3
+'''
+
+
+@pytest.fixture
+def user_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory holding ``em_user_models.py`` (and ``em_broken_models.py``, which does not import)."""
+    (tmp_path / "em_user_models.py").write_text(textwrap.dedent(USER_MODELS))
+    (tmp_path / "em_broken_models.py").write_text("import torch\nraise ValueError('no GPU here')\n")
+    yield tmp_path
+    for name in ("em_user_models", "em_broken_models"):
+        sys.modules.pop(name, None)
+
+
+def test_an_entry_point_builds_a_fresh_module_every_time(user_dir: Path) -> None:
+    path_before = list(sys.path)
+    spec = entry_point_spec("ep-user", "em_user_models:build", (1, 6, 6), 3, search_path=[user_dir])
+    assert sys.path == path_before  # the job's directory is on the path only while importing and building
+    user = sys.modules["em_user_models"]
+    assert user.calls == 1  # built once to check it
+    register_spec(spec)
+    a, b = build_model("ep-user", seed=5), build_model("ep-user", seed=5)
+    assert user.calls == 3 and a is not b
+    assert [n for n, _ in a.named_parameters()] == ["1.weight", "1.bias", "3.weight", "3.bias"]
+    assert all(np.array_equal(p, q) for p, q in zip(get_params(a).values(), get_params(b).values(), strict=True))
+    rng = np.random.default_rng(0)
+    loss, _ = compute_gradients(a, rng.random((4, 1, 6, 6), dtype=np.float32), rng.integers(0, 3, 4))
+    assert np.isfinite(loss)
+    cost, layers = derive_costs(a, (1, 6, 6))
+    assert cost == ModelCost(params=36 * 16 + 16 + 16 * 3 + 3, macs_per_sample=36 * 16 + 16 * 3,
+                             activations_per_sample=36 + 36 + 16 + 16 + 3)
+    assert layers is not None and [la.name for la in layers] == ["1", "3"]
+
+
+def test_an_entry_point_gets_its_shape_and_classes_by_keyword_and_standardizes(user_dir: Path) -> None:
+    spec = entry_point_spec("ep-shaped", "em_user_models:shaped", (1, 6, 6), 5, mean=(0.5,), std=(0.2,),
+                            search_path=[str(user_dir)])
+    model = spec.builder()
+    assert [n for n, _ in model.named_children()] == ["input", "net"]
+    assert list(param_layout(model)) == ["net.1.weight", "net.1.bias"]
+    assert model(torch.zeros((2, 1, 6, 6))).shape == (2, 5)
+    assert entry_point_spec("ep-static", "em_user_models:Factory.make", (1, 6, 6), 3,
+                            search_path=[user_dir]).builder()(torch.zeros((1, 1, 6, 6))).shape == (1, 3)
+
+
+@pytest.mark.parametrize(("entry_point", "match"), [
+    ("em_user_models.build", r"entry point 'em_user_models.build': expected 'package.module:function'"),
+    ("em_user_models:", "expected 'package.module:function'"),
+    ("em-user:build", "expected 'package.module:function'"),
+    ("em_missing_models:build", r"entry point 'em_missing_models:build': module 'em_missing_models' does not "
+                                r"import: No module named 'em_missing_models'"),
+    ("em_broken_models:build", r"entry point 'em_broken_models:build': module 'em_broken_models' does not import: "
+                               r"no GPU here"),
+    ("em_user_models:missing", r"entry point 'em_user_models:missing': module 'em_user_models' has no attribute "
+                               r"'missing'"),
+    ("em_user_models:SIZE", r"entry point 'em_user_models:SIZE': 'SIZE' is a int, not callable"),
+    ("em_user_models:text", r"entry point 'em_user_models:text': returns a str, not a torch.nn.Module"),
+    ("em_user_models:fails", r"entry point 'em_user_models:fails': calling it fails: RuntimeError: out of ideas"),
+    ("em_user_models:four", r"entry point 'em_user_models:four': the model's output per sample is \(4,\), but it "
+                            r"must be \(3,\)"),
+    ("em_user_models:rejects", r"entry point 'em_user_models:rejects': the model rejects a zero sample of shape "
+                               r"\(1, 1, 6, 6\)"),
+])
+def test_a_bad_entry_point_is_refused_naming_it(user_dir: Path, entry_point: str, match: str) -> None:
+    with pytest.raises(ModelError, match=match):
+        entry_point_spec("ep-bad", entry_point, (1, 6, 6), 3, search_path=[user_dir])
+
+
+def test_a_module_outside_the_search_path_does_not_import(user_dir: Path) -> None:
+    with pytest.raises(ModelError, match="does not import: No module named 'em_user_models'"):
+        entry_point_spec("ep-nowhere", "em_user_models:bare", (1, 6, 6), 3)
+
+
+# --------------------------------------------------------------------------- the cost registry
+
+
+def test_the_registry_derives_a_spec_on_first_use_and_forgets_a_replaced_one() -> None:
+    register_spec(_small("list-registry"))
+    assert not costs.known("list-registry")
+    assert costs.cost("list-registry").params == 143 and costs.known("list-registry")
+    assert [la.name for la in costs.layers("list-registry")] == ["conv1", "fc1", "fc2"]
+    assert costs.max_batch_for_memory("list-registry", costs.training_memory_bytes("list-registry", 7)) == 7
+    register_spec(layer_list_spec("list-registry", ["flatten", {"linear": 3}], (1, 6, 6), 3))  # a new model
+    assert not costs.known("list-registry")
+    assert costs.cost("list-registry").params == 36 * 3 + 3
+    with pytest.raises(ModelError, match="unknown model 'resnet-9000'; known: .*digits-cnn"):
+        costs.layers("resnet-9000")
+    assert not costs.known("resnet-9000")
+
+
+def test_figures_carried_for_a_new_spec_are_kept_when_the_spec_is_registered() -> None:
+    carried = ModelCost(params=143, macs_per_sample=671, activations_per_sample=245)
+    costs.register("list-carried", carried, None)  # from the job's message, before the model is built
+    register_spec(_small("list-carried"))
+    assert costs.known("list-carried") and costs.cost("list-carried") is carried
+
+
+def test_registered_figures_are_used_as_given() -> None:
+    figures = ModelCost(params=10, macs_per_sample=20, activations_per_sample=30)
+    costs.register("given-elsewhere", figures, None)  # no such spec here: the planner's case
+    assert costs.known("given-elsewhere") and costs.cost("given-elsewhere") == figures
+    with pytest.raises(ModelError, match="no layer figures for model 'given-elsewhere'"):
+        costs.layers("given-elsewhere")
+    costs.forget("given-elsewhere")
+    assert not costs.known("given-elsewhere")
+
+
+@pytest.mark.parametrize("name", ["digits-cnn", "cifar-cnn"])
+def test_the_plain_form_round_trips(name: str) -> None:
+    cost, layers = costs.cost(name), costs.layers(name)
+    plain = costs.cost_to_plain(cost, layers)
+    assert plain["version"] == costs.PLAIN_VERSION and plain["params"] == cost.params
+    assert costs.cost_from_plain(plain) == (cost, layers)
+    undivided = costs.cost_to_plain(cost, None)
+    assert undivided["layers"] is None and costs.cost_from_plain(undivided) == (cost, None)
+
+
+def _plain(**changes: Any) -> dict[str, Any]:
+    plain = costs.cost_to_plain(ModelCost(params=143, macs_per_sample=671, activations_per_sample=245), (
+        LayerCost("conv1", 4, 144, 10, 16, 4, 36), LayerCost("conv2", 5, 16, 17, 1, 1, 16)))
+    plain.update(changes)
+    return plain
+
+
+def _layer(**changes: Any) -> dict[str, Any]:
+    plain = _plain()
+    plain["layers"][1].update(changes)
+    return plain
+
+
+@pytest.mark.parametrize(("plain", "match"), [
+    ([], "expected a table, got list"),
+    (_plain(version=2), "version 2 is not 1"),
+    (_plain(params=-1), "params must be an integer >= 0, got -1"),
+    (_plain(macs_per_sample=1.5), "macs_per_sample must be an integer"),
+    (_plain(activations_per_sample=True), "activations_per_sample must be an integer"),
+    ({k: v for k, v in _plain().items() if k != "params"}, r"missing \['params'\]"),
+    (_plain(flops=3), r"unexpected \['flops'\]"),
+    (_plain(layers="conv1"), "layers must be a non-empty list or null"),
+    (_plain(layers=[]), "layers must be a non-empty list or null"),
+    (_layer(units=0), r"layer 1 \(conv2\): units must be >= 1"),
+    (_layer(name=""), "layer 1: name must be a non-empty string"),
+    (_layer(name="conv1"), "layer names repeat"),
+    (_layer(in_values="many"), "layer 1: in_values must be an integer"),
+    (_layer(extra=1), r"layer 1: missing \[\], unexpected \['extra'\]"),
+])
+def test_a_bad_plain_form_is_refused(plain: Any, match: str) -> None:
+    with pytest.raises(ModelError, match=match):
+        costs.cost_from_plain(plain)
+
+
+def test_the_cost_registry_does_not_import_torch() -> None:
+    code = "import edgemesh.common.costs, sys; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False, timeout=60).returncode == 0
