@@ -174,12 +174,12 @@ def parse_job(text: str | bytes, *, origin: str = "job file") -> JobSpec:
         for key in values:
             errors.check(f"{section}.{key}" not in SET_BY_THE_JOB, f"{section}.{key}",
                          "set by the job itself (from [model], [data], [evaluation]) or by the host; remove it")
-    if not errors.items:
+    for section, values in settings.items():
         try:
-            with_settings(Config(), {s: {k: v for k, v in values.items() if f"{s}.{k}" not in SET_BY_THE_JOB}
-                                     for s, values in settings.items()})
+            own = {k: v for k, v in values.items() if f"{section}.{k}" not in SET_BY_THE_JOB}
+            with_settings(Config(), {section: own})
         except ConfigError as exc:
-            errors.add("settings", str(exc))
+            errors.items.append(str(exc))  # it names its key
     if errors.items:
         raise JobError(origin, errors.items)
     assert isinstance(name, str) and model is not None and data is not None and evaluation is not None

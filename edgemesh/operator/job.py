@@ -271,7 +271,7 @@ async def fetch_model(config: Config, name: str, *, timeout_s: float) -> tuple[J
 async def export(config: Config, name: str, *, fmt: str, out: str, search_path: list[str], timeout_s: float) -> int:
     from edgemesh.common import models
     from edgemesh.common.jobs import model_spec
-    from edgemesh.operator.export import ModelCard, check_onnx, export_model, write_card
+    from edgemesh.operator.export import ModelCard, check_onnx, export_model, normalization, write_card
 
     spec, snap, state = await fetch_model(config, name, timeout_s=timeout_s)
     model_spec(spec, search_path=search_path)
@@ -282,8 +282,9 @@ async def export(config: Config, name: str, *, fmt: str, out: str, search_path: 
     if fmt == "onnx":
         error = check_onnx(module, spec.model.input_shape, path)
         print(f"onnxruntime logits match torch within {error:.2e}")
+    mean, std = normalization(module)
     card = ModelCard(job=name, classes=spec.model.classes, input_shape=spec.model.input_shape,
-                     mean=spec.data.mean, std=spec.data.std, accuracy=state.accuracy if state else None,
+                     mean=mean, std=std, accuracy=state.accuracy if state else None,
                      version=snap.version, job_sha256=spec.sha256, format=fmt, file=path.name,
                      model_key=spec.model_key, exported_at=time.time(), job_source=spec.source)
     card_path = write_card(card, path)

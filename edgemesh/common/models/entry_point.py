@@ -84,7 +84,8 @@ def entry_point_spec(name: str, entry_point: str, input_shape: Sequence[int], nu
     ModelError naming the entry point when it is not ``package.module:function``, the module does
     not import, the function is missing or not callable, fails, returns something other than an
     ``nn.Module``, or its model's output for one zero sample is not ``(num_classes,)``. With
-    ``mean``/``std`` the model is ``Sequential(input=Standardize(...), net=<the module>)``.
+    ``mean``/``std`` the model is ``Sequential(input=Standardize(...), net=<the module>)``, or, when the
+    module is itself an ``nn.Sequential``, ``Standardize`` followed by its children (names kept).
     """
     shape = check_io(name, input_shape, num_classes)
     first = standardize(name, shape, mean, std)
@@ -103,6 +104,10 @@ def entry_point_spec(name: str, entry_point: str, input_shape: Sequence[int], nu
             raise ModelError(f"{where}: returns a {type(module).__name__}, not a torch.nn.Module")
         if first is None:
             return module
+        if isinstance(module, nn.Sequential) and "input" not in dict(module.named_children()):
+            # spliced, not nested: parameters keep the names they have in the user's module, and a
+            # sequential model stays one that model parallelism can divide
+            return nn.Sequential(OrderedDict([("input", first()), *module.named_children()]))
         return nn.Sequential(OrderedDict([("input", first()), ("net", module)]))
 
     model = build()

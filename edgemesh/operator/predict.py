@@ -1,0 +1,188 @@
+"""``edgemesh predict MODEL INPUT... [--top K] [--json]``: classify inputs with a model ``edgemesh job export`` wrote.
+
+The model card beside MODEL (``MODEL.card.json``) gives the classes, the input shape and the format.
+An ONNX model runs on onnxruntime and numpy alone: torch is imported only for safetensors and torch
+files, so a board that only does inference needs onnxruntime, numpy and Pillow. A safetensors or
+torch file holds weights only; the model is rebuilt from the job file the card carries (an entry
+point module is looked for beside MODEL too).
+
+Inputs are image files (PNG, JPEG: converted and resized to the model's (C, H, W) as in training,
+pixels in [0, 1]) or ``.npy`` arrays of exactly the input shape (uint8 is scaled to [0, 1]). The
+normalization is inside the model. Per input, one line ``path  class (p=0.93)`` with the top K
+classes by softmax probability, or with ``--json`` one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+
+from edgemesh.common.data import IMAGE_SUFFIXES, UINT8_PIXEL_MAX, read_image
+from edgemesh.common.errors import DataError, ExportError
+from edgemesh.operator.export import INSTALL_HINT, ModelCard, card_path
+
+PREDICT_BATCH: Final = 64
+"""Inputs per forward pass."""
+ARRAY_SUFFIX: Final = ".npy"
+
+Classifier = Callable[[np.ndarray], np.ndarray]
+"""A float32 batch (N, *input_shape) -> its logits (N, classes)."""
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="a model file written by 'edgemesh job export' "
+                                                       "(its card MODEL.card.json beside it)")
+    parser.add_argument("inputs", metavar="INPUT", nargs="+",
+                        help=f"image files ({', '.join(IMAGE_SUFFIXES)}) or {ARRAY_SUFFIX} arrays of the input shape")
+    parser.add_argument("--top", type=_positive, default=1, metavar="K", help="print the K likeliest classes (1)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per input: {input, top: [{class, p}]}")
+    parser.set_defaults(func=command)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def command(args: argparse.Namespace) -> int:
+    model = Path(args.model)
+    if not model.is_file():
+        raise ExportError(f"model file '{model}' does not exist")
+    card = ModelCard.read(card_path(model))
+    x = np.stack([read_input(path, card.input_shape) for path in args.inputs])
+    probabilities = softmax(run_batches(load_classifier(card, model), x, len(card.classes)))
+    for path, row in zip(args.inputs, probabilities, strict=True):
+        best = top_k(row, card.classes, args.top)
+        if args.json:
+            print(json.dumps({"input": path, "top": [{"class": name, "p": p} for name, p in best]}))
+        else:
+            print(f"{path}  " + ", ".join(f"{name} (p={p:.2f})" for name, p in best))
+    return 0
+
+
+def read_input(path: str | Path, input_shape: tuple[int, ...]) -> np.ndarray:
+    """One sample as float32 of ``input_shape``: an image file or a ``.npy`` array; DataError naming the file."""
+    source = Path(path)
+    suffix = source.suffix.lower()
+    if suffix in IMAGE_SUFFIXES:
+        if len(input_shape) != 3:
+            raise DataError(f"'{source}' is an image, but the model takes samples of shape {input_shape}; "
+                            f"give {ARRAY_SUFFIX} arrays of that shape")
+        return read_image(source, input_shape)
+    if suffix != ARRAY_SUFFIX:
+        raise DataError(f"'{source}' is neither an image ({', '.join(IMAGE_SUFFIXES)}) nor a {ARRAY_SUFFIX} array")
+    try:
+        array = np.load(source, allow_pickle=False)
+    except (OSError, ValueError, EOFError) as exc:
+        raise DataError(f"array file '{source}' cannot be read (pickled arrays are never loaded): {exc}") from exc
+    if not isinstance(array, np.ndarray):  # an .npz archive under an .npy name
+        raise DataError(f"array file '{source}' holds an archive, not one array")
+    if array.shape != tuple(input_shape):
+        raise DataError(f"array file '{source}' has shape {array.shape}, the model takes {tuple(input_shape)}")
+    if array.dtype.kind not in "iuf":
+        raise DataError(f"array file '{source}' must hold numbers, got dtype {array.dtype}")
+    sample = array.astype(np.float32) / np.float32(UINT8_PIXEL_MAX) if array.dtype == np.uint8 else \
+        array.astype(np.float32)
+    if not np.isfinite(sample).all():
+        raise DataError(f"array file '{source}' holds non-finite values")
+    return sample
+
+
+def load_classifier(card: ModelCard, model: Path) -> Classifier:
+    """The model in ``model`` as a function from a batch to its logits, by the card's format."""
+    if card.format == "onnx":
+        return _onnx_classifier(model)
+    return _torch_classifier(card, model)
+
+
+def _onnx_classifier(model: Path) -> Classifier:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise ExportError(f"onnxruntime is not installed: {INSTALL_HINT}") from None
+    try:
+        session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's own exception types, whichever it raises
+        raise ExportError(f"onnxruntime cannot load '{model}': {exc}") from exc
+    name = session.get_inputs()[0].name
+
+    def classify(x: np.ndarray) -> np.ndarray:
+        try:
+            logits: np.ndarray = session.run(None, {name: x})[0]
+        except Exception as exc:  # onnxruntime's own exception types, whichever it raises
+            raise ExportError(f"onnxruntime cannot run '{model}' on a batch of shape {x.shape}: {exc}") from exc
+        return logits
+
+    return classify
+
+
+def _torch_classifier(card: ModelCard, model: Path) -> Classifier:
+    """The job's model rebuilt from the card's job file, with the weights in ``model`` loaded."""
+    try:
+        import torch
+    except ImportError:
+        raise ExportError(f"'{model}' is a {card.format} file and runs on torch, which is not installed; "
+                          "an ONNX export runs without it") from None
+
+    from edgemesh.common import models
+    from edgemesh.common.jobs import model_spec, parse_job
+
+    job = parse_job(card.job_source, origin=f"job file in model card '{card_path(model)}'")
+    model_spec(job, search_path=(str(model.parent),))
+    module = models.build_model(job.model_key)
+    try:
+        if card.format == "safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(model)
+        else:
+            state = torch.load(model, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise ExportError(f"safetensors is not installed: {INSTALL_HINT}") from None
+    except Exception as exc:  # safetensors' and torch's decoding errors
+        raise ExportError(f"model file '{model}' cannot be read as {card.format}: {exc}") from exc
+    try:
+        module.load_state_dict(state)
+    except (RuntimeError, TypeError) as exc:
+        raise ExportError(f"model file '{model}' does not fit the model of its card's job: {exc}") from exc
+    module.eval()
+
+    def classify(x: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            logits: np.ndarray = module(torch.from_numpy(x)).numpy()
+        return logits
+
+    return classify
+
+
+def run_batches(classify: Classifier, x: np.ndarray, num_classes: int) -> np.ndarray:
+    """Logits of every sample in ``x``, PREDICT_BATCH at a time; ExportError unless one score per class."""
+    logits = np.concatenate([classify(np.ascontiguousarray(x[i:i + PREDICT_BATCH]))
+                             for i in range(0, len(x), PREDICT_BATCH)])
+    if logits.shape != (len(x), num_classes):
+        raise ExportError(f"the model gives outputs of shape {logits.shape[1:]}, its card names {num_classes} classes")
+    return logits
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax, in float64."""
+    shifted = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    result: np.ndarray = exp / exp.sum(axis=1, keepdims=True)
+    return result
+
+
+def top_k(probabilities: np.ndarray, classes: Sequence[str], k: int) -> list[tuple[str, float]]:
+    """The ``k`` likeliest classes with their probabilities, likeliest first (ties: lower index first)."""
+    order = np.argsort(-probabilities, kind="stable")[: min(k, len(classes))]
+    return [(classes[i], float(probabilities[i])) for i in order]
