@@ -15,7 +15,6 @@ import time
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -56,31 +55,6 @@ T = TypeVar("T")
 def label_distribution(labels: np.ndarray, num_classes: int) -> np.ndarray:
     """The fraction of ``labels`` in each of ``num_classes`` classes."""
     return np.bincount(labels, minlength=num_classes) / labels.shape[0]
-
-
-def write_shapes(root: Path, classes: list[str], count: int, *, seed: int, size: int = 24) -> None:
-    """``count`` PNG images per class under ``root/<class>/``: a circle, square or triangle of random colour,
-    size and place on a noisy background (what a device's camera might have saved)."""
-    from PIL import Image, ImageDraw
-
-    rng = np.random.default_rng(seed)
-    for name in classes:
-        folder = root / name
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in range(count):
-            noise = rng.integers(0, 70, (size, size, 3), dtype=np.uint8)
-            image = Image.fromarray(noise)
-            draw = ImageDraw.Draw(image)
-            r = int(rng.integers(size // 5, size // 3))
-            cx, cy = (int(v) for v in rng.integers(r + 1, size - r - 1, 2))
-            colour = tuple(int(v) for v in rng.integers(120, 256, 3))
-            if name == "circle":
-                draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=colour)
-            elif name == "square":
-                draw.rectangle((cx - r, cy - r, cx + r, cy + r), fill=colour)
-            else:
-                draw.polygon(((cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)), fill=colour)
-            image.save(folder / f"{name}-{i}.png")
 
 
 # --- configs, services and waiting ------------------------------------------------
@@ -426,10 +400,10 @@ def reference(spec: str, seed: int, batch: int) -> tuple[dict[str, np.ndarray], 
     """Parameters, a batch, and what one process computes on it: loss, logits, gradients."""
     model = models.build_model(spec, seed=seed)
     params = models.get_params(model)
-    shape = models.get_spec(spec).input_shape
+    shape, classes = models.get_spec(spec).input_shape, models.get_spec(spec).num_classes
     rng = np.random.default_rng(seed)
     x = rng.random((batch, *shape), dtype=np.float32)
-    y = rng.integers(0, 10, batch)
+    y = rng.integers(0, classes, batch)
     loss, grads = models.compute_gradients(model, x, y)
     with torch.no_grad():
         logits = model(torch.tensor(x)).numpy()

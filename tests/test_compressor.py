@@ -110,9 +110,9 @@ def unimplemented_codec(monkeypatch: pytest.MonkeyPatch) -> CodecName:
 def test_the_service_refuses_a_configured_codec_it_cannot_run(unimplemented_codec: str) -> None:
     missing = unimplemented_codec
     with pytest.raises(ConfigError, match="not implemented"):
-        Compressor(load_config(env={}, overrides={"compressor.default_codec": missing}))
+        Compressor(load_config(env={}, overrides={"job": "t", "compressor.default_codec": missing}))
     with pytest.raises(ConfigError, match="pi-1"):
-        Compressor(load_config(env={}, overrides={"compressor.overrides": {"pi-1": missing}}))
+        Compressor(load_config(env={}, overrides={"job": "t", "compressor.overrides": {"pi-1": missing}}))
 
 
 def test_the_compressor_refuses_an_adaptive_codec_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,8 +120,9 @@ def test_the_compressor_refuses_an_adaptive_codec_it_cannot_run(monkeypatch: pyt
 
     monkeypatch.setattr(service, "available_codecs", lambda: ("fp16", "none"))
     with pytest.raises(ConfigError, match="adaptive_codec"):
-        Compressor(load_config(env={}, overrides={"compressor.adaptive_codec": "topk"}))
-    Compressor(load_config(env={}, overrides={"compressor.adaptive_codec": "topk", "compressor.mode": "static"}))
+        Compressor(load_config(env={}, overrides={"job": "t", "compressor.adaptive_codec": "topk"}))
+    Compressor(load_config(env={}, overrides={"job": "t", "compressor.adaptive_codec": "topk",
+                                              "compressor.mode": "static"}))
 
 
 def test_the_compressor_does_not_import_torch() -> None:

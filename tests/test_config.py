@@ -41,7 +41,7 @@ def _error(**kwargs: object) -> str:
 def test_defaults_are_valid_and_match_the_dataclasses() -> None:
     cfg = load_config(env={})
     assert cfg == Config()
-    assert cfg.job == "default"
+    assert cfg.job == ""  # no job: the services serve submitted jobs
     assert (cfg.broker.host, cfg.broker.port, cfg.broker.tls) == ("127.0.0.1", 1883, False)
     assert cfg.broker.chunk_bytes < 1 << 20  # "well under 1 MiB" (docs/wire.md)
     assert cfg.training.sync_policy in ("sync", "async", "ssp", "adaptive")
@@ -291,7 +291,7 @@ def test_describe_lists_every_leaf_and_masks_the_password() -> None:
     assert rows["broker.password"] == "***"
     assert rows["broker.username"] == "worker"
     assert "hunter2" not in repr(describe(cfg))
-    assert rows["job"] == "default" and rows["training.lr"] == cfg.training.lr
+    assert rows["job"] == "" and rows["training.lr"] == cfg.training.lr
     def leaves(section: object) -> int:
         return sum(leaves(v) if dataclasses.is_dataclass(v := getattr(section, f.name)) else 1
                    for f in dataclasses.fields(section))  # type: ignore[arg-type]

@@ -49,6 +49,7 @@ from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import find_mosquitto, free_port, wait_port
 from edgemesh.local.processes import parent_death_signal
 from edgemesh.services.compressor.service import Compressor
+from edgemesh.services.host import JobHost
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.service import Worker
@@ -94,10 +95,12 @@ def exported_series(registry: CollectorRegistry) -> set[str]:
 
 async def service_metric_names() -> set[str]:
     """Series names of all four services, from real service objects (their constructors need a loop)."""
-    cfg = load_config(env={})
+    cfg = load_config(env={}, overrides={"job": "dashboard"})
     names: set[str] = set()
     for service in (Planner(cfg), ParameterServer(cfg), Compressor(cfg), Worker(cfg)):
         names |= exported_series(service.metrics.registry)
+    for role in ("planner", "ps", "compressor", "worker"):  # the hosts that serve submitted jobs
+        names |= exported_series(JobHost(role, cfg, lambda _: None).metrics.registry)  # type: ignore[arg-type,return-value]
     return names
 
 
@@ -331,7 +334,10 @@ def test_dashboards_use_the_provisioned_datasource() -> None:
 def test_example_config_loads() -> None:
     cfg = load_config(DEPLOY / "edgemesh.example.toml", env={})
     # the file is really read, and agrees with the PS unit's --state-dir
-    assert cfg.job != "default"
+    assert cfg.job == ""  # the services serve submitted jobs: no job name anywhere
+    assert cfg.worker.data_dir and cfg.ps.data_dir
+    for unit in (DEPLOY / "systemd").glob("*.service"):
+        assert "--job" not in unit.read_text(), unit.name
     ps_unit = parse_unit(DEPLOY / "systemd" / "edgemesh-ps.service")
     assert cfg.ps.state_dir == exec_args(ps_unit)[1].state_dir
 
@@ -614,6 +620,16 @@ def test_production_acl_roles(production_broker: ProductionBroker) -> None:
         assert allowed(ps, topics.ack("pi-02"))
         assert allowed(ps, Topics.chunk(topics.model(), 3), retain=True)
         assert not allowed(ps, topics.plan(), retain=True)
+        # jobs: the operator submits, the PS's host keeps their state and final model
+        assert allowed(operator, topics.job_file(), retain=True)
+        assert allowed(operator, Topics.chunk(topics.job_file(), 1), retain=True)
+        assert not allowed(worker, topics.job_file(), retain=True)
+        assert not allowed(worker, topics.job_state(), retain=True)
+        assert allowed(ps, topics.job_state(), retain=True)
+        assert allowed(ps, Topics.chunk(topics.job_model(), 2), retain=True)
+        assert not allowed(ps, topics.job_file(), retain=True)
+        assert allowed(worker, topics.evaluation("pi-01"))
+        assert allowed(worker, topics.status("pi-01"), retain=True)  # "left": its data is broken
 
         # reads: a worker sees its own acks and control commands, not another device's.
         # The PS publishes the denied message first; per-publisher order makes the

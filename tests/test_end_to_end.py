@@ -29,8 +29,10 @@ REPORT_KEYS = {"final_accuracy", "wall_seconds", "model_version", "updates_accep
 
 
 def processes_of(job: str) -> list[str]:
-    """Command lines of live processes that belong to ``job``."""
-    out = subprocess.run(["pgrep", "-af", "--", f"--job {job}"], capture_output=True, text=True, check=False)
+    """Command lines of live processes that belong to ``job`` (the demo's services serve submitted jobs: their
+    configuration file is named after the job)."""
+    out = subprocess.run(["pgrep", "-af", "--", f"--job {job}|/{job}.toml"], capture_output=True, text=True,
+                         check=False)
     return [line for line in out.stdout.splitlines() if "pgrep" not in line]
 
 

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import inbox, make_config, write_shapes
+from helpers import inbox, make_config
 
+from edgemesh.bench import jobs as jobs_bench
+from edgemesh.bench.jobs import VIBRATION_NET, draw_shapes, write_sensor_csv
 from edgemesh.common import models
 from edgemesh.common.config import Config
 from edgemesh.common.jobs import model_spec, parse_job
@@ -32,81 +34,8 @@ DEVICES = ("w0", "w1", "w2")
 JOB_WAIT_S = 150.0
 """How long a test job may take to reach its target on this machine's two cores (it takes 10-40 s)."""
 
-SHAPES_JOB = """
-[job]
-name = "shapes"
-target_accuracy = 0.9
-max_versions = 1500
-
-[model]
-input_shape = [3, 24, 24]
-classes = ["circle", "square", "triangle"]
-layers = [{conv2d = 8, kernel = 3, padding = 1}, "relu", {maxpool2d = 2},
-          {conv2d = 16, kernel = 3, padding = 1}, "relu", {maxpool2d = 2},
-          "flatten", {linear = 32}, "relu", {linear = 3}]
-
-[data]
-format = "image-folder"
-path = "shapes"
-mean = [0.5]
-std = [0.3]
-
-[evaluation]
-path = "shapes-eval"
-every = 5
-
-[training]
-sync_policy = "async"
-lr = 0.05
-batch_size = 16
-"""
-
-SENSORS_JOB = """
-[job]
-name = "vibration"
-target_accuracy = 0.9
-max_versions = 1500
-
-[model]
-input_shape = [8]
-classes = ["idle", "normal", "worn"]
-entry_point = "vibration_net:build"
-module_path = "{module_path}"
-
-[data]
-format = "csv"
-path = "vibration.csv"
-label_column = "state"
-
-[evaluation]
-local_share = 0.25
-every = 5
-
-[training]
-sync_policy = "async"
-lr = 0.05
-batch_size = 16
-"""
-
-VIBRATION_NET = '''
-from torch import nn
-
-
-def build(input_shape, num_classes):
-    return nn.Sequential(nn.Linear(input_shape[0], 32), nn.ReLU(), nn.Linear(32, num_classes))
-'''
-
-
-def write_sensor_csv(path: Path, rows: int, seed: int) -> None:
-    """A CSV of 8 features and a ``state`` column: three Gaussian clusters."""
-    rng = np.random.default_rng(seed)
-    centers = np.random.default_rng(99).normal(0.0, 1.0, (3, 8))
-    lines = [",".join([f"f{i}" for i in range(8)] + ["state"])]
-    for r in range(rows):
-        label = r % 3
-        features = centers[label] + rng.normal(0.0, 0.35, 8)
-        lines.append(",".join(f"{v:.5f}" for v in features) + f",{['idle', 'normal', 'worn'][label]}")
-    path.write_text("\n".join(lines) + "\n")
+SHAPES_JOB = jobs_bench.SHAPES_JOB.format(target=0.9)
+SENSORS_JOB = jobs_bench.VIBRATION_JOB
 
 
 def edgemesh(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
@@ -115,20 +44,35 @@ def edgemesh(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[
                           timeout=timeout, check=False)
 
 
-@pytest.fixture
-def fleet(mosquitto_broker: BrokerProcess, tmp_path: Path) -> Iterator[tuple[LocalCluster, Config]]:
-    """The services of a fleet, started once with no job; w2's image folder lacks the class ``triangle``."""
+def start_fleet(broker: BrokerProcess, tmp_path: Path, devices: tuple[str, ...]) -> tuple[LocalCluster, Config]:
+    """The services of a fleet, started with no job, and ``devices``' workers; each device has its own image
+    folder (w2's lacks the class ``triangle``), the PS host a held-out folder."""
     for i, device in enumerate(DEVICES):
-        write_shapes(tmp_path / device / "shapes", CLASSES if device != "w2" else CLASSES[:2], 40, seed=i)
-    write_shapes(tmp_path / "ps" / "shapes-eval", CLASSES, 30, seed=10)
-    config = make_config(mosquitto_broker, job="fleet", **{"broker.backoff_max_s": "0.5"})
+        draw_shapes(tmp_path / device / "shapes", CLASSES if device != "w2" else CLASSES[:2], 40, seed=i)
+    draw_shapes(tmp_path / "ps" / "shapes-eval", CLASSES, 30, seed=10)
+    config = make_config(broker, job="fleet", **{"broker.backoff_max_s": "0.5"})
     cluster = LocalCluster(config, tmp_path, serve_jobs=True)
     cluster.spawn("planner", "planner")
+    start_ps(cluster, tmp_path)
+    cluster.spawn("compressor", "compressor")
+    for device in devices:
+        start_worker(cluster, tmp_path, device)
+    return cluster, config
+
+
+def start_ps(cluster: LocalCluster, tmp_path: Path) -> None:
     cluster.spawn("ps", "ps", ["--state-dir", str(tmp_path / "ps" / "state"), "--set",
                                f"ps.data_dir={tmp_path / 'ps'}"])
-    cluster.spawn("compressor", "compressor")
-    for device in DEVICES:
-        cluster.spawn("worker", device, ["--device", device, "--set", f"worker.data_dir={tmp_path / device}"])
+
+
+def start_worker(cluster: LocalCluster, tmp_path: Path, device: str) -> None:
+    cluster.spawn("worker", device, ["--device", device, "--set", f"worker.data_dir={tmp_path / device}"])
+
+
+@pytest.fixture
+def fleet(mosquitto_broker: BrokerProcess, tmp_path: Path) -> Iterator[tuple[LocalCluster, Config]]:
+    """A fleet of three workers, all started before any job."""
+    cluster, config = start_fleet(mosquitto_broker, tmp_path, DEVICES)
     try:
         yield cluster, config
     finally:
@@ -200,7 +144,7 @@ async def test_jobs_submitted_to_a_running_fleet_train_export_and_follow_each_ot
     for i, device in enumerate(DEVICES[:2]):
         write_sensor_csv(tmp_path / device / "vibration.csv", 240, seed=i)
     sensors = tmp_path / "sensors.toml"
-    sensors.write_text(SENSORS_JOB.format(module_path=modules))
+    sensors.write_text(SENSORS_JOB.format(target=0.9, module_path=modules))
     submitted = edgemesh("job", "submit", str(sensors), "--broker", config.broker.url, "--wait", "60")
     assert submitted.returncode == 0, submitted.stderr
     done = await wait_for_job(config, "vibration", ("finished", "failed", "stopped"))
@@ -219,9 +163,10 @@ async def test_jobs_submitted_to_a_running_fleet_train_export_and_follow_each_ot
 async def test_a_job_is_paused_resumed_and_stopped_by_the_operator(fleet: tuple[LocalCluster, Config],
                                                                   tmp_path: Path) -> None:
     cluster, config = fleet
+    draw_shapes(tmp_path / "w1" / "shapes", ["hexagon"], 2, seed=7)  # a class the job does not know
     job_file = tmp_path / "long.toml"
     job_file.write_text(SHAPES_JOB.replace("target_accuracy = 0.9", "target_accuracy = 1.0")
-                        .replace("max_versions = 1500", "max_versions = 100000").replace('"shapes"\n', '"long"\n', 1))
+                        .replace("max_versions = 3000", "max_versions = 100000").replace('"shapes"\n', '"long"\n', 1))
     assert edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60").returncode == 0
     async with inbox(dataclasses.replace(config, job="long"), (all_job_states_filter(), JobState)) as box:
         await box.next(JobState, lambda s: s.name == "long" and s.state == "running" and s.version > 0, JOB_WAIT_S)
@@ -237,6 +182,31 @@ async def test_a_job_is_paused_resumed_and_stopped_by_the_operator(fleet: tuple[
         assert edgemesh("job", "stop", "long", "--broker", config.broker.url).returncode == 0
         stopped = await box.next(JobState, lambda s: s.name == "long" and s.state == "stopped")
     assert stopped.reason == "stopped by an operator"
+    assert "hexagon" in stopped.device_errors["w1"] and set(stopped.devices) == {"w0", "w2"}
     again = edgemesh("job", "stop", "long", "--broker", config.broker.url)
     assert again.returncode == 1 and "already ended" in again.stderr
     assert all(c.proc.poll() is None for c in cluster.children)
+
+
+async def test_a_restarted_ps_resumes_the_job_and_a_late_worker_joins_it(mosquitto_broker: BrokerProcess,
+                                                                          tmp_path: Path) -> None:
+    cluster, config = start_fleet(mosquitto_broker, tmp_path, DEVICES[:2])
+    try:
+        job_file = tmp_path / "shapes.toml"
+        job_file.write_text(SHAPES_JOB.replace("target_accuracy = 0.9", "target_accuracy = 0.95"))
+        assert edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60").returncode == 0
+        async with inbox(dataclasses.replace(config, job="shapes"), (all_job_states_filter(), JobState)) as box:
+            before = await box.next(JobState, lambda s: s.name == "shapes" and s.version >= 10, JOB_WAIT_S)
+            ps = next(c for c in cluster.children if c.name == "ps")
+            ps.proc.kill()  # no goodbye: the checkpoint and the log are all it has
+            ps.proc.wait()
+            cluster.children.remove(ps)
+            start_ps(cluster, tmp_path)
+            start_worker(cluster, tmp_path, "w2")  # a device that joins late gets the job, the plan, the model
+            joined = await box.next(JobState, lambda s: s.name == "shapes" and "w2" in s.devices, JOB_WAIT_S)
+            assert joined.version >= before.version  # resumed, not restarted from scratch
+            assert joined.started_at == before.started_at and joined.sha256 == before.sha256
+            done = await box.next(JobState, lambda s: s.name == "shapes" and s.ended, JOB_WAIT_S)
+        assert done.state == "finished", done.reason
+    finally:
+        cluster.stop()

@@ -14,6 +14,7 @@ from edgemesh.common import costs, models
 from edgemesh.common.costs import slices
 from edgemesh.common.data import batch_at, synthetic_cifar
 from edgemesh.common.errors import ModelError
+from edgemesh.common.jobs import check_model, parse_job
 from edgemesh.services.worker.mesh.exchange import LocalHub
 from edgemesh.services.worker.mesh.member import MeshMember
 
@@ -29,6 +30,40 @@ async def test_three_uneven_members_compute_what_one_process_does(spec: str) -> 
     assert_matches_one_process(list(results), loss, logits, grads)
     # a member holds its slices only
     assert sum(m.param_count for m in members) == costs.cost(spec).params
+
+
+USER_JOB = """
+[job]
+name = "user-mesh"
+[model]
+input_shape = [3, 12, 12]
+classes = ["a", "b", "c"]
+layers = [{conv2d = 12, kernel = 3, padding = 1}, "relu", {maxpool2d = 2}, {conv2d = 10, kernel = 3}, "tanh",
+          {avgpool2d = 2}, "flatten", {linear = 24}, "relu", {linear = 3}]
+[data]
+format = "image-folder"
+path = "x"
+mean = [0.4, 0.5, 0.6]
+std = [0.2, 0.25, 0.3]
+[evaluation]
+local_share = 0.2
+[planner]
+parallelism = "mesh"
+"""
+
+
+async def test_three_uneven_members_compute_what_one_process_does_for_a_users_layer_list() -> None:
+    spec = parse_job(USER_JOB)
+    check_model(spec)  # registers the model and its figures, as a job's hosts do
+    division = {"conv1": (5, 0, 7), "conv2": (1, 6, 3), "fc1": (10, 13, 1), "fc2": (1, 1, 1)}
+    assert [la.name for la in costs.layers(spec.model_key)] == list(division)
+    params, x, y, loss, logits, grads = reference(spec.model_key, seed=5, batch=12)
+    hub = LocalHub(3)
+    members = [MeshMember(spec.model_key, division, i, seed=5) for i in range(3)]
+    for m in members:
+        m.load(params, version=0)
+    results = await asyncio.gather(*(m.step(1, x, y, hub.member(i)) for i, m in enumerate(members)))
+    assert_matches_one_process(list(results), loss, logits, grads)
 
 
 def test_layer_figures_match_the_modules() -> None:

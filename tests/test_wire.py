@@ -28,7 +28,11 @@ from edgemesh.common.messages import (
     DeviceStatus,
     Event,
     GradientUpdate,
+    JobState,
+    JobSubmission,
     LayerDivision,
+    LayerFigures,
+    LocalEvaluation,
     MeshBegin,
     MeshReady,
     MeshSlice,
@@ -125,8 +129,17 @@ MESH_GRADIENT = GradientUpdate(device="pi5-0", cluster="m-pi3-0", incarnation=2,
                                                    data=_grad_bytes(23)),), mesh_step=1_717_000_008_123,
                                plan_version=12)
 
+JOB = JobSubmission(name="shapes", source=b'[job]\nname = "shapes"\n', sha256="ab" * 32, submitted_at=1.7e9,
+                    requester="operator", params=38_282, macs_per_sample=337_536, activations_per_sample=7_434,
+                    layers=(LayerFigures("conv1", 16, 576, 10, 64, 64, 64),), refusal="")
+JOB_STATE = JobState(name="shapes", state="running", sha256="ab" * 32, submitted_at=1.7e9, started_at=1.7e9 + 2,
+                     version=41, accuracy=0.87, loss=0.4, devices=("pi-01", "pi-02"), bytes_received=2_400_000,
+                     target_accuracy=0.9, device_errors={"pi-03": "data path '/data/shapes' does not exist"})
+LOCAL_EVALUATION = LocalEvaluation(device="pi-01", version=40, samples=120, correct=101, loss_sum=48.2)
+LEFT = DeviceStatus(device="pi-03", state="left", time=1.7e9, reason="image-folder: unknown class folder 'hexagon'")
 EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK, SYNC,
-            REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_READY, MESH_SLICE, MESH_STATS, MESH_GRADIENT]
+            REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_READY, MESH_SLICE, MESH_STATS, MESH_GRADIENT, JOB, JOB_STATE,
+            LOCAL_EVALUATION, LEFT]
 
 
 def test_examples_cover_every_registered_kind() -> None:

@@ -13,6 +13,8 @@ import importlib
 BENCHMARKS = {
     "codecs": ("edgemesh.bench.codecs", "gradient codecs: ratio, error, speed, accuracy"),
     "fleet": ("edgemesh.bench.fleet", "an emulated fleet under every sync policy: time to accuracy, delays, bytes"),
+    "jobs": ("edgemesh.bench.jobs", "users' jobs (image folders, CSV; layer list, entry point) on one running fleet: "
+                                    "time to target, bytes"),
     "mesh": ("edgemesh.bench.mesh", "single device, data parallelism and Edge Mesh: iteration delay, memory, "
                                     "accuracy, load balance"),
 }

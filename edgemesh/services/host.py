@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -159,16 +160,19 @@ class JobHost:
         if sub.name != match.job:
             self.metrics.reject("topic", match.topic, f"job {sub.name!r} on the topic of {match.job!r}", route="job")
             return
+        if hashlib.sha256(sub.source).hexdigest() != sub.sha256:
+            self.metrics.reject("field", match.topic, "the submission's hash is not its job file's", route="job")
+            return
         if sub.sha256 not in self.specs:
             try:
                 spec = parse_job(sub.source, origin=f"job {sub.name}")
             except JobError as exc:
                 self.metrics.reject("job_file", match.topic, exc, route="job")
                 return
-            if spec.name != sub.name or spec.sha256 != sub.sha256:
-                self.metrics.reject("field", match.topic, "job name or hash does not match its file", route="job")
-                return
             self.specs[sub.sha256] = spec
+        if self.specs[sub.sha256].name != sub.name:
+            self.metrics.reject("field", match.topic, f"the job file names another job than {sub.name!r}", route="job")
+            return
         self.submissions[sub.name] = sub
         self._changed_now()
 

@@ -29,6 +29,9 @@ from edgemesh.services.parameter_server.service import ParameterServer
 
 logger = logging.getLogger(__name__)
 
+SETTLE_S = 1.0
+"""After connecting, how long the board lets the retained job files and states arrive before it decides anything
+(a restarted host must find a running job running, not queue it again)."""
 PROGRESS_INTERVAL_S = 1.0
 """How often a running job's retained state is refreshed while it makes progress."""
 COMMANDS = ("status", "pause", "resume", "stop")
@@ -57,6 +60,11 @@ class JobBoard:
 
     # ------------------------------------------------------------------ the loop
     async def _loop(self) -> None:
+        assert self.bus is not None
+        while not self.bus.is_connected:
+            with contextlib.suppress(TimeoutError):
+                await self.bus.wait_connected()
+        await asyncio.sleep(SETTLE_S)
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.interval):
@@ -71,7 +79,8 @@ class JobBoard:
         host, now = self.host, time.time()
         for name, sub in host.submissions.items():
             state = host.states.get(name)
-            if state is None or (state.sha256 != sub.sha256 and state.ended):
+            if state is None or (state.ended and (state.sha256, state.submitted_at) != (sub.sha256, sub.submitted_at)):
+                # a new job, or a new submission of an ended one (the same file submitted again runs again)
                 spec = host.specs[sub.sha256]
                 await self._publish(JobState(name=name, state="queued", sha256=sub.sha256,
                                              submitted_at=sub.submitted_at, updated_at=now,

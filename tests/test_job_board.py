@@ -1,0 +1,109 @@
+"""The job board on a real broker: jobs queue and start one after another, operators steer them, and junk
+submissions are counted and dropped while the running job goes on (the PS's host, in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from helpers import inbox, make_config
+
+from edgemesh.common.config import Config
+from edgemesh.common.jobs import parse_job, render_job
+from edgemesh.common.messages import ControlCommand, ControlReply, JobState, JobSubmission
+from edgemesh.common.topics import Topics, all_job_states_filter
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION
+from edgemesh.operator.job import submission_of
+from edgemesh.services.host import JobHost
+from edgemesh.services.parameter_server import service as ps_service
+from edgemesh.services.parameter_server.jobs import JobBoard
+
+
+def digits_job(name: str, **job: object) -> JobSubmission:
+    """A job on digits (every host has it), no workers needed to start it."""
+    spec = parse_job(render_job({"job": {"name": name, **job}, "model": DIGITS_MODEL,
+                                 "data": {"format": "digits", **DIGITS_NORMALIZATION}}))
+    return dataclasses.replace(submission_of(spec, search_path=[]), submitted_at=time.time())
+
+
+@contextlib.asynccontextmanager
+async def board(config: Config) -> AsyncIterator[JobHost]:
+    host = JobHost("ps", config, ps_service.for_job)
+    task = asyncio.create_task(host.run(extra=JobBoard(host).attach))
+    try:
+        yield host
+    finally:
+        host.stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_jobs_queue_start_in_order_and_follow_operators(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    config = make_config(mosquitto_broker, job="", **{"ps.state_dir": tmp_path})
+    client = dataclasses.replace(config, job="client")
+    async with board(config) as host, inbox(client, (all_job_states_filter(), JobState),
+                                            (Topics("client").reply_filter("op"), ControlReply)) as box:
+        first, second = digits_job("first"), digits_job("second")
+        await box.publish(Topics("first").job_file(), first, retain=True)
+        await box.next(JobState, lambda s: s.name == "first" and s.state == "running")
+        await box.publish(Topics("second").job_file(), second, retain=True)
+        await box.next(JobState, lambda s: s.name == "second" and s.state == "queued")
+        await box.until("the PS serving the first job", lambda: host.current == ("first", first.sha256)
+                        and host.service is not None)
+
+        async def command(job: str, what: str) -> ControlReply:
+            request = f"r-{job}-{what}-{time.monotonic_ns()}"
+            await box.publish(Topics(job).control("job"), ControlCommand(
+                command=what, requester="op", request_id=request, reply_to=Topics("client").control_reply("op")))
+            return await box.next(ControlReply, lambda r: r.request_id == request)
+
+        assert not (await command("second", "pause")).ok  # only a running job pauses
+        assert not (await command("first", "explode")).ok
+        assert (await command("first", "pause")).ok
+        await box.next(JobState, lambda s: s.name == "first" and s.state == "paused")
+        assert (await command("first", "stop")).ok
+        await box.next(JobState, lambda s: s.name == "first" and s.state == "stopped")
+        started = await box.next(JobState, lambda s: s.name == "second" and s.state == "running")
+        assert started.started_at > 0
+        await box.until("the PS serving the second job", lambda: host.current == ("second", second.sha256))
+        # the first job again: a new run of it queues behind the one running
+        again = dataclasses.replace(first, submitted_at=time.time())
+        await box.publish(Topics("first").job_file(), again, retain=True)
+        await box.next(JobState, lambda s: s.name == "first" and s.state == "queued"
+                       and s.submitted_at == again.submitted_at)
+        assert (await command("second", "stop")).ok
+        await box.next(JobState, lambda s: s.name == "first" and s.state == "running"
+                       and s.submitted_at == again.submitted_at)
+
+
+async def test_junk_submissions_are_counted_and_the_running_job_goes_on(mosquitto_broker: BrokerProcess,
+                                                                      tmp_path: Path) -> None:
+    config = make_config(mosquitto_broker, job="", **{"ps.state_dir": tmp_path})
+    client = dataclasses.replace(config, job="client")
+    async with board(config) as host, inbox(client, (all_job_states_filter(), JobState)) as box:
+        good = digits_job("good", max_versions=100000)
+        await box.publish(Topics("good").job_file(), good, retain=True)
+        await box.next(JobState, lambda s: s.name == "good" and s.state == "running")
+        source = b"[job]\nname = 'broken'\n[model]\nlayers = 3\n"
+        broken = dataclasses.replace(good, name="broken", source=source, sha256=hashlib.sha256(source).hexdigest())
+        await box.publish(Topics("broken").job_file(), broken, retain=True)  # a job file that is not valid
+        await box.publish(Topics("other").job_file(), good, retain=True)  # its topic names another job
+        await box.bus._publish_raw(Topics("junk").job_file(), b"\x93garbage", retain=False, qos=1)
+        forged = dataclasses.replace(good, source=good.source.replace(b"100000", b"100001"))  # the hash of another file
+        await box.publish(Topics("good").job_file(), forged)
+        renamed = dataclasses.replace(good, name="renamed")  # the file names job "good"
+        await box.publish(Topics("renamed").job_file(), renamed)
+        metrics = host.metrics
+        await box.until("five rejections", lambda: metrics.value("edgemesh_ps_host_rejected_total", route="job") >= 5)
+        assert metrics.value("edgemesh_ps_host_rejected_total", route="job", reason="job_file") == 1
+        assert metrics.value("edgemesh_ps_host_rejected_total", route="job", reason="topic") == 1
+        assert metrics.value("edgemesh_ps_host_rejected_total", route="job", reason="field") == 2
+        assert metrics.value("edgemesh_ps_host_rejected_total", route="job", reason="malformed") == 1
+        assert set(host.submissions) == {"good"}
+        assert host.current == ("good", good.sha256) and host.wanted() == ("good", good.sha256)
+        assert all(s.name == "good" for s in box.of(JobState))
