@@ -314,8 +314,9 @@ def test_an_entry_point_gets_its_shape_and_classes_by_keyword_and_standardizes(u
     spec = entry_point_spec("ep-shaped", "em_user_models:shaped", (1, 6, 6), 5, mean=(0.5,), std=(0.2,),
                             search_path=[str(user_dir)])
     model = spec.builder()
-    assert [n for n, _ in model.named_children()] == ["input", "net"]
-    assert list(param_layout(model)) == ["net.1.weight", "net.1.bias"]
+    # a user's Sequential is spliced after the normalization: its parameters keep their names
+    assert [n for n, _ in model.named_children()] == ["input", "0", "1"]
+    assert list(param_layout(model)) == ["1.weight", "1.bias"]
     assert model(torch.zeros((2, 1, 6, 6))).shape == (2, 5)
     assert entry_point_spec("ep-static", "em_user_models:Factory.make", (1, 6, 6), 3,
                             search_path=[user_dir]).builder()(torch.zeros((1, 1, 6, 6))).shape == (1, 3)

@@ -73,7 +73,7 @@ every = 5
 
 [training]
 sync_policy = "async"
-lr = 0.05
+lr = 0.02
 batch_size = 16
 """
 

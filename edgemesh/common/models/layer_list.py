@@ -21,6 +21,7 @@ from torch import nn
 
 from edgemesh.common.errors import ModelError
 from edgemesh.common.models.lean import LeanMaxPool2d, LeanReLU
+from edgemesh.common.models.probe import REAL_PROBE_MAX_PARAMS
 from edgemesh.common.models.specs import ModelSpec, check_io, standardize
 
 Make = Callable[[], nn.Module]
@@ -124,12 +125,17 @@ def _parse(item: Any) -> tuple[str, Any, dict[str, int]]:
 
 
 def _probe(make: Make, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Per-sample output shape of the layer on a zero sample of ``shape``, on the meta device (shapes only)."""
+    """Per-sample output shape of the layer on a zero sample of ``shape``: a real sample through a small layer
+    (milliseconds), the meta device for a large one (no memory, but a process's first meta forward costs about a
+    second: ``probe``)."""
     with torch.device("meta"):
         layer = make()
+    device = "meta"
+    if sum(p.numel() for p in layer.parameters()) <= REAL_PROBE_MAX_PARAMS:
+        layer, device = make(), "cpu"
     layer.eval()  # batch norm takes a batch of one
     with torch.no_grad():
-        out = layer(torch.zeros((1, *shape), device="meta"))
+        out = layer(torch.zeros((1, *shape), device=device))
     return tuple(out.shape[1:])
 
 

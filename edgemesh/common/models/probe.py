@@ -1,9 +1,13 @@
-"""One zero sample through a model, to learn its shapes and costs: on the meta device when it can.
+"""One zero sample through a model, to learn its shapes and costs: for real when the model is small, on the
+meta device when it is large.
 
 A meta-device forward pass computes every output's shape and none of its values, so probing a large
-model costs no arithmetic and no activation memory. Modules that do not support meta tensors (an op
-without a meta kernel, a tensor kept as a plain attribute, ``.item()``) are probed with a real zero
-sample on the model's own device instead.
+model costs no arithmetic and no activation memory; but a process's first meta forward loads torch's
+meta kernels (1.6 s on the development host), while one real sample through an edge-sized model takes
+milliseconds. So a model of at most ``REAL_PROBE_MAX_PARAMS`` parameters is probed with a real zero
+sample, a larger one on the meta device. Modules that do not support meta tensors (an op without a
+meta kernel, a tensor kept as a plain attribute, ``.item()``) are probed with a real zero sample on the
+model's own device instead.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from torch.func import functional_call
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+REAL_PROBE_MAX_PARAMS = 20_000_000
+"""Largest model (parameters) probed with a real zero sample rather than on the meta device."""
 Forward = Callable[[], Any]
 """Runs one forward pass of one zero sample (a batch of 1) and returns the model's output."""
 
@@ -57,12 +63,13 @@ def on_sample(model: nn.Module, input_shape: tuple[int, ...], measure: Callable[
         def meta() -> Any:
             return functional_call(model, state, (torch.zeros(shape, device="meta"),), tie_weights=True)
 
-        try:
-            return measure(meta)
-        except Exception as exc:  # any module may lack meta support; the real pass says what is wrong
-            logger.debug("meta-device forward of %s failed (%s); using a real zero sample",
-                         type(model).__name__, exc)
         device = _device(model)
+        if sum(t.numel() for t in state.values()) > REAL_PROBE_MAX_PARAMS:
+            try:
+                return measure(meta)
+            except Exception as exc:  # any module may lack meta support; the real pass says what is wrong
+                logger.debug("meta-device forward of %s failed (%s); using a real zero sample",
+                             type(model).__name__, exc)
         return measure(lambda: model(torch.zeros(shape, device=device)))
 
 
@@ -70,3 +77,4 @@ def output_shape(model: nn.Module, input_shape: tuple[int, ...]) -> tuple[int, .
     """The per-sample shape of ``model``'s output (None: the output is not a tensor); raises what the model raises."""
     out = on_sample(model, input_shape, lambda forward: forward())
     return tuple(out.shape[1:]) if isinstance(out, torch.Tensor) else None
+

@@ -29,7 +29,7 @@ from edgemesh.services.parameter_server.service import ParameterServer
 
 logger = logging.getLogger(__name__)
 
-SETTLE_S = 1.0
+SETTLE_S = 0.5
 """After connecting, how long the board lets the retained job files and states arrive before it decides anything
 (a restarted host must find a running job running, not queue it again)."""
 PROGRESS_INTERVAL_S = 1.0

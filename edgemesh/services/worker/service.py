@@ -471,8 +471,12 @@ async def run(config: Config) -> None:
     if config.job:
         await Worker(config).run(signals=True)
         return
+    import torch
+
     from edgemesh.services.host import JobHost
 
+    # before any torch work: a thread that ran torch ops keeps the thread count it started with
+    torch.set_num_threads(config.worker.threads)
     await JobHost("worker", config, for_job, device=device_name(config)).run(signals=True)
 
 
