@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+# hypothesis is imported while collecting, not first by its plugin's end-of-run summary: there, Python 3.11's
+# ast.parse (under pytest's rewriting) sometimes failed with "AST constructor recursion depth mismatch" after
+# a run of tests that never imported it.
+import hypothesis  # noqa: F401
 import pytest
 
 from edgemesh.local.broker import BrokerProcess

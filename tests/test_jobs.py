@@ -10,7 +10,7 @@ import pytest
 from edgemesh.common import costs, models
 from edgemesh.common.config import load_config
 from edgemesh.common.errors import JobError
-from edgemesh.common.jobs import check_model, job_config, parse_job, read_job_file, render_job
+from edgemesh.common.jobs import check_model, job_config, parse_job, read_job_file, render_job, run_name
 from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION
 from edgemesh.operator.job import prepare
 
@@ -131,10 +131,11 @@ def test_the_job_config_puts_the_jobs_settings_over_the_hosts(tmp_path: Path) ->
     host = load_config(env={}, overrides={"broker.url": "mqtt://10.0.0.5:1883", "ps.state_dir": str(tmp_path),
                                           "training.lr": "0.5", "worker.device": "pi-3"})
     spec = parse_job(GOOD)
-    cfg = job_config(host, spec)
+    cfg = job_config(host, spec, run_name(spec, 1.5))
     assert cfg.job == "shapes" and cfg.broker.url == "mqtt://10.0.0.5:1883" and cfg.worker.device == "pi-3"
     assert (cfg.training.lr, cfg.training.sync_policy, cfg.training.model_spec) == (0.05, "adaptive", spec.model_key)
-    assert cfg.training.dataset == "image-folder" and cfg.ps.state_dir == str(tmp_path / "shapes")
+    assert cfg.training.dataset == "image-folder"
+    assert cfg.ps.state_dir == str(tmp_path / "shapes" / f"1500-{spec.sha256[:12]}")
 
 
 def test_the_examples_are_valid_jobs_and_the_demo_submits_the_digits_example() -> None:

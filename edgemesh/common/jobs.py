@@ -404,14 +404,20 @@ def resolve(path: str, directory: str) -> str:
     return str(Path(directory) / path) if directory and not Path(path).is_absolute() else path
 
 
-def job_config(base: Config, job: JobSpec) -> Config:
+def run_name(job: JobSpec, submitted_at: float) -> str:
+    """One run of a job (a submission): the directory of its parameter server's state under the job's."""
+    return f"{int(submitted_at * 1000)}-{job.sha256[:12]}"
+
+
+def job_config(base: Config, job: JobSpec, run: str = "") -> Config:
     """The configuration a service serves ``job`` with: ``base`` (the host's own: broker, metrics,
-    device, state directory) under the job's settings, its name as the topic namespace."""
+    device, state directory) under the job's settings, its name as the topic namespace; the PS state of
+    run ``run`` (:func:`run_name`) in ``{ps.state_dir}/{job}/{run}``."""
     tree: dict[str, dict[str, Any]] = {s: dict(v) for s, v in job.settings.items()}
     training = tree.setdefault("training", {})
     training.update(model_spec=job.model_key, dataset=job.data.format, dataset_path=job.data.path,
                     partition=job.data.partition, partition_alpha=job.data.partition_alpha)
     ps = tree.setdefault("ps", {})
-    ps.update(state_dir=str(Path(base.ps.state_dir) / job.name), eval_every=job.evaluation.every)
+    ps.update(state_dir=str(Path(base.ps.state_dir) / job.name / run), eval_every=job.evaluation.every)
     cfg = with_settings(base, tree)
     return dataclasses.replace(cfg, job=job.name)

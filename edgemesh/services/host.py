@@ -34,7 +34,7 @@ from edgemesh.common import costs
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError, JobError, ModelError
-from edgemesh.common.jobs import JobSpec, job_config, parse_job
+from edgemesh.common.jobs import JobSpec, job_config, parse_job, run_name
 from edgemesh.common.messages import DeviceStatus, Event, JobState, JobSubmission
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics, all_job_states_filter, all_jobs_filter
@@ -194,7 +194,9 @@ class JobHost:
         self.failure = self.refusal = None
         try:
             register_costs(spec, sub)
-            cfg = job_config(self.cfg, spec)
+            state = self.states.get(name)
+            run = run_name(spec, state.submitted_at if state is not None else sub.submitted_at)
+            cfg = job_config(self.cfg, spec, run)
             cfg = dataclasses.replace(cfg, metrics=dataclasses.replace(cfg.metrics, address="", port_file=""))
             active = ActiveJob(spec=spec, submission=sub, config=cfg)
             service = await self.factory(active)
