@@ -107,3 +107,19 @@ async def test_junk_submissions_are_counted_and_the_running_job_goes_on(mosquitt
         assert set(host.submissions) == {"good"}
         assert host.current == ("good", good.sha256) and host.wanted() == ("good", good.sha256)
         assert all(s.name == "good" for s in box.of(JobState))
+
+
+async def test_a_job_whose_held_out_set_is_missing_fails_naming_it(mosquitto_broker: BrokerProcess,
+                                                                  tmp_path: Path) -> None:
+    config = make_config(mosquitto_broker, job="", **{"ps.state_dir": tmp_path / "state", "ps.data_dir": tmp_path})
+    client = dataclasses.replace(config, job="client")
+    spec = parse_job(render_job({
+        "job": {"name": "blind"}, "model": {"input_shape": [3, 8, 8], "classes": ["a", "b"],
+                                             "layers": ["flatten", {"linear": 2}]},
+        "data": {"format": "image-folder", "path": "pics"}, "evaluation": {"path": "no-such-eval"}}))
+    submission = dataclasses.replace(submission_of(spec, search_path=[]), submitted_at=time.time())
+    async with board(config), inbox(client, (all_job_states_filter(), JobState)) as box:
+        await box.publish(Topics("blind").job_file(), submission, retain=True)
+        failed = await box.next(JobState, lambda s: s.name == "blind" and s.ended)
+    assert failed.state == "failed"
+    assert str(tmp_path / "no-such-eval") in failed.reason

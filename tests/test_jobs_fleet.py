@@ -170,6 +170,9 @@ async def test_a_job_is_paused_resumed_and_stopped_by_the_operator(fleet: tuple[
     assert edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60").returncode == 0
     async with inbox(dataclasses.replace(config, job="long"), (all_job_states_filter(), JobState)) as box:
         await box.next(JobState, lambda s: s.name == "long" and s.state == "running" and s.version > 0, JOB_WAIT_S)
+        # the live status follows the running job (here for 2 s), then says where it stands
+        followed = edgemesh("job", "status", "long", "--timeout", "2", "--broker", config.broker.url)
+        assert followed.returncode == 0 and "long: running, version" in followed.stdout
         paused = edgemesh("job", "pause", "long", "--broker", config.broker.url)
         assert paused.returncode == 0, paused.stderr
         held = await box.next(JobState, lambda s: s.name == "long" and s.state == "paused")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from edgemesh.common import wire
+from edgemesh.common.costs import LayerCost
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import (
     CodecPolicy,
@@ -31,7 +32,6 @@ from edgemesh.common.messages import (
     JobState,
     JobSubmission,
     LayerDivision,
-    LayerFigures,
     LocalEvaluation,
     MeshBegin,
     MeshReady,
@@ -131,7 +131,7 @@ MESH_GRADIENT = GradientUpdate(device="pi5-0", cluster="m-pi3-0", incarnation=2,
 
 JOB = JobSubmission(name="shapes", source=b'[job]\nname = "shapes"\n', sha256="ab" * 32, submitted_at=1.7e9,
                     requester="operator", params=38_282, macs_per_sample=337_536, activations_per_sample=7_434,
-                    layers=(LayerFigures("conv1", 16, 576, 10, 64, 64, 64),), refusal="")
+                    layers=(LayerCost("conv1", 16, 576, 10, 64, 64, 64),), refusal="")
 JOB_STATE = JobState(name="shapes", state="running", sha256="ab" * 32, submitted_at=1.7e9, started_at=1.7e9 + 2,
                      version=41, accuracy=0.87, loss=0.4, devices=("pi-01", "pi-02"), bytes_received=2_400_000,
                      target_accuracy=0.9, device_errors={"pi-03": "data path '/data/shapes' does not exist"})

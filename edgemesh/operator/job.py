@@ -34,7 +34,6 @@ from edgemesh.common.messages import (
     ControlReply,
     JobState,
     JobSubmission,
-    LayerFigures,
     ModelSnapshot,
 )
 from edgemesh.common.metrics import ServiceMetrics
@@ -95,11 +94,9 @@ def submission_of(spec: JobSpec, *, search_path: list[str]) -> JobSubmission:
     cost, layers, refusal = check_model(spec, search_path=search_path)
     if spec.settings.get("planner", {}).get("parallelism") == "mesh" and layers is None:
         raise JobError(spec.name, [f"planner.parallelism = mesh: {refusal}"])
-    figures = tuple(LayerFigures(la.name, la.units, la.macs_per_unit, la.params_per_unit, la.out_per_unit,
-                                 la.gathered_per_unit, la.in_values) for la in layers or ())
     return JobSubmission(name=spec.name, source=spec.source.encode(), sha256=spec.sha256,
                                submitted_at=time.time(), params=cost.params, macs_per_sample=cost.macs_per_sample,
-                               activations_per_sample=cost.activations_per_sample, layers=figures, refusal=refusal)
+                               activations_per_sample=cost.activations_per_sample, layers=layers or (), refusal=refusal)
 
 
 async def submit(config: Config, spec: JobSpec, submission: JobSubmission, *, wait_s: float = ANSWER_WAIT_S) -> int:

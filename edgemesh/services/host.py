@@ -281,6 +281,19 @@ def register_costs(spec: JobSpec, sub: JobSubmission) -> None:
         raise ModelError(f"job {spec.name}: the submission carries no cost figures for its model")
     cost = costs.ModelCost(params=sub.params, macs_per_sample=sub.macs_per_sample,
                            activations_per_sample=sub.activations_per_sample)
-    layers = tuple(costs.LayerCost(la.name, la.units, la.macs_per_unit, la.params_per_unit, la.out_per_unit,
-                                   la.gathered_per_unit, la.in_values) for la in sub.layers) or None
-    costs.register(spec.model_key, cost, layers)
+    costs.register(spec.model_key, cost, sub.layers or None, why=sub.refusal)
+
+
+async def serve_or_host(role: str, config: Config, make: Callable[[Config], Service], *, device: str = "",
+                        factory: Factory | None = None) -> None:
+    """Run a service until stopped (SIGINT, SIGTERM or a ``stop`` command): ``make(config)`` serving the job
+    of the configuration, or, without one, a :class:`JobHost` serving the jobs operators submit with
+    ``factory`` (by default ``make`` of each job's configuration)."""
+    if config.job:
+        await serve(make(config), config, signals=True)
+        return
+
+    async def build(active: ActiveJob) -> Service:
+        return make(active.config)
+
+    await JobHost(role, config, factory or build, device=device).run(signals=True)

@@ -8,11 +8,11 @@ Frozen dataclasses; ``wire`` encodes and decodes them and checks field types, an
 * ``training``: CodecPolicy, ShardUpdate, GradientUpdate, UpdateAck, ModelSnapshot, ModelDelta, SyncState
 * ``mesh``: MeshReady, MeshBegin, MeshSlice
 * ``operations``: ControlCommand, ControlReply, Event
-* ``jobs``: JobSubmission (and its LayerFigures), JobState, LocalEvaluation
+* ``jobs``: JobSubmission, JobState, LocalEvaluation
 """
 
 from edgemesh.common.messages.devices import DeviceHello, DeviceStats, DeviceStatus
-from edgemesh.common.messages.jobs import JobState, JobSubmission, LayerFigures, LocalEvaluation
+from edgemesh.common.messages.jobs import JobState, JobSubmission, LocalEvaluation
 from edgemesh.common.messages.mesh import MeshBegin, MeshReady, MeshSlice
 from edgemesh.common.messages.operations import ControlCommand, ControlReply, Event, Scalar
 from edgemesh.common.messages.plan import LayerDivision, Plan, PlanCluster, PlanDevice
@@ -28,7 +28,7 @@ from edgemesh.common.messages.training import (
 
 __all__ = [
     "CodecPolicy", "ControlCommand", "ControlReply", "DeviceHello", "DeviceStats", "DeviceStatus", "Event",
-    "GradientUpdate", "JobState", "JobSubmission", "LayerDivision", "LayerFigures",
-    "LocalEvaluation", "MeshBegin", "MeshReady", "MeshSlice", "ModelDelta", "ModelSnapshot", "Plan",
-    "PlanCluster", "PlanDevice", "Scalar", "ShardUpdate", "SyncState", "UpdateAck",
+    "GradientUpdate", "JobState", "JobSubmission", "LayerDivision", "LocalEvaluation", "MeshBegin", "MeshReady",
+    "MeshSlice", "ModelDelta", "ModelSnapshot", "Plan", "PlanCluster", "PlanDevice", "Scalar", "ShardUpdate",
+    "SyncState", "UpdateAck",
 ]

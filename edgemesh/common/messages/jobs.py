@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from edgemesh.common.costs import LayerCost
 from edgemesh.common.messages.checks import MAX_DEVICES, check_name, nonneg
 from edgemesh.common.wire import message
 
@@ -13,19 +14,6 @@ JobPhase = Literal["queued", "running", "paused", "finished", "stopped", "failed
 rule (finished), by an operator (stopped), or by an error (failed)."""
 ENDED: Final[tuple[JobPhase, ...]] = ("finished", "stopped", "failed")
 ACTIVE: Final[tuple[JobPhase, ...]] = ("running", "paused")
-
-
-@dataclass(frozen=True, slots=True)
-class LayerFigures:
-    """One divisible layer's per-sample figures (``costs.LayerCost``), as they travel."""
-
-    name: str
-    units: int
-    macs_per_unit: int
-    params_per_unit: int
-    out_per_unit: int
-    gathered_per_unit: int
-    in_values: int
 
 
 @message("job")
@@ -44,8 +32,8 @@ class JobSubmission:
     """The model's cost, derived from the module at submission (the planner plans with it, without torch)."""
     macs_per_sample: int = 0
     activations_per_sample: int = 0
-    layers: tuple[LayerFigures, ...] = ()
-    """Its divisible layers, for model parallelism; empty when the model cannot be divided."""
+    layers: tuple[LayerCost, ...] = ()
+    """Its divisible layers' figures, for model parallelism; empty when the model cannot be divided."""
     refusal: str = ""
     """Why model parallelism cannot divide the model ('' when it can)."""
 
@@ -56,6 +44,10 @@ class JobSubmission:
         nonneg("submitted_at", self.submitted_at)
         for value in (self.params, self.macs_per_sample, self.activations_per_sample):
             nonneg("cost", value)
+        for layer in self.layers:
+            if layer.units < 1 or min(layer.macs_per_unit, layer.params_per_unit, layer.out_per_unit,
+                                      layer.gathered_per_unit, layer.in_values) < 0:
+                raise ValueError(f"layer figures of {layer.name!r} out of range")
 
 
 @message("job_state")

@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import statistics
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from edgemesh import cli
 from edgemesh.common import wire
@@ -56,9 +55,6 @@ from edgemesh.common.topics import TopicMatch, Topics, valid_name
 from edgemesh.common.vocabulary import CODECS, CodecName
 from edgemesh.services.compressor.policy import FP32_BYTES, REASON_OPERATOR, change_kind, choose_policy
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
-
-if TYPE_CHECKING:
-    from edgemesh.services.host import ActiveJob
 
 logger = logging.getLogger(__name__)
 
@@ -363,16 +359,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 async def run(config: Config) -> None:
-    """Run the compressor until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of
-    the configuration, or without one the jobs operators submit, one after another."""
-    if config.job:
-        await Compressor(config).run(signals=True)
-        return
-    from edgemesh.services.host import JobHost
+    """Run the compressor: the job of the configuration, or without one the jobs operators submit."""
+    from edgemesh.services.host import serve_or_host
 
-    await JobHost("compressor", config, for_job).run(signals=True)
-
-
-async def for_job(active: ActiveJob) -> Compressor:
-    """The compressor of a submitted job (the job's cost figures are registered by the host)."""
-    return Compressor(active.config)
+    await serve_or_host("compressor", config, Compressor)

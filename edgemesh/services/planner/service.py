@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
 
 from edgemesh import cli
 from edgemesh.common import costs
@@ -50,9 +49,6 @@ from edgemesh.services.planner.layout import plan_data_parallel, plan_mesh
 from edgemesh.services.planner.mesh import DeviceInfo, wire_for
 from edgemesh.services.planner.registry import Registry
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
-
-if TYPE_CHECKING:
-    from edgemesh.services.host import ActiveJob
 
 logger = logging.getLogger(__name__)
 
@@ -479,16 +475,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 async def run(config: Config) -> None:
-    """Run the planner until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of
-    the configuration, or without one the jobs operators submit, one after another."""
-    if config.job:
-        await Planner(config).run(signals=True)
-        return
-    from edgemesh.services.host import JobHost
+    """Run the planner: the job of the configuration, or without one the jobs operators submit."""
+    from edgemesh.services.host import serve_or_host
 
-    await JobHost("planner", config, for_job).run(signals=True)
-
-
-async def for_job(active: ActiveJob) -> Planner:
-    """The planner of a submitted job (the job's cost figures are registered by the host)."""
-    return Planner(active.config)
+    await serve_or_host("planner", config, Planner)

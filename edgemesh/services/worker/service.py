@@ -468,16 +468,13 @@ def device_name(config: Config) -> str:
 async def run(config: Config) -> None:
     """Run one worker until stopped (SIGINT, SIGTERM, a ``stop`` command or ``worker.max_steps``): the job
     of the configuration, or without one every job submitted that this device has the data for."""
-    if config.job:
-        await Worker(config).run(signals=True)
-        return
     import torch
 
-    from edgemesh.services.host import JobHost
+    from edgemesh.services.host import serve_or_host
 
-    # before any torch work: a thread that ran torch ops keeps the thread count it started with
+    # before any torch work: a thread that ran a torch op keeps the thread count it started with
     torch.set_num_threads(config.worker.threads)
-    await JobHost("worker", config, for_job, device=device_name(config)).run(signals=True)
+    await serve_or_host("worker", config, Worker, device=device_name(config), factory=for_job)
 
 
 async def for_job(active: ActiveJob) -> Worker:
