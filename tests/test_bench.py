@@ -118,3 +118,24 @@ def test_bench_mesh_refuses_bad_arguments(tmp_path: Path) -> None:
                                  "--report", str(tmp_path / "x.json"), *args],
                                 capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+JOB_KEYS = {"state", "reached_target", "final_accuracy", "model_version", "seconds_to_running", "time_to_target_s",
+            "gradient_bytes_received", "bytes_published_by_services", "devices", "device_errors", "curve"}
+
+
+def test_bench_jobs_report_layout(tmp_path: Path) -> None:
+    report = tmp_path / "jobs.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh", "bench", "jobs", "--report", str(report), "--workers", "2",
+         "--target", "0.8"],
+        capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(report.read_text())
+    assert data["failure"] is None and data["same_processes"] is True and data["workers"] == 2
+    assert set(data["jobs"]) == {"shapes", "vibration"}
+    for name, job in data["jobs"].items():
+        assert JOB_KEYS <= job.keys(), name
+        assert job["state"] == "finished" and job["reached_target"] and job["final_accuracy"] >= 0.8, name
+        assert job["gradient_bytes_received"] > 0 and set(job["devices"]) == {"w0", "w1"}
+    assert report.with_suffix(".png").stat().st_size > 1000
