@@ -138,4 +138,5 @@ def test_bench_jobs_report_layout(tmp_path: Path) -> None:
         assert JOB_KEYS <= job.keys(), name
         assert job["state"] == "finished" and job["reached_target"] and job["final_accuracy"] >= 0.8, name
         assert job["gradient_bytes_received"] > 0 and set(job["devices"]) == {"w0", "w1"}
+        assert job["onnx_max_abs_error"] < 1e-4
     assert report.with_suffix(".png").stat().st_size > 1000

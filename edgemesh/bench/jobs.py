@@ -10,8 +10,9 @@ with no job, as systemd runs them) gets two jobs submitted as ``edgemesh job sub
   data lives (each device's validation share, combined by sample count).
 
 Per job the report gives the time from submission to running, the time to its target accuracy (from
-running to finished), the model versions, the final accuracy, the gradient bytes the PS received and
-the bytes every process published; and whether the services were the same processes throughout.
+running to finished), the model versions, the final accuracy, the gradient bytes the PS received, the
+bytes the services published for it, and how far its final model exported to ONNX is from torch (the
+largest logit difference); and whether the services were the same processes throughout.
 """
 
 from __future__ import annotations
@@ -226,6 +227,7 @@ async def run_jobs(config: Config, workdir: Path, devices: list[str], target: fl
                     result["failure"] = f"job {spec.name} did not end within {JOB_TIMEOUT_S:.0f}s"
                     break
                 result["jobs"][spec.name] = job_figures(watch, spec.name, submitted, final, cluster)
+                result["jobs"][spec.name]["onnx_max_abs_error"] = await onnx_error(config, spec.name, workdir)
                 progress(f"  {spec.name}: {final.state} ({final.reason})")
                 failure = cluster.failure()
                 if failure is not None:
@@ -260,6 +262,26 @@ def job_figures(watch: Watch, name: str, submitted: float, final: JobState, clus
         "curve": [(round(t - running, 2), s.version, s.accuracy) for t, s in seen
                   if s.active and s.accuracy is not None],
     }
+
+
+async def onnx_error(config: Config, name: str, workdir: Path) -> float | None:
+    """The job's final model exported to ONNX as ``edgemesh job export`` does: the largest difference between
+    onnxruntime's logits and torch's on random inputs (None without the ``export`` extra)."""
+    from edgemesh.common import models
+    from edgemesh.common.errors import ExportError
+    from edgemesh.common.jobs import model_spec
+    from edgemesh.operator.export import check_onnx, export_model
+    from edgemesh.operator.job import fetch_model
+
+    spec, snapshot, _ = await fetch_model(config, name, timeout_s=10.0)
+    model_spec(spec, search_path=[str(workdir / "models")])
+    module = models.build_model(spec.model_key)
+    models.set_params(module, {k: t.to_numpy() for k, t in snapshot.tensors.items()})
+    try:
+        path = export_model(module, spec.model.input_shape, "onnx", workdir / f"{name}.onnx")
+        return check_onnx(module, spec.model.input_shape, path)
+    except ExportError:
+        return None
 
 
 def plot(result: dict[str, Any], png: Path) -> bool:

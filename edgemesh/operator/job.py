@@ -252,8 +252,8 @@ async def fetch_model(config: Config, name: str, *, timeout_s: float) -> tuple[J
     bus.route(topics.model_filter(), ModelSnapshot, snapshots.keep())
     bus.route(topics.job_state_filter(), JobState, states.keep())
     async with bus.running():
-        await subs.wait(lambda: name in subs.items, timeout_s)
-        await finals.wait(lambda: name in finals.items or name in snapshots.items, timeout_s)
+        if await subs.wait(lambda: name in subs.items, RETAINED_WAIT_S * 3):  # retained: at once, or not there
+            await finals.wait(lambda: name in finals.items or name in snapshots.items, timeout_s)
         await states.wait(lambda: name in states.items, RETAINED_WAIT_S)
     sub: JobSubmission | None = subs.items.get(name)
     if sub is None:

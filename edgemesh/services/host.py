@@ -85,12 +85,11 @@ class JobHost:
         self.submissions: dict[str, JobSubmission] = {}
         """Job name -> its latest submission."""
         self.specs: dict[str, JobSpec] = {}
-        """sha256 -> the parsed job file (kept while a state names it)."""
+        """sha256 -> the parsed job file (every one seen; job files are small)."""
         self.states: dict[str, JobState] = {}
         self.current: tuple[str, str] | None = None
         """(job, sha256) this host serves, or has given up serving (its factory refused)."""
         self.service: Service | None = None
-        self.active: ActiveJob | None = None
         self.failure: BaseException | None = None
         """How the current job's service ended, if it ended on its own."""
         self.refusal: EdgeMeshError | None = None
@@ -213,7 +212,7 @@ class JobHost:
             self.current = None
             self._changed_now()
             return
-        self.service, self.active = service, active
+        self.service = service
         self._delegate.source = service.metrics
         self.m_jobs.labels(outcome="served").inc()
         self.m_serving.set(1)
@@ -230,7 +229,7 @@ class JobHost:
         if error is None:
             logger.info("%s: the job's service was told to stop; stopping", self.role)
             self.stop.set()
-        elif error is not None:
+        else:
             self.failure = error
             self.m_jobs.labels(outcome="failed").inc()
             logger.error("%s: job %s failed here: %s", self.role, self.current[0] if self.current else "?", error)
@@ -241,7 +240,7 @@ class JobHost:
         task, service = self._task, self.service
         if self.current is not None:
             self.m_info.labels(job=self.current[0]).set(0)
-        self.current, self._task, self.service, self.active = None, None, None, None
+        self.current, self._task, self.service = None, None, None
         self.m_serving.set(0)
         if task is None or service is None:
             return
