@@ -151,3 +151,13 @@ def test_the_examples_are_valid_jobs_and_the_demo_submits_the_digits_example() -
                                  "data": {"format": "digits", **DIGITS_NORMALIZATION}}))
     cost, _, _ = check_model(spec)
     assert cost == costs.cost("digits-cnn")
+
+
+def test_the_readme_walk_through_submits_the_shapes_example() -> None:
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    start = readme.index('   [job]\n   name = "shapes"')
+    block = readme[start:readme.index("   ```", start)]
+    shown = parse_job("\n".join(line[3:] for line in block.splitlines()))
+    example = read_job_file(EXAMPLES / "shapes.toml")
+    assert (shown.model, shown.data, shown.evaluation, dict(shown.settings), shown.max_minutes) == (
+        example.model, example.data, example.evaluation, dict(example.settings), example.max_minutes)
