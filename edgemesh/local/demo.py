@@ -2,7 +2,7 @@
 
 Starts a broker unless one is given (Mosquitto if installed, else the embedded amqtt one), then the
 planner, the parameter server, the compressor and N workers, all serving submitted jobs as they do
-under systemd; submits the digits job (``DIGITS_JOB``, the same as ``examples/digits.toml``) as
+under systemd; submits the digits job (``Demo.job``: the model of ``examples/digits.toml``) as
 ``edgemesh job submit`` does; follows the PS's evaluation events with a progress bar; stops at the
 target accuracy, the version limit or the timeout; reads every process's ``/metrics``; prints a
 summary and writes a JSON report. Ctrl-C (or SIGTERM) stops every child; none is left behind.

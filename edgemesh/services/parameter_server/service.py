@@ -32,7 +32,7 @@ from edgemesh.common.broadcast import Broadcaster, ModelMessage
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import WireError
-from edgemesh.common.jobs import JobSpec
+from edgemesh.common.jobs import JobSpec, model_spec
 from edgemesh.common.messages import (
     ControlCommand,
     GradientUpdate,
@@ -80,8 +80,6 @@ class ParameterServer:
 
     def __init__(self, config: Config, *, stop: asyncio.Event | None = None, job: JobSpec | None = None) -> None:
         self.cfg = config
-        self.job = job
-        """The submitted job this server serves (None: the job of the configuration)."""
         self.topics = Topics(config.job)
         self.stop = stop or asyncio.Event()
         t, p = config.training, config.ps
@@ -350,13 +348,17 @@ class ParameterServer:
 
     async def publish_final_model(self) -> None:
         """The model as it stands, float32 and retained on ``job/model``: what ``edgemesh job export`` reads."""
-        assert self.bus is not None and self.state is not None
+        assert self.bus is not None
+        snapshot = await asyncio.to_thread(self._final_model)
+        await self.bus.publish(self.topics.job_model(), snapshot, retain=True, kind="model")
+
+    def _final_model(self) -> ModelSnapshot:
+        """A float32 snapshot of the weights, taken between steps (in a thread)."""
+        assert self.state is not None
         with self._state_lock:
             tensors = {k: Tensor.from_numpy(v.astype("float32", copy=True)) for k, v in self.state.params.items()}
-            version = self.version
-        await self.bus.publish(self.topics.job_model(), ModelSnapshot(
-            version=version, model_spec=self.cfg.training.model_spec, tensors=tensors, created=time.time(),
-            sync_policy=self.policy), retain=True, kind="model")
+            return ModelSnapshot(version=self.version, model_spec=self.cfg.training.model_spec, tensors=tensors,
+                                 created=time.time(), sync_policy=self.policy)
 
     def sync_state(self) -> SyncState:
         """What the parameter server tells the planner about synchronization now."""
@@ -468,7 +470,5 @@ async def run(config: Config) -> None:
 
 async def for_job(active: ActiveJob) -> ParameterServer:
     """The parameter server of a submitted job: its model registered (built from the job file) first."""
-    from edgemesh.common.jobs import model_spec
-
     await asyncio.to_thread(model_spec, active.spec)
     return ParameterServer(active.config, job=active.spec)

@@ -42,7 +42,7 @@ from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config
 from edgemesh.common.data import Dataset, LocalData, load_local
 from edgemesh.common.errors import BusError, ModelError, WireError
-from edgemesh.common.jobs import JobSpec
+from edgemesh.common.jobs import JobSpec, model_spec, resolve
 from edgemesh.common.messages import (
     CodecPolicy,
     ControlCommand,
@@ -480,8 +480,6 @@ async def run(config: Config) -> None:
 async def for_job(active: ActiveJob) -> Worker:
     """This device's worker in a submitted job: the model built from the job file and the device's own data
     read first, so a device whose data is missing or broken says why and stays out (DataError, ModelError)."""
-    from edgemesh.common.jobs import model_spec, resolve
-
     spec = active.spec
     await asyncio.to_thread(model_spec, spec)
     local = None
