@@ -272,7 +272,17 @@ class _NoMeta(nn.Module):
         return out
 
 
-def test_a_model_without_meta_support_is_measured_on_a_real_sample() -> None:
+def test_a_large_model_is_probed_on_the_meta_device_and_one_without_meta_support_on_a_real_sample(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from edgemesh.common.models import probe
+
+    meta_seen: list[bool] = []
+    plain = build_model("digits-cnn")
+    plain.register_forward_pre_hook(lambda _, args: meta_seen.append(args[0].is_meta))
+    assert derive_costs(plain, (1, 8, 8)) == (COSTS["digits-cnn"], LAYERS["digits-cnn"])
+    monkeypatch.setattr(probe, "REAL_PROBE_MAX_PARAMS", 0)  # every model counts as large: the meta device first
+    assert derive_costs(plain, (1, 8, 8)) == (COSTS["digits-cnn"], LAYERS["digits-cnn"])
+    assert meta_seen == [False, True]  # a small model: one real zero sample; a large one: on the meta device
     model = _NoMeta(build_model("digits-cnn"))
     model.train()
     model.inner.get_submodule("fc1").eval()
