@@ -226,6 +226,35 @@ async def test_kill_9_and_restart_resumes_the_same_version_without_reapplying(
             proc.wait(timeout=WAIT_S)
 
 
+async def test_a_restarted_ps_keeps_the_operators_settings(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """set-lr, set-bound, set-sync-policy and pause survive a kill -9 (they were lost before: the checkpoint
+    kept them, nothing read them back, and nothing wrote them before the next periodic checkpoint)."""
+    cfg = ps_config(mosquitto_broker, tmp_path / "ps", **{"training.sync_policy": "async"})
+    proc = start_ps_process(cfg)
+    try:
+        async with devices(cfg, ["a"]) as c:
+            await c.publish_plan(["a"])
+            await c.version_at_least(0)
+            ctl = c.topics.control("ps")
+            for i, body in enumerate((b'"command": "set-lr", "value": 0.025', b'"command": "set-bound", "value": 7',
+                                      b'"command": "set-sync-policy", "value": "ssp"', b'"command": "pause"')):
+                await c.bus.publish(ctl, b"{" + body + b', "requester": "tester", "request_id": "s%d"}' % i)
+                assert (await c.reply(f"s{i}")).ok
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=WAIT_S)
+            c.forget()
+            proc = start_ps_process(cfg)
+            await c.version_at_least(0)  # the restarted PS's snapshot: it is subscribed
+            await c.bus.publish(ctl, b'{"command": "status", "requester": "tester", "request_id": "after"}')
+            status = await c.reply("after")
+        assert (status.result["lr"], status.result["bound"], status.result["policy"], status.result["paused"]) == (
+            0.025, 7, "ssp", True)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=WAIT_S)
+
+
 async def test_ssp_holds_a_cluster_too_far_ahead_until_the_slowest_catches_up(
         broker: BrokerProcess, tmp_path: Path) -> None:
     cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "ssp", "training.staleness_bound": "1"})

@@ -70,6 +70,10 @@ logger = logging.getLogger(__name__)
 DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
 COMMANDS = "status, pause, resume, set-sync-policy, set-bound, set-lr, snapshot, stop"
+SETTINGS_COMMANDS = ("pause", "resume", "set-sync-policy", "set-bound", "set-lr")
+"""Commands that change what the checkpoint keeps: a checkpoint is written at once, so a crash keeps them."""
+LR_LIMIT = 10.0
+"""Learning rates ``set-lr`` accepts lie in (0, LR_LIMIT)."""
 
 
 class ParameterServer:
@@ -151,11 +155,30 @@ class ParameterServer:
     def _load(self) -> None:
         resumed = self.recovery.resume(self.cfg.training.model_spec, self.evaluator.load(), self.clock)
         self.state = resumed.state
-        indices = resumed.settings.get("delay_indices", {})
-        if isinstance(indices, dict):
-            self.rule.indices.update({str(k): float(v) for k, v in indices.items()})
+        self._restore(resumed.settings)
         self.assembly.rows = {name: int(p.shape[0]) for name, p in self.state.params.items()}
         self.m_version.set(self.version)
+
+    def _restore(self, settings: dict[str, object]) -> None:
+        """The operator's settings from the checkpoint (policy, bound, learning rate, pause) and the delay
+        indices: a restart keeps what ``set-sync-policy``, ``set-bound``, ``set-lr`` and ``pause`` set."""
+        indices = settings.get("delay_indices", {})
+        if isinstance(indices, dict):
+            self.rule.indices.update({str(k): float(v) for k, v in indices.items()})
+        policy = next((p for p in SYNC_POLICIES if p == settings.get("policy")), None)
+        if policy is not None and policy != self.policy:
+            self.policy = policy
+            self.scheduler = make_scheduler(policy, self.clock, self.rule,
+                                            staleness_weighting=self.cfg.ps.staleness_weighting)
+            self._set_policy_gauge()
+        bound, lr, paused = settings.get("bound"), settings.get("lr"), settings.get("paused")
+        if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0:
+            self.bound = bound
+        if isinstance(lr, float | int) and not isinstance(lr, bool) and 0 < lr < LR_LIMIT:
+            self.lr = float(lr)
+        if isinstance(paused, bool):
+            self.paused = paused
+            self.m_paused.set(1 if paused else 0)
 
     def attach(self, bus: Bus, events: Events) -> None:
         self.bus, self.events = bus, events
@@ -313,7 +336,8 @@ class ParameterServer:
             return
         with self._state_lock:
             self.recovery.checkpoint(self.cfg.training.model_spec, self.state, self.clock, {
-                "policy": self.policy, "bound": self.bound, "lr": self.lr, "delay_indices": dict(self.rule.indices)})
+                "policy": self.policy, "bound": self.bound, "lr": self.lr, "paused": self.paused,
+                "delay_indices": dict(self.rule.indices)})
         self._since_checkpoint = 0
         self.m_checkpoints.inc()
 
@@ -427,8 +451,8 @@ class ParameterServer:
                     return False, "bound must be an integer >= 0", {}
                 self.bound = value
             case "set-lr":
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 10:
-                    return False, "lr must be a number in (0, 10)", {}
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < LR_LIMIT:
+                    return False, f"lr must be a number in (0, {LR_LIMIT:g})", {}
                 self.lr = float(value)
             case "snapshot":  # a device whose view lacks rows (a new filter division), or an operator
                 if self.broadcast.last_full != self.version:
@@ -440,6 +464,8 @@ class ParameterServer:
         self._adaptive_gauges(fleet)
         if cmd.command in ("set-sync-policy", "set-bound"):
             self._sync_published = None  # the step loop publishes the new state (woken above)
+        if cmd.command in SETTINGS_COMMANDS:
+            await asyncio.to_thread(self._checkpoint)
         return True, "ok", {"version": self.version, "policy": self.policy, "bound": self.bound, "lr": self.lr,
                             "paused": self.paused, "accuracy": self.last_accuracy,
                             "adaptive_bound": self.rule.bound(),
