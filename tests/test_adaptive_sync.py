@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import gradient, inbox, make_config, running, serving_ps, until
+from helpers import gradient, inbox, make_config, plan_for, running, serving_ps, until
 
 from edgemesh.common.config import AdaptiveConfig, Config
 from edgemesh.common.errors import ConfigError
@@ -33,6 +33,15 @@ def test_delay_index_is_a_moving_average_of_each_devices_delays() -> None:
     assert a.observe_delay("pi", -3) == 1.0  # negative delays count as 0
     a.observe_delay("fast", 0)
     assert a.indices == {"pi": 1.0, "fast": 0.0}
+
+
+def test_a_new_plan_keeps_only_its_devices_indices_and_its_clusters_arrivals() -> None:
+    a = AdaptiveDelay(AdaptiveConfig(alpha=0.5))
+    for device in ("a", "b", "gone"):
+        a.observe_delay(device, 2)
+        a.observe_arrival(f"c-{device}", 0.1)
+    a.retain(["a", "b"], ["c-a", "c-b"])
+    assert set(a.indices) == {"a", "b"} and set(a.arrivals) == {"c-a", "c-b"}
 
 
 def test_bound_follows_the_delay_indices_of_live_devices_within_its_clamp() -> None:
@@ -237,3 +246,6 @@ async def test_the_ps_publishes_its_sync_state_and_keeps_delay_indices_across_a_
             await until("the restored indices", lambda: again.rule.indices == indices)
             await watch.until("them published", lambda: states()[-1].policy == "adaptive"
                               and states()[-1].delay_indices.get("b") == round(indices["b"], 3))
+            # b leaves the plan: its index goes with it (it was kept forever before)
+            await watch.publish(topics.plan(), plan_for(["a", "c"], version=9), retain=True)
+            await until("b's index dropped", lambda: set(again.rule.indices) == {"a", "c"})

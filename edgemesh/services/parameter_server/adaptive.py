@@ -95,8 +95,12 @@ class AdaptiveDelay:
         window = self.arrivals.setdefault(cluster, deque(maxlen=self.settings.window))
         window.append(max(0.0, seconds))
 
-    def forget(self, device: str) -> None:
-        self.indices.pop(device, None)
+    def retain(self, devices: Iterable[str], clusters: Iterable[str]) -> None:
+        """Keep only the delay indices of ``devices`` and the arrival times of ``clusters`` (a new plan's):
+        what departed devices and clusters left behind would otherwise be kept forever."""
+        keep, kept_clusters = set(devices), set(clusters)
+        self.indices = {d: i for d, i in self.indices.items() if d in keep}
+        self.arrivals = {c: a for c, a in self.arrivals.items() if c in kept_clusters}
 
     # ------------------------------------------------------------------ adapted values
     def deadline(self, live_clusters: Iterable[str] | None = None) -> float:

@@ -202,6 +202,7 @@ class ParameterServer:
     async def _on_plan(self, plan: Plan, _: TopicMatch) -> None:
         if self.plan is None or plan.version >= self.plan.version:
             self.plan = plan
+            self.rule.retain((d.device for d in plan.devices), plan.cluster_names)
             await self._settle(self.assembly.replanned(plan.version))
             self._wake.set()  # a cluster may have left: an open round may now be complete
 
