@@ -630,6 +630,10 @@ def test_production_acl_roles(production_broker: ProductionBroker) -> None:
         assert not allowed(ps, topics.job_file(), retain=True)
         assert allowed(worker, topics.evaluation("pi-01"))
         assert allowed(worker, topics.status("pi-01"), retain=True)  # "left": its data is broken
+        # what adaptive batching and the audit trail need (denied before: silently dropped)
+        assert allowed(ps, topics.sync(), retain=True)
+        assert allowed(worker, topics.events())
+        assert not allowed(worker, topics.sync(), retain=True)
 
         # reads: a worker sees its own acks and control commands, not another device's.
         # The PS publishes the denied message first; per-publisher order makes the
@@ -643,6 +647,13 @@ def test_production_acl_roles(production_broker: ProductionBroker) -> None:
         assert allowed(operator, topics.control("device/pi-01"))
         assert worker.next_message()[0] == topics.control("device/pi-01")
         assert worker.messages.empty()
+        planner = production_broker.client("planner", tls=False)
+        try:
+            planner.subscribe(topics.sync())
+            assert allowed(ps, topics.sync(), retain=True)
+            assert planner.next_message()[0] == topics.sync()  # the planner reads the PS's sync state
+        finally:
+            planner.close()
     finally:
         for client in (worker, ps, operator):
             client.close()
