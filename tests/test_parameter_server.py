@@ -255,6 +255,26 @@ async def test_a_restarted_ps_keeps_the_operators_settings(mosquitto_broker: Bro
             proc.wait(timeout=WAIT_S)
 
 
+async def test_a_paused_ps_holds_one_copy_of_a_resent_update(broker: BrokerProcess, tmp_path: Path) -> None:
+    """Resends to a paused server are not queued again (they were, decoded, without bound)."""
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "async"})
+    async with serving_ps(cfg, ["a"]) as (c, ps):
+        ctl = c.topics.control("ps")
+        await c.bus.publish(ctl, b'{"command": "pause", "requester": "tester", "request_id": "p"}')
+        assert (await c.reply("p")).ok
+        update = gradient("a", 1, 0)
+        for _ in range(5):  # the worker resends it every ack timeout
+            await c.bus.publish(c.topics.grad("c-a", "a"), update)
+        await c.until("four resends held back", lambda: ps.metrics.value(
+            "edgemesh_ps_rejected_total", route="grad", reason="queued") == 4)
+        assert ps.version == 0
+        await c.bus.publish(ctl, b'{"command": "resume", "requester": "tester", "request_id": "r"}')
+        assert (await c.reply("r")).ok
+        assert (await c.ack_for("a", 1)).status == "accepted"
+        await c.until("one version", lambda: ps.version == 1)
+        assert ps.metrics.value("edgemesh_ps_updates_total", status="accepted") == 1
+
+
 async def test_ssp_holds_a_cluster_too_far_ahead_until_the_slowest_catches_up(
         broker: BrokerProcess, tmp_path: Path) -> None:
     cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "ssp", "training.staleness_bound": "1"})

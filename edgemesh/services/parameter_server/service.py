@@ -104,6 +104,9 @@ class ParameterServer:
         self.bus: Bus | None = None
         self.events: Events | None = None
         self._queue: deque[Candidate] = deque()
+        self._queued: set[tuple[str, int, int]] = set()
+        """(device, incarnation, seq) of the updates in ``_queue``: a resend of one is not queued again (a
+        paused server would otherwise hold every resend, decoded, without bound)."""
         self._wake = asyncio.Event()
         self._state_lock = threading.Lock()
         """Held by the thread that steps and logs and by the one that checkpoints: a step of a step loop
@@ -217,6 +220,11 @@ class ParameterServer:
         """Check an update against plan and model; queue it, or discard it with an ack."""
         assert self.state is not None
         where = self.topics.grad(match.cluster, match.device)
+        key = (update.device, update.incarnation, update.seq)
+        if not update.mesh_step and key in self._queued:
+            self.metrics.reject("queued", where, f"{update.device} seq {update.seq} is queued already",
+                                route="grad")
+            return  # the queued copy's ack answers this resend too
         if self.plan is not None and self.plan.device(update.device) is None:
             self.metrics.reject("unknown_device", where, update.device, route="grad")
             await self._ack(Ack(update, "discarded", "unknown_device"))
@@ -239,6 +247,8 @@ class ParameterServer:
             if outcome.joined is None:
                 return
             item = outcome.joined
+        if not update.mesh_step:
+            self._queued.add(key)
         self._queue.append(item)
         self._wake.set()
 
@@ -281,6 +291,7 @@ class ParameterServer:
             if self.paused:
                 continue
             batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.cfg.ps.max_batch))]
+            self._queued.difference_update((c.update.device, c.update.incarnation, c.update.seq) for c in batch)
             progressed = await self._process(batch)
             # more queued, or a step moved the clocks so an update SSP held may now go
             if self._queue or (progressed and self.scheduler.deferred):
