@@ -21,7 +21,7 @@ from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION
 from edgemesh.operator.job import submission_of
 from edgemesh.services.host import JobHost
-from edgemesh.services.parameter_server import service as ps_service
+from edgemesh.services.parameter_server import jobs as ps_jobs
 from edgemesh.services.parameter_server.jobs import JobBoard
 
 
@@ -34,7 +34,7 @@ def digits_job(name: str, **job: object) -> JobSubmission:
 
 @contextlib.asynccontextmanager
 async def board(config: Config) -> AsyncIterator[JobHost]:
-    host = JobHost("ps", config, ps_service.for_job)
+    host = JobHost("ps", config, ps_jobs.for_job)
     task = asyncio.create_task(host.run(extra=JobBoard(host).attach))
     try:
         yield host

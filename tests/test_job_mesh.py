@@ -20,7 +20,7 @@ from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.operator.job import submission_of
 from edgemesh.services.host import JobHost
-from edgemesh.services.parameter_server import service as ps_service
+from edgemesh.services.parameter_server import jobs as ps_jobs
 from edgemesh.services.parameter_server.jobs import JobBoard
 from edgemesh.services.worker import service as worker_service
 from edgemesh.services.worker.service import Worker
@@ -36,7 +36,7 @@ DIVISION = {"conv1": (2, 7, 3), "fc1": (12, 1, 11), "fc2": (3, 3, 4)}
 
 @contextlib.asynccontextmanager
 async def hosts(config: Config) -> AsyncIterator[dict[str, JobHost]]:
-    ps = JobHost("ps", config, ps_service.for_job)
+    ps = JobHost("ps", config, ps_jobs.for_job)
     board = JobBoard(ps)
     workers = {d: JobHost("worker", dataclasses.replace(config, worker=dataclasses.replace(
         config.worker, device=d)), worker_service.for_job, device=d) for d in DEVICES}

@@ -20,11 +20,13 @@ from dataclasses import replace
 from typing import Any
 
 from edgemesh.common.bus import Bus
+from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError
+from edgemesh.common.jobs import model_spec
 from edgemesh.common.messages import ControlCommand, ControlReply, DeviceStatus, Event, JobState, Scalar
 from edgemesh.common.messages.jobs import JobPhase
 from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
-from edgemesh.services.host import JobHost
+from edgemesh.services.host import ActiveJob, JobHost
 from edgemesh.services.parameter_server.service import ParameterServer
 
 logger = logging.getLogger(__name__)
@@ -227,3 +229,15 @@ def _stop_reason(state: JobState, now: float) -> str:
     if state.max_minutes and state.started_at and now - state.started_at >= state.max_minutes * 60:
         return f"ran for {state.max_minutes:g} minutes (job.max_minutes)"
     return ""
+
+
+async def serve_jobs(config: Config) -> None:
+    """The parameter server's host: it serves the jobs operators submit and keeps their states (the board)."""
+    host = JobHost("ps", config, for_job)
+    await host.run(signals=True, extra=JobBoard(host).attach)
+
+
+async def for_job(active: ActiveJob) -> ParameterServer:
+    """The parameter server of a submitted job: its model registered (built from the job file) first."""
+    await asyncio.to_thread(model_spec, active.spec)
+    return ParameterServer(active.config, job=active.spec)

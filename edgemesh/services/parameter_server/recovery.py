@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from edgemesh.common.errors import ConfigError
+from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.optimizer import ModelState
 from edgemesh.services.parameter_server.scheduler import Clock, Step
@@ -34,6 +35,27 @@ class Optimizer:
     lr: float
     momentum: float
     weight_decay: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorSettings:
+    """What an operator set that a checkpoint keeps, read back and checked (None: not kept, or not valid)."""
+
+    policy: SyncPolicy | None = None
+    bound: int | None = None
+    lr: float | None = None
+    paused: bool | None = None
+    delay_indices: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, settings: Mapping[str, Any], *, lr_limit: float) -> OperatorSettings:
+        bound, lr, paused, indices = (settings.get(k) for k in ("bound", "lr", "paused", "delay_indices"))
+        return cls(
+            policy=next((p for p in SYNC_POLICIES if p == settings.get("policy")), None),
+            bound=bound if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0 else None,
+            lr=float(lr) if isinstance(lr, float | int) and not isinstance(lr, bool) and 0 < lr < lr_limit else None,
+            paused=paused if isinstance(paused, bool) else None,
+            delay_indices={str(k): float(v) for k, v in indices.items()} if isinstance(indices, dict) else {})
 
 
 @dataclass(slots=True)

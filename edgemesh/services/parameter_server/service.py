@@ -25,14 +25,13 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from edgemesh import cli
 from edgemesh.common.broadcast import Broadcaster, ModelMessage
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import WireError
-from edgemesh.common.jobs import JobSpec, model_spec
+from edgemesh.common.jobs import JobSpec
 from edgemesh.common.messages import (
     ControlCommand,
     GradientUpdate,
@@ -50,7 +49,7 @@ from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
 from edgemesh.services.parameter_server.assembly import Assembly, Outcome
 from edgemesh.services.parameter_server.evaluation import Evaluator
 from edgemesh.services.parameter_server.optimizer import ModelState
-from edgemesh.services.parameter_server.recovery import Optimizer, Recovery
+from edgemesh.services.parameter_server.recovery import OperatorSettings, Optimizer, Recovery
 from edgemesh.services.parameter_server.scheduler import (
     Ack,
     AdaptiveScheduler,
@@ -61,9 +60,6 @@ from edgemesh.services.parameter_server.scheduler import (
     make_scheduler,
 )
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
-
-if TYPE_CHECKING:
-    from edgemesh.services.host import ActiveJob
 
 logger = logging.getLogger(__name__)
 
@@ -163,25 +159,19 @@ class ParameterServer:
         self.m_version.set(self.version)
 
     def _restore(self, settings: dict[str, object]) -> None:
-        """The operator's settings from the checkpoint (policy, bound, learning rate, pause) and the delay
-        indices: a restart keeps what ``set-sync-policy``, ``set-bound``, ``set-lr`` and ``pause`` set."""
-        indices = settings.get("delay_indices", {})
-        if isinstance(indices, dict):
-            self.rule.indices.update({str(k): float(v) for k, v in indices.items()})
-        policy = next((p for p in SYNC_POLICIES if p == settings.get("policy")), None)
-        if policy is not None and policy != self.policy:
-            self.policy = policy
-            self.scheduler = make_scheduler(policy, self.clock, self.rule,
+        """The operator's settings and the delay indices the checkpoint kept: a restart keeps what
+        ``set-sync-policy``, ``set-bound``, ``set-lr`` and ``pause`` set."""
+        kept = OperatorSettings.of(settings, lr_limit=LR_LIMIT)
+        self.rule.indices.update(kept.delay_indices)
+        if kept.policy is not None and kept.policy != self.policy:
+            self.policy = kept.policy
+            self.scheduler = make_scheduler(kept.policy, self.clock, self.rule,
                                             staleness_weighting=self.cfg.ps.staleness_weighting)
             self._set_policy_gauge()
-        bound, lr, paused = settings.get("bound"), settings.get("lr"), settings.get("paused")
-        if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0:
-            self.bound = bound
-        if isinstance(lr, float | int) and not isinstance(lr, bool) and 0 < lr < LR_LIMIT:
-            self.lr = float(lr)
-        if isinstance(paused, bool):
-            self.paused = paused
-            self.m_paused.set(1 if paused else 0)
+        self.bound = kept.bound if kept.bound is not None else self.bound
+        self.lr = kept.lr if kept.lr is not None else self.lr
+        self.paused = kept.paused if kept.paused is not None else self.paused
+        self.m_paused.set(1 if self.paused else 0)
 
     def attach(self, bus: Bus, events: Events) -> None:
         self.bus, self.events = bus, events
@@ -494,19 +484,10 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 async def run(config: Config) -> None:
     """Run the parameter server until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of the
-    configuration, or without one the jobs operators submit (``host``), their states kept by the job board."""
+    configuration, or without one the jobs operators submit, their states kept by the job board (``jobs``)."""
     if config.job:
         await ParameterServer(config).run(signals=True)
         return
-    from edgemesh.services.host import JobHost
-    from edgemesh.services.parameter_server.jobs import JobBoard
+    from edgemesh.services.parameter_server.jobs import serve_jobs
 
-    host = JobHost("ps", config, for_job)
-    board = JobBoard(host)
-    await host.run(signals=True, extra=board.attach)
-
-
-async def for_job(active: ActiveJob) -> ParameterServer:
-    """The parameter server of a submitted job: its model registered (built from the job file) first."""
-    await asyncio.to_thread(model_spec, active.spec)
-    return ParameterServer(active.config, job=active.spec)
+    await serve_jobs(config)
