@@ -19,6 +19,10 @@ Add new shared fixtures below, grouped under a comment header with a one-line do
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import sys
+import threading
 from collections.abc import Iterator
 
 # hypothesis is imported while collecting, not first by its plugin's end-of-run summary: there, Python 3.11's
@@ -63,3 +67,35 @@ def broker(request: pytest.FixtureRequest) -> Iterator[BrokerProcess]:
     """Each broker kind in turn (ids ``mosquitto``, ``amqtt``), started for this test alone."""
     with _new_broker(request.param) as started:
         yield started
+
+
+# --- diagnosis of a hung test ----------------------------------------------------------------
+
+HANG_REPORT_S = 10.0
+"""How long before pytest-timeout ends a test its asyncio tasks' stacks are printed: pytest-timeout shows only
+threads, and a hung async test is one thread waiting in its selector."""
+
+
+@pytest.fixture(autouse=True)
+def _report_hung_tasks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Print every running event loop's pending tasks (where each one waits) shortly before the test's timeout."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+    if limit <= HANG_REPORT_S:
+        yield
+        return
+    timer = threading.Timer(limit - HANG_REPORT_S, _print_pending_tasks, args=(request.node.nodeid,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _print_pending_tasks(test: str) -> None:
+    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running()]
+    print(f"\n~~~ {test} is about to time out; pending asyncio tasks ~~~", file=sys.stderr)
+    for loop in loops:
+        for task in list(asyncio.all_tasks(loop)):
+            task.print_stack(limit=8, file=sys.stderr)
