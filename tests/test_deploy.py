@@ -14,40 +14,32 @@
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
-import hashlib
 import json
 import os
-import queue
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import paho.mqtt.client as mqtt
 import pytest
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.reasoncodes import ReasonCode
+from production import Client, ProductionBroker, mosquitto, rewrite
+from production import production_broker as start_production_broker
 from prometheus_client import CollectorRegistry
 
 from edgemesh import cli
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import BrokerConfig, load_config
-from edgemesh.common.errors import BrokerError
 from edgemesh.common.messages import ModelSnapshot
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
-from edgemesh.local.broker import find_mosquitto, free_port, wait_port
-from edgemesh.local.processes import parent_death_signal
+from edgemesh.local.broker import free_port
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.host import JobHost
 from edgemesh.services.parameter_server.service import ParameterServer
@@ -162,100 +154,6 @@ def exec_args(unit: Unit) -> tuple[str, Any]:
     except SystemExit:
         pytest.fail(f"{unit.path.name}: `edgemesh` rejects ExecStart arguments {argv[1:]}")
     return argv[1], args
-
-
-def mosquitto_password_line(user: str, password: str) -> str:
-    """A password_file line in Mosquitto's ``$6$`` format (salted SHA-512), as mosquitto_passwd -H sha512 writes."""
-    salt = os.urandom(12)
-    digest = hashlib.sha512(password.encode() + salt).digest()
-    return f"{user}:$6${base64.b64encode(salt).decode()}${base64.b64encode(digest).decode()}\n"
-
-
-def rewrite(conf: str, pattern: str, replacement: str) -> str:
-    """Replace the one line matching ``pattern`` (anchored, multiline); fail if it is not there exactly once."""
-    new, count = re.subn(rf"^{pattern}$", replacement, conf, flags=re.MULTILINE)
-    assert count == 1, f"expected one line matching {pattern!r}, found {count}"
-    return new
-
-
-@contextlib.contextmanager
-def mosquitto(conf: str, directory: Path, ports: list[int]) -> Iterator[Path]:
-    """Run Mosquitto on ``conf`` until the block ends; yields its log file.
-
-    Waits until every port accepts connections and fails with the log if Mosquitto exits.
-    As root, Mosquitto would switch to the mosquitto user and lose the parent-death
-    signal; ``user root`` keeps it (as BrokerProcess does).
-    """
-    binary = find_mosquitto()
-    if binary is None:
-        pytest.fail("the mosquitto binary is not installed (apt-get install mosquitto)")
-    if os.geteuid() == 0:
-        conf += "\nuser root\n"
-    directory.mkdir(parents=True, exist_ok=True)
-    conf_path = directory / "mosquitto.conf"
-    conf_path.write_text(conf)
-    log_path = directory / "mosquitto.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([binary, "-c", str(conf_path)], stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=parent_death_signal())
-    try:
-        for port in ports:
-            try:
-                wait_port("127.0.0.1", port, WAIT_S)
-            except BrokerError:
-                pytest.fail(f"mosquitto (exit code {proc.poll()}) did not listen on {port}:\n{log_path.read_text()}")
-        yield log_path
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-class Client:
-    """A blocking MQTT 5 client for broker checks: publish returns the PUBACK reason code."""
-
-    def __init__(self, port: int, user: str | None = None, password: str | None = None,
-                 ca: Path | None = None) -> None:
-        self.messages: queue.Queue[tuple[str, bytes]] = queue.Queue()
-        self._connack: queue.Queue[ReasonCode] = queue.Queue()
-        self._subacks: queue.Queue[int] = queue.Queue()
-        self._pubacks: dict[int, ReasonCode] = {}
-        self.mqtt = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"test-{user}-{uuid.uuid4().hex[:6]}",
-                                protocol=mqtt.MQTTv5)
-        if user is not None:
-            self.mqtt.username_pw_set(user, password)
-        if ca is not None:
-            self.mqtt.tls_set(ca_certs=str(ca))
-        self.mqtt.on_connect = lambda c, u, flags, rc, props: self._connack.put(rc)
-        self.mqtt.on_subscribe = lambda c, u, mid, rcs, props: self._subacks.put(mid)
-        self.mqtt.on_publish = lambda c, u, mid, rc, props: self._pubacks.__setitem__(mid, rc)
-        self.mqtt.on_message = lambda c, u, msg: self.messages.put((msg.topic, msg.payload))
-        self.mqtt.connect("127.0.0.1", port)
-        self.mqtt.loop_start()
-        self.reason = self._connack.get(timeout=WAIT_S)
-
-    def subscribe(self, *filters: str) -> None:
-        for f in filters:
-            _, mid = self.mqtt.subscribe(f, qos=1)
-            while self._subacks.get(timeout=WAIT_S) != mid:
-                pass
-
-    def publish(self, topic: str, payload: bytes, retain: bool = False) -> ReasonCode:
-        info = self.mqtt.publish(topic, payload, qos=1, retain=retain)
-        info.wait_for_publish(WAIT_S)
-        assert info.is_published(), f"no PUBACK for {topic}"
-        return self._pubacks.pop(info.mid)
-
-    def next_message(self) -> tuple[str, bytes]:
-        return self.messages.get(timeout=WAIT_S)
-
-    def close(self) -> None:
-        self.mqtt.disconnect()
-        self.mqtt.loop_stop()
 
 
 # --------------------------------------------------------------------------- Grafana
@@ -518,66 +416,11 @@ def test_production_packet_limit_fits_a_chunk() -> None:
         assert re.search(rf"^{line}$", conf, re.MULTILINE), line
 
 
-USERS = ("planner", "ps", "compressor", "operator", "pi-01", "pi-02", "bridge-site1")
-
-
-@dataclass
-class ProductionBroker:
-    tls_port: int
-    plain_port: int
-    ca: Path
-    log: Path
-
-    @staticmethod
-    def password(user: str) -> str:
-        return f"{user}-secret"
-
-    def client(self, user: str, *, tls: bool = True) -> Client:
-        if tls:
-            client = Client(self.tls_port, user, self.password(user), ca=self.ca)
-        else:
-            client = Client(self.plain_port, user, self.password(user))
-        assert not client.reason.is_failure, f"{user}: {client.reason}\n{self.log.read_text()}"
-        return client
-
-
-def make_certificates(directory: Path) -> None:
-    """A test CA and a server certificate for 127.0.0.1 / localhost (EC keys: fast)."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.fail("openssl is needed to make the test certificates")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    (directory / "server.ext").write_text(
-        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n"
-        "keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
-        "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid\n")
-    for command in (
-        ["req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=edgemesh-test-ca",
-         "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign"],
-        ["req", *ec, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=localhost"],
-        ["x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-         "-out", "server.crt", "-days", "2", "-extfile", "server.ext"],
-    ):
-        subprocess.run([openssl, *command], cwd=directory, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def production_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProductionBroker]:
     """deploy/mosquitto/production.conf and acl, with test certificates, passwords and ports."""
-    directory = tmp_path_factory.mktemp("production-broker")
-    make_certificates(directory)
-    passwd = directory / "passwd"
-    passwd.write_text("".join(mosquitto_password_line(u, ProductionBroker.password(u)) for u in USERS))
-    tls_port, plain_port = free_port(), free_port()
-    conf = (MOSQUITTO_DIR / "production.conf").read_text()
-    conf = rewrite(conf, "listener 8883", f"listener {tls_port} 127.0.0.1")
-    conf = rewrite(conf, r"listener 1883 127\.0\.0\.1", f"listener {plain_port} 127.0.0.1")
-    for key, value in (("cafile", directory / "ca.crt"), ("certfile", directory / "server.crt"),
-                       ("keyfile", directory / "server.key"), ("password_file", passwd),
-                       ("acl_file", MOSQUITTO_DIR / "acl")):
-        conf = rewrite(conf, rf"{key} \S+", f"{key} {value}")
-    with mosquitto(conf, directory, [tls_port, plain_port]) as log:
-        yield ProductionBroker(tls_port, plain_port, directory / "ca.crt", log)
+    with start_production_broker(tmp_path_factory.mktemp("production-broker")) as broker:
+        yield broker
 
 
 def test_production_broker_refuses_strangers(production_broker: ProductionBroker) -> None:
@@ -613,6 +456,13 @@ def test_production_acl_roles(production_broker: ProductionBroker) -> None:
         assert allowed(worker, topics.control_reply("ctl-1234"))
         assert not allowed(worker, topics.status("pi-02"), retain=True)
         assert not allowed(worker, topics.grad("c0", "pi-02"))
+        # model-parallel slices: sent as itself, backward ones to another member (denied before)
+        assert allowed(worker, topics.mesh("m-pi-01", "conv1", "fwd", "pi-01"))
+        assert allowed(worker, topics.mesh_backward("m-pi-01", "conv2", "pi-02", "pi-01"))
+        assert not allowed(worker, topics.mesh_backward("m-pi-01", "conv2", "pi-01", "pi-02"))
+        assert not allowed(worker, topics.mesh("m-pi-01", "conv1", "fwd", "pi-02"))
+        assert allowed(worker, topics.snapshot_request("pi-01"))  # a mesh member's request for the model
+        assert not allowed(worker, topics.snapshot_request("pi-02"))
         assert not allowed(worker, topics.plan(), retain=True)
         assert not allowed(worker, topics.model(), retain=True)
         assert not allowed(worker, topics.ack("pi-01"))

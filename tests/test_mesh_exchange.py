@@ -41,13 +41,13 @@ async def member_buses(broker: BrokerProcess, job: str, cluster: str, devices: l
                              order=order, plan_version=1, timeout_s=timeout_s, dtype=dtype)
             ex.begin(1, batch)
 
-            async def deliver(msg: MeshSlice, _: TopicMatch, ex: BusExchange = ex) -> None:
-                ex.deliver(msg)
+            async def deliver(msg: MeshSlice, where: TopicMatch, ex: BusExchange = ex) -> None:
+                ex.deliver(msg, where.device)
 
             for other in devices:
                 if other != device:
                     bus.route(topics.mesh_filter(cluster, "+", "fwd", other), MeshSlice, deliver)
-            bus.route(topics.mesh_filter(cluster, "+", "bwd", device), MeshSlice, deliver)
+            bus.route(topics.backward_filter(cluster, device), MeshSlice, deliver)
             await stack.enter_async_context(bus.running())
             exchanges.append(ex)
         yield exchanges

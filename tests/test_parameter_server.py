@@ -14,7 +14,14 @@ from helpers import WAIT_S, devices, gradient, make_config, running, serving_ps
 from edgemesh.common import wire
 from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config
-from edgemesh.common.messages import CodecPolicy, GradientUpdate, ShardUpdate
+from edgemesh.common.messages import (
+    CodecPolicy,
+    ControlReply,
+    GradientUpdate,
+    ModelSnapshot,
+    ShardUpdate,
+    SnapshotRequest,
+)
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.service import ParameterServer
 
@@ -287,3 +294,74 @@ async def test_ssp_holds_a_cluster_too_far_ahead_until_the_slowest_catches_up(
         assert (await c.push(gradient("b", 1, 2))).status == "accepted"  # b catches up...
         held = await c.ack_for("a", 3)  # ...and releases a's update
         assert held.status == "accepted" and ps.version == 4
+
+
+G = 0.01
+"""Every value of the gradients of the operator-control test: with momentum and weight decay off, one update
+moves every weight by exactly ``-lr * G``."""
+
+
+def assert_moved(before: ModelSnapshot, after: ModelSnapshot, by: float) -> None:
+    """Every weight of ``after`` is the weight of ``before`` plus ``by``."""
+    for name, tensor in before.tensors.items():
+        moved = after.tensors[name].to_numpy() - tensor.to_numpy()
+        np.testing.assert_allclose(moved, by, rtol=1e-3, atol=1e-7, err_msg=name)
+
+
+async def test_pause_resume_and_set_lr_change_what_the_ps_applies(broker: BrokerProcess, tmp_path: Path) -> None:
+    """The operator's commands on ``control/ps`` act on training, not only on the reply: while paused, updates are
+    held (the version and the weights stay); resume applies them; set-lr changes the step each update makes."""
+    cfg = ps_config(broker, tmp_path, **{
+        "training.sync_policy": "async", "training.lr": "0.1", "training.momentum": "0",
+        "training.weight_decay": "0", "ps.staleness_weighting": "false", "ps.snapshot_dtype": "float32"})
+    async with serving_ps(cfg, ["a"]) as (c, ps):
+        ctl = c.topics.control("ps")
+
+        async def command(body: bytes, request_id: str) -> ControlReply:
+            await c.bus.publish(ctl, b'{%s, "requester": "tester", "request_id": "%s"}' % (body, request_id.encode()))
+            reply = await c.reply(request_id)
+            assert reply.ok, reply.message
+            return reply
+
+        start = await c.version_at_least(0)
+        assert (await c.push(gradient("a", 1, 0, scale=G))).version == 1
+        first = await c.version_at_least(1)
+        assert_moved(start, first, -0.1 * G)
+
+        await command(b'"command": "pause"', "pause")
+        for seq in (2, 3):
+            await c.bus.publish(c.topics.grad("c-a", "a"), gradient("a", seq, 1, scale=G))
+        await c.until("two updates held", lambda: ps.metrics.value("edgemesh_ps_pending_updates") == 2)
+        held = await command(b'"command": "status"', "held")  # a round trip after both arrived: still held
+        assert (held.result["version"], held.result["paused"]) == (1, True)
+        assert ps.version == 1 and not any(a.seq > 1 for a in c.acks)
+        assert max(s.version for s in c.snapshots) == 1
+
+        await command(b'"command": "resume"', "resume")
+        assert [(await c.ack_for("a", seq)).status for seq in (2, 3)] == ["accepted", "accepted"]
+        resumed = await c.version_at_least(3)
+        assert resumed.version == 3 and ps.metrics.value("edgemesh_ps_pending_updates") == 0
+        assert_moved(first, resumed, -2 * 0.1 * G)  # both held updates, at the learning rate of the time
+
+        reply = await command(b'"command": "set-lr", "value": 0.025', "lr")
+        assert reply.result["lr"] == 0.025
+        assert (await c.push(gradient("a", 4, 3, scale=G))).status == "accepted"
+        slower = await c.version_at_least(4)
+        assert_moved(resumed, slower, -0.025 * G)  # a quarter of the step, for the same gradient
+
+
+async def test_a_device_asks_for_a_snapshot_on_its_own_topic(broker: BrokerProcess, tmp_path: Path) -> None:
+    """A mesh member's request for the whole model travels on ``device/{id}/snapshot-request``, which a
+    broker ACL lets a device write (it went to ``control/ps`` before, which only the operator may write)."""
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "async", "ps.broadcast": "delta",
+                                         "ps.snapshot_every": "1000"})
+    async with serving_ps(cfg, ["a", "b", "ghost"]) as (c, ps):
+        start = await c.version_at_least(0)
+        await c.push(gradient("a", 1, start.version))  # version 1 goes out as a delta only
+        await c.until("version 1", lambda: ps.version == 1)
+        await c.publish(c.topics.snapshot_request("ghost"), SnapshotRequest(device="ghost", version=0))
+        await c.until("the stranger's request refused", lambda: ps.metrics.value(
+            "edgemesh_ps_rejected_total", route="snapshot_request", reason="unknown_device") == 1)
+        assert max(s.version for s in c.snapshots) == 0
+        await c.publish(c.topics.snapshot_request("b"), SnapshotRequest(device="b", version=0))
+        assert (await c.version_at_least(1)).version == 1  # a whole snapshot of the current version

@@ -79,8 +79,10 @@ def test_subscription_filters_match_what_the_builders_publish() -> None:
     assert matches(T.grad_filter().pattern, T.grad("c0", "pi-1"))
     assert not matches(T.grad_filter().pattern, T.grad_raw("c0", "pi-1"))
     assert matches(T.grad_raw_filter().pattern, T.grad_raw("c0", "pi-1"))
-    assert matches(T.cluster_mesh_filter("c0").pattern, T.mesh("c0", "conv1", "bwd", "pi-1"))
-    assert not matches(T.cluster_mesh_filter("c0").pattern, T.mesh("c1", "conv1", "bwd", "pi-1"))
+    assert matches(T.cluster_mesh_filter("c0").pattern, T.mesh_backward("c0", "conv1", "pi-1", "pi-2"))
+    assert not matches(T.cluster_mesh_filter("c0").pattern, T.mesh_backward("c1", "conv1", "pi-1", "pi-2"))
+    assert matches(T.backward_filter("c0", "pi-1").pattern, T.mesh_backward("c0", "conv1", "pi-1", "pi-2"))
+    assert not matches(T.backward_filter("c0", "pi-2").pattern, T.mesh_backward("c0", "conv1", "pi-1", "pi-2"))
     assert not matches(T.model(), T.model_delta())
 
 
@@ -250,7 +252,8 @@ def test_a_topic_match_tells_when_a_body_contradicts_it() -> None:
     assert "device" in (where.disagreement(Body(device="pi-2", cluster="c0")) or "")
     assert "cluster" in (where.disagreement(Body(device="pi-1", cluster="c9")) or "")
     assert where.disagreement(Body(device="")) is None  # a field the body leaves empty says nothing
-    mesh = parse(T.mesh("m-a", "conv1", "bwd", "b"))
+    mesh = parse(T.mesh_backward("m-a", "conv1", "b", "c"))
+    assert (mesh.device, mesh.target, mesh.phase) == ("c", "b", "bwd")  # the sender, as a forward slice's
     assert mesh.disagreement(Body(cluster="m-a", layer="conv1", phase="bwd")) is None
     assert "layer" in (mesh.disagreement(Body(cluster="m-a", layer="conv2", phase="bwd")) or "")
     assert "phase" in (mesh.disagreement(Body(cluster="m-a", layer="conv1", phase="fwd")) or "")

@@ -59,6 +59,8 @@ UNSUPPORTED_PROTOCOL_CODES = (1, 132)
 REFUSED_LOGIN_CODES = (2, 4, 5, 133, 134, 135, 138, 140)
 """CONNACK codes that a retry cannot change: identifier rejected, bad user name or password, not
 authorized, banned, bad authentication method (3.1.1's 2, 4, 5 and their v5 equivalents)."""
+REFUSALS_LOGGED = 1000
+"""Distinct refused topics logged at ERROR (later ones, and repeats, at DEBUG; all are counted)."""
 SUBSCRIBE_FAILURE = 0x80
 """A SUBACK code at or above this refuses the subscription (3.1.1's 0x80 and v5's reason codes)."""
 
@@ -97,6 +99,7 @@ class Bus:
                                        timeout_s=config.reassembly_timeout_s)
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._closing = False
+        self._refusals_logged: set[tuple[str, str]] = set()
         self.connections = 0
 
     # --- declaring -------------------------------------------------------------------------
@@ -190,7 +193,7 @@ class Bus:
             tls = ssl.create_default_context(cafile=self.config.ca_file or None)
             if self.config.cert_file:
                 tls.load_cert_chain(self.config.cert_file, self.config.key_file)
-        return aiomqtt.Client(
+        client = aiomqtt.Client(
             self.config.host, self.config.port, identifier=self.client_id,
             username=self.config.username or None, password=self.config.password or None,
             protocol=protocol, will=will, keepalive=self.config.keepalive_s,
@@ -199,6 +202,47 @@ class Bus:
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
             clean_session=True if protocol != aiomqtt.ProtocolVersion.V5 else None,
         )
+        self._watch_publishes(client)
+        return client
+
+    def _watch_publishes(self, client: aiomqtt.Client) -> None:
+        """Count and log the publishes the broker refuses.
+
+        aiomqtt completes a publish on any PUBACK and drops its reason code, so a publish an MQTT 5 broker's
+        ACL denies (0x87, not authorized) would look sent. The paho client under it is wrapped: its publish
+        remembers each QoS 1 message's topic until the PUBACK, whose code is checked. (Under MQTT 3.1.1 a
+        broker drops a denied publish without a word: nothing can tell.)
+        """
+        paho = client._client  # noqa: SLF001 - the reason code is only seen here
+        in_flight: dict[int, str] = {}
+        publish, on_publish = paho.publish, paho.on_publish
+
+        def publishing(topic: str, payload: Any = None, qos: int = 0, retain: bool = False,
+                       properties: Any = None) -> Any:
+            info = publish(topic, payload, qos, retain, properties)
+            if qos:
+                in_flight[info.mid] = topic  # its PUBACK is read by the event loop, after this returns
+            return info
+
+        def acked(c: Any, userdata: Any, mid: int, reason_code: ReasonCode, properties: Any) -> None:
+            topic = in_flight.pop(mid, "")
+            if reason_code.is_failure:
+                self._refused("publish", topic, reason_code)
+            on_publish(c, userdata, mid, reason_code, properties)
+
+        paho.publish = publishing
+        paho.on_publish = acked
+
+    def _refused(self, operation: str, topic: str, code: int | ReasonCode) -> None:
+        """A publish or subscription the broker refused: counted always, logged once per topic at ERROR."""
+        self.metrics.refused.labels(operation=operation).inc()
+        key = (operation, topic)
+        first = key not in self._refusals_logged
+        if first and len(self._refusals_logged) < REFUSALS_LOGGED:
+            self._refusals_logged.add(key)
+        logger.log(logging.ERROR if first else logging.DEBUG, "%s: the broker refused the %s %s %s (%s)%s",
+                   self.client_id, operation, "on" if operation == "publish" else "of", topic or "?", code,
+                   "; check the broker's ACL for this user" if first else "")
 
     async def _connect(self) -> aiomqtt.Client:
         """Connect once; in ``auto`` mode a v5 attempt that is refused or unanswered is retried with 3.1.1.
@@ -289,8 +333,7 @@ class Bus:
         codes: list[int | ReasonCode] = list(granted)
         for pattern, code in zip(patterns, codes, strict=False):
             if (code.value if isinstance(code, ReasonCode) else code) >= SUBSCRIBE_FAILURE:
-                self.metrics.refused.labels(operation="subscribe").inc()
-                logger.error("%s: the broker refused the subscription to %s (%s)", self.client_id, pattern, code)
+                self._refused("subscribe", pattern, code)
 
     # --- routing -------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:

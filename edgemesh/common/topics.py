@@ -28,8 +28,9 @@ __all__ = ["MAX_TOPIC_CHARS", "CHUNK_SEGMENT", "PREFIX", "Filter", "TopicError",
 PREFIX = "edgemesh/v1"
 CHUNK_SEGMENT = "chunk"
 
-TopicKind = Literal["hello", "status", "stats", "evaluation", "plan", "sync", "codec", "model", "delta", "grad",
-                    "grad_raw", "ack", "mesh", "control", "reply", "events", "job", "job_state", "job_model"]
+TopicKind = Literal["hello", "status", "stats", "evaluation", "snapshot_request", "plan", "sync", "codec", "model",
+                    "delta", "grad", "grad_raw", "ack", "mesh", "control", "reply", "events", "job", "job_state",
+                    "job_model"]
 """The families of topics; a route is named after the family it consumes."""
 SERVICE_TARGETS = ("planner", "ps", "compressor", "all", "job")
 """Control targets other than ``device/{id}``."""
@@ -51,14 +52,13 @@ class TopicMatch:
     """The topic itself (without a chunk suffix)."""
     device: str = ""
     """The device the topic is about: the sender of a hello, stats or gradient, the owner of a codec
-    policy or ack, the member sending a mesh forward slice or step message, the receiver of a
-    backward slice, the target of ``control/device/{id}``."""
+    policy or ack, the member sending a mesh slice or step message, the target of ``control/device/{id}``."""
     cluster: str = ""
     layer: str = ""
     phase: str = ""
     target: str = ""
     """``control/{target}``: planner, ps, compressor, all or device/{id}; ``control-reply/{requester}``:
-    the requester."""
+    the requester; a mesh backward slice: its receiver."""
 
     def disagreement(self, body: object) -> str | None:
         """Why ``body`` contradicts this topic (a field the topic names holds another value), or None."""
@@ -118,6 +118,14 @@ class Topics:
     def evaluation(self, device: str) -> str:
         """A device's accuracy on its local validation share (jobs evaluated where the data lives)."""
         return f"{self.root}/device/{device}/evaluation"
+
+    def snapshot_request(self, device: str) -> str:
+        """Where a device asks the parameter server for the whole model (its own topic: a broker ACL lets
+        devices write there, and not on the operator's control topics)."""
+        return f"{self.root}/device/{device}/snapshot-request"
+
+    def snapshot_request_filter(self) -> Filter:
+        return self._filter("device/+/snapshot-request", "snapshot_request")
 
     def evaluation_filter(self) -> Filter:
         return self._filter("device/+/evaluation", "evaluation")
@@ -189,10 +197,20 @@ class Topics:
 
     # --- model-parallel mesh ---------------------------------------------------------------
     def mesh(self, cluster: str, layer: str, phase: str, device: str) -> str:
+        """What member ``device`` sends its cluster: a forward slice of ``layer``, or (layer ``step``) a step's
+        begin or ready. The last level is the sender, so a broker ACL lets a device send only as itself."""
         return f"{self.root}/mesh/{cluster}/{layer}/{phase}/{device}"
 
     def mesh_filter(self, cluster: str, layer: str, phase: str, device: str) -> Filter:
         return self._filter(f"mesh/{cluster}/{layer}/{phase}/{device}", "mesh")
+
+    def mesh_backward(self, cluster: str, layer: str, receiver: str, sender: str) -> str:
+        """A backward slice of ``layer`` from ``sender`` to ``receiver`` alone (the sender last, as above)."""
+        return f"{self.root}/mesh/{cluster}/{layer}/bwd/{receiver}/{sender}"
+
+    def backward_filter(self, cluster: str, receiver: str) -> Filter:
+        """Every backward slice sent to ``receiver`` in ``cluster``."""
+        return self._filter(f"mesh/{cluster}/+/bwd/{receiver}/+", "mesh")
 
     def cluster_mesh_filter(self, cluster: str) -> Filter:
         """Every mesh message of ``cluster`` (recorders and tests)."""
@@ -264,6 +282,8 @@ def parse(topic: str) -> TopicMatch:
     match rest:
         case ["device", device, ("hello" | "status" | "stats" | "evaluation") as kind]:
             return TopicMatch(job, kind, base, device=device)
+        case ["device", device, "snapshot-request"]:
+            return TopicMatch(job, "snapshot_request", base, device=device)
         case ["plan" | "sync" | "model" | "events" as kind]:
             return TopicMatch(job, kind, base)
         case ["job"]:
@@ -284,8 +304,11 @@ def parse(topic: str) -> TopicMatch:
             return TopicMatch(job, "grad", base, device=device, cluster=cluster)
         case ["grad-raw", cluster, device]:
             return TopicMatch(job, "grad_raw", base, device=device, cluster=cluster)
-        case ["mesh", cluster, layer, phase, device]:
+        case ["mesh", cluster, layer, phase, device] if phase != "bwd":
             return TopicMatch(job, "mesh", base, device=device, cluster=cluster, layer=layer, phase=phase)
+        case ["mesh", cluster, layer, "bwd", receiver, sender]:
+            return TopicMatch(job, "mesh", base, device=sender, cluster=cluster, layer=layer, phase="bwd",
+                              target=receiver)
         case ["control", target] if target in SERVICE_TARGETS:
             return TopicMatch(job, "control", base, target=target)
         case ["control", "device", device]:

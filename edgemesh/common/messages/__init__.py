@@ -6,14 +6,14 @@ Frozen dataclasses; ``wire`` encodes and decodes them and checks field types, an
 * ``devices``: DeviceHello, DeviceStatus, DeviceStats
 * ``plan``: Plan and its PlanDevice, PlanCluster, LayerDivision
 * ``training``: CodecPolicy, ShardUpdate, GradientUpdate, UpdateAck, ModelSnapshot, ModelDelta, SyncState
-* ``mesh``: MeshReady, MeshBegin, MeshSlice
+* ``mesh``: MeshReady, MeshBegin, MeshSlice, SnapshotRequest
 * ``operations``: ControlCommand, ControlReply, Event
 * ``jobs``: JobSubmission, JobState, LocalEvaluation
 """
 
 from edgemesh.common.messages.devices import DeviceHello, DeviceStats, DeviceStatus
 from edgemesh.common.messages.jobs import JobState, JobSubmission, LocalEvaluation
-from edgemesh.common.messages.mesh import MeshBegin, MeshReady, MeshSlice
+from edgemesh.common.messages.mesh import MeshBegin, MeshReady, MeshSlice, SnapshotRequest
 from edgemesh.common.messages.operations import ControlCommand, ControlReply, Event, Scalar
 from edgemesh.common.messages.plan import LayerDivision, Plan, PlanCluster, PlanDevice
 from edgemesh.common.messages.training import (
@@ -30,5 +30,5 @@ __all__ = [
     "CodecPolicy", "ControlCommand", "ControlReply", "DeviceHello", "DeviceStats", "DeviceStatus", "Event",
     "GradientUpdate", "JobState", "JobSubmission", "LayerDivision", "LocalEvaluation", "MeshBegin", "MeshReady",
     "MeshSlice", "ModelDelta", "ModelSnapshot", "Plan", "PlanCluster", "PlanDevice", "Scalar", "ShardUpdate",
-    "SyncState", "UpdateAck",
+    "SnapshotRequest", "SyncState", "UpdateAck",
 ]

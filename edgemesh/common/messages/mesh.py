@@ -80,3 +80,20 @@ class MeshSlice:
             raise ValueError("sender index out of range")
         if self.tensor.dtype not in ("float32", "float16"):
             raise ValueError(f"mesh tensors are float32 or float16, not {self.tensor.dtype}")
+
+
+@message("snapshot_request")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotRequest:
+    """A device needs the whole model again (a mesh member whose new division needs rows it lacks), on its own
+    ``device/{id}/snapshot-request``: the parameter server publishes a snapshot unless its retained one is the
+    current version."""
+
+    device: str
+    version: int = -1
+    """The model version the device holds (-1: none)."""
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+        if self.version < -1:
+            raise ValueError("version must be >= -1")

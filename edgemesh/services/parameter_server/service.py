@@ -38,6 +38,7 @@ from edgemesh.common.messages import (
     LocalEvaluation,
     ModelSnapshot,
     Plan,
+    SnapshotRequest,
     SyncState,
     UpdateAck,
 )
@@ -179,6 +180,7 @@ class ParameterServer:
         bus.route(self.topics.grad_filter(), GradientUpdate, self._on_gradient)
         if self.evaluator.local:
             bus.route(self.topics.evaluation_filter(), LocalEvaluation, self._on_local_evaluation)
+        bus.route(self.topics.snapshot_request_filter(), SnapshotRequest, self._on_snapshot_request)
         bus.on_connect(self._on_connect)
 
     def jobs(self) -> list[Job]:
@@ -205,6 +207,14 @@ class ParameterServer:
         combined = self.evaluator.combine(report, devices)
         if combined is not None:
             await self._report_evaluation(*combined)
+
+    async def _on_snapshot_request(self, request: SnapshotRequest, _: TopicMatch) -> None:
+        """A member of the plan needs the whole model (a new division): a snapshot, unless the last is current."""
+        if self.plan is None or self.plan.device(request.device) is None:
+            raise WireError(f"a snapshot request from {request.device}, which the plan does not name",
+                            "unknown_device")
+        if self.broadcast.last_full != self.version:
+            self._request_snapshot()
 
     async def _on_gradient(self, update: GradientUpdate, match: TopicMatch) -> None:
         """Check an update against plan and model; queue it, or discard it with an ack."""

@@ -105,12 +105,15 @@ class BusExchange:
         for event in self._events.values():
             event.set()
 
-    def deliver(self, msg: MeshSlice) -> bool:
-        """Take a slice from the bus; False (and dropped) if it is not for this cluster, plan or step."""
+    def deliver(self, msg: MeshSlice, sent_by: str) -> bool:
+        """Take a slice that device ``sent_by`` (its topic's last level) published; False (and dropped) if it is
+        not for this cluster, plan or step. A slice must come from the member it names."""
         if msg.cluster != self.cluster or msg.plan_version != self.plan_version or msg.step < self.step:
             return False
         if msg.sender == self.index or msg.sender >= len(self.members) or msg.layer not in self.counts:
             raise WireError(f"mesh slice from member {msg.sender} of {len(self.members)} for {msg.layer}", "shape")
+        if self.members[msg.sender] != sent_by:
+            raise WireError(f"{sent_by} sent a slice as member {msg.sender} ({self.members[msg.sender]})", "topic")
         key = (msg.step, msg.layer, msg.phase)
         if len({k[0] for k in self._box} | {msg.step}) > MAILBOX_STEPS:
             return False  # far ahead of this member: it will be resent, or the step abandoned
@@ -147,7 +150,9 @@ class BusExchange:
         tensor = Tensor.from_numpy(wire)
         msg = MeshSlice(cluster=self.cluster, plan_version=self.plan_version, step=self.step, layer=layer,
                         phase=phase, sender=self.index, tensor=tensor)  # type: ignore[arg-type]
-        self.bytes_sent += await self.bus.publish(self.topics.mesh(self.cluster, layer, phase, to), msg)
+        topic = self.topics.mesh(self.cluster, layer, phase, self.device) if phase == "fwd" else \
+            self.topics.mesh_backward(self.cluster, layer, to, self.device)
+        self.bytes_sent += await self.bus.publish(topic, msg)
 
     async def _collect(self, step: int, layer: str, phase: str) -> dict[int, np.ndarray]:
         key = (step, layer, phase)

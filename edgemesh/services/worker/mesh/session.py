@@ -32,7 +32,6 @@ from edgemesh.common.data import batch_at
 from edgemesh.common.errors import BusError, ModelError
 from edgemesh.common.messages import (
     CodecPolicy,
-    ControlCommand,
     MeshBegin,
     MeshReady,
     MeshSlice,
@@ -41,6 +40,7 @@ from edgemesh.common.messages import (
     PlanCluster,
     PlanDevice,
     ShardUpdate,
+    SnapshotRequest,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
@@ -56,6 +56,8 @@ AVERAGE_WINDOW = 20
 """Steps over which per-layer busy times are averaged for stats."""
 MIN_MEASURED_SHARE = 0.1
 """Members doing less than this share of the model's work report no measured speed."""
+MESH_OUTCOMES = ("done", "abandoned", "no_start")
+"""Outcomes of a model-parallel step (``edgemesh_worker_mesh_steps_total``'s label)."""
 Wait = Callable[[str, Callable[[], bool]], Awaitable[None]]
 """``wait(what, predicate)``: until ``predicate()`` holds, saying what it waits for."""
 
@@ -103,6 +105,8 @@ class MeshSession:
         self.layer_busy: dict[str, deque[float]] = {}
         """Seconds per step each layer kept this member busy: computing, or its link moving the layer's slices."""
         self.m_steps = metrics.counter("mesh_steps", "Model-parallel steps by outcome", ["outcome"])
+        for outcome in MESH_OUTCOMES:  # 0 until one happens, not absent: a dashboard shows "none yet"
+            self.m_steps.labels(outcome=outcome)
         self.m_wait = metrics.histogram("mesh_wait_seconds", "Time of a model-parallel step spent waiting for "
                                         "other members", STEP_BUCKETS)
 
@@ -127,9 +131,9 @@ class MeshSession:
         self._changed.set()
 
     # ------------------------------------------------------------------ routes
-    async def on_slice(self, piece: MeshSlice, _: TopicMatch) -> None:
+    async def on_slice(self, piece: MeshSlice, where: TopicMatch) -> None:
         if self._exchange is not None:
-            self._exchange.deliver(piece)
+            self._exchange.deliver(piece, where.device)
 
     async def on_begin(self, begin: MeshBegin, _: TopicMatch) -> None:
         self._begin = begin
@@ -148,7 +152,7 @@ class MeshSession:
         return [*(Route(t.mesh_filter(c, "+", "fwd", m), MeshSlice, self.on_slice) for m in others),
                 *(Route(t.mesh_filter(c, "step", "begin", m), MeshBegin, self.on_begin) for m in others),
                 *(Route(t.mesh_filter(c, "step", "ready", m), MeshReady, self.on_ready) for m in others),
-                Route(t.mesh_filter(c, "+", "bwd", self.device), MeshSlice, self.on_slice),
+                Route(t.backward_filter(c, self.device), MeshSlice, self.on_slice),
                 Route(t.delta_filter(self.device), ModelDelta, self._on_delta)]
 
     # ------------------------------------------------------------------ joining and leaving
@@ -206,8 +210,8 @@ class MeshSession:
         await self.bus.unsubscribe(self._model_route.filter)
         await self.bus.subscribe(self._model_route)
         with contextlib.suppress(BusError):
-            await self.bus.publish(self.topics.control("ps"), ControlCommand(
-                command="snapshot", requester=self.device, request_id=f"{self.device}-{time.time_ns()}"))
+            await self.bus.publish(self.topics.snapshot_request(self.device),
+                                   SnapshotRequest(device=self.device, version=self.view.version))
 
     # ------------------------------------------------------------------ one step
     async def step(self, plan: Plan, me: PlanDevice, cluster: PlanCluster, policy: CodecPolicy | None,
