@@ -250,6 +250,7 @@ class ParameterServer:
         if not update.mesh_step:
             self._queued.add(key)
         self._queue.append(item)
+        self._count_pending()  # a paused server holds it: the gauge says so
         self._wake.set()
 
     async def _settle(self, outcome: Outcome) -> None:
@@ -313,7 +314,7 @@ class ParameterServer:
         if isinstance(self.scheduler, AdaptiveScheduler):
             self._adaptive_gauges(fleet)
             await self._publish_sync_state()
-        self.m_pending.set(len(self._queue) + len(self.scheduler.pending()))
+        self._count_pending()
         if message is not None:
             # the model goes out before the acks, so a worker acked for version v usually has v
             await self._publish_model(message)
@@ -435,6 +436,9 @@ class ParameterServer:
         self.m_adaptive_bound.set(self.rule.bound())
         self.m_adaptive_deadline.set(self.rule.deadline(self.scheduler.live(fleet)))
         self.m_slow.set(len(self.rule.slow_devices()))
+
+    def _count_pending(self) -> None:
+        self.m_pending.set(len(self._queue) + len(self.scheduler.pending()))
 
     def _set_policy_gauge(self) -> None:
         for p in SYNC_POLICIES:
