@@ -15,6 +15,7 @@ import time
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -450,3 +451,29 @@ def member_update(device: str, index: int, seq: int, base: int, *, step: int = 1
                                       data=enc.encode(np.full(n, 0.01, np.float32), None)))
     return GradientUpdate(device=device, cluster=cluster, incarnation=1, seq=seq, base_version=base, samples=8,
                           shards=tuple(shards), mesh_step=step, plan_version=1)
+
+
+# --- device health ----------------------------------------------------------------
+
+def write_thermal_zones(root: Path, zones: dict[str, float]) -> Path:
+    """A kernel thermal directory under ``root``: one ``thermal_zoneN`` per ``{type: °C}``, in millidegrees."""
+    for i, (kind, celsius) in enumerate(zones.items()):
+        zone = root / f"thermal_zone{i}"
+        zone.mkdir(parents=True)
+        (zone / "type").write_text(f"{kind}\n")
+        (zone / "temp").write_text(f"{round(celsius * 1000)}\n")
+    return root
+
+
+def write_vcgencmd(directory: Path, *, throttled: str = "0x50005", temp: str = "48.3", body: str = "") -> Path:
+    """An executable ``vcgencmd`` in ``directory`` that answers ``get_throttled`` and ``measure_temp`` as the
+    Raspberry Pi firmware tool does (``body``: shell lines run first, e.g. to fail or to wait)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "vcgencmd"
+    path.write_text("#!/bin/sh\n" + body + "\n" + 'case "$1" in\n'
+                    f'  get_throttled) echo "throttled={throttled}" ;;\n'
+                    f"  measure_temp) echo \"temp={temp}'C\" ;;\n"
+                    '  *) echo "unknown command" >&2; exit 255 ;;\n'
+                    "esac\n")
+    path.chmod(0o755)
+    return path

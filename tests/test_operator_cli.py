@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import inbox, make_config, running, until
+from helpers import inbox, make_config, running, until, write_thermal_zones, write_vcgencmd
 
 from edgemesh.common.messages import DeviceHello
 from edgemesh.common.topics import Topics
@@ -39,9 +39,13 @@ def test_parse_value_sends_numbers_as_numbers() -> None:
 
 
 async def test_devices_lists_a_worker_and_ctl_steers_the_ps(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
-    cfg = make_config(mosquitto_broker, job="ops", **{"ps.state_dir": tmp_path / "ps"})
-    worker = Worker(make_config(mosquitto_broker, job="ops", **{"ps.state_dir": tmp_path / "ps",
-                                                                "worker.device": "pi-07"}))
+    cfg = make_config(mosquitto_broker, job="ops", **{"ps.state_dir": tmp_path / "ps", "metrics.vcgencmd": "",
+                                                       "metrics.thermal_dir": tmp_path / "no-thermal-zones"})
+    # a Pi 4 at 61.2 °C, under-voltage since boot and throttled now: its thermal zone and vcgencmd, written here
+    worker = Worker(make_config(mosquitto_broker, job="ops", **{
+        "ps.state_dir": tmp_path / "ps", "worker.device": "pi-07",
+        "metrics.thermal_dir": write_thermal_zones(tmp_path / "thermal", {"cpu-thermal": 61.25}),
+        "metrics.vcgencmd": write_vcgencmd(tmp_path / "bin", throttled="0x10004")}))
     services = [Planner(cfg), ParameterServer(cfg), Compressor(cfg), worker]
     common = ["--broker", mosquitto_broker.url, "--job", "ops"]
     async with running(*services):
@@ -50,6 +54,12 @@ async def test_devices_lists_a_worker_and_ctl_steers_the_ps(mosquitto_broker: Br
         assert code == 0, err
         row = next(line for line in out.splitlines() if line.startswith("pi-07"))
         assert "online" in row and "c-pi-07" in row
+        assert row.split()[-4:] == ["61.2", "now", "since", "boot"]  # temperature, throttled, under-voltage
+        # the same reading on the worker's /metrics; the other services were given no source: no series
+        assert worker.metrics.value("edgemesh_device_cpu_temperature_celsius") == 61.25
+        assert worker.metrics.value("edgemesh_device_throttled", when="now") == 1
+        assert not any(s.name.startswith("edgemesh_device_") for svc in services[:3]
+                       for family in svc.metrics.registry.collect() for s in family.samples)
         assert "plan v" in out
 
         code, out, err = await cli("ctl", "set-bound", "--target", "ps", "--value", "7", *common)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.parser import text_string_to_metric_families
 
 from edgemesh.common.errors import ConfigError
+from edgemesh.common.health import DeviceHealth, HealthSources
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class ServiceMetrics:
         self.connects = self.counter("broker_connects", "Successful broker connections")
         self.connected = self.gauge("broker_connected", "1 while connected to the broker")
         self.up = self.gauge("up", "1 while the service runs")
+        self.health: DeviceHealth | None = None
+        """The host's temperature and throttling (``edgemesh_device_*``): exported on this registry by
+        ``export_health``, or those a job host exports, whose service this is."""
 
     # --- factories ---------------------------------------------------------------------
     def counter(self, name: str, doc: str, labels: list[str] | None = None) -> Counter:
@@ -59,6 +63,14 @@ class ServiceMetrics:
 
     def histogram(self, name: str, doc: str, buckets: tuple[float, ...], labels: list[str] | None = None) -> Histogram:
         return Histogram(self.prefix + name, doc, labels or [], buckets=buckets, registry=self.registry)
+
+    def export_health(self, sources: HealthSources) -> DeviceHealth:
+        """Export the host's health, read from ``sources``, on this registry (once); the caller keeps it read
+        (``DeviceHealth.watch``)."""
+        if self.health is None:
+            self.health = DeviceHealth(sources)
+            self.registry.register(self.health)
+        return self.health
 
     # --- rejections ----------------------------------------------------------------------
     def reject(self, reason: str, topic: str, detail: object, *, route: str,

@@ -12,6 +12,7 @@ from typing import TypeVar
 from edgemesh import cli
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
+from edgemesh.common.health import SLOWED_FLAGS, flag_state
 from edgemesh.common.messages import CodecPolicy, DeviceHello, DeviceStats, DeviceStatus, Plan
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
@@ -56,7 +57,8 @@ async def list_devices(config: Config, *, wait_s: float) -> int:
         print(f"no devices in job {config.job!r} on {config.broker.url}")
         return 1
     print(f"{'device':<16} {'state':<8} {'GFLOP/s':>8} {'mem MiB':>8} {'cluster':<14} {'batch':>5} "
-          f"{'codec':<6} {'steps':>6} {'step ms':>8} {'version':>7}")
+          f"{'codec':<6} {'steps':>6} {'step ms':>8} {'version':>7} {'temp C':>6} {'throttled':<10} "
+          f"{'undervolt':<10}")
     plan = seen.plan
     for name in names:
         h, st, s, c = seen.hello.get(name), seen.status.get(name), seen.stats.get(name), seen.codec.get(name)
@@ -65,11 +67,21 @@ async def list_devices(config: Config, *, wait_s: float) -> int:
               f"{h.flops / 1e9 if h else 0:>8.2f} {h.memory_bytes / 2**20 if h else 0:>8.0f} "
               f"{member.cluster if member else '-':<14} {member.batch_size if member else 0:>5} "
               f"{c.codec if c else '-':<6} {s.steps if s else 0:>6} {s.step_time_s * 1e3 if s else 0:>8.1f} "
-              f"{s.model_version if s else 0:>7}")
+              f"{s.model_version if s else 0:>7} {health_columns(s)}")
     if plan is not None:
         print(f"\nplan v{plan.version}: {len(plan.clusters)} clusters, policy {plan.sync_policy}, "
               f"bound {plan.staleness_bound}, model {plan.model_spec}")
     return 0
+
+
+def health_columns(stats: DeviceStats | None) -> str:
+    """The temperature, throttled and under-voltage columns of a device's row: ``now``, ``since boot`` or
+    ``no`` for a flag, ``-`` where the device cannot tell (it is not a Raspberry Pi, or sent no stats)."""
+    temperature = stats.cpu_temp_c if stats is not None else None
+    bits = stats.throttled_bits if stats is not None else None
+    throttled, undervolt = flag_state(bits, *SLOWED_FLAGS), flag_state(bits, "undervoltage")
+    return (f"{'-' if temperature is None else f'{temperature:.1f}':>6} {throttled or '-':<10} "
+            f"{undervolt or '-':<10}").rstrip()
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -12,8 +12,9 @@ A host that cannot take part in a job (a worker whose data is missing or broken,
 build here) says why: an event on the job's ``events``, and for a worker its retained ``left`` status,
 which the job's state lists; the others train on.
 
-``/metrics`` is the host's: its own ``edgemesh_<role>_host_*`` metrics, and the metrics of the job it
-serves (or served last) as that service exports them.
+``/metrics`` is the host's: its own ``edgemesh_<role>_host_*`` metrics, the host's health
+(``edgemesh_device_*``, read by the host whether or not it serves a job), and the metrics of the job it serves
+(or served last) as that service exports them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from edgemesh.common import costs
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError, JobError, ModelError
+from edgemesh.common.health import HealthSources
 from edgemesh.common.jobs import JobSpec, job_config, parse_job, run_name
 from edgemesh.common.messages import DeviceStatus, Event, JobState, JobSubmission
 from edgemesh.common.metrics import ServiceMetrics
@@ -102,11 +104,14 @@ class JobHost:
         self._delegate = _Delegate()
         m = self.metrics = ServiceMetrics(f"{role}_host")
         m.registry.register(self._delegate)
+        self.health = m.export_health(HealthSources.of(config.metrics))
+        """The host's temperature and throttling, which the job services it serves read too (their stats)."""
         self.m_jobs = m.counter("jobs", "Jobs this process started serving, by outcome", ["outcome"])
         for outcome in ("served", "refused", "failed"):
             self.m_jobs.labels(outcome=outcome)
         self.m_serving = m.gauge("serving", "1 while this process serves a job")
-        self.m_info = m.gauge("job_info", "1 for the job this process serves now", ["job"])
+        # not "job": Prometheus's own job label names the service, and would rename this one exported_job
+        self.m_info = m.gauge("job_info", "1 for the job this process serves now", ["training_job"])
 
     # ------------------------------------------------------------------ running
     async def run(self, *, signals: bool = False, extra: Callable[[Bus], list[Any]] | None = None) -> None:
@@ -125,7 +130,8 @@ class JobHost:
             self.metrics.up.set(1)
             logger.info("%s: serving submitted jobs on %s", self.role, self.cfg.broker.url)
             try:
-                await supervise(self.stop, self._serve_loop(), *jobs, transport=bus.run(), close=self._leave)
+                await supervise(self.stop, self._serve_loop(), self.health.watch(self.cfg.metrics.health_interval_s),
+                                *jobs, transport=bus.run(), close=self._leave)
             finally:
                 self.metrics.up.set(0)
 
@@ -216,9 +222,9 @@ class JobHost:
         self._delegate.source = service.metrics
         self.m_jobs.labels(outcome="served").inc()
         self.m_serving.set(1)
-        self.m_info.labels(job=name).set(1)
+        self.m_info.labels(training_job=name).set(1)
         logger.info("%s: serving job %s (model %s)", self.role, name, spec.model_key)
-        self._task = asyncio.create_task(serve(service, cfg), name=f"{self.role}-{name}")
+        self._task = asyncio.create_task(serve(service, cfg, health=self.health), name=f"{self.role}-{name}")
         self._task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task[None]) -> None:
@@ -239,7 +245,7 @@ class JobHost:
         """Stop serving the current job (its service closes as at any stop: a last checkpoint, an offline status)."""
         task, service = self._task, self.service
         if self.current is not None:
-            self.m_info.labels(job=self.current[0]).set(0)
+            self.m_info.labels(training_job=self.current[0]).set(0)
         self.current, self._task, self.service = None, None, None
         self.m_serving.set(0)
         if task is None or service is None:

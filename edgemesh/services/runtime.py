@@ -9,8 +9,9 @@ the rest, the same way for all four:
 3. the bus, with ``control/{target}`` and ``control/all`` routed to the control protocol
    (:class:`Control`: expiry, apply, reply, audit event); ``service.attach(bus, events)``
    declares what the service consumes;
-4. the ``up`` gauge, ``READY=1`` to systemd, then the bus, the watchdog and ``service.jobs()`` in
-   one TaskGroup until ``stop`` is set or one of them fails (its error ends ``serve``);
+4. the ``up`` gauge, ``READY=1`` to systemd, then the bus, the watchdog, the host's health readings
+   (``edgemesh_device_*``, unless a job host reads them) and ``service.jobs()`` in one TaskGroup until
+   ``stop`` is set or one of them fails (its error ends ``serve``);
 5. ``STOPPING=1`` and ``service.close()``.
 """
 
@@ -31,6 +32,7 @@ from edgemesh.common import systemd
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import BrokerConfig, Config
 from edgemesh.common.errors import EdgeMeshError
+from edgemesh.common.health import DeviceHealth, HealthSources
 from edgemesh.common.messages import ControlCommand, ControlReply, Event, Scalar
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
@@ -117,11 +119,19 @@ class Control:
             self.service.stop.set()
 
 
-async def serve(service: Service, config: Config, *, signals: bool = False) -> None:
-    """Run ``service`` until its ``stop`` is set (with ``signals``: or SIGINT/SIGTERM)."""
+async def serve(service: Service, config: Config, *, signals: bool = False, health: DeviceHealth | None = None) -> None:
+    """Run ``service`` until its ``stop`` is set (with ``signals``: or SIGINT/SIGTERM).
+
+    ``health``: the host's health readings, exported and kept fresh by a job host serving this service; without
+    it the service exports and reads its own.
+    """
     if signals:
         install_stop_signals(service.stop)
     topics = Topics(config.job)
+    reads_health = health is None
+    if health is None:
+        health = service.metrics.export_health(HealthSources.of(config.metrics))
+    service.metrics.health = health
     async with contextlib.AsyncExitStack() as stack:
         endpoint = await service.prepare(stack)
         service.metrics.serve(config.metrics.address, config.metrics.port_file)
@@ -135,8 +145,9 @@ async def serve(service: Service, config: Config, *, signals: bool = False) -> N
             bus.route(topics.control_filter(target), ControlCommand, control.on_command, json_body=True)
         service.attach(bus, events)
         service.metrics.up.set(1)
+        readings = [health.watch(config.metrics.health_interval_s)] if reads_health else []
         try:
-            await supervise(service.stop, *service.jobs(), transport=bus.run(), close=service.close)
+            await supervise(service.stop, *service.jobs(), *readings, transport=bus.run(), close=service.close)
         finally:
             service.metrics.up.set(0)
 

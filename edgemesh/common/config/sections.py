@@ -103,8 +103,16 @@ class MetricsConfig:
     """``host:port`` to serve on; port 0 picks a free port (logged); empty disables."""
     port_file: str = ""
     """If set, the bound port is written to this file (for supervisors when port is 0)."""
+    health_interval_s: float = 5.0
+    """How often the host's CPU temperature and throttling flags are read (``edgemesh_device_*``)."""
+    thermal_dir: str = "/sys/class/thermal"
+    """Where the kernel's thermal zones are read: the hottest of type cpu or soc is the CPU temperature."""
+    vcgencmd: str = "vcgencmd"
+    """The Raspberry Pi firmware tool read for throttling and under-voltage (and for the temperature where no
+    thermal zone gives it): a name looked up on PATH, or a path; empty = not read."""
 
     def __post_init__(self) -> None:
+        _require(self.health_interval_s > 0, "metrics.health_interval_s", "must be > 0")
         if self.address:
             host, sep, port = self.address.rpartition(":")
             _require(bool(sep) and port.isdigit() and 0 <= int(port) < 65536, "metrics.address",

@@ -86,6 +86,10 @@ class DeviceStats:
     """Uplink rate, bytes/s: declared (``worker.link_rate_bps``) or measured (0 = unknown)."""
     rss_bytes: int = 0
     cpu_temp_c: float | None = None
+    """CPU temperature, °C (None = the device cannot tell: ``edgemesh.common.health``)."""
+    throttled_bits: int | None = None
+    """The Raspberry Pi firmware's ``vcgencmd get_throttled`` mask: bits 0-3 under-voltage, ARM frequency
+    capped, throttled, soft temperature limit now; bits 16-19 the same since boot (None = not a Pi)."""
     model_version: int = 0
     loss: float | None = None
     batch_size: int = 0
@@ -106,6 +110,8 @@ class DeviceStats:
         for name in ("steps", "step_time_s", "comm_time_s", "delay_index", "link_rate_bps", "rss_bytes",
                      "gradient_bytes", "upload_time_s", "compute_flops"):
             nonneg(name, getattr(self, name))
+        if self.throttled_bits is not None and not 0 <= self.throttled_bits < 2**32:
+            raise ValueError(f"throttled_bits must be a 32-bit mask, got {self.throttled_bits}")
         if len(self.mesh_layer_busy_s) > MAX_SHARDS:
             raise ValueError("too many layers")
         for layer, seconds in self.mesh_layer_busy_s.items():

@@ -58,15 +58,6 @@ def rss_bytes() -> int:
         return 0
 
 
-def cpu_temperature() -> float | None:
-    """SoC temperature in °C where the kernel exposes it (Raspberry Pi, Jetson)."""
-    try:
-        with open("/sys/class/thermal/thermal_zone0/temp") as fh:
-            return int(fh.read().strip()) / 1000.0
-    except (OSError, ValueError):
-        return None
-
-
 def measure(seconds: float, memory_override: int = 0) -> Profile:
     """The device as it is: FLOPS, and the memory training may use (what is free plus what this
     process already holds, since the memory estimate of a share counts the process itself)."""

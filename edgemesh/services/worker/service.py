@@ -10,8 +10,9 @@ Backbone, top to bottom:
    the rest of its cluster: ``mesh.session``), held to the board's speed, encoded with the
    device's codec and error feedback, published with ``(device, incarnation, seq)`` and waited
    for until acked (``sender``); follow resync requests and new model versions;
-4. every ``worker.stats_interval_s``: stats (step time, delay index, uplink rate, gradient size),
-   from which the compressor picks this device's codec and the planner its batch.
+4. every ``worker.stats_interval_s``: stats (step time, delay index, uplink rate, gradient size, and the
+   host's temperature and throttling as last read), from which the compressor picks this device's codec
+   and the planner its batch.
 
 A plan share whose estimated memory (``costs.training_memory_bytes``) exceeds what the device
 offers is refused: the retained status names the refused plan and why, and the worker waits for a
@@ -42,6 +43,7 @@ from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config
 from edgemesh.common.data import Dataset, LocalData, load_local
 from edgemesh.common.errors import BusError, ModelError, WireError
+from edgemesh.common.health import HealthReading
 from edgemesh.common.jobs import JobSpec, model_spec, resolve
 from edgemesh.common.messages import (
     CodecPolicy,
@@ -433,12 +435,13 @@ class Worker:
         assert self.bus is not None
         self.m_link.set(self.link.rate_bps)
         self.board.sample()
+        health = self.metrics.health.latest if self.metrics.health is not None else HealthReading()
         stats = DeviceStats(
             device=self.device, incarnation=self.incarnation, time=time.time(),
             steps=int(self.metrics.value("edgemesh_worker_steps_total")),
             step_time_s=_mean(self._step_times), comm_time_s=_mean(self.sender.comm_times),
-            delay_index=_mean(self._delays), rss_bytes=prof.rss_bytes(), cpu_temp_c=prof.cpu_temperature(),
-            model_version=max(self.trainer.model_version, 0),
+            delay_index=_mean(self._delays), rss_bytes=prof.rss_bytes(), cpu_temp_c=health.temperature_c,
+            throttled_bits=health.throttled_bits, model_version=max(self.trainer.model_version, 0),
             loss=self._last_loss, batch_size=self._stepped_batch,
             bytes_sent=int(self.metrics.value("edgemesh_worker_published_bytes_total")),
             link_rate_bps=self.link.rate_bps, gradient_bytes=self.trainer.gradient_bytes,
