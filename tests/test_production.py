@@ -9,20 +9,26 @@ certificates the test makes, a password per service and per device, and a client
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from helpers import WAIT_S, until
+from helpers import WAIT_S, inbox, running, until
 from production import CERT_DEVICE, ProductionBroker, production_broker
 
 from edgemesh.common.bus import Bus
-from edgemesh.common.config import BrokerConfig
+from edgemesh.common.config import BrokerConfig, Config, load_config
 from edgemesh.common.errors import BusError
-from edgemesh.common.messages import ControlCommand, DeviceHello
+from edgemesh.common.messages import ControlCommand, ControlReply, DeviceHello
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
+from edgemesh.services.compressor.service import Compressor
+from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.planner.service import Planner
+from edgemesh.services.worker.service import Worker
 
 TOPICS = Topics("prod")
 
@@ -80,3 +86,88 @@ async def test_a_device_logs_in_with_its_client_certificate(shipped: ProductionB
                                                              memory_bytes=1 << 30), retain=True)
         await until("the other device's topic refused", lambda: refused(metrics, "publish") == 1, WAIT_S)
     assert metrics.value("edgemesh_worker_broker_connects_total") == 1
+
+
+# --------------------------------------------------------------------------- the whole system under the ACL
+
+TARGET = 0.85
+"""Held-out accuracy the shipped deployment must reach (digits; chance is 0.1)."""
+TRAIN_S = 120.0
+DEVICES = ("pi-01", "pi-02", "pi-03")
+MESH_TARGET = 0.5
+"""Mesh mode trains digits more slowly per version (one sync step of the whole cluster at a time)."""
+MESH_MEMORY = {"pi-01": 273_650_000, "pi-02": 273_700_000, "pi-03": 273_700_000}
+"""Memory the devices announce in mesh mode: by the planner's cost model none holds digits-cnn's training
+alone, the three form one model-parallel cluster, and pi-01 and pi-02 one of two when pi-03 leaves."""
+
+
+def role_config(shipped: ProductionBroker, user: str, tmp_path: Path, **settings: object) -> Config:
+    """A service (over loopback, with its password) or a device (over TLS, with its own password), as the
+    systemd units run them: no job in the configuration is needed here, the test names one."""
+    device = user.startswith("pi-")
+    broker = shipped.broker_config(user, tls=device)
+    overrides: dict[str, object] = {
+        "job": TOPICS.job, "broker.url": broker.url, "broker.username": user, "broker.password": broker.password,
+        "broker.ca_file": broker.ca_file, "broker.backoff_initial_s": 0.05, "broker.backoff_max_s": 0.5,
+        "metrics.address": "127.0.0.1:0", "ps.state_dir": tmp_path / "ps", "ps.eval_every": 5,
+        "training.sync_policy": "adaptive", "planner.min_devices": len(DEVICES),
+        "worker.ack_timeout_s": 5, "worker.codec_wait_s": 0.5, **settings}
+    if device:
+        overrides["worker.device"] = user
+    return load_config(env={}, overrides={k: str(v) for k, v in overrides.items()})
+
+
+def refusals(*services: Any) -> dict[str, float]:
+    """Publishes the broker refused, per service or device that had any."""
+    counts = {getattr(s, "device", "") or s.name: s.metrics.value(f"edgemesh_{s.name}_broker_refused_total")
+              for s in services}
+    return {who: n for who, n in counts.items() if n}
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("parallelism", ["data", "mesh"])
+async def test_the_shipped_deployment_trains_under_its_acl(shipped: ProductionBroker, tmp_path: Path,
+                                                           parallelism: str) -> None:
+    """Planner, PS, compressor and three workers, each with its own credentials, train to the target under
+    ``adaptive``; the PS's sync state reaches the planner; control for all reaches every service; nothing
+    any of them publishes is refused. In mesh mode the devices are too small to hold the model alone: one
+    model-parallel cluster; when a member leaves, the others' new division makes them ask for a snapshot."""
+    mesh = {"planner.parallelism": "mesh", "training.sync_policy": "sync"} if parallelism == "mesh" else {}
+    planner = Planner(role_config(shipped, "planner", tmp_path, **mesh))
+    ps = ParameterServer(role_config(shipped, "ps", tmp_path, **mesh))
+    compressor = Compressor(role_config(shipped, "compressor", tmp_path, **mesh))
+    workers = [Worker(role_config(shipped, d, tmp_path, **mesh, **({"worker.memory_bytes": MESH_MEMORY[d]}
+                                                                  if mesh else {}))) for d in DEVICES]
+    target = MESH_TARGET if mesh else TARGET
+    operator = role_config(shipped, "operator", tmp_path)
+    async with running(planner, ps, compressor, *workers), inbox(
+            operator, (TOPICS.reply_filter("operator"), ControlReply)) as box:
+        await until("training to reach the target",
+                    lambda: ps.metrics.value("edgemesh_ps_eval_accuracy_ratio") >= target, TRAIN_S)
+        if mesh:
+            assert planner.plan is not None and [len(c.members) for c in planner.plan.clusters] == [3], planner.plan
+        else:
+            # adaptive batch shrinking works in production: the planner has the PS's retained sync state
+            await until("the sync state at the planner", lambda: planner.sync_state is not None
+                        and planner.sync_state.policy == "adaptive", WAIT_S)
+        # the operator's command for everyone reaches every service and device
+        await box.publish(TOPICS.control("all"), ControlCommand(command="status", requester="operator",
+                                                                request_id="all"))
+        everyone = {"planner", "ps", "compressor", *(f"device/{d}" for d in DEVICES)}
+
+        def answered() -> set[str]:
+            return {r.source for r in box.of(ControlReply) if r.request_id == "all"}
+
+        with contextlib.suppress(AssertionError):
+            await box.until("a reply from everyone", lambda: answered() >= everyone)
+        assert answered() >= everyone
+        if mesh:
+            requests = ps.metrics.value("edgemesh_ps_received_messages_total", route="snapshot_request")
+            version = ps.version
+            workers[2].stop.set()  # pi-03 leaves: the other two divide the model anew
+            await until("the others to ask for the whole model", lambda: ps.metrics.value(
+                "edgemesh_ps_received_messages_total", route="snapshot_request") > requests, TRAIN_S)
+            await until("training to go on without pi-03", lambda: ps.version >= version + 10, TRAIN_S)
+            assert ps.metrics.value("edgemesh_ps_rejected_total", route="snapshot_request") == 0
+        assert refusals(planner, ps, compressor, *workers) == {}

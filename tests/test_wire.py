@@ -42,6 +42,7 @@ from edgemesh.common.messages import (
     PlanCluster,
     PlanDevice,
     ShardUpdate,
+    SnapshotRequest,
     SyncState,
     UpdateAck,
 )
@@ -122,6 +123,7 @@ MESH_BEGIN = MeshBegin(cluster="m-pi3-0", device="pi3-0", plan_version=12, step=
 MESH_READY = MeshReady(cluster="m-pi3-0", device="pi5-0", plan_version=12)
 MESH_SLICE = MeshSlice(cluster="m-pi3-0", plan_version=12, step=1_717_000_008_123, layer="conv2", phase="bwd",
                        sender=1, tensor=_f32(4, 9, 16, 16))
+SNAPSHOT_REQUEST = SnapshotRequest(device="pi5-2", version=431)
 MESH_STATS = DeviceStats(device="pi5-0", incarnation=2, steps=10, step_time_s=0.2, compute_flops=8.1e9,
                          mesh_layer_busy_s={"conv1": 0.012, "conv2": 0.031})
 MESH_GRADIENT = GradientUpdate(device="pi5-0", cluster="m-pi3-0", incarnation=2, seq=5, base_version=40, samples=32,
@@ -139,7 +141,7 @@ LOCAL_EVALUATION = LocalEvaluation(device="pi-01", version=40, samples=120, corr
 LEFT = DeviceStatus(device="pi-03", state="left", time=1.7e9, reason="image-folder: unknown class folder 'hexagon'")
 EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK, SYNC,
             REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_READY, MESH_SLICE, MESH_STATS, MESH_GRADIENT, JOB, JOB_STATE,
-            LOCAL_EVALUATION, LEFT]
+            LOCAL_EVALUATION, LEFT, SNAPSHOT_REQUEST]
 
 
 def test_examples_cover_every_registered_kind() -> None:

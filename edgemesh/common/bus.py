@@ -27,6 +27,7 @@ import random
 import socket
 import ssl
 import time
+import typing
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -215,7 +216,7 @@ class Bus:
         """
         paho = client._client  # noqa: SLF001 - the reason code is only seen here
         in_flight: dict[int, str] = {}
-        publish, on_publish = paho.publish, paho.on_publish
+        publish, on_publish = paho.publish, typing.cast(Callable[..., None], paho.on_publish)
 
         def publishing(topic: str, payload: Any = None, qos: int = 0, retain: bool = False,
                        properties: Any = None) -> Any:
@@ -230,7 +231,7 @@ class Bus:
                 self._refused("publish", topic, reason_code)
             on_publish(c, userdata, mid, reason_code, properties)
 
-        paho.publish = publishing
+        paho.publish = publishing  # type: ignore[method-assign]
         paho.on_publish = acked
 
     def _refused(self, operation: str, topic: str, code: int | ReasonCode) -> None:
