@@ -365,3 +365,23 @@ async def test_a_device_asks_for_a_snapshot_on_its_own_topic(broker: BrokerProce
         assert max(s.version for s in c.snapshots) == 0
         await c.publish(c.topics.snapshot_request("b"), SnapshotRequest(device="b", version=0))
         assert (await c.version_at_least(1)).version == 1  # a whole snapshot of the current version
+
+
+async def test_a_resend_while_its_sync_round_is_open_waits_for_the_round(broker: BrokerProcess,
+                                                                        tmp_path: Path) -> None:
+    """A round that lasts longer than the worker's ack timeout: its resend is held, not answered ``round_full``
+    with a resync (the healthy device's work was thrown away, and its first copy applied later all the same)."""
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "sync"})
+    async with serving_ps(cfg, ["a", "b"]) as (c, ps):
+        start = await c.version_at_least(0)
+        first = gradient("a", 1, start.version)
+        await c.bus.publish(c.topics.grad("c-a", "a"), first)
+        await c.until("a's update in the open round", lambda: ps.metrics.value("edgemesh_ps_pending_updates") == 1)
+        await c.bus.publish(c.topics.grad("c-a", "a"), first)  # the worker's ack timed out: it resends
+        await c.until("the resend held", lambda: ps.metrics.value(
+            "edgemesh_ps_rejected_total", route="grad", reason="queued") == 1)
+        assert not c.acks
+        await c.push(gradient("b", 1, start.version))  # the round completes
+        ack = await c.ack_for("a", 1)
+        assert (ack.status, ack.version) == ("accepted", 1)
+        assert [a.status for a in c.acks if a.device == "a"] == ["accepted"]  # one answer, the right one

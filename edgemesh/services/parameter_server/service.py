@@ -102,8 +102,10 @@ class ParameterServer:
         self.events: Events | None = None
         self._queue: deque[Candidate] = deque()
         self._queued: set[tuple[str, int, int]] = set()
-        """(device, incarnation, seq) of the updates in ``_queue``: a resend of one is not queued again (a
-        paused server would otherwise hold every resend, decoded, without bound)."""
+        """(device, incarnation, seq) of the updates taken and not yet answered (queued, or in an open round): a
+        resend of one is not taken again. A paused server would otherwise hold every resend, decoded, without
+        bound, and a ``sync`` round longer than the worker's ack timeout would answer its resend ``round_full``
+        (and the worker resync) while the first copy waits in the round."""
         self._wake = asyncio.Event()
         self._state_lock = threading.Lock()
         """Held by the thread that steps and logs and by the one that checkpoints: a step of a step loop
@@ -292,7 +294,6 @@ class ParameterServer:
             if self.paused:
                 continue
             batch = [self._queue.popleft() for _ in range(min(len(self._queue), self.cfg.ps.max_batch))]
-            self._queued.difference_update((c.update.device, c.update.incarnation, c.update.seq) for c in batch)
             progressed = await self._process(batch)
             # more queued, or a step moved the clocks so an update SSP held may now go
             if self._queue or (progressed and self.scheduler.deferred):
@@ -358,6 +359,7 @@ class ParameterServer:
     async def _ack(self, ack: Ack) -> None:
         assert self.bus is not None
         u = ack.update
+        self._queued.discard((u.device, u.incarnation, u.seq))  # answered: a resend now gets this answer again
         self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
         await self.bus.publish(self.topics.ack(u.device), UpdateAck(
             device=u.device, incarnation=u.incarnation, seq=u.seq, status=ack.status, reason=ack.reason,
