@@ -345,6 +345,8 @@ def test_unit_runs_a_real_subcommand(path: Path) -> None:
     if service == "ps":
         assert unit.value("Service", "StateDirectory") == "edgemesh/ps"
         assert args.state_dir == "/var/lib/edgemesh/ps"
+    elif service == "worker":  # its incarnation counter ($STATE_DIRECTORY)
+        assert unit.value("Service", "StateDirectory") == "edgemesh/worker-%i"
     else:
         assert not unit.values("Service", "StateDirectory")  # ProtectSystem=strict: nothing else to write
     if service == "worker":

@@ -346,6 +346,9 @@ class WorkerConfig:
     """Duration of the start-up FLOPS benchmark."""
     max_steps: int = 0
     """Stop after this many accepted updates (0 = run until stopped)."""
+    state_dir: str = ""
+    """Where the worker keeps its last incarnation, so a device whose clock went back (a Pi has no real-time
+    clock) still restarts with a larger one; empty: systemd's ``$STATE_DIRECTORY`` if set, else the clock alone."""
     codec_wait_s: float = 2.0
     """How long to wait for a codec policy before using ``none``."""
     mesh_timeout_s: float = 10.0

@@ -66,6 +66,7 @@ from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
 from edgemesh.services.worker import profile as prof
 from edgemesh.services.worker.board import board_for
+from edgemesh.services.worker.incarnation import next_incarnation
 from edgemesh.services.worker.link import LinkMeter
 from edgemesh.services.worker.mesh.session import MeshSession
 from edgemesh.services.worker.sender import Sender
@@ -104,7 +105,7 @@ class Worker:
         self.control_target = f"device/{self.device}"
         self.topics = Topics(config.job)
         self.stop = stop or asyncio.Event()
-        self.incarnation = time.time_ns() // 1000
+        self.incarnation = next_incarnation(config.worker.state_dir)
         self.seq = 0
         self.accepted = 0
         self.plan: Plan | None = None

@@ -1,0 +1,57 @@
+"""A device's incarnation grows with every start, even when its clock went back (a Pi has no real-time
+clock): the parameter server would take every update of an older-looking incarnation for a duplicate."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from helpers import gradient, make_config, running, serving_ps, until
+
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.services.worker.incarnation import next_incarnation
+from edgemesh.services.worker.service import Worker
+
+DAY_US = 86_400 * 1_000_000
+
+
+def test_each_start_is_larger_than_the_last_whatever_the_clock_says(tmp_path: Path) -> None:
+    assert next_incarnation("", now_us=5, environ=False) == 5  # no state directory: the clock alone
+    assert next_incarnation(tmp_path, now_us=1_000) == 1_000
+    assert next_incarnation(tmp_path, now_us=400) == 1_001  # the clock went back: the kept number goes on
+    assert next_incarnation(tmp_path, now_us=9_000) == 9_000  # the clock is ahead again
+    assert (tmp_path / "incarnation").read_text().strip() == "9000"
+
+
+def test_systemds_state_directory_is_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STATE_DIRECTORY", f"{tmp_path}:/elsewhere")
+    assert next_incarnation("", now_us=3) == 3
+    assert next_incarnation("", now_us=1) == 4
+
+
+def test_a_damaged_counter_falls_back_to_the_clock(tmp_path: Path) -> None:
+    (tmp_path / "incarnation").write_text("not a number")
+    assert next_incarnation(tmp_path, now_us=77) == 77
+    assert next_incarnation(tmp_path, now_us=10) == 78
+
+
+async def test_a_worker_whose_clock_went_back_is_not_taken_for_a_replay(mosquitto_broker: BrokerProcess,
+                                                                       tmp_path: Path) -> None:
+    """The device's last run had an incarnation a day ahead of this clock (its clock was right then, and
+    is behind now): with the counter it kept, the new run's updates are applied, not acked ``duplicate``."""
+    ahead = time.time_ns() // 1000 + DAY_US
+    state = tmp_path / "worker-state"
+    state.mkdir()
+    (state / "incarnation").write_text(f"{ahead}\n")
+    cfg = make_config(mosquitto_broker, job="rtc", **{
+        "ps.state_dir": tmp_path / "ps", "ps.eval_every": 0, "training.sync_policy": "async",
+        "worker.device": "pi-9", "worker.state_dir": state, "worker.ack_timeout_s": 2})
+    async with serving_ps(cfg, ["pi-9"]) as (c, ps):
+        ack = await c.push(gradient("pi-9", 1, 0, incarnation=ahead))  # the last run's update
+        assert ack.status == "accepted"
+        worker = Worker(cfg)
+        assert worker.incarnation == ahead + 1
+        async with running(worker):
+            await until("the new run's updates applied", lambda: worker.accepted >= 3)
+        assert ps.metrics.value("edgemesh_ps_updates_total", status="duplicate", reason="") == 0
