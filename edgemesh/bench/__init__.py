@@ -17,6 +17,8 @@ BENCHMARKS = {
                                     "time to target, bytes"),
     "mesh": ("edgemesh.bench.mesh", "single device, data parallelism and Edge Mesh: iteration delay, memory, "
                                     "accuracy, load balance"),
+    "robust": ("edgemesh.bench.robust", "a fleet with faulty devices under each robust aggregation rule: "
+                                        "accuracy against a clean run"),
 }
 """Benchmark -> (module with ``register(parser)``, one-line help)."""
 

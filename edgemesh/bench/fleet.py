@@ -36,7 +36,7 @@ from typing import Any
 
 from edgemesh import cli
 from edgemesh.bench.reporting import finish, pyplot, save
-from edgemesh.bench.runs import Timeline, device_names, drive, fleet_profiles, names, observe
+from edgemesh.bench.runs import Timeline, cluster_flags, device_names, drive, fleet_profiles, names, observe
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
 from edgemesh.common.errors import ConfigError, EdgeMeshError
@@ -241,10 +241,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", default=",".join(POLICIES), help="runs, comma-separated")
     parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="target held-out accuracy")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds of training per run")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the emulated links' disconnects")
-    parser.add_argument("--keep-logs", action="store_true", help="keep every process's log (failed runs always do)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any setting")
-    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    cluster_flags(parser, seed="seed of the emulated links' disconnects")
     parser.set_defaults(func=main)
 
 

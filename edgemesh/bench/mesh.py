@@ -61,7 +61,7 @@ from typing import Any
 from edgemesh import cli
 from edgemesh.bench.memory import held_bytes
 from edgemesh.bench.reporting import finish, pyplot, save
-from edgemesh.bench.runs import Timeline, device_names, drive, fleet_profiles, names, observe
+from edgemesh.bench.runs import Timeline, cluster_flags, device_names, drive, fleet_profiles, names, observe
 from edgemesh.common import costs
 from edgemesh.common.bus import Route
 from edgemesh.common.config import Config, load_config
@@ -420,10 +420,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     a("--iterations", type=int, default=DEFAULT_ITERATIONS, help="timed model versions per mode (after a warm-up)")
     a("--accuracy-iterations", type=int, default=DEFAULT_ACCURACY_ITERATIONS,
       help="model versions of each digits accuracy run (0 = skip accuracy)")
-    a("--seed", type=int, default=0, help="seed of the emulated links and the 1,000-device fleet")
-    a("--keep-logs", action="store_true", help="keep every process's log (failed runs always do)")
-    a("--set", action="append", default=[], metavar="KEY=VALUE", help="override any setting")
-    a("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    cluster_flags(parser, seed="seed of the emulated links and the 1,000-device fleet")
     parser.set_defaults(func=main)
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,10 +50,10 @@ def device_names(fleet: list[str]) -> list[tuple[str, str]]:
 async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Coroutine[Any, Any, None], *,
                 started: Callable[[], float | None], done: Callable[[float], bool], status: Callable[[float], str],
                 progress: Callable[[str], None], start_timeout_s: float,
-                run_timeout_s: float | None = None) -> str | None:
-    """Start ``cluster``'s services and one ``--emulate`` worker per ``(device, profile)``, with ``watch``
-    (the run's bus observer) alongside, until ``done(seconds since started())``; then scrape every
-    process's metrics and stop them all. Returns why the run failed, or None.
+                run_timeout_s: float | None = None, flags: Mapping[str, list[str]] | None = None) -> str | None:
+    """Start ``cluster``'s services and one ``--emulate`` worker per ``(device, profile)`` (with its ``flags``,
+    if any), with ``watch`` (the run's bus observer) alongside, until ``done(seconds since started())``; then
+    scrape every process's metrics and stop them all. Returns why the run failed, or None.
 
     ``started()`` is None until the run's clock starts (the plan names every device); the run fails
     if that takes over ``start_timeout_s`` or, once started, lasts over ``run_timeout_s``."""
@@ -61,7 +62,7 @@ async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Co
     try:
         cluster.start_services(min_devices=len(devices))
         for name, profile in devices:
-            cluster.spawn("worker", name, ["--device", name, "--emulate", profile])
+            cluster.spawn("worker", name, ["--device", name, "--emulate", profile, *(flags or {}).get(name, [])])
         launched = time.monotonic()
         shown = 0.0
         while True:
@@ -131,3 +132,12 @@ async def observe(cfg: Config, *routes: Route[Any]) -> None:
 def names(text: str) -> list[str]:
     """A comma-separated list from the command line."""
     return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def cluster_flags(parser: argparse.ArgumentParser, *, seed: str) -> None:
+    """The flags every cluster benchmark takes: ``--seed`` (what it seeds), ``--keep-logs``, ``--set`` and
+    ``--log-level``."""
+    parser.add_argument("--seed", type=int, default=0, help=seed)
+    parser.add_argument("--keep-logs", action="store_true", help="keep every process's log (failed runs always do)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any setting")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")

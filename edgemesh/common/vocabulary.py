@@ -19,6 +19,11 @@ SPARSE_CODECS: tuple[SparseCodecName, ...] = get_args(SparseCodecName)
 SyncPolicy = Literal["sync", "async", "ssp", "adaptive"]
 """Synchronization policies of the parameter server (docs/synchronization.md)."""
 SYNC_POLICIES: tuple[SyncPolicy, ...] = get_args(SyncPolicy)
+AggregationRule = Literal["mean", "clip", "median", "trimmed-mean", "krum"]
+"""How the parameter server combines a step's contributions (docs/reliability.md#robust-aggregation)."""
+AGGREGATION_RULES: tuple[AggregationRule, ...] = get_args(AggregationRule)
+AttackKind = Literal["", "sign-flip", "noise"]
+"""What an emulated faulty worker does to its gradient before sending it (empty: nothing)."""
 
 Batching = Literal["uniform", "balanced"]
 """How a plan's batch sizes were chosen: the configured one for all, or sized to each device's speed."""

@@ -75,8 +75,8 @@ async def send_command(config: Config, *, target: str, command: str, value: str 
 def register(parser: argparse.ArgumentParser) -> None:
     """``edgemesh ctl COMMAND``: the configuration flags, the target, value, device and timeout."""
     cli.config_flags(parser)
-    parser.add_argument("command", help="e.g. status, pause, resume, set-sync-policy, set-bound, set-lr, snapshot, "
-                        "stop, replan, drain-device, set-codec")
+    parser.add_argument("command", help="e.g. status, pause, resume, set-sync-policy, set-bound, set-lr, "
+                        "set-aggregation, snapshot, stop, replan, drain-device, set-codec")
     parser.add_argument("--target", default="ps", help="planner | ps | compressor | all | device/ID")
     parser.add_argument("--value", help="command argument (numbers are sent as numbers)")
     parser.add_argument("--device", dest="device_name", help="device the command is about")

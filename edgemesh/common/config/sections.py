@@ -12,7 +12,7 @@ from typing import Literal
 from urllib.parse import urlparse
 
 from edgemesh.common.errors import ConfigError
-from edgemesh.common.vocabulary import CodecName, SparseCodecName, SyncPolicy, valid_name
+from edgemesh.common.vocabulary import AggregationRule, AttackKind, CodecName, SparseCodecName, SyncPolicy, valid_name
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -279,9 +279,21 @@ class ParameterServerConfig:
     data_dir: str = ""
     """Directory a submitted job's relative ``evaluation.path`` is read from on this host; empty = the working
     directory."""
+    aggregation: AggregationRule = "mean"
+    """How a step's contributions combine: the weighted ``mean``, or a rule that bounds a faulty device:
+    ``clip``, ``median``, ``trimmed-mean``, ``krum`` (docs/reliability.md#robust-aggregation)."""
+    clip_factor: float = 3.0
+    """``clip``: a contribution's L2 norm is clipped to this times the median norm of recent contributions."""
+    trim_fraction: float = 0.2
+    """``trimmed-mean``: the share of a coordinate's largest and of its smallest values dropped."""
+    krum_f: int = 1
+    """``krum``: attackers assumed among a step's n contributions; the n - krum_f best scored are averaged."""
 
     def __post_init__(self) -> None:
         _require(self.mesh_assembly_timeout_s > 0, "ps.mesh_assembly_timeout_s", "must be > 0")
+        _require(self.clip_factor > 0, "ps.clip_factor", "must be > 0")
+        _require(0 <= self.trim_fraction < 0.5, "ps.trim_fraction", "must be in [0, 0.5)")
+        _require(self.krum_f >= 0, "ps.krum_f", "must be >= 0")
         _require(self.sync_state_interval_s >= 0, "ps.sync_state_interval_s", "must be >= 0")
         _require(self.eval_interval_s >= 0, "ps.eval_interval_s", "must be >= 0")
         _require(self.checkpoint_every >= 1, "ps.checkpoint_every", "must be >= 1")
@@ -349,6 +361,9 @@ class WorkerConfig:
     state_dir: str = ""
     """Where the worker keeps its last incarnation, so a device whose clock went back (a Pi has no real-time
     clock) still restarts with a larger one; empty: systemd's ``$STATE_DIRECTORY`` if set, else the clock alone."""
+    ack_log: str = ""
+    """A file the worker appends ``incarnation seq status version`` to for every update acked applied (an audit
+    against the parameter server's ledger, ``{ps.state_dir}/ledger.log``); empty: none."""
     codec_wait_s: float = 2.0
     """How long to wait for a codec policy before using ``none``."""
     mesh_timeout_s: float = 10.0
@@ -378,6 +393,12 @@ class WorkerConfig:
     """Emulation: time dilation, >= 1. The board runs this many times slower in every respect (compute,
     link rates, latency), so a host slower than the fleet it emulates keeps up; durations are then this
     many times the board's (benchmarks report the factor)."""
+    emulation_attack: AttackKind = ""
+    """Emulation of a faulty or malicious device (``edgemesh bench robust``): ``sign-flip`` sends its gradient
+    negated and scaled by ``emulation_attack_scale``; ``noise`` sends Gaussian noise whose standard deviation
+    is ``emulation_attack_scale`` times its gradient's RMS, per tensor; empty = an honest device."""
+    emulation_attack_scale: float = 10.0
+    """Emulation: the factor of ``emulation_attack``."""
 
     def __post_init__(self) -> None:
         _require(not self.device or valid_name(self.device), "worker.device",
@@ -393,6 +414,7 @@ class WorkerConfig:
         _require(self.emulation_host_gflops >= 0, "worker.emulation_host_gflops", "must be >= 0 (0 = measure)")
         _require(self.emulation_max_outage_s >= 0, "worker.emulation_max_outage_s", "must be >= 0")
         _require(self.emulation_dilation >= 1, "worker.emulation_dilation", "must be >= 1 (1 = real time)")
+        _require(self.emulation_attack_scale > 0, "worker.emulation_attack_scale", "must be > 0")
 
 
 @dataclass(slots=True)

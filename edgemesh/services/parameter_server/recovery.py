@@ -4,8 +4,9 @@
   model, then every logged step newer than it replayed through the same SGD step, so the PS comes
   back exactly where its last acked step left it.
 * ``log``: before any update of a step is acked, the step goes to the write-ahead log (fsynced):
-  its version, the optimizer settings and, per member update, device, cluster, incarnation, seq,
-  weight and the encoded shards.
+  its version, the optimizer settings, the aggregation it used (``robust``: the rule, clip's threshold)
+  and, per member update, device, cluster, incarnation, seq, the step's item it belongs to, weight and
+  the encoded shards.
 * ``checkpoint``: write, fsync, rename; the log then starts afresh.
 """
 
@@ -20,12 +21,24 @@ from typing import Any
 import numpy as np
 
 from edgemesh.common.errors import ConfigError
-from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy
+from edgemesh.common.messages import Scalar
+from edgemesh.common.vocabulary import AGGREGATION_RULES, SYNC_POLICIES, AggregationRule, SyncPolicy
 from edgemesh.services.parameter_server import store
-from edgemesh.services.parameter_server.optimizer import ModelState
+from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
+from edgemesh.services.parameter_server.robust import Aggregation, combine
 from edgemesh.services.parameter_server.scheduler import Clock, Step
 
 logger = logging.getLogger(__name__)
+
+LR_LIMIT = 10.0
+"""Learning rates ``set-lr`` (and a checkpoint) may set lie in (0, LR_LIMIT)."""
+SETTING_COMMANDS: dict[str, tuple[str, str]] = {
+    "set-sync-policy": ("policy", f"policy must be one of {', '.join(SYNC_POLICIES)}"),
+    "set-bound": ("bound", "bound must be an integer >= 0"),
+    "set-lr": ("lr", f"lr must be a number in (0, {LR_LIMIT:g})"),
+    "set-aggregation": ("aggregation", f"aggregation must be one of {', '.join(AGGREGATION_RULES)}"),
+}
+"""Operator commands that set one setting: command -> (the setting, the reply to a value it refuses)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,17 +58,33 @@ class OperatorSettings:
     bound: int | None = None
     lr: float | None = None
     paused: bool | None = None
+    aggregation: AggregationRule | None = None
     delay_indices: dict[str, float] = field(default_factory=dict)
+    norms: list[float] = field(default_factory=list)
+    """Norms of the last contributions applied (what ``clip`` compares with)."""
 
     @classmethod
-    def of(cls, settings: Mapping[str, Any], *, lr_limit: float) -> OperatorSettings:
-        bound, lr, paused, indices = (settings.get(k) for k in ("bound", "lr", "paused", "delay_indices"))
+    def of(cls, settings: Mapping[str, Any]) -> OperatorSettings:
+        bound, lr, paused, indices, norms = (settings.get(k) for k in ("bound", "lr", "paused", "delay_indices",
+                                                                        "norms"))
         return cls(
             policy=next((p for p in SYNC_POLICIES if p == settings.get("policy")), None),
             bound=bound if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0 else None,
-            lr=float(lr) if isinstance(lr, float | int) and not isinstance(lr, bool) and 0 < lr < lr_limit else None,
+            lr=float(lr) if isinstance(lr, float | int) and not isinstance(lr, bool) and 0 < lr < LR_LIMIT else None,
             paused=paused if isinstance(paused, bool) else None,
-            delay_indices={str(k): float(v) for k, v in indices.items()} if isinstance(indices, dict) else {})
+            aggregation=next((r for r in AGGREGATION_RULES if r == settings.get("aggregation")), None),
+            delay_indices={str(k): float(v) for k, v in indices.items()} if isinstance(indices, dict) else {},
+            norms=[float(v) for v in norms if isinstance(v, float | int)] if isinstance(norms, list) else [])
+
+    @classmethod
+    def command(cls, command: str, value: Scalar) -> OperatorSettings | str:
+        """The setting ``pause``, ``resume`` or a ``set-...`` command (``SETTING_COMMANDS``) asks for, checked as
+        a checkpoint's is; or the reply to a value it refuses."""
+        if command in ("pause", "resume"):
+            return cls(paused=command == "pause")
+        key, refusal = SETTING_COMMANDS[command]
+        wanted = cls.of({key: value})
+        return wanted if getattr(wanted, key) is not None else refusal
 
 
 @dataclass(slots=True)
@@ -93,7 +122,9 @@ class Recovery:
             logger.info("resumed from checkpoint at version %d", snap.version)
         for record in store.read_wal(self.state_dir):
             if int(record["version"]) > clock.version:
-                self._replay(resumed.state, clock, record)
+                # the norms clip compares with go on from the checkpoint's through the replayed steps
+                resumed.settings["norms"] = [*resumed.settings.get("norms", []),
+                                             *self._replay(resumed.state, clock, record)]
                 resumed.replayed += 1
         if resumed.replayed:
             logger.info("replayed %d logged steps; now at version %d", resumed.replayed, clock.version)
@@ -101,41 +132,48 @@ class Recovery:
         return resumed
 
     @staticmethod
-    def _replay(state: ModelState, clock: Clock, record: dict[str, Any]) -> None:
-        contributions = []
+    def _replay(state: ModelState, clock: Clock, record: dict[str, Any]) -> list[float]:
+        """Apply a logged step as it was applied; the norms of its contributions as applied."""
+        items: dict[int, tuple[float, list[ShardGrad]]] = {}
         clusters = set()
-        for entry in record["entries"]:
+        for n, entry in enumerate(record["entries"]):
             grads = [state.decode_shard(s["param"], s["start"], s["stop"], s["codec"], s["data"])
                      for s in entry["shards"]]
-            contributions.append((float(entry["weight"]), grads))
+            # a model-parallel cluster's members were one contribution (a log from before items: one each)
+            items.setdefault(int(entry.get("item", -1 - n)), (float(entry["weight"]), []))[1].extend(grads)
             clock.high_water[entry["device"]] = (int(entry["incarnation"]), int(entry["seq"]))
             clusters.add(entry.get("cluster", ""))
         for cluster in clusters:  # one tick per cluster, however many members logged a part
             clock.clocks[cluster] = clock.clocks.get(cluster, 0) + 1
-        state.step(contributions, lr=float(record["lr"]), momentum=float(record["momentum"]),
+        combined = combine(list(items.values()), Aggregation.of_record(record.get("aggregation")))
+        state.step(combined.contributions, lr=float(record["lr"]), momentum=float(record["momentum"]),
                    weight_decay=float(record.get("weight_decay", 0.0)))
         clock.version = int(record["version"])
+        return combined.norms
 
-    def log(self, steps: Sequence[Step], optimizer: Optimizer) -> int:
-        """Append ``steps`` durably (each with its items' weights, so that a replay is exact); bytes written."""
+    def log(self, steps: Sequence[Step], optimizer: Optimizer, aggregations: Sequence[Aggregation]) -> int:
+        """Append ``steps`` durably (each with its items' weights and the aggregation it used, so that a
+        replay is exact); bytes written."""
         assert self._wal is not None, "resume() first"
         records = [{
             "version": step.version,
             "lr": optimizer.lr,
             "momentum": optimizer.momentum,
             "weight_decay": optimizer.weight_decay,
-            # a model-parallel cluster's update is logged per member, each with the cluster's weight:
-            # members' shards are disjoint, so replaying them applies the same step
+            "aggregation": how.record(),
+            # a model-parallel cluster's update is logged per member, each with the cluster's weight and
+            # item: members' shards are disjoint, so replaying them as one contribution applies the same step
             "entries": [{
                 "device": part.device,
                 "cluster": part.cluster,
                 "incarnation": part.incarnation,
                 "seq": part.seq,
+                "item": i,
                 "weight": w,
                 "shards": [{"param": s.param, "start": s.start, "stop": s.stop, "codec": s.codec, "data": s.data}
                            for s in part.shards],
-            } for w, item in zip(step.weights, step.items, strict=True) for part in item.updates],
-        } for step in steps]
+            } for i, (w, item) in enumerate(zip(step.weights, step.items, strict=True)) for part in item.updates],
+        } for step, how in zip(steps, aggregations, strict=True)]
         return self._wal.append(records)
 
     def checkpoint(self, model_spec: str, state: ModelState, clock: Clock, settings: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from edgemesh.common.messages import GradientUpdate
+from edgemesh.common.messages import GradientUpdate, SyncState
 from edgemesh.common.vocabulary import AckReason, AckStatus, SyncPolicy
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, round_weights, staleness_weight
 from edgemesh.services.parameter_server.optimizer import ShardGrad
@@ -65,6 +65,10 @@ class Step:
 
     def delay(self, item: Candidate) -> int:
         return self.version - 1 - item.update.base_version
+
+    def contributions(self) -> list[tuple[float, list[ShardGrad]]]:
+        """``(weight, gradient)`` of each item: what the step combines."""
+        return list(zip(self.weights, (item.grads for item in self.items), strict=True))
 
 
 @dataclass(slots=True)
@@ -179,6 +183,10 @@ class Scheduler:
     def live(self, fleet: Fleet) -> tuple[str, ...]:
         """The clusters a round waits for: the plan's, else every cluster seen."""
         return fleet.clusters or tuple(sorted(set(self.clock.clocks)))
+
+    def sync_state(self, fleet: Fleet, *, bound: int, time: float) -> SyncState:
+        """What the parameter server tells the planner about synchronization now (``time``: Unix seconds)."""
+        return SyncState(policy=self.policy, version=self.clock.version, time=time, bound=bound)
 
     # --- what each policy refines ----------------------------------------------------------
     def _bound(self, fleet: Fleet) -> int:
@@ -303,6 +311,15 @@ class AdaptiveScheduler(RoundScheduler):
 
     def deadline(self, fleet: Fleet) -> float:
         return self.rule.deadline(self.live(fleet))
+
+    def sync_state(self, fleet: Fleet, *, bound: int, time: float) -> SyncState:
+        """Also the rule's bound, deadline, the live devices' delay indices and the slow devices."""
+        live = self.rule.live_devices
+        return SyncState(policy=self.policy, version=self.clock.version, time=time, bound=self.rule.bound(),
+                         deadline_s=self.deadline(fleet),
+                         delay_indices={d: round(i, 3) for d, i in self.rule.indices.items()
+                                        if live is None or d in live},
+                         slow=tuple(self.rule.slow_devices()))
 
     def timeout(self, fleet: Fleet) -> float | None:
         if self.opened is None or not self.round:

@@ -39,7 +39,6 @@ from edgemesh.common.messages import (
     ModelSnapshot,
     Plan,
     SnapshotRequest,
-    SyncState,
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
@@ -50,7 +49,8 @@ from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
 from edgemesh.services.parameter_server.assembly import Assembly, Outcome
 from edgemesh.services.parameter_server.evaluation import Evaluator
 from edgemesh.services.parameter_server.optimizer import ModelState
-from edgemesh.services.parameter_server.recovery import OperatorSettings, Optimizer, Recovery
+from edgemesh.services.parameter_server.recovery import SETTING_COMMANDS, OperatorSettings, Optimizer, Recovery
+from edgemesh.services.parameter_server.robust import Aggregator
 from edgemesh.services.parameter_server.scheduler import (
     Ack,
     AdaptiveScheduler,
@@ -66,11 +66,9 @@ logger = logging.getLogger(__name__)
 
 DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
-COMMANDS = "status, pause, resume, set-sync-policy, set-bound, set-lr, snapshot, stop"
-SETTINGS_COMMANDS = ("pause", "resume", "set-sync-policy", "set-bound", "set-lr")
+COMMANDS = "status, pause, resume, set-sync-policy, set-bound, set-lr, set-aggregation, snapshot, stop"
+SETTINGS_COMMANDS = ("pause", "resume", *SETTING_COMMANDS)
 """Commands that change what the checkpoint keeps: a checkpoint is written at once, so a crash keeps them."""
-LR_LIMIT = 10.0
-"""Learning rates ``set-lr`` accepts lie in (0, LR_LIMIT)."""
 
 
 class ParameterServer:
@@ -133,6 +131,8 @@ class ParameterServer:
         self.m_adaptive_bound = m.gauge("adaptive_bound_versions", "Adaptive policy: current delay bound D")
         self.m_adaptive_deadline = m.gauge("adaptive_deadline_seconds", "Adaptive policy: current round deadline")
         self.m_slow = m.gauge("slow_devices", "Adaptive policy: devices whose delay index is far above the median")
+        self.aggregator = Aggregator(p, m)
+        """How a step's contributions combine (``robust``): the rule in force and the recent norms clip uses."""
         self._set_policy_gauge()
 
     @property
@@ -150,30 +150,33 @@ class ParameterServer:
     async def prepare(self, stack: contextlib.AsyncExitStack) -> Endpoint:
         await asyncio.to_thread(self._load)
         stack.callback(self.recovery.close)
-        logger.info("parameter server up: model %s, version %d, policy %s, bound %d", self.cfg.training.model_spec,
-                    self.version, self.policy, self.bound)
+        logger.info("parameter server up: model %s, version %d, policy %s, bound %d, aggregation %s",
+                    self.cfg.training.model_spec, self.version, self.policy, self.bound, self.aggregator.rule)
         return Endpoint(self.cfg.broker)
 
     def _load(self) -> None:
         resumed = self.recovery.resume(self.cfg.training.model_spec, self.evaluator.load(), self.clock)
         self.state = resumed.state
-        self._restore(resumed.settings)
+        self._restore(OperatorSettings.of(resumed.settings))
         self.assembly.rows = {name: int(p.shape[0]) for name, p in self.state.params.items()}
         self.m_version.set(self.version)
 
-    def _restore(self, settings: dict[str, object]) -> None:
-        """The operator's settings and the delay indices the checkpoint kept: a restart keeps what
-        ``set-sync-policy``, ``set-bound``, ``set-lr`` and ``pause`` set."""
-        kept = OperatorSettings.of(settings, lr_limit=LR_LIMIT)
+    def _restore(self, kept: OperatorSettings) -> None:
+        """Settings the checkpoint kept (a restart keeps what ``pause`` and the ``set-...`` commands set, the
+        delay indices and clip's norms), or one an operator's command sets; a None setting stays as it is."""
         self.rule.indices.update(kept.delay_indices)
+        self.aggregator.norms.extend(kept.norms)
         if kept.policy is not None and kept.policy != self.policy:
             self.policy = kept.policy
-            self.scheduler = make_scheduler(kept.policy, self.clock, self.rule,
+            # an open round's updates are judged again under the new policy, not dropped
+            self.scheduler = make_scheduler(kept.policy, self.clock, self.rule, carry=self.scheduler.pending(),
                                             staleness_weighting=self.cfg.ps.staleness_weighting)
             self._set_policy_gauge()
         self.bound = kept.bound if kept.bound is not None else self.bound
         self.lr = kept.lr if kept.lr is not None else self.lr
         self.paused = kept.paused if kept.paused is not None else self.paused
+        self.aggregator.rule = kept.aggregation or self.aggregator.rule
+        self.aggregator.warn_if_idle(self.policy)
         self.m_paused.set(1 if self.paused else 0)
 
     def attach(self, bus: Bus, events: Events) -> None:
@@ -336,10 +339,11 @@ class ParameterServer:
         assert self.state is not None
         t = self.cfg.training
         with self._state_lock:
-            for step in steps:
-                self.state.step(list(zip(step.weights, (i.grads for i in step.items), strict=True)), lr=self.lr,
-                                momentum=t.momentum, weight_decay=t.weight_decay)
-            self.m_wal.inc(self.recovery.log(steps, Optimizer(self.lr, t.momentum, t.weight_decay)))
+            combined = [self.aggregator.combine(step.contributions()) for step in steps]  # the rule's gradients
+            for c in combined:
+                self.state.step(c.contributions, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+            self.m_wal.inc(self.recovery.log(steps, Optimizer(self.lr, t.momentum, t.weight_decay),
+                                             [c.how for c in combined]))
             self.clock.version = steps[-1].version
             self.m_version.set(self.version)
         return self.broadcast.after_step(self.state.params, self.version, self.policy, self.plan)
@@ -351,7 +355,7 @@ class ParameterServer:
         with self._state_lock:
             self.recovery.checkpoint(self.cfg.training.model_spec, self.state, self.clock, {
                 "policy": self.policy, "bound": self.bound, "lr": self.lr, "paused": self.paused,
-                "delay_indices": dict(self.rule.indices)})
+                "delay_indices": dict(self.rule.indices), **self.aggregator.kept()})
         self._since_checkpoint = 0
         self.m_checkpoints.inc()
 
@@ -399,23 +403,11 @@ class ParameterServer:
             return ModelSnapshot(version=self.version, model_spec=self.cfg.training.model_spec, tensors=tensors,
                                  created=time.time(), sync_policy=self.policy)
 
-    def sync_state(self) -> SyncState:
-        """What the parameter server tells the planner about synchronization now."""
-        scheduler = self.scheduler
-        if not isinstance(scheduler, AdaptiveScheduler):
-            return SyncState(policy=self.policy, version=self.version, time=time.time(), bound=self.bound)
-        live = self.rule.live_devices
-        return SyncState(policy=self.policy, version=self.version, time=time.time(), bound=self.rule.bound(),
-                         deadline_s=scheduler.deadline(self._fleet()),
-                         delay_indices={d: round(i, 3) for d, i in self.rule.indices.items()
-                                        if live is None or d in live},
-                         slow=tuple(self.rule.slow_devices()))
-
     async def _publish_sync_state(self) -> None:
         """Publish the retained sync state when the policy, bound or slow devices changed, or, when
         only delay indices moved, at most every ``ps.sync_state_interval_s``."""
         assert self.bus is not None
-        state = self.sync_state()
+        state = self.scheduler.sync_state(self._fleet(), bound=self.bound, time=time.time())
         key = (state.policy, state.bound, state.slow)
         now = time.monotonic()
         if self._sync_published is not None and self._sync_published[:3] == key and (
@@ -449,35 +441,19 @@ class ParameterServer:
     # ------------------------------------------------------------------ control
     async def control(self, cmd: ControlCommand) -> ControlResult:
         self._wake.set()  # a resume, or a new policy or bound, may release queued updates
-        value = cmd.value
         match cmd.command:
             case "status" | "stop":
                 pass  # the runtime stops the service once the reply is out
-            case "pause" | "resume":
-                self.paused = cmd.command == "pause"
-            case "set-sync-policy":
-                policy = next((p for p in SYNC_POLICIES if p == value), None)
-                if policy is None:
-                    return False, f"policy must be one of {', '.join(SYNC_POLICIES)}", {}
-                self.policy = policy
-                # an open round's updates are judged again under the new policy, not dropped
-                self.scheduler = make_scheduler(policy, self.clock, self.rule, carry=self.scheduler.pending(),
-                                                staleness_weighting=self.cfg.ps.staleness_weighting)
-                self._set_policy_gauge()
-            case "set-bound":
-                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    return False, "bound must be an integer >= 0", {}
-                self.bound = value
-            case "set-lr":
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < LR_LIMIT:
-                    return False, f"lr must be a number in (0, {LR_LIMIT:g})", {}
-                self.lr = float(value)
+            case "pause" | "resume" | "set-sync-policy" | "set-bound" | "set-lr" | "set-aggregation":
+                wanted = OperatorSettings.command(cmd.command, cmd.value)
+                if isinstance(wanted, str):
+                    return False, wanted, {}
+                self._restore(wanted)
             case "snapshot":  # a device whose view lacks rows (a new filter division), or an operator
                 if self.broadcast.last_full != self.version:
                     self._request_snapshot()
             case _:
                 return False, f"unknown command {cmd.command!r} ({COMMANDS})", {}
-        self.m_paused.set(1 if self.paused else 0)
         fleet = self._fleet()
         self._adaptive_gauges(fleet)
         if cmd.command in ("set-sync-policy", "set-bound"):
@@ -485,7 +461,7 @@ class ParameterServer:
         if cmd.command in SETTINGS_COMMANDS:
             await asyncio.to_thread(self._checkpoint)
         return True, "ok", {"version": self.version, "policy": self.policy, "bound": self.bound, "lr": self.lr,
-                            "paused": self.paused, "accuracy": self.last_accuracy,
+                            "paused": self.paused, "aggregation": self.aggregator.rule, "accuracy": self.last_accuracy,
                             "adaptive_bound": self.rule.bound(),
                             "adaptive_deadline_s": self.rule.deadline(self.scheduler.live(fleet)),
                             "slow_devices": ",".join(self.rule.slow_devices())}

@@ -23,6 +23,7 @@ from edgemesh.common.data import BatchIterator, Dataset, load_dataset, shard
 from edgemesh.common.errors import ModelError
 from edgemesh.common.messages import CodecPolicy, Plan, PlanDevice, ShardUpdate
 from edgemesh.common.vocabulary import CodecName
+from edgemesh.services.worker.attack import attack_rng, falsify
 from edgemesh.services.worker.board import Board
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,10 @@ class Trainer:
         self._data_key: tuple[Any, ...] | None = None
         self._batches: BatchIterator | None = None
         self._feedback = ErrorFeedback()
+        self._attack_rng = attack_rng(config.worker.emulation_seed, device)
+        if config.worker.emulation_attack:
+            logger.warning("%s: emulating a faulty device: its gradients are sent %s (scale %g)", device,
+                           config.worker.emulation_attack, config.worker.emulation_attack_scale)
 
     def shard(self, plan: Plan, me: PlanDevice) -> Dataset:
         """This device's shard of the plan's data set (loaded again only when the plan changes it)."""
@@ -111,6 +116,8 @@ class Trainer:
         x, y = next(self._batches)
         loss, grads = models.compute_gradients(self._model, x, y)
         elapsed = time.perf_counter() - started
+        w = self.cfg.worker
+        grads = falsify(grads, w.emulation_attack, w.emulation_attack_scale, self._attack_rng)  # an emulated attacker
         shards = self.encode({name: (0, int(g.shape[0]), g) for name, g in grads.items()}, policy)
         return shards, len(y), loss, elapsed, self._flops(plan.model_spec, len(y))
 

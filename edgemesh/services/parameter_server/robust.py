@@ -1,0 +1,257 @@
+"""Robust aggregation: how one step's contributions become the gradient its SGD step applies (pure).
+
+A step's contributions are ``(weight, shards)`` (``optimizer.ShardGrad``), one per update the step takes.
+The rule (``ps.aggregation``, ``set-aggregation``; docs/reliability.md#robust-aggregation) bounds what a
+faulty or malicious device can do to the model:
+
+* ``mean``: the weighted sum, as ``ModelState.step`` takes it (the default, unchanged).
+* ``clip``: every contribution's L2 norm is clipped to ``clip_factor`` x the median norm of the recent
+  contributions (the last ``CLIP_WINDOW`` applied, and this step's), then the weighted sum.
+* ``median``: the coordinate-wise median.
+* ``trimmed-mean``: per coordinate, the ``trim_fraction`` largest and smallest values dropped, the rest averaged.
+* ``krum``: multi-Krum. Each contribution is scored by the sum of its squared distances to its n - f - 2
+  nearest others (``f = krum_f``, the attackers assumed); the n - f best scored are averaged.
+
+Median, trimmed mean and Krum work per row segment: every parameter's rows are cut at every shard
+boundary of the step, so whole tensors (data parallel) and a cluster's slices (model parallel) line up.
+The contributions covering a segment are combined; a segment one contribution alone covers is taken as
+it is. They give each contribution one vote, whatever its weight, and scale what they give by the
+step's total weight on the segment: a round the adaptive deadline cut short still takes a smaller step.
+
+Median, trimmed mean and Krum need several contributions per step, which only the round policies
+(``sync``, ``adaptive``) give; under ``async`` and ``ssp`` every step is one update, and they reduce to it
+(:func:`idle_under`). ``clip`` compares with recent steps, so it bounds a device under every policy.
+They also need dense gradients: under a sparsifying codec most coordinates of most contributions are
+zero, and so is their median.
+
+Every step logs the :class:`Aggregation` it used (with clip's threshold), so a replay of the
+write-ahead log combines its contributions exactly as the step did.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgemesh.common.config import ParameterServerConfig
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.vocabulary import AGGREGATION_RULES, AggregationRule, SyncPolicy
+from edgemesh.services.parameter_server.optimizer import ShardGrad
+
+logger = logging.getLogger(__name__)
+
+CLIP_WINDOW = 32
+"""Norms of applied contributions ``clip`` keeps: the median of these (and the step's) is its reference."""
+ROUND_RULES: tuple[AggregationRule, ...] = ("median", "trimmed-mean", "krum")
+"""Rules that compare the contributions of one step: only a round policy gives a step several."""
+SINGLE_UPDATE_POLICIES: tuple[SyncPolicy, ...] = ("async", "ssp")
+"""Policies whose every step is one update."""
+
+Contribution = tuple[float, Sequence[ShardGrad]]
+"""``(weight, shards)``: one update's part of a step."""
+Segment = tuple[str, int, int]
+"""``(param, start, stop)``: rows of a parameter."""
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregation:
+    """One step's rule and its parameters, as the step used them (logged with it)."""
+
+    rule: AggregationRule = "mean"
+    clip_threshold: float | None = None
+    """``clip``: the norm contributions were clipped to (None: no reference yet)."""
+    trim_fraction: float = 0.2
+    krum_f: int = 1
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def of_record(cls, record: Mapping[str, Any] | None) -> Aggregation:
+        """The aggregation a log record names; a record from before robust rules was a ``mean``."""
+        if not record:
+            return cls()
+        rule: AggregationRule = next((r for r in AGGREGATION_RULES if r == record.get("rule")), "mean")
+        threshold = record.get("clip_threshold")
+        return cls(rule, None if threshold is None else float(threshold), float(record.get("trim_fraction", 0.2)),
+                   int(record.get("krum_f", 1)))
+
+
+@dataclass(slots=True)
+class Combined:
+    """What the SGD step sums, and what the rule did."""
+
+    contributions: list[Contribution]
+    how: Aggregation = field(default_factory=Aggregation)
+    norms: list[float] = field(default_factory=list)
+    """L2 norm of every contribution as applied (clipped, under ``clip``; those Krum left out are not)."""
+    clipped: int = 0
+    """Contributions whose norm ``clip`` cut."""
+    excluded: int = 0
+    """Contributions left out: by Krum, those not among the best scored; by the trimmed mean, the ones each
+    coordinate drops."""
+
+
+def norm(shards: Iterable[ShardGrad]) -> float:
+    """L2 norm of a contribution's gradient (float64)."""
+    return float(np.sqrt(sum(float(np.square(g.values, dtype=np.float64).sum()) for g in shards)))
+
+
+def combine(contributions: Sequence[Contribution], how: Aggregation) -> Combined:
+    """The contributions ``ModelState.step`` sums for one step under ``how``."""
+    if how.rule == "clip":
+        out = _clip(contributions, how.clip_threshold)
+    elif how.rule == "krum":
+        out = _krum(contributions, how.krum_f)
+    elif how.rule == "median":
+        out = _by_segment(contributions, lambda values: np.median(values, axis=0), _norms(contributions))
+    elif how.rule == "trimmed-mean":
+        out = _trimmed(contributions, how.trim_fraction)
+    else:
+        out = Combined(list(contributions), norms=_norms(contributions))
+    out.how = how
+    return out
+
+
+def trim_count(n: int, fraction: float) -> int:
+    """Values dropped at each end of ``n``: ``fraction`` of them, keeping at least one."""
+    return min(int(fraction * n), (n - 1) // 2)
+
+
+def idle_under(rule: AggregationRule, policy: SyncPolicy) -> bool:
+    """Whether ``rule`` has only one contribution per step to judge under ``policy``."""
+    return rule in ROUND_RULES and policy in SINGLE_UPDATE_POLICIES
+
+
+class Aggregator:
+    """The rule in force (``ps.aggregation``, then ``set-aggregation``), the norms ``clip`` compares with, and
+    the counts of what the rules did (``edgemesh_ps_robust_*``)."""
+
+    def __init__(self, ps: ParameterServerConfig, metrics: ServiceMetrics) -> None:
+        self.rule: AggregationRule = ps.aggregation
+        self.clip_factor = ps.clip_factor
+        self.trim_fraction = ps.trim_fraction
+        self.krum_f = ps.krum_f
+        self.norms: deque[float] = deque(maxlen=CLIP_WINDOW)
+        """Norms of the last contributions applied, under any rule (so a switch to ``clip`` has them)."""
+        self._warned: tuple[AggregationRule, SyncPolicy] | None = None
+        self.m_clipped = metrics.counter("robust_clipped", "Contributions whose norm the clip rule cut")
+        self.m_excluded = metrics.counter("robust_excluded", "Contributions a robust rule left out of a step",
+                                          ["rule"])
+
+    def combine(self, contributions: Sequence[Contribution]) -> Combined:
+        """One step's contributions under the rule in force (``Combined.how`` is logged with the step)."""
+        threshold = None
+        if self.rule == "clip":
+            recent = [*self.norms, *_norms(contributions)]
+            threshold = self.clip_factor * float(np.median(recent))
+        combined = combine(contributions, Aggregation(self.rule, threshold, self.trim_fraction, self.krum_f))
+        self.norms.extend(combined.norms)
+        self.m_clipped.inc(combined.clipped)
+        self.m_excluded.labels(rule=self.rule).inc(combined.excluded)
+        return combined
+
+    def kept(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the rule and the recent norms."""
+        return {"aggregation": self.rule, "norms": list(self.norms)}
+
+    def warn_if_idle(self, policy: SyncPolicy) -> None:
+        """Log a warning, once per rule and policy, when ``policy`` gives the rule one contribution per step."""
+        if idle_under(self.rule, policy) and self._warned != (self.rule, policy):
+            logger.warning("aggregation %r compares the updates of a step, but under %r every step is one "
+                           "update: it applies each as it is; use a round policy (sync, adaptive) or clip",
+                           self.rule, policy)
+        self._warned = (self.rule, policy)
+
+
+def _clip(contributions: Sequence[Contribution], threshold: float | None) -> Combined:
+    out = Combined([])
+    for weight, shards in contributions:
+        size = norm(shards)
+        if threshold is not None and size > threshold:
+            scale = np.float32(threshold / size)
+            shards = [ShardGrad(g.param, g.start, g.stop, g.values * scale) for g in shards]
+            out.clipped += 1
+            size = threshold
+        out.contributions.append((weight, shards))
+        out.norms.append(size)
+    return out
+
+
+def segments(contributions: Sequence[Contribution]) -> dict[Segment, list[tuple[int, np.ndarray]]]:
+    """Every parameter's rows cut at every shard boundary of the step: segment -> (contribution index,
+    its values there), for the contributions covering it."""
+    cuts: dict[str, set[int]] = {}
+    for _, shards in contributions:
+        for g in shards:
+            cuts.setdefault(g.param, set()).update((g.start, g.stop))
+    bounds = {param: sorted(c) for param, c in cuts.items()}
+    out: dict[Segment, list[tuple[int, np.ndarray]]] = {}
+    for i, (_, shards) in enumerate(contributions):
+        for g in shards:
+            b = bounds[g.param]
+            first, last = bisect.bisect_left(b, g.start), bisect.bisect_left(b, g.stop)
+            for start, stop in zip(b[first:last], b[first + 1:last + 1], strict=True):
+                out.setdefault((g.param, start, stop), []).append((i, g.values[start - g.start:stop - g.start]))
+    return out
+
+
+def _by_segment(contributions: Sequence[Contribution], center: Callable[[np.ndarray], np.ndarray],
+                norms: list[float], chosen: Sequence[int] | None = None) -> Combined:
+    """Per segment, ``center`` of the stacked values of the contributions covering it (those ``chosen``,
+    if given), times their total weight there: one contribution of weight 1 carrying every segment."""
+    shards = []
+    for (param, start, stop), parts in segments(contributions).items():
+        values = [v for i, v in parts if chosen is None or i in chosen]
+        if not values:
+            continue  # covered only by contributions left out
+        total = np.float32(sum(contributions[i][0] for i, _ in parts))
+        shards.append(ShardGrad(param, start, stop, (center(np.stack(values)) * total).astype(np.float32)))
+    return Combined([(1.0, shards)], norms=norms)
+
+
+def _norms(contributions: Sequence[Contribution]) -> list[float]:
+    return [norm(shards) for _, shards in contributions]
+
+
+def _trimmed(contributions: Sequence[Contribution], fraction: float) -> Combined:
+    def center(values: np.ndarray) -> np.ndarray:
+        t = trim_count(len(values), fraction)
+        return np.sort(values, axis=0)[t:len(values) - t].mean(axis=0)
+
+    out = _by_segment(contributions, center, _norms(contributions))
+    out.excluded = 2 * trim_count(len(contributions), fraction)
+    return out
+
+
+def krum_choice(contributions: Sequence[Contribution], f: int) -> list[int]:
+    """Multi-Krum: the indices of the n - f contributions with the smallest sums of squared distances
+    to their n - f - 2 nearest others (at least one of each), on the rows both cover. All of them when
+    n <= 2: two cannot tell which one is wrong."""
+    n = len(contributions)
+    if n <= 2:
+        return list(range(n))
+    distance = np.zeros((n, n))
+    for parts in segments(contributions).values():
+        for a, (i, x) in enumerate(parts):
+            for j, y in parts[a + 1:]:
+                d = float(np.square(x - y, dtype=np.float64).sum())
+                distance[i, j] += d
+                distance[j, i] += d
+    nearest = max(1, n - f - 2)
+    scores = [float(np.sort(np.delete(distance[i], i))[:nearest].sum()) for i in range(n)]
+    return sorted(sorted(range(n), key=lambda i: (scores[i], i))[:max(1, n - f)])
+
+
+def _krum(contributions: Sequence[Contribution], f: int) -> Combined:
+    chosen = krum_choice(contributions, f)
+    out = _by_segment(contributions, lambda values: values.mean(axis=0),
+                      [norm(contributions[i][1]) for i in chosen], chosen)
+    out.excluded = len(contributions) - len(chosen)
+    return out
