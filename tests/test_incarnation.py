@@ -10,6 +10,7 @@ import pytest
 from helpers import gradient, make_config, running, serving_ps, until
 
 from edgemesh.local.broker import BrokerProcess
+from edgemesh.services.parameter_server.ledger import read_ledger
 from edgemesh.services.worker.incarnation import next_incarnation
 from edgemesh.services.worker.service import Worker
 
@@ -46,7 +47,8 @@ async def test_a_worker_whose_clock_went_back_is_not_taken_for_a_replay(mosquitt
     (state / "incarnation").write_text(f"{ahead}\n")
     cfg = make_config(mosquitto_broker, job="rtc", **{
         "ps.state_dir": tmp_path / "ps", "ps.eval_every": 0, "training.sync_policy": "async",
-        "worker.device": "pi-9", "worker.state_dir": state, "worker.ack_timeout_s": 2})
+        "worker.device": "pi-9", "worker.state_dir": state, "worker.ack_timeout_s": 2,
+        "worker.ack_log": tmp_path / "acked.log"})
     async with serving_ps(cfg, ["pi-9"]) as (c, ps):
         ack = await c.push(gradient("pi-9", 1, 0, incarnation=ahead))  # the last run's update
         assert ack.status == "accepted"
@@ -55,3 +57,8 @@ async def test_a_worker_whose_clock_went_back_is_not_taken_for_a_replay(mosquitt
         async with running(worker):
             await until("the new run's updates applied", lambda: worker.accepted >= 3)
         assert ps.metrics.value("edgemesh_ps_updates_total", status="duplicate", reason="") == 0
+    # the device's audit of what it saw acked agrees with the PS's ledger: each applied once
+    acked = [tuple(int(x) for x in line.split()[:2]) for line in (tmp_path / "acked.log").read_text().splitlines()]
+    ledger = [(e.incarnation, e.seq) for e in read_ledger(tmp_path / "ps" / "ledger.log") if e.device == "pi-9"]
+    assert len(acked) >= 3 and all(key[0] == ahead + 1 for key in acked)
+    assert len(set(ledger)) == len(ledger) and set(acked) <= set(ledger)

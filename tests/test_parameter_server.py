@@ -23,6 +23,7 @@ from edgemesh.common.messages import (
     SnapshotRequest,
 )
 from edgemesh.local.broker import BrokerProcess
+from edgemesh.services.parameter_server.ledger import Entry, read_ledger
 from edgemesh.services.parameter_server.service import ParameterServer
 
 JOB = "pstest"
@@ -231,6 +232,8 @@ async def test_kill_9_and_restart_resumes_the_same_version_without_reapplying(
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=WAIT_S)
+    # the ledger: every applied update once, in order, across the crash
+    assert read_ledger(tmp_path / "ps" / "ledger.log") == [Entry(v, "a", 1, v) for v in range(1, 7)]
 
 
 async def test_a_restarted_ps_keeps_the_operators_settings(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:

@@ -73,10 +73,19 @@ class Child:
 
 def peak_rss_kb(pid: int) -> int:
     """Peak resident size of a process (``VmHWM``), KiB; 0 when it is gone."""
+    return _status_kb(pid, "VmHWM:")
+
+
+def rss_kb(pid: int) -> int:
+    """Resident size of a process now (``VmRSS``), KiB; 0 when it is gone."""
+    return _status_kb(pid, "VmRSS:")
+
+
+def _status_kb(pid: int, field: str) -> int:
     try:
         with open(f"/proc/{pid}/status") as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1])
     except OSError:
         pass
@@ -109,8 +118,9 @@ class LocalCluster:
         """A cluster that started nothing (for reports of a run that failed early)."""
         return cls(config, workdir, write_config=False)
 
-    def spawn(self, role: str, name: str, extra: list[str] | None = None) -> Child:
-        """Start ``edgemesh ROLE`` with the cluster's configuration plus ``extra`` flags.
+    def spawn(self, role: str, name: str, extra: list[str] | None = None, *, prefix: list[str] | None = None) -> Child:
+        """Start ``edgemesh ROLE`` with the cluster's configuration plus ``extra`` flags (run under ``prefix``,
+        e.g. ``ip netns exec NS``, if given).
 
         Call from the main thread: the parent-death signal of a child is tied to the spawning thread.
         """
@@ -119,7 +129,7 @@ class LocalCluster:
         # job and broker are in the file too; on the command line they tell processes apart in `ps` (the
         # config file's name too, which names the job: services serving submitted jobs have no --job)
         job = [] if self.serve_jobs else ["--job", self.cfg.job]
-        cmd = [sys.executable, "-m", "edgemesh", role, "--config", str(self.config_file), *job,
+        cmd = [*(prefix or []), sys.executable, "-m", "edgemesh", role, "--config", str(self.config_file), *job,
                "--broker", self.cfg.broker.url,
                "--metrics", "127.0.0.1:0", "--set", f"metrics.port_file={port_file}",
                "--log-level", self.cfg.log_level, *(extra or [])]
@@ -132,10 +142,15 @@ class LocalCluster:
         self.children.append(child)
         return child
 
+    @property
+    def ps_state_dir(self) -> Path:
+        """The PS's state directory (checkpoint, write-ahead log, ledger), as ``start_services`` gives it."""
+        return self.workdir / f"{self.cfg.job}-ps"
+
     def start_services(self, *, min_devices: int) -> None:
         """The planner (waiting for ``min_devices`` before its first plan), the PS and the compressor."""
         self.spawn("planner", "planner", ["--set", f"planner.min_devices={min_devices}"])
-        self.spawn("ps", "ps", ["--state-dir", str(self.workdir / f"{self.cfg.job}-ps")])
+        self.spawn("ps", "ps", ["--state-dir", str(self.ps_state_dir)])
         self.spawn("compressor", "compressor")
 
     def failure(self) -> str | None:

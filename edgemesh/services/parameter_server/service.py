@@ -48,6 +48,7 @@ from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy, payload_reason
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
 from edgemesh.services.parameter_server.assembly import Assembly, Outcome
 from edgemesh.services.parameter_server.evaluation import Evaluator
+from edgemesh.services.parameter_server.ledger import Ledger
 from edgemesh.services.parameter_server.optimizer import ModelState
 from edgemesh.services.parameter_server.recovery import SETTING_COMMANDS, OperatorSettings, Optimizer, Recovery
 from edgemesh.services.parameter_server.robust import Aggregator
@@ -92,6 +93,7 @@ class ParameterServer:
         self.clock = Clock()
         self.scheduler = make_scheduler(self.policy, self.clock, self.rule, staleness_weighting=p.staleness_weighting)
         self.recovery = Recovery(Path(p.state_dir), fsync=p.fsync)
+        self.ledger = Ledger(Path(p.state_dir), fsync=p.fsync)
         self.broadcast = Broadcaster(p, t.model_spec)
         self.evaluator = Evaluator(config, job)
         self.state: ModelState | None = None
@@ -150,6 +152,7 @@ class ParameterServer:
     async def prepare(self, stack: contextlib.AsyncExitStack) -> Endpoint:
         await asyncio.to_thread(self._load)
         stack.callback(self.recovery.close)
+        stack.callback(self.ledger.close)
         logger.info("parameter server up: model %s, version %d, policy %s, bound %d, aggregation %s",
                     self.cfg.training.model_spec, self.version, self.policy, self.bound, self.aggregator.rule)
         return Endpoint(self.cfg.broker)
@@ -158,6 +161,7 @@ class ParameterServer:
         resumed = self.recovery.resume(self.cfg.training.model_spec, self.evaluator.load(), self.clock)
         self.state = resumed.state
         self._restore(OperatorSettings.of(resumed.settings))
+        self.ledger.open()  # after the log's replay: the ledger takes any logged step it lacks
         self.assembly.rows = {name: int(p.shape[0]) for name, p in self.state.params.items()}
         self.m_version.set(self.version)
 
@@ -344,6 +348,7 @@ class ParameterServer:
                 self.state.step(c.contributions, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
             self.m_wal.inc(self.recovery.log(steps, Optimizer(self.lr, t.momentum, t.weight_decay),
                                              [c.how for c in combined]))
+            self.ledger.record(steps)  # before any of their acks
             self.clock.version = steps[-1].version
             self.m_version.set(self.version)
         return self.broadcast.after_step(self.state.params, self.version, self.policy, self.plan)

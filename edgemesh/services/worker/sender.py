@@ -11,8 +11,10 @@ import asyncio
 import logging
 import time
 from collections import deque
+from pathlib import Path
 
 from edgemesh.common.bus import Bus
+from edgemesh.common.config import WorkerConfig
 from edgemesh.common.errors import BusError
 from edgemesh.common.messages import GradientUpdate, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
@@ -29,13 +31,16 @@ AVERAGE_WINDOW = 20
 class Sender:
     """One device's updates to the parameter server and their acks."""
 
-    def __init__(self, *, device: str, incarnation: int, ack_timeout_s: float, link: LinkMeter,
+    def __init__(self, *, device: str, incarnation: int, config: WorkerConfig, link: LinkMeter,
                  metrics: ServiceMetrics) -> None:
         self.bus: Bus | None = None
         """Set when the runtime attaches the worker to its bus."""
         self.device, self.incarnation = device, incarnation
-        self.ack_timeout_s = ack_timeout_s
+        self.ack_timeout_s = config.ack_timeout_s
         self.link = link
+        self.ack_log = Path(config.ack_log) if config.ack_log else None
+        """Where every update acked applied is written down (``worker.ack_log``), for audits against the PS's
+        ledger: a line ``incarnation seq status version`` per ack."""
         self.comm_times: deque[float] = deque(maxlen=AVERAGE_WINDOW)
         """Seconds from publishing an update to its ack, latest first out."""
         self._acks: dict[int, asyncio.Future[UpdateAck]] = {}
@@ -78,6 +83,9 @@ class Sender:
         finally:
             self._acks.pop(update.seq, None)
             self._pending = None
+        if self.ack_log is not None and ack.status in ("accepted", "duplicate"):
+            await asyncio.to_thread(_append, self.ack_log, f"{update.incarnation} {update.seq} {ack.status} "
+                                                           f"{ack.version}\n")
         rtt = time.perf_counter() - started
         self.comm_times.append(rtt)
         self.m_ack.observe(rtt)
@@ -97,3 +105,8 @@ class Sender:
             self.m_resends.inc()
             logger.info("%s: resending update %d after reconnect", self.device, update.seq)
             await self.bus.publish(topic, update)
+
+
+def _append(path: Path, line: str) -> None:
+    with open(path, "a") as fh:
+        fh.write(line)

@@ -125,8 +125,8 @@ class Worker:
         self.profile: prof.Profile | None = None
         self.bus: Bus | None = None
         self.events: Events | None = None
-        self.sender = Sender(device=self.device, incarnation=self.incarnation,
-                             ack_timeout_s=config.worker.ack_timeout_s, link=self.link, metrics=m)
+        self.sender = Sender(device=self.device, incarnation=self.incarnation, config=config.worker, link=self.link,
+                             metrics=m)
         self.mesh = MeshSession(topics=self.topics, device=self.device, config=config.worker, view=self.view,
                                 board=self.board, trainer=self.trainer, metrics=m, current_plan=lambda: self.plan,
                                 wait=self._wait_for, on_delta=self._on_delta)

@@ -1,0 +1,110 @@
+"""The parameter server's ledger: every update it applied, once, across crashes.
+
+``{ps.state_dir}/ledger.log`` holds one line per applied update, ``version device incarnation seq``, in the
+order the steps were applied. A step is written to the write-ahead log first and to the ledger right after,
+both before any of its acks go out; a crash between the two leaves the step in the log only, so on start
+the ledger takes every logged step it lacks (the log holds the steps since the last checkpoint, and the
+ledger's lines from that version on are read back to compare). The ledger is never truncated: it is the
+audit of the whole run (``edgemesh bench soak`` and the fault-injection test read it; so may an operator:
+``read_ledger``). A line is ~40 bytes: a million updates make 40 MB.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import IO, NamedTuple
+
+from edgemesh.services.parameter_server import store
+from edgemesh.services.parameter_server.scheduler import Step
+
+logger = logging.getLogger(__name__)
+
+FILE = "ledger.log"
+
+
+class Entry(NamedTuple):
+    """One applied update."""
+
+    version: int
+    device: str
+    incarnation: int
+    seq: int
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.device, self.incarnation, self.seq
+
+
+def read_ledger(path: Path) -> list[Entry]:
+    """The entries of a ledger file (a torn last line, from a crash mid-write, is left out)."""
+    entries = []
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) != 4:
+            continue
+        try:
+            entries.append(Entry(int(parts[0]), parts[1], int(parts[2]), int(parts[3])))
+        except ValueError:
+            continue
+    return entries
+
+
+def _lines(entries: Iterable[Entry]) -> str:
+    return "".join(f"{e.version} {e.device} {e.incarnation} {e.seq}\n" for e in entries)
+
+
+class Ledger:
+    """The append-only ledger of one parameter server's state directory."""
+
+    def __init__(self, state_dir: Path, *, fsync: bool) -> None:
+        self.path = state_dir / FILE
+        self._fsync = fsync
+        self._fh: IO[str] | None = None
+        self.entries = 0
+
+    def open(self) -> int:
+        """Open for appending after catching up with the write-ahead log; returns the entries it added."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        logged = [Entry(int(r["version"]), str(e["device"]), int(e["incarnation"]), int(e["seq"]))
+                  for r in store.read_wal(self.path.parent) for e in r.get("entries", [])]
+        kept = read_ledger(self.path)
+        since = min((e.version for e in logged), default=0)
+        known = {e.key for e in kept if e.version >= since}
+        missing = [e for e in logged if e.key not in known]
+        self._fh = open(self.path, "a")  # noqa: SIM115 - held open for the server's life
+        if self.path.stat().st_size and not self.path.read_bytes().endswith(b"\n"):
+            self._fh.write("\n")  # end a line torn by a crash: it is not an entry
+        self._write(missing)
+        self.entries = len(kept) + len(missing)
+        if missing:
+            logger.info("ledger: %d applied update(s) from the write-ahead log added", len(missing))
+        return len(missing)
+
+    def record(self, steps: Sequence[Step]) -> int:
+        """Append every update of ``steps`` (after they are logged, before they are acked); entries added."""
+        entries = [Entry(step.version, part.device, part.incarnation, part.seq)
+                   for step in steps for item in step.items for part in item.updates]
+        self._write(entries)
+        self.entries += len(entries)
+        return len(entries)
+
+    def _write(self, entries: Sequence[Entry]) -> None:
+        if not entries:
+            return
+        assert self._fh is not None, "open() first"
+        self._fh.write(_lines(entries))
+        self._fh.flush()
+        if self._fsync:
+            os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
