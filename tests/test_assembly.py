@@ -67,10 +67,12 @@ def test_a_step_is_joined_once_its_members_shards_tile_the_model() -> None:
     assert [(g.param, g.start, g.stop) for g in joined.grads] == [(s.param, s.start, s.stop) for s in u.shards]
     assert joined.received == 2.0
     # a resend of a part of the joined step opens no new one: it is acked with the cluster's update
+    assert assembly.taken(part("b", B, base=3).update, clock)
     assert nothing(assembly.add(part("b", B, base=3), clock, 1, 2.0))
     assert len(assembly) == 1
     # once applied, it is a duplicate
     clock.advance([joined])
+    assert not assembly.taken(part("b", B, base=3).update, clock)
     assert told(assembly.add(part("b", B, base=3), clock, 1, 3.0).acks) == [("b", "duplicate", "", False)]
 
 
@@ -82,8 +84,8 @@ def test_overlapping_shards_reject_the_step_as_shape() -> None:
     # both members told, as rejections the service counts
     assert told(out.rejected) == [("a", "discarded", "shape", True), ("b", "discarded", "shape", True)]
     assert len(assembly) == 0
-    # a resend of a part is told the same at once
-    assert told(assembly.add(part("a", A), clock, 1, 1.0).acks) == [("a", "discarded", "shape", True)]
+    # a resend of a part is told the same at once, and counted the same
+    assert told(assembly.add(part("a", A), clock, 1, 1.0).rejected) == [("a", "discarded", "shape", True)]
     assert len(assembly) == 0
 
 
@@ -95,9 +97,9 @@ def test_a_step_not_complete_in_time_expires_as_incomplete() -> None:
     out = assembly.expire(15.0)
     assert told(out.rejected) == [("a", "discarded", "incomplete", True)] and not out.acks
     assert len(assembly) == 0 and assembly.timeout(15.0) is None
-    # the rest of the step, late, and a's resend: told at once, no new step opened
-    assert told(assembly.add(part("b", B), clock, 1, 16.0).acks) == [("b", "discarded", "incomplete", True)]
-    assert told(assembly.add(part("a", A), clock, 1, 16.0).acks) == [("a", "discarded", "incomplete", True)]
+    # the rest of the step, late, and a's resend: told at once and counted, no new step opened
+    assert told(assembly.add(part("b", B), clock, 1, 16.0).rejected) == [("b", "discarded", "incomplete", True)]
+    assert told(assembly.add(part("a", A), clock, 1, 16.0).rejected) == [("a", "discarded", "incomplete", True)]
     assert len(assembly) == 0
 
 
@@ -134,7 +136,8 @@ def test_the_assembly_remembers_the_last_closed_steps_only() -> None:
         assembly.add(part("a", A, step=step), clock, 1, 0.0)
     assert len(told(assembly.expire(1.0).rejected)) == CLOSED_STEPS + 1
     # the newest closed steps are remembered; the oldest is forgotten: its resend opens a step again
-    assert told(assembly.add(part("a", A, step=2), clock, 1, 2.0).acks) == [("a", "discarded", "incomplete", True)]
+    assert told(assembly.add(part("a", A, step=2), clock, 1, 2.0).rejected) == [("a", "discarded", "incomplete",
+                                                                                  True)]
     assert nothing(assembly.add(part("a", A, step=1), clock, 1, 2.0)) and len(assembly) == 1
 
 

@@ -80,6 +80,17 @@ def test_view_applies_deltas_in_order_and_marks_gaps() -> None:
     assert not view.load(snapshot(5))  # older than the view
 
 
+def test_a_view_with_a_gap_still_refuses_a_snapshot_older_than_itself() -> None:
+    """Issue 14 (fuzz): one junk delta from a future version marked a gap, and the view then loaded a replayed
+    old snapshot: the worker's model rolled back. The snapshot that heals a gap is never older than the view."""
+    view = ModelView()
+    assert view.load(snapshot(4, 1.0))
+    assert not view.apply(delta(10**6, 10**6 - 1, 0.5)) and view.gap
+    assert not view.load(snapshot(0, 9.0)) and view.version == 4 and view.params is not None
+    assert np.all(view.params["w"] == 1.0)
+    assert view.load(snapshot(4, 2.0)) and not view.gap  # the one the worker asked for heals it
+
+
 def test_view_rejects_a_delta_that_does_not_fit() -> None:
     view = ModelView()
     view.load(snapshot(0))

@@ -104,6 +104,22 @@ async def test_junk_is_counted_on_its_route(mosquitto_broker: BrokerProcess, tmp
         assert rejected(bus, "hello", "malformed") == 1 and rejected(bus, "events", "oversized") == 2
 
 
+async def test_a_partial_chunked_message_times_out_on_an_idle_bus_counted_on_its_own_route(
+        mosquitto_broker: BrokerProcess) -> None:
+    """Issue 14 (fuzz): a partial message was let go only when another chunk came, so the last ones never were
+    (nor counted), and a drop was counted on the route of the chunk that happened to come next."""
+    cfg = config(mosquitto_broker, **{"broker.reassembly_timeout_s": "0.3"})
+    async with routed(cfg) as (bus, seen), routed(cfg, "sender") as (sender, _):
+        event = Event(kind="evaluation", source="ps", time=1.0, message="x" * 4000)
+        await sender.publish(T.events(), wire.split(wire.encode(event), 1024)[0])  # one chunk of four, the rest lost
+        await until("the partial message counted", lambda: rejected(bus, "events", "chunk_timeout") == 1)
+        await sender.publish(T.events(), wire.split(wire.encode(event), 1024)[0])
+        await sender.publish(T.hello("pi-2"), wire.split(wire.encode(hello("pi-2")) + b"\0" * 2000, 1024)[0])
+        await until("both counted", lambda: rejected(bus, "events", "chunk_timeout") == 2
+                    and rejected(bus, "hello", "chunk_timeout") == 1)
+        assert not seen.seen
+
+
 async def test_every_route_goes_out_in_one_subscribe_and_again_on_reconnect(tmp_path: Path) -> None:
     with BrokerProcess.mosquitto(extra_config="log_type all\n", workdir=tmp_path) as broker:
         cfg = config(broker)

@@ -504,6 +504,19 @@ def test_json_that_is_not_an_object_is_malformed(payload: bytes) -> None:
     assert exc.value.reason == "malformed"
 
 
+@pytest.mark.parametrize("body", [
+    b'{"command": "status", "request_id": ' + b"9" * 5000 + b"}",  # json.loads: ValueError past 4,300 digits
+    b'{"command": "status", "expires_at": ' + b"9" * 400 + b"}",  # float(): OverflowError
+    b'{"command": "set-bound", "value": ' + b"9" * 400 + b"}",  # an int MessagePack cannot carry
+    b'{"command": "status", "value": -' + b"9" * 30 + b"}",
+], ids=["digits", "float-overflow", "huge-int", "huge-negative"])
+def test_json_numbers_beyond_what_msgpack_carries_are_refused_not_raised(body: bytes) -> None:
+    """Issue 14 (fuzz): these escaped as ValueError and OverflowError and ended the router of every service."""
+    with pytest.raises(WireError) as exc:
+        wire.decode_envelope(wire.unpack_json(body, "control", max_bytes=1 << 20), ControlCommand)
+    assert exc.value.reason in ("malformed", "field")
+
+
 def test_oversized_json_is_refused() -> None:
     with pytest.raises(WireError) as exc:
         wire.unpack_json(b'{"command": "pause"}', "control", max_bytes=10)
@@ -671,6 +684,16 @@ def test_chunks_adding_up_to_fewer_bytes_than_announced_are_refused() -> None:
         r.add("t", Chunk(id="m", index=1, count=2, size=10, data=b"def"))
     assert exc.value.reason == "chunk"
     assert r.held_bytes == 0 and len(r) == 0
+
+
+def test_a_chunk_holding_more_bytes_than_its_whole_message_is_refused_once() -> None:
+    """Issue 14 (fuzz): it was counted twice, as the partial message it started (``chunk_inconsistent``) and as
+    itself (``chunk``)."""
+    receiver = wire.Receiver(max_bytes=1 << 20, budget_bytes=1 << 20, timeout_s=60.0)
+    liar = wire.encode(Chunk(id="liar", index=0, count=2, size=3, data=b"12345"))
+    with pytest.raises(WireError) as exc:
+        receiver.take("t", liar, Event)
+    assert exc.value.reason == "field" and receiver.dropped == {}
 
 
 def test_a_duplicate_chunk_is_held_once() -> None:

@@ -207,8 +207,9 @@ class ModelView:
         return False
 
     def load(self, snap: ModelSnapshot) -> bool:
-        """Take a snapshot unless it is older than the view; True if taken."""
-        if self.params is not None and snap.version < self.version and not self.gap:
+        """Take a snapshot unless it is older than the view (a gap too waits for one at least as new: an older
+        one is a replay, or the retained one again after a reconnect); True if taken."""
+        if self.params is not None and snap.version < self.version:
             return False
         rows = self.rows
         if rows is not None and set(rows) != set(snap.tensors):

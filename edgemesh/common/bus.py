@@ -97,7 +97,7 @@ class Bus:
         self._connected = asyncio.Event()
         self._inbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
         self._receiver = wire.Receiver(max_bytes=config.max_message_bytes, budget_bytes=config.reassembly_budget_bytes,
-                                       timeout_s=config.reassembly_timeout_s)
+                                       timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped)
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._closing = False
         self._refusals_logged: set[tuple[str, str]] = set()
@@ -339,8 +339,19 @@ class Bus:
     # --- routing -------------------------------------------------------------------------
     async def _dispatch_loop(self) -> None:
         while True:
-            topic, payload = await self._inbox.get()
+            try:  # while partial chunked messages are held, an idle bus still lets them time out
+                async with asyncio.timeout(self.config.reassembly_timeout_s if self._receiver.partials else None):
+                    topic, payload = await self._inbox.get()
+            except TimeoutError:
+                self._receiver.expire()
+                continue
             await self._dispatch(topic, payload)
+
+    def _partial_dropped(self, topic: str, reason: str) -> None:
+        """A partial chunked message let go (timed out, evicted, contradicted): counted on its own route."""
+        found = match(topic, [r.filter for r in self._routes])
+        label = self._routes[found[0]].label if found is not None else UNROUTED
+        self.metrics.reject(reason, topic, "partial chunked message dropped", route=label)
 
     async def _dispatch(self, topic: str, payload: bytes) -> None:
         """Route one received payload: match and parse its topic, decode and check its body, hand it
@@ -354,14 +365,8 @@ class Bus:
             index, where = found
             route = routes[index]
             label = route.label
-            dropped = dict(self._receiver.dropped)
-            try:
-                message = self._receiver.take(where.topic, payload, route.message,
-                                              json_kind="control" if route.json_body else "")
-            finally:  # partial chunked messages that timed out, gave way or contradicted themselves
-                for reason, n in self._receiver.dropped.items():
-                    if n > dropped.get(reason, 0):
-                        self.metrics.reject(reason, topic, "partial chunked message dropped", route=label)
+            message = self._receiver.take(where.topic, payload, route.message,
+                                          json_kind="control" if route.json_body else "")
             if message is None:
                 return  # more chunks to come
             why = where.disagreement(message)

@@ -39,6 +39,8 @@ REFUSED_IDS_KEPT = 256
 """Ids of refused chunked messages remembered, so their other chunks are dropped silently."""
 MAX_STR = 4096
 MAX_ITEMS = 1_000_000
+INT_RANGE = (-(2**63), 2**64 - 1)
+"""Integers MessagePack carries; a JSON body may hold larger ones, which are refused."""
 
 T = TypeVar("T")
 
@@ -132,10 +134,14 @@ def _from_plain(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 - one swit
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             _fail(path, f"expected int, got {type(value).__name__}")
+        if not INT_RANGE[0] <= value <= INT_RANGE[1]:
+            _fail(path, "integer out of the 64-bit range")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             _fail(path, f"expected number, got {type(value).__name__}")
+        if isinstance(value, int) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
+            _fail(path, "number out of the 64-bit range")  # float() of a larger int may overflow
         if not math.isfinite(value):
             _fail(path, "NaN or Inf", "nan")
         return float(value)
@@ -271,7 +277,7 @@ def unpack_json(payload: bytes, kind: str, *, max_bytes: int) -> Envelope:
         raise WireError(f"payload of {len(payload)} bytes exceeds the {max_bytes}-byte limit", "oversized")
     try:
         body = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, or > 4,300 digits
         raise WireError(f"neither an EdgeMesh envelope nor a JSON object: {exc}", "malformed") from None
     if not isinstance(body, dict):
         raise WireError("JSON body must be an object", "malformed")
@@ -341,6 +347,8 @@ class Chunk:
             raise ValueError(f"chunk index {self.index} of {self.count} invalid")
         if self.size < 0:
             raise ValueError("negative size")
+        if len(self.data) > self.size:
+            raise ValueError(f"a chunk of {len(self.data)} bytes of a {self.size}-byte message")
 
 
 message(CHUNK_KIND)(Chunk)
@@ -379,14 +387,18 @@ class Reassembler:
     """Joins chunks per (topic, message id) within a byte budget and a timeout.
 
     A partial message older than ``timeout`` is dropped; when the budget would be
-    exceeded, the oldest partial messages are evicted. ``dropped`` counts both by reason.
+    exceeded, the oldest partial messages are evicted. ``dropped`` counts both by reason,
+    and ``on_drop(topic, reason)`` hears of each.
     """
 
-    def __init__(self, *, max_bytes: int, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, max_bytes: int, timeout: float, clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[str, str], None] | None = None) -> None:
         self.max_bytes = max_bytes
         self.timeout = timeout
         self._clock = clock
+        self._on_drop = on_drop
         self._partials: OrderedDict[tuple[str, str], _Partial] = OrderedDict()
+        """In the order they started (so the oldest come first)."""
         self._held = 0
         self.dropped: dict[str, int] = {}
 
@@ -401,10 +413,15 @@ class Reassembler:
         partial = self._partials.pop(key)
         self._held -= partial.held
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        if self._on_drop is not None:
+            self._on_drop(key[0], reason)
 
     def expire(self) -> None:
         now = self._clock()
-        for key in [k for k, p in self._partials.items() if now - p.started > self.timeout]:
+        while self._partials:
+            key, oldest = next(iter(self._partials.items()))
+            if now - oldest.started <= self.timeout:
+                return
             self._drop(key, "chunk_timeout")
 
     def add(self, topic: str, chunk: Chunk) -> bytes | None:
@@ -455,13 +472,25 @@ def frames(msg: Any, chunk_size: int) -> tuple[str, list[bytes]]:
 class Receiver:
     """Received payloads to messages, one call each (``take``): the envelope (or a UTF-8 JSON body
     where allowed), chunks joined within a byte budget and a timeout, the body checked against the
-    expected kind. ``dropped`` counts partial chunked messages dropped, by reason."""
+    expected kind. ``dropped`` counts partial chunked messages dropped, by reason, and
+    ``on_drop(topic, reason)`` hears of each: when one contradicts itself, gives way to the budget, or
+    times out (checked at every ``take`` and ``expire``)."""
 
-    def __init__(self, *, max_bytes: int, budget_bytes: int, timeout_s: float) -> None:
+    def __init__(self, *, max_bytes: int, budget_bytes: int, timeout_s: float,
+                 on_drop: Callable[[str, str], None] | None = None) -> None:
         self.max_bytes = max_bytes
-        self._reassembler = Reassembler(max_bytes=budget_bytes, timeout=timeout_s)
+        self._reassembler = Reassembler(max_bytes=budget_bytes, timeout=timeout_s, on_drop=on_drop)
         self.dropped = self._reassembler.dropped
         self._refused: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def partials(self) -> int:
+        """Partial chunked messages held."""
+        return len(self._reassembler)
+
+    def expire(self) -> None:
+        """Drop the partial chunked messages older than the timeout."""
+        self._reassembler.expire()
 
     def take(self, topic: str, payload: bytes, expected: type[T] | tuple[type, ...], *, json_kind: str = ""
              ) -> T | None:
@@ -470,6 +499,7 @@ class Receiver:
         Raises WireError (with its reason) for a payload that is not a message of ``expected``. With
         ``json_kind``, a payload that is not MessagePack may be a JSON object, the body of that kind.
         """
+        self._reassembler.expire()
         envelope = self._envelope(topic, payload, json_kind)
         return None if envelope is None else decode_envelope(envelope, expected)
 

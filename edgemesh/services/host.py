@@ -168,16 +168,17 @@ class JobHost:
         if hashlib.sha256(sub.source).hexdigest() != sub.sha256:
             self.metrics.reject("field", match.topic, "the submission's hash is not its job file's", route="job")
             return
-        if sub.sha256 not in self.specs:
+        spec = self.specs.get(sub.sha256)
+        if spec is None:
             try:
                 spec = parse_job(sub.source, origin=f"job {sub.name}")
             except JobError as exc:
                 self.metrics.reject("job_file", match.topic, exc, route="job")
                 return
-            self.specs[sub.sha256] = spec
-        if self.specs[sub.sha256].name != sub.name:
+        if spec.name != sub.name:
             self.metrics.reject("field", match.topic, f"the job file names another job than {sub.name!r}", route="job")
             return
+        self.specs[sub.sha256] = spec  # kept once it is a submission of its own job
         self.submissions[sub.name] = sub
         self._changed_now()
 

@@ -180,8 +180,13 @@ class Compressor:
 
     # ------------------------------------------------------------------ consuming
     async def _on_stats(self, stats: DeviceStats, _: TopicMatch) -> None:
+        known = self.incarnations.get(stats.device)
+        if known is None:
+            raise WireError(f"stats of {stats.device}, which has not said hello", "unknown_device")
+        if 0 < stats.incarnation < known:
+            return  # a previous run's, still on its way (the planner ignores them too)
         self.stats[stats.device] = stats
-        if self._started and stats.device in self.incarnations:
+        if self._started:
             await self._reconcile(stats.device, announce=False)
 
     async def _on_hello(self, hello: DeviceHello, _: TopicMatch) -> None:
@@ -254,6 +259,8 @@ class Compressor:
         """Encode a raw update with its device's policy and forward it to the PS."""
         assert self.bus is not None
         device = update.device
+        if device not in self.gateway:
+            raise WireError(f"raw update of {device}, whose hello does not ask for the gateway", "unknown_device")
         known = self.incarnations.get(device)
         if known is not None and update.incarnation < known:
             raise WireError(f"raw update of {device} from old incarnation {update.incarnation}", "incarnation")

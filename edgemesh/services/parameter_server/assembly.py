@@ -29,6 +29,8 @@ StepKey = tuple[str, int, int]
 CLOSED_STEPS = 1024
 """Model-parallel steps remembered as joined or discarded, against members' resends."""
 Coverage = Literal["full", "partial", "overlap"]
+COUNTED: tuple[DiscardReason, ...] = ("shape", "incomplete")
+"""Why a step is discarded that the service counts as a rejection (the others, the scheduler's, are ack-only)."""
 
 
 @dataclass(slots=True)
@@ -61,6 +63,16 @@ class Assembly:
     def __len__(self) -> int:
         return len(self._waiting)
 
+    def taken(self, update: GradientUpdate, clock: Clock) -> bool:
+        """Whether ``update`` is a resend that the ack of what it resends will answer: its step holds a part
+        from its device already, or was joined and not applied yet (another update for the step is not taken
+        either). A part of a step applied is a duplicate, and one of a step discarded hears why: ``add``."""
+        key = (update.cluster, update.plan_version, update.mesh_step)
+        waiting = self._waiting.get(key)
+        if waiting is not None:
+            return update.device in waiting.parts
+        return self._closed.get(key) == "" and not clock.seen(update)
+
     def add(self, item: Candidate, clock: Clock, plan_version: int, now: float) -> Outcome:
         """Hold a member's part; the cluster's update once the step's parts cover the whole model."""
         u = item.update
@@ -71,9 +83,10 @@ class Assembly:
         key = (u.cluster, u.plan_version, u.mesh_step)
         if key in self._closed:  # a resend of a part of a step joined or discarded
             closed = self._closed[key]
-            if closed:
-                out.acks.append(Ack(u, "discarded", closed, resync=True))
-            return out  # joined and not judged yet: acked with the cluster's update
+            if closed:  # answered as the step was, and counted alike
+                ack = Ack(u, "discarded", closed, resync=True)
+                (out.rejected if closed in COUNTED else out.acks).append(ack)
+            return out  # joined and not judged yet: acked with the cluster's update (``taken`` counts it)
         if plan_version and u.plan_version < plan_version:
             # its members abandon a step when the plan changes: the rest of it will not come
             self._close(key, "replanned")

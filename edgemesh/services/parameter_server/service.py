@@ -204,11 +204,12 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ consuming
     async def _on_plan(self, plan: Plan, _: TopicMatch) -> None:
-        if self.plan is None or plan.version >= self.plan.version:
-            self.plan = plan
-            self.rule.retain((d.device for d in plan.devices), plan.cluster_names)
-            await self._settle(self.assembly.replanned(plan.version))
-            self._wake.set()  # a cluster may have left: an open round may now be complete
+        if self.plan is not None and plan.version < self.plan.version:
+            raise WireError(f"plan version {plan.version} is older than {self.plan.version}", "replayed")
+        self.plan = plan
+        self.rule.retain((d.device for d in plan.devices), plan.cluster_names)
+        await self._settle(self.assembly.replanned(plan.version))
+        self._wake.set()  # a cluster may have left: an open round may now be complete
 
     async def _on_local_evaluation(self, report: LocalEvaluation, _: TopicMatch) -> None:
         """A device's accuracy on its own validation share: combined with the others' by sample count."""
@@ -230,7 +231,8 @@ class ParameterServer:
         assert self.state is not None
         where = self.topics.grad(match.cluster, match.device)
         key = (update.device, update.incarnation, update.seq)
-        if not update.mesh_step and key in self._queued:
+        resent = self.assembly.taken(update, self.clock) if update.mesh_step else key in self._queued
+        if resent:
             self.metrics.reject("queued", where, f"{update.device} seq {update.seq} is queued already",
                                 route="grad")
             return  # the queued copy's ack answers this resend too

@@ -38,7 +38,7 @@ from edgemesh import cli
 from edgemesh.common import costs
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
-from edgemesh.common.errors import BusError, ConfigError, ModelError
+from edgemesh.common.errors import BusError, ConfigError, ModelError, WireError
 from edgemesh.common.messages import ControlCommand, DeviceHello, DeviceStats, DeviceStatus, Plan, Scalar, SyncState
 from edgemesh.common.messages.operations import listing
 from edgemesh.common.metrics import ServiceMetrics
@@ -160,6 +160,8 @@ class Planner:
         self._update_gauges()
 
     async def _on_stats(self, stats: DeviceStats, _: TopicMatch) -> None:
+        if stats.device not in self.registry.hellos:
+            raise WireError(f"stats of {stats.device}, which has not said hello", "unknown_device")
         if not self.registry.measured(stats):
             return  # a previous run's
         planned = self.plan is not None and self.plan.device(stats.device) is not None

@@ -210,12 +210,15 @@ class Worker:
 
     # ------------------------------------------------------------------ consuming
     async def _on_plan(self, plan: Plan, _: TopicMatch) -> None:
-        if self.plan is None or plan.version >= self.plan.version:
-            self.plan, self.me = plan, plan.device(self.device)
-            self.mesh.new_plan(plan)
-            await self._notify()
+        if self.plan is not None and plan.version < self.plan.version:
+            raise WireError(f"plan version {plan.version} is older than {self.plan.version}", "replayed")
+        self.plan, self.me = plan, plan.device(self.device)
+        self.mesh.new_plan(plan)
+        await self._notify()
 
     async def _on_policy(self, policy: CodecPolicy, _: TopicMatch) -> None:
+        if self.policy is not None and policy.version < self.policy.version:
+            raise WireError(f"policy version {policy.version} is older than {self.policy.version}", "replayed")
         if not policy.gateway:
             get_codec(policy.codec)  # refuse a codec this build cannot encode
         old = self.policy
@@ -226,15 +229,18 @@ class Worker:
         await self._notify()
 
     async def _on_snapshot(self, snap: ModelSnapshot, _: TopicMatch) -> None:
+        if not self.trainer.layout and snap.model_spec == self._spec():  # its shapes, before it trained
+            await asyncio.to_thread(self.trainer.know_model, snap.model_spec, self.cfg.training.seed)
         self._check_snapshot(snap)
         self.view.load(snap)
         await self._notify()
 
     async def _on_delta(self, delta: ModelDelta, _: TopicMatch) -> None:
         """The broadcast, or this member's part of it: decoded off the event loop."""
-        if delta.model_spec == self._spec():
-            await self.view.receive(delta)
-            await self._notify()
+        if delta.model_spec != self._spec():
+            raise WireError(f"delta is for model {delta.model_spec}", "shape")
+        await self.view.receive(delta)
+        await self._notify()
 
     def _spec(self) -> str:
         return self.plan.model_spec if self.plan else self.cfg.training.model_spec
