@@ -29,7 +29,7 @@ from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.jobs import parse_job, render_job
-from edgemesh.common.messages import Event
+from edgemesh.common.messages import Event, JobState
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
@@ -122,8 +122,27 @@ class Demo:
         topics = Topics(self.cfg.job)
         bus = Bus(self.cfg.broker, client_id=f"edgemesh-demo-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("demo"))
         bus.route(topics.events_filter(), Event, self._on_event)
+        bus.route(topics.job_state_filter(), JobState, self._on_job_state)
         async with bus:
             await bus.run()
+
+    async def _on_job_state(self, state: JobState, _: TopicMatch) -> None:
+        """The job ended at its stop rule: the evaluation of its last version may never come as an event (the
+        parameter server stops serving the job first), so the job's last state ends the demo."""
+        if state.name != self.cfg.job or not state.ended:
+            return
+        p = self.progress
+        p.version = max(p.version, state.version)
+        if state.accuracy is not None:
+            p.accuracy = state.accuracy
+        if state.state != "finished":
+            self.failure = self.failure or f"the job {state.state}: {state.reason}"
+        elif p.accuracy >= self.cfg.demo.target_accuracy:
+            p.reached_at = p.reached_at or time.monotonic()
+            p.stopped_by = p.stopped_by or "target"
+        else:
+            p.stopped_by = p.stopped_by or "max_versions"
+        self.stop.set()
 
     async def _on_event(self, event: Event, _: TopicMatch) -> None:
         if event.kind != "evaluation" or event.source != "ps":
