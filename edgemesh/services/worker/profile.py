@@ -1,4 +1,4 @@
-"""What a device measures about itself: compute throughput, memory, resident size."""
+"""What a device measures about itself (throughput, memory, resident size), and whether a plan's share fits it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+
+from edgemesh.common import costs
+from edgemesh.common.errors import ModelError
+from edgemesh.common.messages import Plan, PlanDevice
 
 MATMUL_N = 256
 """Side of the square float32 matrices of the FLOPS benchmark."""
@@ -67,3 +71,25 @@ def measure(seconds: float, memory_override: int = 0) -> Profile:
         cores=os.cpu_count() or 1,
         platform=f"{platform.system()}-{platform.machine()}",
     )
+
+
+def share_refusal(plan: Plan, me: PlanDevice, memory_bytes: int) -> str:
+    """Why device ``me``'s share of ``plan`` does not fit ``memory_bytes`` ('' if it fits, or if the model has no
+    cost figures to check against)."""
+    cluster = plan.cluster(me.cluster)
+    try:
+        if cluster is not None and len(cluster.members) > 1:  # its share of a model-parallel cluster
+            index = cluster.members.index(me.device)
+            layers = costs.layers(plan.model_spec)
+            counts = cluster.counts
+            if set(counts) != {la.name for la in layers}:
+                return f"the filter division of {cluster.cluster} does not match {plan.model_spec}"
+            need = costs.member_memory_bytes(layers, [counts[la.name][index] for la in layers], me.batch_size)
+        else:
+            need = costs.training_memory_bytes(plan.model_spec, me.batch_size)
+    except ModelError:
+        return ""
+    if need <= memory_bytes:
+        return ""
+    return (f"needs {need / 2**20:.0f} MiB for batch {me.batch_size} of {plan.model_spec}, "
+            f"has {memory_bytes / 2**20:.0f} MiB")

@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from edgemesh import cli
-from edgemesh.common import costs, wire
+from edgemesh.common import wire
 from edgemesh.common.broadcast import ModelView
 from edgemesh.common.bus import Bus
 from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config
 from edgemesh.common.data import Dataset, LocalData, load_local
-from edgemesh.common.errors import BusError, ModelError, WireError
+from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.health import HealthReading
 from edgemesh.common.jobs import JobSpec, model_spec, resolve
 from edgemesh.common.messages import (
@@ -294,7 +294,8 @@ class Worker:
         while True:
             await self._wait_for("a plan naming this device", self._has_share)
             assert self.plan is not None
-            refusal = self._share_refusal()
+            assert self.plan is not None and self.me is not None and self.profile is not None
+            refusal = prof.share_refusal(self.plan, self.me, self.profile.memory_bytes)
             if refusal:
                 await self._refuse(refusal)
                 continue
@@ -372,28 +373,6 @@ class Worker:
     def _has_share(self) -> bool:
         """A plan names this device, and it is newer than the last one it refused."""
         return self.me is not None and self.plan is not None and self.plan.version > self._refused
-
-    def _share_refusal(self) -> str:
-        """Why this device's share of the current plan does not fit its memory ('' if it fits)."""
-        assert self.plan is not None and self.me is not None and self.profile is not None
-        cluster = self.plan.cluster(self.me.cluster)
-        try:
-            if cluster is not None and len(cluster.members) > 1:  # its share of a model-parallel cluster
-                index = cluster.members.index(self.device)
-                layers = costs.layers(self.plan.model_spec)
-                counts = cluster.counts
-                if set(counts) != {la.name for la in layers}:
-                    return f"the filter division of {cluster.cluster} does not match {self.plan.model_spec}"
-                need = costs.member_memory_bytes(layers, [counts[la.name][index] for la in layers],
-                                                 self.me.batch_size)
-            else:
-                need = costs.training_memory_bytes(self.plan.model_spec, self.me.batch_size)
-        except ModelError:
-            return ""  # no cost figures for this model: nothing to check against
-        if need <= self.profile.memory_bytes:
-            return ""
-        return (f"needs {need / 2**20:.0f} MiB for batch {self.me.batch_size} of {self.plan.model_spec}, "
-                f"has {self.profile.memory_bytes / 2**20:.0f} MiB")
 
     async def _refuse(self, reason: str) -> None:
         """Refuse the current plan's share: say so in the retained status and an event; wait for another plan."""
