@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from edgemesh.bench.soak import growth, windows
 from edgemesh.common.codecs import available_codecs
 
 LEARNED = 0.3
@@ -143,3 +144,35 @@ def test_bench_jobs_report_layout(tmp_path: Path) -> None:
         assert job["gradient_bytes_received"] > 0 and set(job["devices"]) == {"w0", "w1"}
         assert job["onnx_max_abs_error"] < 1e-4
     assert report.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_soak_report_layout(tmp_path: Path) -> None:
+    """45 s of churn (a kill every 6-10 s): the layout the issue fixes, every process sampled, the audit clean."""
+    report = tmp_path / "soak.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh", "bench", "soak", "--report", str(report), "--minutes", "0.75",
+         "--kill-every-s", "6,10", "--restart-after-s", "1,2"],
+        capture_output=True, text=True, timeout=180, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["minutes"] == 0.75 and data["failure"] is None
+    assert set(data["rss_growth"]) == {"planner", "ps", "compressor", "worker"}
+    assert all(ratio > 0 for ratio in data["rss_growth"].values())  # sampled in both windows; no bound on 45 s
+    assert data["updates_lost"] == 0 and data["updates_applied_twice"] == 0 and data["versions_back"] == 0
+    assert data["updates_acked"] > 0 and data["updates_applied"] >= data["updates_acked"]
+    kills = data["kills"]
+    assert kills and all(k["device"] != data["steady_worker"] for k in kills)
+    assert data["restarts"] >= 1  # a killed worker came back (and its acks are in the audit)
+    last = data["samples"][-1]
+    assert {"planner", "ps", "compressor", data["steady_worker"]} <= last["rss_mb"].keys()
+    assert {"inbox", "pending_updates"} <= last["queues"]["ps"].keys() and "inbox" in last["queues"]["planner"]
+    assert max(accuracy for _, _, accuracy in data["curve"]) >= LEARNED
+    assert report.with_suffix(".png").stat().st_size > 1000
+
+
+def test_soak_rss_growth_is_the_last_minute_over_the_first_minute_after_warm_up() -> None:
+    assert windows(1800) == ((60, 120), (1740, 1800))
+    assert windows(45) == ((15, 30), (30, 45))  # a short run: thirds
+    warming = [(float(t), 50.0 if t < 60 else 100.0 if t < 900 else 105.0) for t in range(0, 1801, 10)]
+    assert growth(warming, 1800) == 1.05  # the warm-up's 50 MiB left out
+    assert growth([(t, 100.0) for t in (0.0, 70.0)], 1800) is None  # never sampled in the last minute

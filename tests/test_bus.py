@@ -104,6 +104,31 @@ async def test_junk_is_counted_on_its_route(mosquitto_broker: BrokerProcess, tmp
         assert rejected(bus, "hello", "malformed") == 1 and rejected(bus, "events", "oversized") == 2
 
 
+async def test_messages_waiting_for_a_busy_handler_show_on_the_inbox_gauge(broker: BrokerProcess) -> None:
+    """The inbox between the network and the router is the one queue every service has (``bench soak``
+    samples it): a handler that takes its time leaves the next messages waiting there, counted."""
+    cfg = config(broker)
+    release = asyncio.Event()
+    handled: list[str] = []
+
+    async def busy(msg: DeviceHello, _: TopicMatch) -> None:
+        handled.append(msg.device)
+        await release.wait()
+
+    bus = Bus(cfg.broker, client_id=f"busy-{uuid.uuid4().hex[:6]}", metrics=ServiceMetrics("test"))
+    bus.route(T.hello_filter(), DeviceHello, busy)
+
+    def waiting() -> float:
+        return bus.metrics.value("edgemesh_test_inbox_messages")
+
+    async with bus.running(), routed(cfg, "sender") as (sender, _):
+        for device in ("pi-1", "pi-2", "pi-3"):
+            await sender.publish(T.hello(device), hello(device))
+        await until("two hellos waiting behind the first", lambda: handled == ["pi-1"] and waiting() == 2)
+        release.set()
+        await until("the inbox drained", lambda: len(handled) == 3 and waiting() == 0)
+
+
 async def test_a_partial_chunked_message_times_out_on_an_idle_bus_counted_on_its_own_route(
         mosquitto_broker: BrokerProcess) -> None:
     """Issue 14 (fuzz): a partial message was let go only when another chunk came, so the last ones never were

@@ -19,6 +19,8 @@ BENCHMARKS = {
                                     "accuracy, load balance"),
     "robust": ("edgemesh.bench.robust", "a fleet with faulty devices under each robust aggregation rule: "
                                         "accuracy against a clean run"),
+    "soak": ("edgemesh.bench.soak", "a cluster whose workers are killed and restarted for N minutes: memory growth, "
+                                    "queues, updates lost or applied twice"),
 }
 """Benchmark -> (module with ``register(parser)``, one-line help)."""
 

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,13 +50,16 @@ def device_names(fleet: list[str]) -> list[tuple[str, str]]:
 async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Coroutine[Any, Any, None], *,
                 started: Callable[[], float | None], done: Callable[[float], bool], status: Callable[[float], str],
                 progress: Callable[[str], None], start_timeout_s: float,
-                run_timeout_s: float | None = None, flags: Mapping[str, list[str]] | None = None) -> str | None:
+                run_timeout_s: float | None = None, flags: Mapping[str, list[str]] | None = None,
+                tick: Callable[[float], Awaitable[None]] | None = None) -> str | None:
     """Start ``cluster``'s services and one ``--emulate`` worker per ``(device, profile)`` (with its ``flags``,
     if any), with ``watch`` (the run's bus observer) alongside, until ``done(seconds since started())``; then
     scrape every process's metrics and stop them all. Returns why the run failed, or None.
 
     ``started()`` is None until the run's clock starts (the plan names every device); the run fails
-    if that takes over ``start_timeout_s`` or, once started, lasts over ``run_timeout_s``."""
+    if that takes over ``start_timeout_s`` or, once started, lasts over ``run_timeout_s``. Once started,
+    ``tick(seconds since started())``, if given, is awaited before every check of ``done`` (a benchmark's
+    own schedule: kills, samples); a child it stops must leave ``cluster.children``, or the run fails."""
     watcher = asyncio.create_task(watch)
     failure: str | None = None
     try:
@@ -76,6 +79,8 @@ async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Co
                     failure = f"the plan did not name all {len(devices)} devices within {start_timeout_s:.0f}s"
                     break
             else:
+                if tick is not None:
+                    await tick(now - t0)
                 if done(now - t0):
                     break
                 if run_timeout_s is not None and now - t0 > run_timeout_s:

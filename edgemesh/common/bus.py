@@ -96,6 +96,7 @@ class Bus:
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
         self._inbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
+        metrics.inbox.set_function(self._inbox.qsize)
         self._receiver = wire.Receiver(max_bytes=config.max_message_bytes, budget_bytes=config.reassembly_budget_bytes,
                                        timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped)
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5

@@ -49,6 +49,7 @@ class ServiceMetrics:
         self.refused = self.counter("broker_refused", "Operations the broker refused", ["operation"])
         self.connects = self.counter("broker_connects", "Successful broker connections")
         self.connected = self.gauge("broker_connected", "1 while connected to the broker")
+        self.inbox = self.gauge("inbox_messages", "Messages received and waiting for the router")
         self.up = self.gauge("up", "1 while the service runs")
         self.health: DeviceHealth | None = None
         """The host's temperature and throttling (``edgemesh_device_*``): exported on this registry by
