@@ -5,7 +5,7 @@
     edgemesh demo [--workers N] [--report PATH] ...  a whole local cluster on one machine
     edgemesh job submit|list|status|pause|resume|stop|export   training jobs on the running services
     edgemesh devices | ctl COMMAND ...              operator tools
-    edgemesh bench codecs|fleet|mesh [--report PATH] benchmarks: JSON report + PNG
+    edgemesh bench codecs|fleet|mesh|jobs|robust|soak [--report PATH]   benchmarks: JSON report + PNG
     edgemesh config [--config F] [--set ...]         print the effective configuration
 
 Configuration precedence: defaults < TOML (--config or EDGEMESH_CONFIG) < EDGEMESH_* < flags.

@@ -44,7 +44,7 @@ def read_ack_log(path: Path) -> list[tuple[int, int]]:
         return []
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 4:
+        if len(parts) == 4 and parts[2] in ("accepted", "duplicate"):  # not a line torn by a kill
             try:
                 out.append((int(parts[0]), int(parts[1])))
             except ValueError:
