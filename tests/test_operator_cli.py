@@ -50,7 +50,11 @@ async def test_devices_lists_a_worker_and_ctl_steers_the_ps(mosquitto_broker: Br
     common = ["--broker", mosquitto_broker.url, "--job", "ops"]
     async with running(*services):
         await until("two accepted updates", lambda: worker.accepted >= 2, WAIT_S)
-        code, out, err = await cli("devices", *common, "--wait", "1.5")
+        # the first reading runs vcgencmd (a process): on a loaded host it may come after the first stats
+        await until("the first health reading",
+                    lambda: worker.metrics.value("edgemesh_device_cpu_temperature_celsius") == 61.25, WAIT_S)
+        # stats are not retained: listen longer than worker.stats_interval_s (2 s) to hear one with the reading
+        code, out, err = await cli("devices", *common, "--wait", "3")
         assert code == 0, err
         row = next(line for line in out.splitlines() if line.startswith("pi-07"))
         assert "online" in row and "c-pi-07" in row

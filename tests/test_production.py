@@ -101,13 +101,13 @@ MESH_MEMORY = {"pi-01": 273_650_000, "pi-02": 273_700_000, "pi-03": 273_700_000}
 alone, the three form one model-parallel cluster, and pi-01 and pi-02 one of two when pi-03 leaves."""
 
 
-def role_config(shipped: ProductionBroker, user: str, tmp_path: Path, **settings: object) -> Config:
+def role_config(shipped: ProductionBroker, user: str, tmp_path: Path, topics: Topics, **settings: object) -> Config:
     """A service (over loopback, with its password) or a device (over TLS, with its own password), as the
     systemd units run them: no job in the configuration is needed here, the test names one."""
     device = user.startswith("pi-")
     broker = shipped.broker_config(user, tls=device)
     overrides: dict[str, object] = {
-        "job": TOPICS.job, "broker.url": broker.url, "broker.username": user, "broker.password": broker.password,
+        "job": topics.job, "broker.url": broker.url, "broker.username": user, "broker.password": broker.password,
         "broker.ca_file": broker.ca_file, "broker.backoff_initial_s": 0.05, "broker.backoff_max_s": 0.5,
         "metrics.address": "127.0.0.1:0", "ps.state_dir": tmp_path / "ps", "ps.eval_every": 5,
         "training.sync_policy": "adaptive", "planner.min_devices": len(DEVICES),
@@ -133,16 +133,19 @@ async def test_the_shipped_deployment_trains_under_its_acl(shipped: ProductionBr
     ``adaptive``; the PS's sync state reaches the planner; control for all reaches every service; nothing
     any of them publishes is refused. In mesh mode the devices are too small to hold the model alone: one
     model-parallel cluster; when a member leaves, the others' new division makes them ask for a snapshot."""
-    mesh = {"planner.parallelism": "mesh", "training.sync_policy": "sync"} if parallelism == "mesh" else {}
-    planner = Planner(role_config(shipped, "planner", tmp_path, **mesh))
-    ps = ParameterServer(role_config(shipped, "ps", tmp_path, **mesh))
-    compressor = Compressor(role_config(shipped, "compressor", tmp_path, **mesh))
-    workers = [Worker(role_config(shipped, d, tmp_path, **mesh, **({"worker.memory_bytes": MESH_MEMORY[d]}
-                                                                  if mesh else {}))) for d in DEVICES]
+    # mesh: the grid the hellos call for is kept (a loaded host's measured speeds could call for another)
+    mesh = {"planner.parallelism": "mesh", "training.sync_policy": "sync",
+            "planner.replan_threshold": 1000} if parallelism == "mesh" else {}
+    topics = Topics(f"prod-{parallelism}")  # a job of its own: no retained plan or hello of another test
+    planner = Planner(role_config(shipped, "planner", tmp_path, topics, **mesh))
+    ps = ParameterServer(role_config(shipped, "ps", tmp_path, topics, **mesh))
+    compressor = Compressor(role_config(shipped, "compressor", tmp_path, topics, **mesh))
+    workers = [Worker(role_config(shipped, d, tmp_path, topics, **mesh, **(
+        {"worker.memory_bytes": MESH_MEMORY[d]} if mesh else {}))) for d in DEVICES]
     target = MESH_TARGET if mesh else TARGET
-    operator = role_config(shipped, "operator", tmp_path)
+    operator = role_config(shipped, "operator", tmp_path, topics)
     async with running(planner, ps, compressor, *workers), inbox(
-            operator, (TOPICS.reply_filter("operator"), ControlReply)) as box:
+            operator, (topics.reply_filter("operator"), ControlReply)) as box:
         await until("training to reach the target",
                     lambda: ps.metrics.value("edgemesh_ps_eval_accuracy_ratio") >= target, TRAIN_S)
         if mesh:
@@ -152,7 +155,7 @@ async def test_the_shipped_deployment_trains_under_its_acl(shipped: ProductionBr
             await until("the sync state at the planner", lambda: planner.sync_state is not None
                         and planner.sync_state.policy == "adaptive", WAIT_S)
         # the operator's command for everyone reaches every service and device
-        await box.publish(TOPICS.control("all"), ControlCommand(command="status", requester="operator",
+        await box.publish(topics.control("all"), ControlCommand(command="status", requester="operator",
                                                                 request_id="all"))
         everyone = {"planner", "ps", "compressor", *(f"device/{d}" for d in DEVICES)}
 
