@@ -8,8 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from edgemesh.bench.soak import growth, windows
 from edgemesh.common.codecs import available_codecs
+
+pytestmark = pytest.mark.timeout(400)
+"""Each quick run is a cluster of processes; a loaded CI host, or tests run side by side, make it slower than
+the default limit (the subprocesses have their own timeouts)."""
 
 LEARNED = 0.3
 """Held-out accuracy a quick run reaches at the least; measured on this host: codecs 0.68-0.77 after 30 rounds,

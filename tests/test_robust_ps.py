@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers import WAIT_S, devices, gradient, make_config, serving_ps
 
 from edgemesh.common.config import Config
@@ -92,6 +93,7 @@ async def test_a_ps_killed_with_9_keeps_the_rule_set_by_the_operator(mosquitto_b
                 proc.wait(timeout=WAIT_S)
 
 
+@pytest.mark.timeout(400)  # a cluster of processes per rule: slower than the default limit on a loaded host
 def test_bench_robust_report_layout(tmp_path: Path) -> None:
     """A quick run: three workers, one flipping its gradient's sign; clean, then the mean and the median
     attacked. Layout and that training learns; no speed."""
