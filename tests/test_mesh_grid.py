@@ -12,11 +12,13 @@ from helpers import GIGABIT, check_division, dev, full, share_memory
 from edgemesh.common import costs
 from edgemesh.common.emulation.profiles import get_profile
 from edgemesh.common.errors import ModelError
+from edgemesh.common.messages import Plan, PlanCluster, PlanDevice
 from edgemesh.common.topics import valid_name
 from edgemesh.services.planner.mesh import grid as grid_mod
 from edgemesh.services.planner.mesh.cost_model import FLOAT32_WIRE, member_memory, member_time
 from edgemesh.services.planner.mesh.devices import DeviceInfo, cluster_name, sample_fleet
 from edgemesh.services.planner.mesh.grid import Grid, grid_iteration_s, needs_replan, time_layout, training_grid
+from edgemesh.services.worker.profile import share_refusal
 
 
 def check_grid(grid: Grid, devices: list[DeviceInfo], spec: str, batch: int, max_size: int = 8) -> None:
@@ -261,3 +263,19 @@ def test_replanning_on_join_leave_and_slowdown() -> None:
     shrunk = [replace(d, memory_bytes=share_memory("cifar-cnn", 0.05, 64)) if d.device == member else d
               for d in fleet]
     assert needs_replan(grid, shrunk, "cifar-cnn", 64)
+
+
+def test_a_lone_member_the_grid_sizes_is_not_refused_by_its_device() -> None:
+    """Under high latency the grid may give every device a cluster of its own with a small batch, sized by the
+    per-layer accounting; the device's own check of the share must agree (it used a larger whole-model
+    estimate, refused the share, and the job never trained)."""
+    devices = [DeviceInfo(device=f"pi-0{i}", flops=flops, memory_bytes=memory, link_rate_bps=1.7e9, latency_s=0.037)
+               for i, flops, memory in ((1, 1.2e8, 273_650_000), (2, 1.4e8, 273_700_000), (3, 1.3e8, 273_700_000))]
+    grid = training_grid("digits-cnn", devices, batch=32, max_cluster_size=8, min_batch=4, max_batch=128)
+    assert [len(c.members) for c in grid.clusters] == [1, 1, 1]
+    for c in grid.clusters:
+        me = PlanDevice(device=c.members[0], cluster=f"c-{c.members[0]}", shard_index=0, shard_count=3,
+                        batch_size=c.batch)
+        plan = Plan(version=1, created=0.0, model_spec="digits-cnn", dataset="digits", devices=(me,),
+                    clusters=(PlanCluster(cluster=me.cluster, members=(me.device,)),))
+        assert share_refusal(plan, me, next(d.memory_bytes for d in devices if d.device == me.device)) == "", c

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
@@ -87,6 +88,11 @@ def share_refusal(plan: Plan, me: PlanDevice, memory_bytes: int) -> str:
             need = costs.member_memory_bytes(layers, [counts[la.name][index] for la in layers], me.batch_size)
         else:
             need = costs.training_memory_bytes(plan.model_spec, me.batch_size)
+            with contextlib.suppress(ModelError):  # no layer figures (an entry-point model): the first estimate
+                # the mesh planner sizes a lone member with the per-layer accounting of a cluster's members,
+                # which comes out a little lower: a share it planned must not be refused
+                layers = costs.layers(plan.model_spec)
+                need = min(need, costs.member_memory_bytes(layers, [la.units for la in layers], me.batch_size))
     except ModelError:
         return ""
     if need <= memory_bytes:
