@@ -313,17 +313,25 @@ async def test_every_dashboard_query_returns_data_from_a_real_prometheus(
                 and prometheus.query('edgemesh_ps_host_rejected_total{route="job", reason="field"}'),
                 DATA_WAIT_S, meanwhile=reject)
 
-        missing: dict[str, str] = {}
+            missing: dict[str, str] = {}
 
-        def complete() -> bool:
-            missing.clear()
-            missing.update(missing_data(prometheus, queries, since))
-            return not missing
+            def complete() -> bool:
+                missing.clear()
+                missing.update(missing_data(prometheus, queries, since))
+                return not missing
 
-        try:
-            await wait("every panel's query to return data", complete, DATA_WAIT_S)
-        except AssertionError:
-            raise AssertionError(f"queries without data: {json.dumps(missing, indent=1)}") from None
+            codecs = iter(["fp16", "default"] * int(DATA_WAIT_S / POLL_S))
+
+            async def steer() -> None:
+                """An operator changing w0's codec: a policy published while Prometheus scrapes (the fleet's
+                own policies may all have gone out between two scrapes, leaving the density panel no rate)."""
+                await test.publish(Topics(JOB).control("compressor"), json.dumps({
+                    "command": "set-codec", "device": "w0", "value": next(codecs)}).encode())
+
+            try:
+                await wait("every panel's query to return data", complete, DATA_WAIT_S, meanwhile=steer)
+            except AssertionError:
+                raise AssertionError(f"queries without data: {json.dumps(missing, indent=1)}") from None
 
         # the Pi health row shows the Pi, and only it: the other hosts have no source, so no series (not 0)
         pi = next(f"127.0.0.1:{int(c.port_file.read_text())}" for c in local.children if c.name == "w0")
