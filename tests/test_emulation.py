@@ -200,7 +200,9 @@ async def test_a_device_refuses_a_share_that_does_not_fit_its_memory(
         mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
     job = "emu-refuse"
     topics = Topics(job)
-    memory = costs.training_memory_bytes("digits-cnn", 64)  # holds a batch of 64, not of 65
+    # holds a batch of 64, not of 65, by the smaller of the worker's two estimates (the mesh grid's accounting)
+    layers = costs.layers("digits-cnn")
+    memory = costs.member_memory_bytes(layers, [la.units for la in layers], 64)
     worker = Worker(emulation_config(mosquitto_broker, tmp_path, job, **{"worker.device": "small",
                                                                         "worker.memory_bytes": str(memory)}))
     cfg = emulation_config(mosquitto_broker, tmp_path, job)
