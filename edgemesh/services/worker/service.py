@@ -14,10 +14,10 @@ Backbone, top to bottom:
    host's temperature and throttling as last read), from which the compressor picks this device's codec
    and the planner its batch.
 
-A plan share whose estimated memory (``costs.training_memory_bytes``) exceeds what the device
-offers is refused: the retained status names the refused plan and why, and the worker waits for a
-plan that gives it less. A policy with ``gateway = true`` makes the worker send raw float32 on
-``grad-raw/{cluster}/{device}`` for the compressor to encode.
+A plan share whose estimated memory (``profile.share_refusal``: by the accounting the planner sized it
+with) exceeds what the device offers is refused: the retained status names the refused plan and why,
+and the worker waits for a plan that gives it less. A policy with ``gateway = true`` makes the worker send
+raw float32 on ``grad-raw/{cluster}/{device}`` for the compressor to encode.
 """
 
 from __future__ import annotations
