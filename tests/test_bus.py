@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import WAIT_S, until
 
-from edgemesh.common import wire
+from edgemesh.common import chunks, wire
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import BrokerConfig, Config, load_config
 from edgemesh.common.errors import BusError
@@ -136,10 +136,10 @@ async def test_a_partial_chunked_message_times_out_on_an_idle_bus_counted_on_its
     cfg = config(mosquitto_broker, **{"broker.reassembly_timeout_s": "0.3"})
     async with routed(cfg) as (bus, seen), routed(cfg, "sender") as (sender, _):
         event = Event(kind="evaluation", source="ps", time=1.0, message="x" * 4000)
-        await sender.publish(T.events(), wire.split(wire.encode(event), 1024)[0])  # one chunk of four, the rest lost
+        await sender.publish(T.events(), chunks.split(wire.encode(event), 1024)[0])  # one chunk of four, the rest lost
         await until("the partial message counted", lambda: rejected(bus, "events", "chunk_timeout") == 1)
-        await sender.publish(T.events(), wire.split(wire.encode(event), 1024)[0])
-        await sender.publish(T.hello("pi-2"), wire.split(wire.encode(hello("pi-2")) + b"\0" * 2000, 1024)[0])
+        await sender.publish(T.events(), chunks.split(wire.encode(event), 1024)[0])
+        await sender.publish(T.hello("pi-2"), chunks.split(wire.encode(hello("pi-2")) + b"\0" * 2000, 1024)[0])
         await until("both counted", lambda: rejected(bus, "events", "chunk_timeout") == 2
                     and rejected(bus, "hello", "chunk_timeout") == 1)
         assert not seen.seen
@@ -197,9 +197,9 @@ async def test_cancelling_run_leaves_no_task_behind(broker: BrokerProcess) -> No
 
 def test_a_message_is_one_call_into_wire_each_way() -> None:
     """The bus hands the wire a message once on the way out and once on the way in (chunks included)."""
-    receiver = wire.Receiver(max_bytes=1 << 20, budget_bytes=1 << 20, timeout_s=5)
+    receiver = chunks.Receiver(max_bytes=1 << 20, budget_bytes=1 << 20, timeout_s=5)
     event = Event(kind="x", source="ps", time=1.0, message="y" * 4000)
-    kind, pieces = wire.frames(event, 1024)
+    kind, pieces = chunks.frames(event, 1024)
     assert kind == "event" and len(pieces) > 1
     got = [receiver.take(T.events(), piece, Event) for piece in pieces]
     assert got[:-1] == [None] * (len(pieces) - 1) and got[-1] == event

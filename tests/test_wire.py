@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from edgemesh.common import wire
+from edgemesh.common.chunks import Chunk, Reassembler, Receiver, split
 from edgemesh.common.costs import LayerCost
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import (
@@ -47,7 +48,6 @@ from edgemesh.common.messages import (
     UpdateAck,
 )
 from edgemesh.common.tensor import MAX_TENSOR_DIMS, TENSOR_DTYPES, Tensor
-from edgemesh.common.wire import Chunk, Reassembler
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 """Hypothesis settings that keep the whole file well under a few seconds."""
@@ -538,13 +538,13 @@ def _chunks(parts: list[bytes]) -> list[Chunk]:
 
 def test_split_keeps_a_small_payload_whole() -> None:
     payload = wire.encode(HELLO)
-    assert wire.split(payload, len(payload)) == [payload]
+    assert split(payload, len(payload)) == [payload]
 
 
 def test_split_chunks_carry_id_index_count_and_size_within_the_limit() -> None:
     payload = wire.encode(MODEL)
     size = 1024
-    parts = wire.split(payload, size)
+    parts = split(payload, size)
     chunks = _chunks(parts)
     assert len(parts) == -(-len(payload) // size)
     assert [c.index for c in chunks] == list(range(len(parts)))
@@ -553,14 +553,14 @@ def test_split_chunks_carry_id_index_count_and_size_within_the_limit() -> None:
     assert all(len(c.data) <= size for c in chunks)
     assert all(len(p) <= size + 128 for p in parts)  # the header is a small, fixed overhead
     assert b"".join(c.data for c in chunks) == payload
-    assert wire.split(payload, size)[0] != parts[0]  # each split gets a fresh message id
+    assert split(payload, size)[0] != parts[0]  # each split gets a fresh message id
 
 
 @FAST
 @given(payload=st.binary(max_size=3000), chunk_size=st.integers(1, 400), data=st.data())
 def test_split_and_reassemble_in_any_order_with_duplicates(payload: bytes, chunk_size: int,
                                                            data: st.DataObject) -> None:
-    parts = wire.split(payload, chunk_size)
+    parts = split(payload, chunk_size)
     if len(payload) <= chunk_size:
         assert parts == [payload]
         return
@@ -587,7 +587,7 @@ def test_split_and_reassemble_in_any_order_with_duplicates(payload: bytes, chunk
 
 def test_interleaved_messages_and_topics_reassemble_separately() -> None:
     a, b = b"A" * 1000, b"B" * 1000
-    ca, cb = _chunks(wire.split(a, 300)), _chunks(wire.split(b, 300))
+    ca, cb = _chunks(split(a, 300)), _chunks(split(b, 300))
     same_id_other_topic = [dataclasses.replace(c, data=c.data.lower()) for c in ca]
     r = Reassembler(max_bytes=10_000, timeout=60.0)
     done = []
@@ -604,7 +604,7 @@ def _clock() -> tuple[list[float], Reassembler]:
 
 def test_a_partial_message_older_than_the_timeout_is_dropped() -> None:
     now, r = _clock()
-    chunks = _chunks(wire.split(b"x" * 1000, 400))
+    chunks = _chunks(split(b"x" * 1000, 400))
     assert r.add("t", chunks[0]) is None
     assert r.held_bytes == 400 and len(r) == 1
     now[0] = 5.0
@@ -623,10 +623,10 @@ def test_a_partial_message_older_than_the_timeout_is_dropped() -> None:
 
 def test_adding_a_chunk_expires_stale_partials() -> None:
     now, r = _clock()
-    old = _chunks(wire.split(b"o" * 1000, 400))
+    old = _chunks(split(b"o" * 1000, 400))
     r.add("t", old[0])
     now[0] = 100.0
-    new = _chunks(wire.split(b"n" * 500, 400))
+    new = _chunks(split(b"n" * 500, 400))
     assert r.add("t", new[0]) is None
     assert r.dropped == {"chunk_timeout": 1}
     assert r.add("t", new[1]) == b"n" * 500
@@ -635,9 +635,9 @@ def test_adding_a_chunk_expires_stale_partials() -> None:
 
 def test_the_byte_budget_evicts_the_oldest_partial() -> None:
     r = Reassembler(max_bytes=1000, timeout=60.0)
-    a = _chunks(wire.split(b"a" * 800, 400))
-    b = _chunks(wire.split(b"b" * 800, 400))
-    c = _chunks(wire.split(b"c" * 800, 400))
+    a = _chunks(split(b"a" * 800, 400))
+    b = _chunks(split(b"b" * 800, 400))
+    c = _chunks(split(b"c" * 800, 400))
     r.add("t", a[0])
     r.add("t", b[0])
     assert r.held_bytes == 800
@@ -651,7 +651,7 @@ def test_the_byte_budget_evicts_the_oldest_partial() -> None:
 def test_a_message_larger_than_the_budget_is_oversized() -> None:
     r = Reassembler(max_bytes=500, timeout=60.0)
     with pytest.raises(WireError) as exc:
-        r.add("t", _chunks(wire.split(b"z" * 501, 100))[0])
+        r.add("t", _chunks(split(b"z" * 501, 100))[0])
     assert exc.value.reason == "oversized"
     assert r.held_bytes == 0
 
@@ -659,7 +659,7 @@ def test_a_message_larger_than_the_budget_is_oversized() -> None:
 @pytest.mark.parametrize("change", [{"count": 4}, {"size": 999}], ids=["count", "size"])
 def test_inconsistent_chunk_headers_raise_and_drop_the_partial(change: dict[str, int]) -> None:
     r = Reassembler(max_bytes=10_000, timeout=60.0)
-    chunks = _chunks(wire.split(b"q" * 1000, 400))
+    chunks = _chunks(split(b"q" * 1000, 400))
     r.add("t", chunks[0])
     with pytest.raises(WireError) as exc:
         r.add("t", dataclasses.replace(chunks[1], **change))
@@ -689,7 +689,7 @@ def test_chunks_adding_up_to_fewer_bytes_than_announced_are_refused() -> None:
 def test_a_chunk_holding_more_bytes_than_its_whole_message_is_refused_once() -> None:
     """Issue 14 (fuzz): it was counted twice, as the partial message it started (``chunk_inconsistent``) and as
     itself (``chunk``)."""
-    receiver = wire.Receiver(max_bytes=1 << 20, budget_bytes=1 << 20, timeout_s=60.0)
+    receiver = Receiver(max_bytes=1 << 20, budget_bytes=1 << 20, timeout_s=60.0)
     liar = wire.encode(Chunk(id="liar", index=0, count=2, size=3, data=b"12345"))
     with pytest.raises(WireError) as exc:
         receiver.take("t", liar, Event)
@@ -698,7 +698,7 @@ def test_a_chunk_holding_more_bytes_than_its_whole_message_is_refused_once() -> 
 
 def test_a_duplicate_chunk_is_held_once() -> None:
     r = Reassembler(max_bytes=10_000, timeout=60.0)
-    chunks = _chunks(wire.split(b"d" * 1000, 400))
+    chunks = _chunks(split(b"d" * 1000, 400))
     r.add("t", chunks[0])
     r.add("t", chunks[0])
     assert r.held_bytes == 400

@@ -9,12 +9,13 @@ report both, and model versions that went back.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgemesh.services.parameter_server.ledger import Entry, read_ledger
+from edgemesh.services.parameter_server.ledger import Entry, lines_of, read_ledger
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,17 +39,10 @@ class Audit:
 def read_ack_log(path: Path) -> list[tuple[int, int]]:
     """``(incarnation, seq)`` of every line of a worker's ack log (a torn last line left out)."""
     out = []
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 4 and parts[2] in ("accepted", "duplicate"):  # not a line torn by a kill
-            try:
+    for parts in lines_of(path, 4):
+        if parts[2] in ("accepted", "duplicate"):  # not a line torn by a kill and joined to the next run's
+            with contextlib.suppress(ValueError):
                 out.append((int(parts[0]), int(parts[1])))
-            except ValueError:
-                continue
     return out
 
 

@@ -35,7 +35,7 @@ from typing import Any, Generic, TypeVar
 import aiomqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
-from edgemesh.common import wire
+from edgemesh.common import chunks, wire
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.metrics import ServiceMetrics
@@ -97,8 +97,9 @@ class Bus:
         self._connected = asyncio.Event()
         self._inbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
         metrics.inbox.set_function(self._inbox.qsize)
-        self._receiver = wire.Receiver(max_bytes=config.max_message_bytes, budget_bytes=config.reassembly_budget_bytes,
-                                       timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped)
+        self._receiver = chunks.Receiver(max_bytes=config.max_message_bytes,
+                                         budget_bytes=config.reassembly_budget_bytes,
+                                         timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped)
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._closing = False
         self._refusals_logged: set[tuple[str, str]] = set()
@@ -398,7 +399,7 @@ class Bus:
 
         Waits up to ``publish_timeout_s`` for a connection; raises BusError after that.
         """
-        encoded_kind, pieces = wire.frames(msg, self.config.chunk_bytes)
+        encoded_kind, pieces = chunks.frames(msg, self.config.chunk_bytes)
         if len(pieces) == 1:
             targets = [topic]
         elif retain:

@@ -8,9 +8,8 @@ the class's own ``validate()``; every failure is one ``WireError`` with a short 
 
 Tensors travel as ``(dtype, shape, raw little-endian bytes)`` (``tensor.Tensor``): never pickle.
 
-Large payloads are split into ``chunk`` envelopes carrying ``(id, index, count)`` and joined
-again by a ``Reassembler`` whose buffer is bounded in bytes and time. The bus makes one call here
-per message: ``frames`` on the way out, ``Receiver.take`` on the way in.
+Payloads larger than a chunk travel as ``chunk`` envelopes (``chunks``): the bus calls ``chunks.frames`` on
+the way out and ``chunks.Receiver.take`` on the way in, which decodes through here.
 """
 
 from __future__ import annotations
@@ -18,11 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import time
 import types
 import typing
-import uuid
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
@@ -35,8 +31,6 @@ from edgemesh.common.tensor import Tensor
 WIRE_VERSION = 1
 CHUNK_KIND = "chunk"
 
-REFUSED_IDS_KEPT = 256
-"""Ids of refused chunked messages remembered, so their other chunks are dropped silently."""
 MAX_STR = 4096
 MAX_ITEMS = 1_000_000
 INT_RANGE = (-(2**63), 2**64 - 1)
@@ -325,205 +319,3 @@ def truncate(payload: bytes, limit: int = 64) -> str:
     """A payload for a log line."""
     head = payload[:limit]
     return repr(head) + (f"... ({len(payload)} bytes)" if len(payload) > limit else "")
-
-
-# --------------------------------------------------------------------------- chunking
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Chunk:
-    """One piece of a large payload."""
-
-    id: str
-    index: int
-    count: int
-    size: int
-    data: bytes
-
-    def validate(self) -> None:
-        if not 0 < len(self.id) <= 64:
-            raise ValueError("chunk id length out of range")
-        if self.count < 1 or not 0 <= self.index < self.count:
-            raise ValueError(f"chunk index {self.index} of {self.count} invalid")
-        if self.size < 0:
-            raise ValueError("negative size")
-        if len(self.data) > self.size:
-            raise ValueError(f"a chunk of {len(self.data)} bytes of a {self.size}-byte message")
-
-
-message(CHUNK_KIND)(Chunk)
-
-
-def split(payload: bytes, chunk_size: int) -> list[bytes]:
-    """``payload`` as one envelope, or as chunk envelopes of at most ``chunk_size`` data bytes."""
-    if len(payload) <= chunk_size:
-        return [payload]
-    msg_id = uuid.uuid4().hex[:16]
-    count = -(-len(payload) // chunk_size)
-    return [
-        encode(
-            Chunk(
-                id=msg_id,
-                index=i,
-                count=count,
-                size=len(payload),
-                data=payload[i * chunk_size : (i + 1) * chunk_size],
-            )
-        )
-        for i in range(count)
-    ]
-
-
-@dataclasses.dataclass(slots=True)
-class _Partial:
-    count: int
-    size: int
-    started: float
-    parts: dict[int, bytes]
-    held: int = 0
-
-
-class Reassembler:
-    """Joins chunks per (topic, message id) within a byte budget and a timeout.
-
-    A partial message older than ``timeout`` is dropped; when the budget would be
-    exceeded, the oldest partial messages are evicted. ``dropped`` counts both by reason,
-    and ``on_drop(topic, reason)`` hears of each.
-    """
-
-    def __init__(self, *, max_bytes: int, timeout: float, clock: Callable[[], float] = time.monotonic,
-                 on_drop: Callable[[str, str], None] | None = None) -> None:
-        self.max_bytes = max_bytes
-        self.timeout = timeout
-        self._clock = clock
-        self._on_drop = on_drop
-        self._partials: OrderedDict[tuple[str, str], _Partial] = OrderedDict()
-        """In the order they started (so the oldest come first)."""
-        self._held = 0
-        self.dropped: dict[str, int] = {}
-
-    @property
-    def held_bytes(self) -> int:
-        return self._held
-
-    def __len__(self) -> int:
-        return len(self._partials)
-
-    def _drop(self, key: tuple[str, str], reason: str) -> None:
-        partial = self._partials.pop(key)
-        self._held -= partial.held
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
-        if self._on_drop is not None:
-            self._on_drop(key[0], reason)
-
-    def expire(self) -> None:
-        now = self._clock()
-        while self._partials:
-            key, oldest = next(iter(self._partials.items()))
-            if now - oldest.started <= self.timeout:
-                return
-            self._drop(key, "chunk_timeout")
-
-    def add(self, topic: str, chunk: Chunk) -> bytes | None:
-        """Store a chunk; return the whole payload once its last chunk arrives."""
-        self.expire()
-        if chunk.size > self.max_bytes:
-            raise WireError(f"chunked message of {chunk.size} bytes exceeds the reassembly budget", "oversized")
-        key = (topic, chunk.id)
-        partial = self._partials.get(key)
-        if partial is None:
-            partial = _Partial(count=chunk.count, size=chunk.size, started=self._clock(), parts={})
-            self._partials[key] = partial
-        elif partial.count != chunk.count or partial.size != chunk.size:
-            self._drop(key, "chunk_inconsistent")
-            raise WireError("chunk header disagrees with earlier chunks of the same message", "chunk")
-        if chunk.index in partial.parts:
-            return None
-        if partial.held + len(chunk.data) > partial.size:
-            self._drop(key, "chunk_inconsistent")
-            raise WireError("chunks carry more bytes than their header announced", "chunk")
-        while self._held + len(chunk.data) > self.max_bytes and len(self._partials) > 1:
-            oldest = next(k for k in self._partials if k != key)
-            self._drop(oldest, "chunk_evicted")
-        partial.parts[chunk.index] = chunk.data
-        partial.held += len(chunk.data)
-        self._held += len(chunk.data)
-        if len(partial.parts) < partial.count:
-            return None
-        self._partials.pop(key)
-        self._held -= partial.held
-        payload = b"".join(partial.parts[i] for i in range(partial.count))
-        if len(payload) != partial.size:
-            raise WireError(f"reassembled {len(payload)} bytes, header said {partial.size}", "chunk")
-        return payload
-
-
-# --------------------------------------------------------------------------- one call per message
-
-
-def frames(msg: Any, chunk_size: int) -> tuple[str, list[bytes]]:
-    """A message (or ready envelope bytes) as the payloads to publish: one envelope, or its chunks;
-    with its kind (``raw`` for bytes)."""
-    if isinstance(msg, (bytes, bytearray)):
-        return "raw", split(bytes(msg), chunk_size)
-    return kind_of(msg), split(encode(msg), chunk_size)
-
-
-class Receiver:
-    """Received payloads to messages, one call each (``take``): the envelope (or a UTF-8 JSON body
-    where allowed), chunks joined within a byte budget and a timeout, the body checked against the
-    expected kind. ``dropped`` counts partial chunked messages dropped, by reason, and
-    ``on_drop(topic, reason)`` hears of each: when one contradicts itself, gives way to the budget, or
-    times out (checked at every ``take`` and ``expire``)."""
-
-    def __init__(self, *, max_bytes: int, budget_bytes: int, timeout_s: float,
-                 on_drop: Callable[[str, str], None] | None = None) -> None:
-        self.max_bytes = max_bytes
-        self._reassembler = Reassembler(max_bytes=budget_bytes, timeout=timeout_s, on_drop=on_drop)
-        self.dropped = self._reassembler.dropped
-        self._refused: OrderedDict[str, None] = OrderedDict()
-
-    @property
-    def partials(self) -> int:
-        """Partial chunked messages held."""
-        return len(self._reassembler)
-
-    def expire(self) -> None:
-        """Drop the partial chunked messages older than the timeout."""
-        self._reassembler.expire()
-
-    def take(self, topic: str, payload: bytes, expected: type[T] | tuple[type, ...], *, json_kind: str = ""
-             ) -> T | None:
-        """The message ``payload`` completes on ``topic``, or None while its chunks are missing.
-
-        Raises WireError (with its reason) for a payload that is not a message of ``expected``. With
-        ``json_kind``, a payload that is not MessagePack may be a JSON object, the body of that kind.
-        """
-        self._reassembler.expire()
-        envelope = self._envelope(topic, payload, json_kind)
-        return None if envelope is None else decode_envelope(envelope, expected)
-
-    def _envelope(self, topic: str, payload: bytes, json_kind: str) -> Envelope | None:
-        try:
-            envelope = unpack(payload, max_bytes=self.max_bytes)
-        except WireError as exc:
-            if exc.reason != "malformed" or not json_kind:
-                raise
-            return unpack_json(payload, json_kind, max_bytes=self.max_bytes)
-        if envelope.kind != CHUNK_KIND:
-            return envelope
-        chunk = decode_envelope(envelope, Chunk)
-        if chunk.id in self._refused:
-            return None  # the rest of a message already counted as rejected
-        if chunk.size > self.max_bytes:
-            self._refused[chunk.id] = None
-            while len(self._refused) > REFUSED_IDS_KEPT:
-                self._refused.popitem(last=False)
-            raise WireError(f"chunked message of {chunk.size} bytes exceeds the limit", "oversized")
-        whole = self._reassembler.add(topic, chunk)
-        if whole is None:
-            return None
-        inner = unpack(whole, max_bytes=self.max_bytes)
-        if inner.kind == CHUNK_KIND:
-            raise WireError("a chunk inside a chunk", "chunk")
-        return inner

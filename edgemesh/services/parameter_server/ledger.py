@@ -11,6 +11,7 @@ audit of the whole run (``edgemesh bench soak`` and the fault-injection test rea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -38,21 +39,22 @@ class Entry(NamedTuple):
         return self.device, self.incarnation, self.seq
 
 
-def read_ledger(path: Path) -> list[Entry]:
-    """The entries of a ledger file (a torn last line, from a crash mid-write, is left out)."""
-    entries = []
+def lines_of(path: Path, fields: int) -> list[list[str]]:
+    """The lines of an append-only audit file (this ledger, a worker's ack log) that have ``fields`` words; a
+    missing file has none. A line torn by a crash mid-write has fewer: it is left out."""
     try:
         text = path.read_text()
     except FileNotFoundError:
         return []
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) != 4:
-            continue
-        try:
+    return [parts for line in text.splitlines() if len(parts := line.split()) == fields]
+
+
+def read_ledger(path: Path) -> list[Entry]:
+    """The entries of a ledger file (a torn last line, from a crash mid-write, is left out)."""
+    entries = []
+    for parts in lines_of(path, 4):
+        with contextlib.suppress(ValueError):
             entries.append(Entry(int(parts[0]), parts[1], int(parts[2]), int(parts[3])))
-        except ValueError:
-            continue
     return entries
 
 
