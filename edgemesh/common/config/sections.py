@@ -393,6 +393,13 @@ class WorkerConfig:
     """Emulation: time dilation, >= 1. The board runs this many times slower in every respect (compute,
     link rates, latency), so a host slower than the fleet it emulates keeps up; durations are then this
     many times the board's (benchmarks report the factor)."""
+    emulation_scenario: str = ""
+    """Emulation: how the board misbehaves over time (``scenarios.toml``: steady, dynamic, harsh): thermal
+    throttling, link stalls, drop-outs and a varying link rate, seeded by ``emulation_seed`` and the device
+    name; the timeline starts with the first plan naming the device. Empty = none (the profile's own
+    disconnects only)."""
+    emulation_scenarios: str = ""
+    """TOML file of emulation scenarios; empty = the built-in ``scenarios.toml``."""
     emulation_attack: AttackKind = ""
     """Emulation of a faulty or malicious device (``edgemesh bench robust``): ``sign-flip`` sends its gradient
     negated and scaled by ``emulation_attack_scale``; ``noise`` sends Gaussian noise whose standard deviation

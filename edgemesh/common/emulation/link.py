@@ -14,7 +14,10 @@ lossy Wi-Fi link, per direction:
   end of stream or the reset after the bytes sent before it, not ahead of them;
 * **disconnects** - :meth:`EmulatedLink.outage` (forced) or a seeded Poisson process
   (spontaneous, :func:`outage_schedule`) cuts every connection with a TCP reset and
-  refuses new ones until the outage ends.
+  refuses new ones until the outage ends;
+* **stalls and rate changes** - :meth:`EmulatedLink.stall` holds every byte for a while with the
+  connections kept (the broker notices nothing); :meth:`EmulatedLink.set_rates` scales both rates
+  (a scenario's timeline drives both: ``dynamics``).
 
 A cut looks to the broker like a device that died, not one that left: queued bytes are
 dropped, no MQTT DISCONNECT gets through, the broker sees its socket reset and publishes
@@ -91,7 +94,7 @@ class LinkClock:
     occupies it for ``size / rate_bps`` and arrives ``latency_s`` after that.
     """
 
-    __slots__ = ("rate_bps", "latency_s", "free_at", "busy_s")
+    __slots__ = ("rate_bps", "latency_s", "free_at", "busy_s", "stalled_until")
 
     def __init__(self, rate_bps: float, latency_s: float) -> None:
         self.rate_bps = rate_bps
@@ -102,10 +105,12 @@ class LinkClock:
         """When the radio has sent everything handed to it so far."""
         self.busy_s = 0.0
         """Seconds the radio has been booked for so far: how long it was (or will be) busy sending."""
+        self.stalled_until = -math.inf
+        """Until when the radio moves nothing (a stall: the connection stays up, the bytes wait)."""
 
     def deliver_at(self, size: int, now: float) -> float:
         """The time a chunk of ``size`` bytes handed over at ``now`` arrives; books the radio for it."""
-        start = max(now, self.free_at)
+        start = max(now, self.free_at, self.stalled_until)
         self.free_at = start + size / self.rate_bps if self.rate_bps > 0 else start
         self.busy_s += self.free_at - start
         return self.free_at + self.latency_s
@@ -219,7 +224,8 @@ class EmulatedLink:
     ``bytes_up`` and ``bytes_down`` (bytes delivered each way), ``connections``
     (accepted and relayed), ``refused`` (accepted and reset while down),
     ``disconnects`` (cuts that hit at least one open connection), ``outages`` (times
-    the link went down; extending an outage is not a new one) and ``down_seconds``.
+    the link went down; extending an outage is not a new one), ``down_seconds``, ``stalls`` and
+    ``stalled_seconds``.
     ``listen_host`` should be an IP address, so that the link listens on one socket.
     """
 
@@ -251,6 +257,8 @@ class EmulatedLink:
         self.disconnects = 0
         self.outages = 0
         self.down_seconds = 0.0
+        self.stalls = 0
+        self.stalled_seconds = 0.0
         self._uplink = _Direction("up", shape.uplink_bps, shape.latency_s)
         self._downlink = _Direction("down", shape.downlink_bps, shape.latency_s)
         self._open: set[_Connection] = set()
@@ -327,6 +335,25 @@ class EmulatedLink:
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"seconds: expected a finite number >= 0, got {seconds!r}")
         await self._go_down(seconds, "forced")
+
+    def stall(self, seconds: float) -> None:
+        """Move nothing either way for ``seconds`` from now, connections kept (a Wi-Fi stall: the broker does
+        not notice, the bytes wait and arrive after it). Called during a stall, extends it to the later end."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"seconds: expected a finite number >= 0, got {seconds!r}")
+        until = asyncio.get_running_loop().time() + seconds
+        for direction in (self._uplink, self._downlink):
+            direction.clock.stalled_until = max(direction.clock.stalled_until, until)
+        self.stalls += 1
+        self.stalled_seconds += seconds
+        logger.info("%s: link stalled for %.2f s", self.name, seconds)
+
+    def set_rates(self, factor: float) -> None:
+        """Both directions at ``factor`` times the shape's rates from now on (a varying Wi-Fi rate)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"factor: expected a finite number > 0, got {factor!r}")
+        self._uplink.clock.rate_bps = self.shape.uplink_bps * factor
+        self._downlink.clock.rate_bps = self.shape.downlink_bps * factor
 
     async def _go_down(self, seconds: float, cause: str) -> None:
         """Take the link down for ``seconds`` (or extend the outage), cutting every open connection."""
@@ -471,6 +498,8 @@ class EmulatedLink:
             delay = deliver_at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
+            if (stalled := direction.clock.stalled_until - loop.time()) > 0:
+                await asyncio.sleep(stalled)  # a stall that began after the chunk was timed holds it too
             if data is None:
                 _reset(sink.transport)
                 return "reset"

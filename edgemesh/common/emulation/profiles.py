@@ -7,12 +7,11 @@ table; a file that leaves one out is refused, so the data stays auditable.
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from edgemesh.common.emulation.datafile import read, sourced
 from edgemesh.common.emulation.link import LinkShape
 from edgemesh.common.errors import ConfigError
 
@@ -113,20 +112,7 @@ def parse_profiles(data: dict[str, Any], *, source: str) -> dict[str, DeviceProf
     out = {}
     for name, table in tables.items():
         where = f"{source}: profiles.{name}"
-        if not isinstance(table, dict):
-            raise ConfigError(f"{where} must be a table")
-        unknown = set(table) - {*FIGURES, "description", "sources"}
-        if unknown:
-            raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
-        missing = [k for k in FIGURES if k not in table]
-        if missing:
-            raise ConfigError(f"{where}: missing {', '.join(missing)}")
-        sources = table.get("sources", {})
-        if not isinstance(sources, dict):
-            raise ConfigError(f"{where}.sources must be a table")
-        unsourced = [k for k in FIGURES if not (isinstance(sources.get(k), str) and sources[k].strip())]
-        if unsourced:
-            raise ConfigError(f"{where}: no source noted for {', '.join(unsourced)} (every figure needs one)")
+        sources = sourced(where, table, FIGURES)
         v = {k: _number(where, k, table[k], positive=k in POSITIVE) for k in FIGURES}
         if v["cores"] != int(v["cores"]):
             raise ConfigError(f"{where}.cores: expected a whole number, got {table['cores']!r}")
@@ -137,23 +123,13 @@ def parse_profiles(data: dict[str, Any], *, source: str) -> dict[str, DeviceProf
             memory_bytes=int(v["memory_mib"] * MIB), uplink_bps=v["uplink_mbit"] * MBIT,
             downlink_bps=v["downlink_mbit"] * MBIT, latency_s=v["latency_ms"] / 1e3,
             disconnects_per_hour=v["disconnects_per_hour"], outage_s=v["outage_s"],
-            thread_scaling=scaling, sources={k: str(sources[k]) for k in FIGURES})
+            thread_scaling=scaling, sources=sources)
     return out
 
 
 def load_profiles(path: str | Path | None = None) -> dict[str, DeviceProfile]:
     """The profiles of ``path``, or the built-in ``profiles.toml``."""
-    try:
-        if path:
-            text, source = Path(path).read_text(encoding="utf-8"), str(path)
-        else:
-            text = resources.files(__package__).joinpath(BUILTIN).read_text(encoding="utf-8")
-            source = BUILTIN
-        data = tomllib.loads(text)
-    except OSError as exc:
-        raise ConfigError(f"cannot read device profiles {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"device profiles {path or BUILTIN}: {exc}") from None
+    data, source = read(path, BUILTIN, "device profiles")
     return parse_profiles(data, source=source)
 
 

@@ -86,6 +86,28 @@ def _digits_cnn() -> nn.Module:
     )
 
 
+def _digits_wide_cnn() -> nn.Module:
+    return nn.Sequential(
+        OrderedDict(
+            [
+                ("input", Standardize(*DIGITS_MEAN_STD)),
+                ("conv1", nn.Conv2d(1, 32, 3, padding=1)),
+                ("relu1", LeanReLU()),
+                ("conv2", nn.Conv2d(32, 64, 3, padding=1)),
+                ("relu2", LeanReLU()),
+                ("pool1", LeanMaxPool2d(2)),
+                ("conv3", nn.Conv2d(64, 64, 3, padding=1)),
+                ("relu3", LeanReLU()),
+                ("pool2", LeanMaxPool2d(2)),
+                ("flatten", nn.Flatten()),
+                ("fc1", nn.Linear(64 * 2 * 2, 64)),
+                ("relu4", LeanReLU()),
+                ("fc2", nn.Linear(64, 10)),
+            ]
+        )
+    )
+
+
 def _cifar_cnn() -> nn.Module:
     return nn.Sequential(
         OrderedDict(
@@ -118,6 +140,14 @@ MODEL_SPECS: Final[dict[str, ModelSpec]] = {
             num_classes=10,
             builder=_digits_cnn,
             description="two 3x3 conv layers (16, 32), max-pool, two linear layers; for sklearn digits",
+        ),
+        ModelSpec(
+            name="digits-wide-cnn",
+            input_shape=(1, 8, 8),
+            num_classes=10,
+            builder=_digits_wide_cnn,
+            description="three 3x3 conv layers (32, 64, 64), two max-pools, two linear layers; for sklearn digits, "
+                        "with five times the compute of digits-cnn per sample (edgemesh bench fleet)",
         ),
         ModelSpec(
             name="cifar-cnn",

@@ -9,11 +9,15 @@ The worker asks its board the same things whichever it is, and never branches on
   at ``costs.TRAIN_EFFICIENCY`` of the board's rate, the planner's cost model whatever the host's
   load; a model without cost figures (``flops`` None) is held to the calibrated host step times the
   board's slowness. A piece the host could not finish in time is an overrun;
-* ``link_rates()``: uplink and downlink bytes/s.
+* ``link_rates()``: uplink and downlink bytes/s;
+* ``begin()``: the run's clock starts (the first plan naming the device).
 
 An emulated board (``worker.emulate = PROFILE``) takes the profile's speed, memory and links,
 time-dilated by ``worker.emulation_dilation``, and connects through an :class:`EmulatedLink` with
-the board's rates, latency and disconnects.
+the board's rates, latency and disconnects. Under a scenario (``worker.emulation_scenario``) its
+timeline (``emulation.dynamics``) takes over from ``begin()`` on: a throttled spell slows the
+compute of the steps it overlaps, and the link stalls, drops out and changes rate on schedule
+(the scenario's drop-outs replace the profile's).
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from dataclasses import replace
 from edgemesh.common import costs
 from edgemesh.common.config import BrokerConfig, WorkerConfig
 from edgemesh.common.emulation.compute import ComputeStretch, measure_host_gflops
+from edgemesh.common.emulation.dynamics import Timeline
 from edgemesh.common.emulation.link import EmulatedLink
 from edgemesh.common.emulation.profiles import DeviceProfile, get_profile
+from edgemesh.common.emulation.scenarios import get_scenario
 from edgemesh.common.errors import ConfigError
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.services.worker import profile as prof
@@ -55,6 +61,11 @@ class Board:
                                           "emulated time (the device then ran at the host's pace)")
         self.m_link_cuts = metrics.gauge("emulation_link_disconnects", "Emulated link: connections cut "
                                          "(spontaneous or forced) so far")
+        self.m_link_stalls = metrics.gauge("emulation_link_stalls", "Emulated link: stalls so far")
+        self.m_link_busy = metrics.gauge("emulation_link_busy_seconds", "Emulated link: seconds each direction "
+                                         "has been busy sending so far", ["direction"])
+        self.m_speed = metrics.gauge("emulation_speed_ratio", "Emulated board: share of its full compute speed "
+                                     "now (below 1 while throttled)")
 
     def measure(self) -> prof.Profile:
         """The device's profile (in a thread: it benchmarks)."""
@@ -77,6 +88,9 @@ class Board:
     def describe(self) -> str:
         return ""
 
+    def begin(self) -> None:
+        """The run's clock starts (called with every plan naming the device; only the first counts)."""
+
     def sample(self) -> None:
         """Bring the board's gauges up to date (stats time)."""
 
@@ -97,6 +111,14 @@ class EmulatedBoard(Board):
             link.declare(self.board.uplink_bps)
         self.stretch: ComputeStretch | None = None
         self.emulated_link: EmulatedLink | None = None
+        self.dilation = config.emulation_dilation
+        self.timeline: Timeline | None = None
+        if config.emulation_scenario:
+            scenario = get_scenario(config.emulation_scenario, config.emulation_scenarios or None)
+            self.timeline = Timeline.of(scenario, self.board.name, device, config.emulation_seed)
+        self.epoch: float | None = None
+        """Loop time the run's clock started (``begin``), None before."""
+        self._begun = asyncio.Event()
 
     def measure(self) -> prof.Profile:
         host = self.cfg.emulation_host_gflops or measure_host_gflops(self.cfg.threads)
@@ -112,26 +134,72 @@ class EmulatedBoard(Board):
         """Start the emulated link in front of the broker; the bus connects to it instead."""
         w = self.cfg
         seed = int.from_bytes(hashlib.sha256(f"{w.emulation_seed}/{self.device}".encode()).digest()[:4], "big")
+        shape = self.board.link()
+        if self.timeline is not None:  # the scenario's timeline drops the link, not the profile's own rate
+            shape = replace(shape, disconnects_per_hour=0.0)
         link = self.emulated_link = await stack.enter_async_context(EmulatedLink(
-            self.board.link(), upstream_host=broker.host, upstream_port=broker.port, seed=seed, name=self.device,
+            shape, upstream_host=broker.host, upstream_port=broker.port, seed=seed, name=self.device,
             max_outage_s=w.emulation_max_outage_s or None))
+        if self.timeline is not None:
+            driver = asyncio.create_task(self._drive(link, self.timeline), name=f"{self.device}:scenario")
+
+            async def stop_driving() -> None:
+                driver.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await driver
+
+            stack.push_async_callback(stop_driving)
         logger.info("%s: emulated link %s:%d -> %s (%s)", self.device, link.host, link.port, broker.url,
                     self.board.description or self.board.name)
         return replace(broker, url=f"mqtt://{link.host}:{link.port}")
+
+    def begin(self) -> None:
+        if self.epoch is None:
+            self.epoch = asyncio.get_running_loop().time()
+            self._begun.set()
+            if self.timeline is not None:
+                logger.info("%s: scenario clock started", self.device)
+
+    def _throttled(self, real_s: float, full_s: float) -> float:
+        """How long a piece that takes ``full_s`` at full speed and ended just now, ``real_s`` after it began,
+        takes on the board, throttled spells slowing it."""
+        if self.timeline is None or self.epoch is None:
+            return full_s
+        began = (asyncio.get_running_loop().time() - real_s - self.epoch) / self.dilation
+        return (self.timeline.work_end(began, full_s / self.dilation) - began) * self.dilation
 
     async def hold(self, real_s: float, flops: float | None, samples: int = 0) -> float:
         if flops is None:
             assert self.stretch is not None
             overruns = self.stretch.overruns
-            rest = self.stretch.hold_s(samples, real_s)
+            emulated = self.stretch.emulated(samples, real_s)
             self.m_overruns.inc(self.stretch.overruns - overruns)
+            target = self._throttled(real_s, emulated)
         else:
-            target = flops / (costs.TRAIN_EFFICIENCY * self.board.train_gflops * 1e9)
+            full = flops / (costs.TRAIN_EFFICIENCY * self.board.train_gflops * 1e9)
+            target = self._throttled(real_s, full)
             if real_s > target and flops:
                 self.m_overruns.inc()
-            rest = max(target - real_s, 0.0)
+        rest = max(target - real_s, 0.0)
         await asyncio.sleep(rest)  # the rest of the piece, at the emulated board's speed
         return real_s + rest
+
+    async def _drive(self, link: EmulatedLink, timeline: Timeline) -> None:
+        """Stall, drop and re-rate ``link`` on the timeline's schedule, from ``begin()`` on."""
+        await self._begun.wait()
+        assert self.epoch is not None
+        loop = asyncio.get_running_loop()
+        for event in timeline.link_events():
+            delay = self.epoch + event.start_s * self.dilation - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            match event.kind:
+                case "stall":
+                    link.stall(event.length_s * self.dilation)
+                case "drop":
+                    await link.outage(event.length_s * self.dilation)
+                case "bandwidth":
+                    link.set_rates(event.value)
 
     def calibrate(self, step: Callable[[int], float]) -> None:
         assert self.stretch is not None
@@ -145,6 +213,13 @@ class EmulatedBoard(Board):
     def sample(self) -> None:
         if self.emulated_link is not None:
             self.m_link_cuts.set(self.emulated_link.disconnects)
+            self.m_link_stalls.set(self.emulated_link.stalls)
+            up, down = self.emulated_link.busy_s
+            self.m_link_busy.labels(direction="up").set(up)
+            self.m_link_busy.labels(direction="down").set(down)
+        if self.timeline is not None and self.epoch is not None:
+            now = (asyncio.get_running_loop().time() - self.epoch) / self.dilation
+            self.m_speed.set(self.timeline.speed_at(now))
 
     def describe(self) -> str:
         ratio = f": steps {self.stretch.ratio:.1f}x the host's" if self.stretch is not None else ""

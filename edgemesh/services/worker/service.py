@@ -213,6 +213,8 @@ class Worker:
         if self.plan is not None and plan.version < self.plan.version:
             raise WireError(f"plan version {plan.version} is older than {self.plan.version}", "replayed")
         self.plan, self.me = plan, plan.device(self.device)
+        if self.me is not None:
+            self.board.begin()  # an emulated scenario's clock starts with the first plan naming the device
         self.mesh.new_plan(plan)
         await self._notify()
 
