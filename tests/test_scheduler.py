@@ -194,3 +194,43 @@ def test_switching_policy_judges_an_open_round_again() -> None:
 
 def _at(fleet: Fleet, now: float) -> Fleet:
     return dataclasses.replace(fleet, now=now)
+
+
+def test_the_adaptive_deadline_follows_every_cluster_s_cycle_and_does_not_collapse() -> None:
+    """A fleet whose clusters each take a fixed cycle from a model to their update (one a straggler). The deadline
+    is timed on every update, punctual or late; timed only on the punctual ones, one round cut short left the
+    late clusters unmeasured and the deadline shrank round by round to its floor (rounds of one update)."""
+    cycles = {"a": 1.0, "b": 1.0, "c": 1.05, "d": 3.0}  # d: a throttled straggler
+    clusters = tuple(f"c-{d}" for d in cycles)
+    rule = AdaptiveDelay(AdaptiveConfig(min_deadline_s=0.01, max_deadline_s=30.0, slack=1.5))
+    scheduler = make_scheduler("adaptive", Clock(), rule, staleness_weighting=True)
+    fleet = Fleet(clusters=clusters, plan_version=1, devices=frozenset(cycles), bound=4, planned_samples=32)
+    now, seq = 0.0, dict.fromkeys(cycles, 0)
+    due = {d: c for d, c in cycles.items()}  # when each device's next update arrives, and on which version
+    base = dict.fromkeys(cycles, 0)
+    sizes = []
+    for _ in range(200):
+        device = min(due, key=due.__getitem__)
+        timeout = scheduler.timeout(dataclasses.replace(fleet, now=now))
+        if timeout is not None and now + timeout < due[device]:  # the deadline comes first
+            now += timeout
+            decision = scheduler.take([], dataclasses.replace(fleet, now=now))
+        else:
+            now = due[device]
+            seq[device] += 1
+            item = update(device, seq[device], base[device])
+            item.received = now
+            decision = scheduler.take([item], dataclasses.replace(fleet, now=now))
+            due[device] = float("inf")  # waits for its ack
+        for step in decision.steps:
+            sizes.append(len(step.items))
+        if decision.steps:
+            scheduler.model_published(now)
+        for ack in decision.acks:  # acked: it computes its next update on the newest model
+            d = ack.update.device
+            base[d] = scheduler.clock.version
+            due[d] = now + cycles[d]
+    late = sizes[len(sizes) // 2:]
+    # the deadline waits for the three punctual clusters (1.5 x the 90th percentile of the cycles, clamped)
+    assert 1.05 <= rule.deadline(clusters) <= 1.5 * 3.0
+    assert sum(late) / len(late) >= 3, sizes  # rounds keep (nearly) every punctual cluster

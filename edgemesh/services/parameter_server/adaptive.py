@@ -7,10 +7,13 @@ No I/O and no clocks of its own: the parameter server feeds it observations and 
   applied and discarded updates both count, so a device whose updates are thrown away shows as slow).
   Default ``alpha = 0.3``.
 * **Round deadline τ.** A round opens when the model of the previous round is published (the
-  first round: with its first update); the arrival time of each contribution computed on that
-  model (seconds since the round opened) is remembered per cluster (the last ``window = 32``).
-  ``τ = quantile_q(per-cluster median arrival) * slack``, clamped to ``[min_deadline_s,
-  max_deadline_s]``; with no observations yet ``τ = max_deadline_s``.
+  first round: with its first update). Each cluster's *cycle* (seconds from the publication of the
+  model an update was computed on to the update's arrival, whichever round it lands in) is
+  remembered per cluster (the last ``window = 32``). ``τ = quantile_q(per-cluster median cycle) *
+  slack``, clamped to ``[min_deadline_s, max_deadline_s]``; with no observations yet
+  ``τ = max_deadline_s``. Counting late updates too matters: were only the punctual ones timed, a
+  round cut short would leave the late clusters unmeasured, the deadline would follow the fastest
+  ones, cut the next round shorter still, and collapse to ``min_deadline_s`` (it did, before).
   Defaults: ``q = 0.9``, ``slack = 1.5``, ``[0.02 s, 30 s]``.
 * **Delay bound D.** ``D = ceil(quantile_q(delay indices of live devices) * slack)``, clamped
   to ``[min_bound, max_bound]`` (``max_bound`` is ``training.staleness_bound``, set at run time
@@ -91,7 +94,7 @@ class AdaptiveDelay:
         return new
 
     def observe_arrival(self, cluster: str, seconds: float) -> None:
-        """Remember that ``cluster`` contributed ``seconds`` after its round opened."""
+        """Remember that an update of ``cluster`` arrived ``seconds`` after the model it was computed on went out."""
         window = self.arrivals.setdefault(cluster, deque(maxlen=self.settings.window))
         window.append(max(0.0, seconds))
 

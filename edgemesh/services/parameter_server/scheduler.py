@@ -305,8 +305,10 @@ class AdaptiveScheduler(RoundScheduler):
         super().__init__(clock, staleness_weighting=staleness_weighting)
         self.rule = rule
         self.opened: float | None = None
-        """When the open round began (its model went out, or its first update came); its deadline and
-        the clusters' arrival times run from here."""
+        """When the open round began (its model went out, or its first update came); its deadline runs from here."""
+        self.published: dict[int, float] = {}
+        """When each recent version's model went out: a cluster's cycle (from the model it trained on to its
+        update) is measured from here, whichever round its update lands in."""
         self._bound_now = 0
 
     def deadline(self, fleet: Fleet) -> float:
@@ -328,6 +330,10 @@ class AdaptiveScheduler(RoundScheduler):
 
     def model_published(self, now: float) -> None:
         self.opened = now  # the next round's deadline runs from its model
+        version = self.clock.version
+        self.published[version] = now
+        for old in [v for v in self.published if v < version - PUBLISHED_KEPT]:
+            del self.published[old]
 
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
         return round_weights([i.update.samples for i in step.items], [step.delay(i) for i in step.items],
@@ -355,8 +361,9 @@ class AdaptiveScheduler(RoundScheduler):
             return version
         if self.opened is None:
             self.opened = fleet.now
-        if verdict.delay == 0:  # how long a cluster takes from the model it trained on to its update
-            self.rule.observe_arrival(u.cluster, fleet.now - self.opened)
+        sent = self.published.get(u.base_version)
+        if sent is not None:  # how long the cluster takes from the model it trained on to its update
+            self.rule.observe_arrival(u.cluster, item.received - sent)
         self.round[u.cluster] = item
         return self._close(version, out, fleet) if self._complete(fleet) else version
 
@@ -374,6 +381,9 @@ class AdaptiveScheduler(RoundScheduler):
                 self.rule.observe_delay(part.device, step.delay(item))
         return version
 
+
+PUBLISHED_KEPT = 256
+"""Versions whose publish time the adaptive scheduler remembers (an update older than that is stale anyway)."""
 
 SCHEDULERS: Mapping[SyncPolicy, type[Scheduler]] = {
     "sync": SyncScheduler, "async": AsyncScheduler, "ssp": SSPScheduler, "adaptive": AdaptiveScheduler}
