@@ -303,7 +303,8 @@ def status(device: str, incarnation: int | None = None, state: str | None = None
 def stats(device: str, incarnation: int | None = None) -> st.SearchStrategy[DeviceStats]:
     return seeded(lambda r: DeviceStats(
         device=device, incarnation=_inc(r, incarnation), step_time_s=float(r.uniform(0, 10)),
-        link_rate_bps=float(r.uniform(0, 1e9)), delay_index=float(r.uniform(0, 100)),
+        link_rate_bps=float(r.uniform(0, 1e9)), downlink_rate_bps=float(r.uniform(0, 1e9)),
+        latency_s=float(r.uniform(0, 1)), delay_index=float(r.uniform(0, 100)),
         gradient_bytes=int(r.integers(0, 2**30)), batch_size=int(r.integers(0, 512)),
         loss=float(r.uniform(0, 5)) if r.integers(2) else None,
         mesh_layer_busy_s={f"l{i}": float(r.uniform(0, 1)) for i in range(int(r.integers(0, 3)))}))
@@ -423,8 +424,8 @@ OUT_OF_RANGE: dict[type, dict[str, list[Any]]] = {
                   "cores": [0, -1], "link_rate_bps": [-1.0], "downlink_rate_bps": [-0.5], "latency_s": [-1e-3]},
     DeviceStatus: {"device": NAMES_BAD, "refused_plan": NEGATIVE},
     DeviceStats: {"device": NAMES_BAD, "steps": NEGATIVE, "step_time_s": [-1.0], "comm_time_s": [-1.0],
-                  "delay_index": [-0.1], "link_rate_bps": [-1.0], "rss_bytes": NEGATIVE, "gradient_bytes": NEGATIVE,
-                  "upload_time_s": [-1.0], "compute_flops": [-1.0],
+                  "delay_index": [-0.1], "link_rate_bps": [-1.0], "downlink_rate_bps": [-1.0], "latency_s": [-1e-3],
+                  "rss_bytes": NEGATIVE, "gradient_bytes": NEGATIVE, "upload_time_s": [-1.0], "compute_flops": [-1.0],
                   "mesh_layer_busy_s": [{"": 1.0}, {"x" * 257: 1.0}, {"l": -1.0}]},
     Plan: {"version": NEGATIVE, "round_time_s": [-1.0], "staleness_bound": NEGATIVE, "drained": [["+"]],
            "devices": [[{"device": "zz", "cluster": "nowhere", "shard_index": 0, "shard_count": 1, "batch_size": 8}],

@@ -465,6 +465,8 @@ def test_production_acl_roles(production_broker: ProductionBroker) -> None:
         assert not allowed(worker, topics.mesh("m-pi-01", "conv1", "fwd", "pi-02"))
         assert allowed(worker, topics.snapshot_request("pi-01"))  # a mesh member's request for the model
         assert not allowed(worker, topics.snapshot_request("pi-02"))
+        assert allowed(worker, topics.probe("pi-01"))  # its link probe, timed to the PUBACK
+        assert not allowed(worker, topics.probe("pi-02"))
         assert not allowed(worker, topics.plan(), retain=True)
         assert not allowed(worker, topics.model(), retain=True)
         assert not allowed(worker, topics.ack("pi-01"))

@@ -9,12 +9,21 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
-from helpers import SPLIT, Inbox, make_config, mesh_plan, planner_devices, running
+from helpers import SPLIT, Inbox, make_config, mesh_plan, planner_devices, running, share_memory
 
 from edgemesh.common import costs
 from edgemesh.common.codecs import bytes_per_value
 from edgemesh.common.config import load_config
-from edgemesh.common.messages import DeviceHello, DeviceStatus, LayerDivision, Plan, PlanCluster, PlanDevice, SyncState
+from edgemesh.common.messages import (
+    DeviceHello,
+    DeviceStats,
+    DeviceStatus,
+    LayerDivision,
+    Plan,
+    PlanCluster,
+    PlanDevice,
+    SyncState,
+)
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.planner import mesh
 from edgemesh.services.planner.mesh import DeviceInfo, wire_for
@@ -144,3 +153,36 @@ async def test_under_adaptive_the_grid_gives_a_cluster_of_slow_members_a_smaller
         second = await box.next(Plan, lambda p: p.version > first.version, PLAN_WAIT_S)
     after = {d.device: d.batch_size for d in second.devices}
     assert all(after[m] < before for m in members if m in after), (before, after)  # members may go idle too
+
+
+async def test_the_grid_plans_with_the_links_devices_measure_where_their_hellos_declare_none(
+        mosquitto_broker: BrokerProcess) -> None:
+    """A real device's hello carries no links: the links in its stats replace the cost model's 100 Mbit/s, and
+    moving the predicted iteration past the threshold they make a new grid (``links``). A declared figure wins over
+    a measured one; a previous incarnation's stats count for nothing."""
+    cfg = make_config(mosquitto_broker, job="meshmeasured", **{
+        "planner.parallelism": "mesh", "planner.round_samples": "16", "planner.min_devices": "2",
+        "planner.replan_debounce_s": "0.05", "planner.rebalance_interval_s": "0.1"})
+    memory = share_memory("digits-cnn", 0.7, 16)  # neither holds the model alone: one cluster of the two
+    hellos = {"real": DeviceHello(device="real", incarnation=2, flops=20e9, memory_bytes=memory),
+              "declared": DeviceHello(device="declared", incarnation=1, flops=20e9, memory_bytes=memory,
+                                      link_rate_bps=50e6, downlink_rate_bps=60e6, latency_s=0.001)}
+    planner = Planner(cfg)
+    async with running(planner), planner_devices(cfg) as box:
+        for name, hello in hellos.items():
+            await box.publish(box.topics.hello(name), hello, retain=True)
+            await box.publish(box.topics.status(name), DeviceStatus(device=name, state="online",
+                                                                    incarnation=hello.incarnation), retain=True)
+        first = await box.next(Plan, lambda p: len(p.devices) == 2, PLAN_WAIT_S)
+        for name, incarnation in (("real", 1), ("real", 2), ("declared", 1)):  # real's first: an old incarnation's
+            await box.publish(box.topics.stats(name), DeviceStats(
+                device=name, incarnation=incarnation, link_rate_bps=200e3 * incarnation, downlink_rate_bps=800e3,
+                latency_s=0.005))
+        second = await box.next(Plan, lambda p: p.version > first.version, PLAN_WAIT_S)
+    planned = {d.device: d for d in planner.grid_devices}
+    assert second.reason == "links"
+    assert (planned["real"].link_rate_bps, planned["real"].downlink_rate_bps, planned["real"].latency_s) == (
+        400e3, 800e3, 0.005)
+    assert (planned["declared"].link_rate_bps, planned["declared"].downlink_rate_bps,
+            planned["declared"].latency_s) == (50e6, 60e6, 0.001)
+    assert second.round_time_s > 2 * first.round_time_s

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from edgemesh.common import wire
-from edgemesh.common.chunks import Chunk, Reassembler, Receiver, split
+from edgemesh.common.chunks import Arrival, Chunk, Reassembler, Receiver, split
 from edgemesh.common.costs import LayerCost
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import (
@@ -33,6 +33,7 @@ from edgemesh.common.messages import (
     JobState,
     JobSubmission,
     LayerDivision,
+    LinkProbe,
     LocalEvaluation,
     MeshBegin,
     MeshReady,
@@ -72,7 +73,7 @@ STATUS = DeviceStatus(device="pi4-07", state="offline", incarnation=3, time=1_71
 STATS = DeviceStats(device="jetson-1", incarnation=1, time=1_717_000_001.0, steps=420, step_time_s=0.031,
                     comm_time_s=0.012, delay_index=1.75, link_rate_bps=4e6, rss_bytes=512 << 20,
                     cpu_temp_c=61.5, model_version=418, loss=0.3125, batch_size=32, bytes_sent=9_000_000,
-                    upload_time_s=0.004)
+                    upload_time_s=0.004, downlink_rate_bps=9.5e6, latency_s=0.0021)
 PLAN = Plan(version=7, created=1_717_000_002.0, model_spec="digits-cnn", dataset="digits",
             partition="dirichlet", partition_alpha=0.3, seed=11, sync_policy="adaptive", staleness_bound=3,
             devices=(PlanDevice(device="pi-a", cluster="c0", shard_index=0, shard_count=2, batch_size=16),
@@ -124,6 +125,7 @@ MESH_READY = MeshReady(cluster="m-pi3-0", device="pi5-0", plan_version=12)
 MESH_SLICE = MeshSlice(cluster="m-pi3-0", plan_version=12, step=1_717_000_008_123, layer="conv2", phase="bwd",
                        sender=1, tensor=_f32(4, 9, 16, 16))
 SNAPSHOT_REQUEST = SnapshotRequest(device="pi5-2", version=431)
+PROBE = LinkProbe(device="pi5-2", incarnation=4, time=1_717_000_009.0)
 MESH_STATS = DeviceStats(device="pi5-0", incarnation=2, steps=10, step_time_s=0.2, compute_flops=8.1e9,
                          mesh_layer_busy_s={"conv1": 0.012, "conv2": 0.031})
 MESH_GRADIENT = GradientUpdate(device="pi5-0", cluster="m-pi3-0", incarnation=2, seq=5, base_version=40, samples=32,
@@ -141,7 +143,7 @@ LOCAL_EVALUATION = LocalEvaluation(device="pi-01", version=40, samples=120, corr
 LEFT = DeviceStatus(device="pi-03", state="left", time=1.7e9, reason="image-folder: unknown class folder 'hexagon'")
 EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK, SYNC,
             REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_READY, MESH_SLICE, MESH_STATS, MESH_GRADIENT, JOB, JOB_STATE,
-            LOCAL_EVALUATION, LEFT, SNAPSHOT_REQUEST]
+            LOCAL_EVALUATION, LEFT, SNAPSHOT_REQUEST, PROBE]
 
 
 def test_examples_cover_every_registered_kind() -> None:
@@ -694,6 +696,24 @@ def test_a_chunk_holding_more_bytes_than_its_whole_message_is_refused_once() -> 
     with pytest.raises(WireError) as exc:
         receiver.take("t", liar, Event)
     assert exc.value.reason == "field" and receiver.dropped == {}
+
+
+def test_a_message_of_several_chunks_reports_the_bytes_and_seconds_between_its_first_and_last() -> None:
+    """The downlink sample (``Bus.on_joined``): every byte the connection read after the first chunk up to the last
+    counts (other traffic in between too); one chunk, unknown arrivals, or a reconnect in between give none."""
+    joined: list[tuple[str, int, float]] = []
+    r = Reassembler(max_bytes=10_000, timeout=60.0, on_joined=lambda *sample: joined.append(sample))
+    chunks = _chunks(split(b"j" * 1000, 400))
+    assert r.add("t", chunks[0], Arrival(at=10.0, received=450)) is None
+    assert r.add("t", chunks[1], Arrival(at=10.5, received=1450)) is None  # 550 bytes of something else first
+    assert r.add("t", chunks[2], Arrival(at=11.0, received=1700)) == b"j" * 1000
+    assert joined == [("t", 1250, 1.0)]
+    r.add("t", Chunk(id="one", index=0, count=1, size=3, data=b"abc"), Arrival(at=12.0, received=1750))
+    for arrivals in ([None, None, None], [Arrival(13.0, 10, connection=1), None, Arrival(14.0, 900, connection=2)],
+                     [Arrival(15.0, 10), Arrival(15.0, 410), Arrival(15.0, 900)]):
+        for chunk, arrival in zip(_chunks(split(b"k" * 1000, 400)), arrivals, strict=True):
+            r.add("t", chunk, arrival)
+    assert joined == [("t", 1250, 1.0)]
 
 
 def test_a_duplicate_chunk_is_held_once() -> None:

@@ -16,6 +16,10 @@
   with a BusError instead of retrying forever.
 * **Publishing** splits large payloads into chunks (retained ones onto ``{topic}/chunk/{i}``), and
   waits up to ``publish_timeout_s`` for a connection.
+* **Downlink samples.** Every payload is stamped as the MQTT client parses it off the connection, before it
+  waits for the connection loop and the router, so neither the ``on_connect`` hooks (a retained model arrives
+  while they publish) nor a handler that takes its time bunches the chunks behind them; ``on_joined`` hooks hear
+  of each message joined from several chunks (``chunks.Joined``): what a device measures its downlink by.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import socket
 import ssl
 import time
 import typing
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -93,13 +98,18 @@ class Bus:
         self._routes: list[Route[Any]] = []
         self._will = will
         self._hooks: list[Callable[[], Awaitable[None]]] = []
+        self._joined_hooks: list[chunks.Joined] = []
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
-        self._inbox: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
+        self._inbox: asyncio.Queue[tuple[str, bytes, chunks.Arrival | None]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
         metrics.inbox.set_function(self._inbox.qsize)
         self._receiver = chunks.Receiver(max_bytes=config.max_message_bytes,
                                          budget_bytes=config.reassembly_budget_bytes,
-                                         timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped)
+                                         timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped,
+                                         on_joined=self._joined)
+        self._arrivals: deque[tuple[str, chunks.Arrival]] = deque()
+        """When the messages the current client parsed were read, in the order it queues them (``_stamp_arrivals``)."""
+        self._clients = 0
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._closing = False
         self._refusals_logged: set[tuple[str, str]] = set()
@@ -137,6 +147,11 @@ class Bus:
     def on_connect(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Await ``hook()`` after every (re)connect, once the subscriptions are in place."""
         self._hooks.append(hook)
+
+    def on_joined(self, hook: chunks.Joined) -> None:
+        """Call ``hook(topic, bytes, seconds)`` for every message received in several chunks: the payload bytes
+        read after its first chunk up to its last, and the seconds between the two (a downlink sample)."""
+        self._joined_hooks.append(hook)
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> Bus:
@@ -206,6 +221,7 @@ class Bus:
             clean_session=True if protocol != aiomqtt.ProtocolVersion.V5 else None,
         )
         self._watch_publishes(client)
+        self._stamp_arrivals(client)
         return client
 
     def _watch_publishes(self, client: aiomqtt.Client) -> None:
@@ -235,6 +251,37 @@ class Bus:
 
         paho.publish = publishing  # type: ignore[method-assign]
         paho.on_publish = acked
+
+    def _stamp_arrivals(self, client: aiomqtt.Client) -> None:
+        """Note when each message is read off the connection, and the payload bytes read so far (a
+        ``chunks.Arrival``), for downlink samples.
+
+        aiomqtt queues every message it parses for the connection loop, which takes them out only after the
+        ``on_connect`` hooks and whenever the event loop gets round to it: that is not when they arrived. The paho
+        client under it is wrapped again (see ``_watch_publishes``): its message callback, called as each message
+        is parsed, notes the time, in the order aiomqtt queues the messages.
+        """
+        paho = client._client  # noqa: SLF001 - the time of parsing is only seen here
+        on_message = typing.cast(Callable[..., None], paho.on_message)
+        arrivals: deque[tuple[str, chunks.Arrival]] = deque()
+        self._arrivals, self._clients = arrivals, self._clients + 1
+        connection, received = self._clients, 0
+
+        def stamped(c: Any, userdata: Any, message: Any) -> None:
+            nonlocal received
+            received += len(message.payload)
+            arrivals.append((message.topic, chunks.Arrival(time.monotonic(), received, connection)))
+            on_message(c, userdata, message)
+
+        paho.on_message = stamped
+
+    def _arrival(self, topic: str) -> chunks.Arrival | None:
+        """When the message on ``topic`` the connection loop took out was read (None if that is not known)."""
+        while self._arrivals:
+            seen, arrival = self._arrivals.popleft()
+            if seen == topic:
+                return arrival
+        return None
 
     def _refused(self, operation: str, topic: str, code: int | ReasonCode) -> None:
         """A publish or subscription the broker refused: counted always, logged once per topic at ERROR."""
@@ -295,12 +342,13 @@ class Bus:
                 for hook in self._hooks:
                     await hook()
                 async for msg in client.messages:  # ends only when the client disconnects
+                    arrival = self._arrival(msg.topic.value)
                     payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else \
                         b"" if msg.payload is None else str(msg.payload).encode()
                     if not payload and msg.retain:
                         continue  # a cleared retained topic
                     self.metrics.received_bytes.inc(len(payload))
-                    await self._inbox.put((msg.topic.value, bytes(payload)))
+                    await self._inbox.put((msg.topic.value, bytes(payload), arrival))
             except aiomqtt.MqttError as exc:
                 if not self._closing:
                     logger.warning("%s: connection to %s lost: %s", self.client_id, self.config.url, exc)
@@ -343,11 +391,11 @@ class Bus:
         while True:
             try:  # while partial chunked messages are held, an idle bus still lets them time out
                 async with asyncio.timeout(self.config.reassembly_timeout_s if self._receiver.partials else None):
-                    topic, payload = await self._inbox.get()
+                    topic, payload, arrival = await self._inbox.get()
             except TimeoutError:
                 self._receiver.expire()
                 continue
-            await self._dispatch(topic, payload)
+            await self._dispatch(topic, payload, arrival)
 
     def _partial_dropped(self, topic: str, reason: str) -> None:
         """A partial chunked message let go (timed out, evicted, contradicted): counted on its own route."""
@@ -355,9 +403,13 @@ class Bus:
         label = self._routes[found[0]].label if found is not None else UNROUTED
         self.metrics.reject(reason, topic, "partial chunked message dropped", route=label)
 
-    async def _dispatch(self, topic: str, payload: bytes) -> None:
-        """Route one received payload: match and parse its topic, decode and check its body, hand it
-        to its route's handler. Every failure is counted, with the route's label."""
+    def _joined(self, topic: str, nbytes: int, seconds: float) -> None:
+        for hook in self._joined_hooks:
+            hook(topic, nbytes, seconds)
+
+    async def _dispatch(self, topic: str, payload: bytes, arrival: chunks.Arrival | None = None) -> None:
+        """Route one received payload (read as ``arrival`` says): match and parse its topic, decode and check its
+        body, hand it to its route's handler. Every failure is counted, with the route's label."""
         routes = self._routes
         label = UNROUTED
         try:
@@ -368,7 +420,7 @@ class Bus:
             route = routes[index]
             label = route.label
             message = self._receiver.take(where.topic, payload, route.message,
-                                          json_kind="control" if route.json_body else "")
+                                          json_kind="control" if route.json_body else "", arrival=arrival)
             if message is None:
                 return  # more chunks to come
             why = where.disagreement(message)

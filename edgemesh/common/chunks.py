@@ -3,6 +3,11 @@
 A payload larger than ``broker.chunk_bytes`` travels as ``chunk`` envelopes carrying ``(id, index, count)``,
 joined again by a ``Reassembler`` whose buffer is bounded in bytes and time. The bus makes one call here per
 message: ``frames`` on the way out, ``Receiver.take`` on the way in (which decodes through ``wire``).
+
+A message of several chunks is also a sample of the receiver's downlink: given each payload's ``Arrival``, the
+reassembler tells ``on_joined`` how many bytes the connection received from the first chunk's arrival to the
+last's, and in how many seconds (every byte in that window counts, whatever message it belonged to: a link
+shared with other traffic is measured as busy, not slow).
 """
 
 from __future__ import annotations
@@ -76,6 +81,23 @@ def split(payload: bytes, chunk_size: int) -> list[bytes]:
     ]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Arrival:
+    """When a payload was read off the connection, and the payload bytes received on it by then (its own
+    included)."""
+
+    at: float
+    """``time.monotonic()`` seconds."""
+    received: int
+    connection: int = 0
+    """Which connection: bytes are counted per connection, and a message joined across two is no sample."""
+
+
+Joined = Callable[[str, int, float], None]
+"""Hears of a message joined from several chunks: ``(topic, bytes, seconds)``, the payload bytes the connection
+received after the first chunk's arrival up to the last's, and the seconds between the two."""
+
+
 @dataclasses.dataclass(slots=True)
 class _Partial:
     count: int
@@ -83,6 +105,7 @@ class _Partial:
     started: float
     parts: dict[int, bytes]
     held: int = 0
+    first: Arrival | None = None
 
 
 class Reassembler:
@@ -90,15 +113,17 @@ class Reassembler:
 
     A partial message older than ``timeout`` is dropped; when the budget would be
     exceeded, the oldest partial messages are evicted. ``dropped`` counts both by reason,
-    and ``on_drop(topic, reason)`` hears of each.
+    and ``on_drop(topic, reason)`` hears of each. ``on_joined`` hears of every message joined
+    from chunks whose arrivals were given, on one connection, at two different times.
     """
 
     def __init__(self, *, max_bytes: int, timeout: float, clock: Callable[[], float] = time.monotonic,
-                 on_drop: Callable[[str, str], None] | None = None) -> None:
+                 on_drop: Callable[[str, str], None] | None = None, on_joined: Joined | None = None) -> None:
         self.max_bytes = max_bytes
         self.timeout = timeout
         self._clock = clock
         self._on_drop = on_drop
+        self._on_joined = on_joined
         self._partials: OrderedDict[tuple[str, str], _Partial] = OrderedDict()
         """In the order they started (so the oldest come first)."""
         self._held = 0
@@ -126,15 +151,16 @@ class Reassembler:
                 return
             self._drop(key, "chunk_timeout")
 
-    def add(self, topic: str, chunk: Chunk) -> bytes | None:
-        """Store a chunk; return the whole payload once its last chunk arrives."""
+    def add(self, topic: str, chunk: Chunk, arrival: Arrival | None = None) -> bytes | None:
+        """Store a chunk (which arrived as ``arrival`` says, if known); return the whole payload once its last
+        chunk arrives."""
         self.expire()
         if chunk.size > self.max_bytes:
             raise WireError(f"chunked message of {chunk.size} bytes exceeds the reassembly budget", "oversized")
         key = (topic, chunk.id)
         partial = self._partials.get(key)
         if partial is None:
-            partial = _Partial(count=chunk.count, size=chunk.size, started=self._clock(), parts={})
+            partial = _Partial(count=chunk.count, size=chunk.size, started=self._clock(), parts={}, first=arrival)
             self._partials[key] = partial
         elif partial.count != chunk.count or partial.size != chunk.size:
             self._drop(key, "chunk_inconsistent")
@@ -157,7 +183,16 @@ class Reassembler:
         payload = b"".join(partial.parts[i] for i in range(partial.count))
         if len(payload) != partial.size:
             raise WireError(f"reassembled {len(payload)} bytes, header said {partial.size}", "chunk")
+        self._joined(topic, partial.first, arrival)
         return payload
+
+    def _joined(self, topic: str, first: Arrival | None, last: Arrival | None) -> None:
+        """Report a joined message's spread over the connection, if it is a sample (see ``on_joined``)."""
+        if self._on_joined is None or first is None or last is None or first.connection != last.connection:
+            return
+        seconds = last.at - first.at
+        if seconds > 0 and last.received > first.received:
+            self._on_joined(topic, last.received - first.received, seconds)
 
 
 # --------------------------------------------------------------------------- one call per message
@@ -179,9 +214,10 @@ class Receiver:
     times out (checked at every ``take`` and ``expire``)."""
 
     def __init__(self, *, max_bytes: int, budget_bytes: int, timeout_s: float,
-                 on_drop: Callable[[str, str], None] | None = None) -> None:
+                 on_drop: Callable[[str, str], None] | None = None, on_joined: Joined | None = None) -> None:
         self.max_bytes = max_bytes
-        self._reassembler = Reassembler(max_bytes=budget_bytes, timeout=timeout_s, on_drop=on_drop)
+        self._reassembler = Reassembler(max_bytes=budget_bytes, timeout=timeout_s, on_drop=on_drop,
+                                        on_joined=on_joined)
         self.dropped = self._reassembler.dropped
         self._refused: OrderedDict[str, None] = OrderedDict()
 
@@ -194,18 +230,19 @@ class Receiver:
         """Drop the partial chunked messages older than the timeout."""
         self._reassembler.expire()
 
-    def take(self, topic: str, payload: bytes, expected: type[T] | tuple[type, ...], *, json_kind: str = ""
-             ) -> T | None:
+    def take(self, topic: str, payload: bytes, expected: type[T] | tuple[type, ...], *, json_kind: str = "",
+             arrival: Arrival | None = None) -> T | None:
         """The message ``payload`` completes on ``topic``, or None while its chunks are missing.
 
         Raises WireError (with its reason) for a payload that is not a message of ``expected``. With
-        ``json_kind``, a payload that is not MessagePack may be a JSON object, the body of that kind.
+        ``json_kind``, a payload that is not MessagePack may be a JSON object, the body of that kind. ``arrival``
+        (when the payload was read) makes a chunked message a downlink sample.
         """
         self._reassembler.expire()
-        envelope = self._envelope(topic, payload, json_kind)
+        envelope = self._envelope(topic, payload, json_kind, arrival)
         return None if envelope is None else decode_envelope(envelope, expected)
 
-    def _envelope(self, topic: str, payload: bytes, json_kind: str) -> Envelope | None:
+    def _envelope(self, topic: str, payload: bytes, json_kind: str, arrival: Arrival | None) -> Envelope | None:
         try:
             envelope = unpack(payload, max_bytes=self.max_bytes)
         except WireError as exc:
@@ -222,7 +259,7 @@ class Receiver:
             while len(self._refused) > REFUSED_IDS_KEPT:
                 self._refused.popitem(last=False)
             raise WireError(f"chunked message of {chunk.size} bytes exceeds the limit", "oversized")
-        whole = self._reassembler.add(topic, chunk)
+        whole = self._reassembler.add(topic, chunk, arrival)
         if whole is None:
             return None
         inner = unpack(whole, max_bytes=self.max_bytes)

@@ -28,9 +28,9 @@ __all__ = ["MAX_TOPIC_CHARS", "CHUNK_SEGMENT", "PREFIX", "Filter", "TopicError",
 PREFIX = "edgemesh/v1"
 CHUNK_SEGMENT = "chunk"
 
-TopicKind = Literal["hello", "status", "stats", "evaluation", "snapshot_request", "plan", "sync", "codec", "model",
-                    "delta", "grad", "grad_raw", "ack", "mesh", "control", "reply", "events", "job", "job_state",
-                    "job_model"]
+TopicKind = Literal["hello", "status", "stats", "evaluation", "snapshot_request", "probe", "plan", "sync", "codec",
+                    "model", "delta", "grad", "grad_raw", "ack", "mesh", "control", "reply", "events", "job",
+                    "job_state", "job_model"]
 """The families of topics; a route is named after the family it consumes."""
 SERVICE_TARGETS = ("planner", "ps", "compressor", "all", "job")
 """Control targets other than ``device/{id}``."""
@@ -123,6 +123,11 @@ class Topics:
         """Where a device asks the parameter server for the whole model (its own topic: a broker ACL lets
         devices write there, and not on the operator's control topics)."""
         return f"{self.root}/device/{device}/snapshot-request"
+
+    def probe(self, device: str) -> str:
+        """Where a device times its round trip to the broker (publish to PUBACK; nobody subscribes): its own
+        topic, which a broker ACL lets it write."""
+        return f"{self.root}/device/{device}/probe"
 
     def snapshot_request_filter(self) -> Filter:
         return self._filter("device/+/snapshot-request", "snapshot_request")
@@ -284,6 +289,8 @@ def parse(topic: str) -> TopicMatch:
             return TopicMatch(job, kind, base, device=device)
         case ["device", device, "snapshot-request"]:
             return TopicMatch(job, "snapshot_request", base, device=device)
+        case ["device", device, "probe"]:
+            return TopicMatch(job, "probe", base, device=device)
         case ["plan" | "sync" | "model" | "events" as kind]:
             return TopicMatch(job, kind, base)
         case ["job"]:

@@ -3,7 +3,7 @@
 Frozen dataclasses; ``wire`` encodes and decodes them and checks field types, and each
 ``validate()`` checks ranges. New fields get defaults; a field is never reused for a new meaning.
 
-* ``devices``: DeviceHello, DeviceStatus, DeviceStats
+* ``devices``: DeviceHello, DeviceStatus, DeviceStats, LinkProbe
 * ``plan``: Plan and its PlanDevice, PlanCluster, LayerDivision
 * ``training``: CodecPolicy, ShardUpdate, GradientUpdate, UpdateAck, ModelSnapshot, ModelDelta, SyncState
 * ``mesh``: MeshReady, MeshBegin, MeshSlice, SnapshotRequest
@@ -11,7 +11,7 @@ Frozen dataclasses; ``wire`` encodes and decodes them and checks field types, an
 * ``jobs``: JobSubmission, JobState, LocalEvaluation
 """
 
-from edgemesh.common.messages.devices import DeviceHello, DeviceStats, DeviceStatus
+from edgemesh.common.messages.devices import DeviceHello, DeviceStats, DeviceStatus, LinkProbe
 from edgemesh.common.messages.jobs import JobState, JobSubmission, LocalEvaluation
 from edgemesh.common.messages.mesh import MeshBegin, MeshReady, MeshSlice, SnapshotRequest
 from edgemesh.common.messages.operations import ControlCommand, ControlReply, Event, Scalar
@@ -28,7 +28,7 @@ from edgemesh.common.messages.training import (
 
 __all__ = [
     "CodecPolicy", "ControlCommand", "ControlReply", "DeviceHello", "DeviceStats", "DeviceStatus", "Event",
-    "GradientUpdate", "JobState", "JobSubmission", "LayerDivision", "LocalEvaluation", "MeshBegin", "MeshReady",
-    "MeshSlice", "ModelDelta", "ModelSnapshot", "Plan", "PlanCluster", "PlanDevice", "Scalar", "ShardUpdate",
-    "SnapshotRequest", "SyncState", "UpdateAck",
+    "GradientUpdate", "JobState", "JobSubmission", "LayerDivision", "LinkProbe", "LocalEvaluation", "MeshBegin",
+    "MeshReady", "MeshSlice", "ModelDelta", "ModelSnapshot", "Plan", "PlanCluster", "PlanDevice", "Scalar",
+    "ShardUpdate", "SnapshotRequest", "SyncState", "UpdateAck",
 ]

@@ -1,4 +1,5 @@
-"""What devices say about themselves: hello (retained profile), status (liveness, the MQTT will), stats."""
+"""What devices say about themselves: hello (retained profile), status (liveness, the MQTT will), stats, and the
+link probes they time."""
 
 from __future__ import annotations
 
@@ -84,6 +85,12 @@ class DeviceStats:
     delay_index: float = 0.0
     link_rate_bps: float = 0.0
     """Uplink rate, bytes/s: declared (``worker.link_rate_bps``) or measured (0 = unknown)."""
+    downlink_rate_bps: float = 0.0
+    """Measured downlink rate, bytes/s: received bytes over the time a chunked message took to arrive (0 = not
+    measured yet)."""
+    latency_s: float = 0.0
+    """Measured one-way latency to the broker, seconds: half the shortest recent round trip of a link probe
+    (0 = not measured yet)."""
     rss_bytes: int = 0
     cpu_temp_c: float | None = None
     """CPU temperature, °C (None = the device cannot tell: ``edgemesh.common.health``)."""
@@ -107,8 +114,8 @@ class DeviceStats:
 
     def validate(self) -> None:
         check_name("device", self.device)
-        for name in ("steps", "step_time_s", "comm_time_s", "delay_index", "link_rate_bps", "rss_bytes",
-                     "gradient_bytes", "upload_time_s", "compute_flops"):
+        for name in ("steps", "step_time_s", "comm_time_s", "delay_index", "link_rate_bps", "downlink_rate_bps",
+                     "latency_s", "rss_bytes", "gradient_bytes", "upload_time_s", "compute_flops"):
             nonneg(name, getattr(self, name))
         if self.throttled_bits is not None and not 0 <= self.throttled_bits < 2**32:
             raise ValueError(f"throttled_bits must be a 32-bit mask, got {self.throttled_bits}")
@@ -117,3 +124,18 @@ class DeviceStats:
         for layer, seconds in self.mesh_layer_busy_s.items():
             if not layer or len(layer) > 256 or not seconds >= 0:
                 raise ValueError(f"bad layer busy time {layer!r}: {seconds!r}")
+
+
+@message("link_probe")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkProbe:
+    """A few bytes a device publishes at QoS 1 on its own ``device/{id}/probe``, timed from publish to the broker's
+    PUBACK: one round trip to the broker, from which the device reports its latency. Nobody subscribes."""
+
+    device: str
+    incarnation: int = 0
+    time: float = 0.0
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+        nonneg("incarnation", self.incarnation)

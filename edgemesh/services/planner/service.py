@@ -16,6 +16,10 @@ Batch sizes are uniform, or balanced to each device's measured speed (``planner.
 by more than ``planner.rebalance_threshold``, at most once per ``planner.rebalance_interval_s``.
 Devices the parameter server lists as slow get smaller batches.
 
+In mesh parallelism the grid plans with each device's hello, its speed and links replaced by what it measured
+(``_mesh_infos``), and is laid out again when the measured speeds make a better layout worth it, or the measured
+links move the current one's predicted iteration past ``planner.replan_threshold`` (``mesh.links_moved``).
+
 ``planner.min_devices`` gates the first plan (and the first after everyone left): no plan is
 published before that many devices are live. Once a plan names devices, every change is
 published, down to an empty plan when all devices have left, so the parameter server never
@@ -57,7 +61,7 @@ RETAINED_SETTLE_S = 0.2
 statuses and the previous plan before planning for the first time."""
 UNKNOWN_INCARNATION = -1
 """Incarnation of a device named by a plan adopted from the broker (its incarnation is not in the plan)."""
-REPLAN_REASONS = ("join", "leave", "control", "start", "rebalance", "slowdown")
+REPLAN_REASONS = ("join", "leave", "control", "start", "rebalance", "slowdown", "links")
 COMMANDS = ("status", "replan", "drain-device", "undrain-device", "stop")
 
 
@@ -90,6 +94,8 @@ class Planner:
         self._lock = asyncio.Lock()
         self.grid: mesh.Grid | None = None
         """Mesh parallelism: the training grid of the current plan."""
+        self.grid_devices: tuple[DeviceInfo, ...] = ()
+        """Mesh parallelism: the figures ``grid`` was laid out with (what moved links are measured against)."""
         self.wire = wire_for(config)
         """Mesh parallelism: bytes per value on the wire, from the configured codecs."""
         self._last_grid_check = -math.inf
@@ -167,11 +173,13 @@ class Planner:
         planned = self.plan is not None and self.plan.device(stats.device) is not None
         if self._batching() == "balanced" and planned:
             self._dirty.set()
-        if self.cfg.planner.parallelism == "mesh" and planned and stats.compute_flops > 0:
+        measured = stats.compute_flops > 0 or stats.link_rate_bps > 0 or stats.downlink_rate_bps > 0 \
+            or stats.latency_s > 0
+        if self.cfg.planner.parallelism == "mesh" and planned and measured:
             now = time.monotonic()
             if now - self._last_grid_check >= self.cfg.planner.rebalance_interval_s:
                 self._last_grid_check = now
-                self._dirty.set()  # the replan checks whether the measured speeds warrant a new grid
+                self._dirty.set()  # the replan checks whether the measured speeds or links warrant a new grid
 
     async def _on_sync(self, state: SyncState, _: TopicMatch) -> None:
         """The parameter server's policy or its slow devices changed: batches may change."""
@@ -298,9 +306,9 @@ class Planner:
                     logger.info("%d device(s) live; waiting for %d before planning", len(current),
                                 self.cfg.planner.min_devices)
                 return None, f"no plan: {len(current)} device(s) live, {self.cfg.planner.min_devices} needed"
-            slowdown = False
+            regrid = ""
             if self.cfg.planner.parallelism == "mesh":
-                plan, slowdown = await self._plan_grid(devices, force or bool(joined or left))
+                plan, regrid = await self._plan_grid(devices, force or bool(joined or left))
             else:
                 plan = self._plan_data(devices, bool(joined or left))
             plan = dataclasses.replace(plan, drained=tuple(sorted(self.registry.drained)))
@@ -309,8 +317,8 @@ class Planner:
                 return None, f"plan version {self.version} is current"
             rebalanced = self.plan is not None and not (joined or left) and _same_members(plan, self.plan) \
                 and _batch_sizes(plan) != _batch_sizes(self.plan)
-            reason = cause or ("join" if joined else "leave" if left else "slowdown" if slowdown
-                               else "rebalance" if rebalanced else "start")
+            reason = cause or ("join" if joined else "leave" if left else regrid or ("rebalance" if rebalanced
+                                                                                     else "start"))
             plan = dataclasses.replace(plan, reason=reason)
             if rebalanced:
                 self._last_rebalance = time.monotonic()
@@ -352,47 +360,56 @@ class Planner:
         )
 
     def _mesh_infos(self, devices: dict[str, DeviceHello]) -> list[DeviceInfo]:
-        """What the grid plans with: each device's hello, its speed replaced by the one it measured;
-        under ``adaptive``, a device the parameter server lists as slow ``1 + delay index`` times
-        slower still, as balanced batching does (its cluster gets a smaller share of the batch)."""
+        """What the grid plans with: each device's hello, its speed replaced by the one it measured and the
+        link figures its hello left unknown by those it measured (``_measured_links``); under ``adaptive``, a
+        device the parameter server lists as slow ``1 + delay index`` times slower still, as balanced batching
+        does (its cluster gets a smaller share of the batch)."""
         state = self.sync_state
         slow = set(state.slow) if state is not None and state.policy == "adaptive" else set()
         out = []
         for name, hello in sorted(devices.items()):
             info = DeviceInfo.from_hello(hello)
             stats = self.registry.stats.get(name)
-            if stats is not None and stats.compute_flops > 0 and stats.incarnation == hello.incarnation:
-                info = dataclasses.replace(info, flops=stats.compute_flops / costs.TRAIN_EFFICIENCY)
+            if stats is not None and stats.incarnation == hello.incarnation:
+                info = _measured_links(info, stats)
+                if stats.compute_flops > 0:
+                    info = dataclasses.replace(info, flops=stats.compute_flops / costs.TRAIN_EFFICIENCY)
             if name in slow and state is not None:
                 lag = max(0.0, state.delay_indices.get(name, 0.0))
                 info = dataclasses.replace(info, flops=info.flops / (1.0 + lag))
             out.append(info)
         return out
 
-    async def _plan_grid(self, devices: dict[str, DeviceHello], changed: bool) -> tuple[Plan, bool]:
+    async def _plan_grid(self, devices: dict[str, DeviceHello], changed: bool) -> tuple[Plan, str]:
         """Mesh parallelism: the training grid of ``devices`` (kept while it is still good enough) as a
-        plan, and whether a slowdown made a new grid."""
+        plan, and what made a new grid without a join or leave: ``slowdown`` (measured speeds), ``links``
+        (measured links) or nothing."""
         p, t = self.cfg.planner, self.cfg.training
         batch = p.round_samples or t.batch_size  # the iteration's samples over all clusters
         infos = self._mesh_infos(devices)
         self._update_gauges()
-        slowdown = False
+        regrid = ""
         if changed or self.grid is None or not infos:
-            grid = await asyncio.to_thread(mesh.training_grid, t.model_spec, infos, batch=batch,
-                                           max_cluster_size=p.max_cluster_size, wire=self.wire,
-                                           slack=p.grid_slack, min_batch=p.min_batch, max_batch=p.max_batch)
+            regrid = "new"
+        elif await asyncio.to_thread(mesh.links_moved, self.grid, self.grid_devices, infos, t.model_spec,
+                                     p.replan_threshold, wire=self.wire):
+            regrid = "links"
+            planned = {d.device: _links(d) for d in self.grid_devices}
+            logger.info("measured links call for a new grid: %s", listing([
+                _describe_links(i) for i in infos if planned.get(i.device) != _links(i)]))
         elif await asyncio.to_thread(mesh.needs_replan, self.grid, infos, t.model_spec, batch,
                                      p.replan_threshold, max_cluster_size=p.max_cluster_size, wire=self.wire,
                                      slack=p.grid_slack, min_batch=p.min_batch, max_batch=p.max_batch):
-            grid = await asyncio.to_thread(mesh.training_grid, t.model_spec, infos, batch=batch,
-                                           max_cluster_size=p.max_cluster_size, wire=self.wire,
-                                           slack=p.grid_slack, min_batch=p.min_batch, max_batch=p.max_batch)
-            slowdown = True
+            regrid = "slowdown"
             logger.info("measured speeds call for a new grid: %s", listing([
                 f"{i.device} {i.flops / 1e9:.2f}/{devices[i.device].flops / 1e9:.2f} GFLOP/s" for i in infos
                 if abs(i.flops - devices[i.device].flops) > 0.05 * devices[i.device].flops]))
-        else:
-            grid = self.grid
+        grid = self.grid
+        if regrid or grid is None:
+            grid = await asyncio.to_thread(mesh.training_grid, t.model_spec, infos, batch=batch,
+                                           max_cluster_size=p.max_cluster_size, wire=self.wire,
+                                           slack=p.grid_slack, min_batch=p.min_batch, max_batch=p.max_batch)
+            self.grid_devices = tuple(infos)
         if grid.excluded and (self.grid is None or grid.excluded != self.grid.excluded):
             logger.warning("training grid leaves out %s: too little memory for even a share of %s",
                            listing(list(grid.excluded)), t.model_spec)
@@ -402,7 +419,7 @@ class Planner:
         self.m_round.set(grid.predicted_iteration_s)
         plan = plan_mesh(grid, version=self.version + 1, training=t, reason="", created=time.time(),
                          sync_policy=self._policy())
-        return plan, slowdown
+        return plan, "" if regrid == "new" else regrid
 
     # ------------------------------------------------------------------ control
     async def control(self, cmd: ControlCommand) -> ControlResult:
@@ -452,6 +469,26 @@ class Planner:
             "plan_version": self.version,
             "plan_devices": len(self.plan.devices) if self.plan is not None else 0,
         }
+
+
+def _measured_links(info: DeviceInfo, stats: DeviceStats) -> DeviceInfo:
+    """``info`` with the link figures ``stats`` measured where its hello gave none. A figure the hello gives is
+    declared (``worker.link_rate_bps``, or an emulated board's profile) and wins: an operator's word about a link
+    is meant to override what the device sees, and an emulated board is planned as the board. A real device's
+    hello gives 0 for what it was not told, and its measurement replaces that (else the cost model's defaults
+    hold: 100 Mbit/s, no latency)."""
+    return dataclasses.replace(info, link_rate_bps=info.link_rate_bps or stats.link_rate_bps,
+                               downlink_rate_bps=info.downlink_rate_bps or stats.downlink_rate_bps,
+                               latency_s=info.latency_s or stats.latency_s)
+
+
+def _links(info: DeviceInfo) -> tuple[float, float, float]:
+    return info.link_rate_bps, info.downlink_rate_bps, info.latency_s
+
+
+def _describe_links(info: DeviceInfo) -> str:
+    return (f"{info.device} up {info.link_rate_bps / 1e6:.3g} MB/s, down {info.downlink_rate_bps / 1e6:.3g} MB/s, "
+            f"latency {info.latency_s * 1e3:.3g} ms")
 
 
 def _same_members(a: Plan, b: Plan) -> bool:

@@ -10,9 +10,10 @@ Backbone, top to bottom:
    the rest of its cluster: ``mesh.session``), held to the board's speed, encoded with the
    device's codec and error feedback, published with ``(device, incarnation, seq)`` and waited
    for until acked (``sender``); follow resync requests and new model versions;
-4. every ``worker.stats_interval_s``: stats (step time, delay index, uplink rate, gradient size, and the
-   host's temperature and throttling as last read), from which the compressor picks this device's codec
-   and the planner its batch.
+4. every ``worker.stats_interval_s``: stats (step time, delay index, uplink and downlink rates and latency to
+   the broker (``link``), gradient size, and the host's temperature and throttling as last read), from which the
+   compressor picks this device's codec and the planner its batch and its share of a model-parallel cluster;
+   the latency is measured by link probes every interval, from the start.
 
 A plan share whose estimated memory (``profile.share_refusal``: by the accounting the planner sized it
 with) exceeds what the device offers is refused: the retained status names the refused plan and why,
@@ -52,6 +53,7 @@ from edgemesh.common.messages import (
     DeviceStats,
     DeviceStatus,
     GradientUpdate,
+    LinkProbe,
     LocalEvaluation,
     ModelDelta,
     ModelSnapshot,
@@ -67,7 +69,7 @@ from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serv
 from edgemesh.services.worker import profile as prof
 from edgemesh.services.worker.board import board_for
 from edgemesh.services.worker.incarnation import next_incarnation
-from edgemesh.services.worker.link import LinkMeter
+from edgemesh.services.worker.link import DownlinkMeter, LatencyMeter, LinkMeter, probe_round_trip
 from edgemesh.services.worker.mesh.session import MeshSession
 from edgemesh.services.worker.sender import Sender
 from edgemesh.services.worker.trainer import Trainer
@@ -84,6 +86,8 @@ AVERAGE_WINDOW = 20
 """Steps over which step times and delays are averaged for stats."""
 QUIET_DISCARDS = ("stale", "round_full", "future", "replanned")
 """Discards that are part of training (a late or superseded update), not worth a warning."""
+PROBES_PER_INTERVAL = 2
+"""Link probes timed every ``worker.stats_interval_s`` (the latency is the shortest recent round trip)."""
 
 
 def _software() -> str:
@@ -114,6 +118,10 @@ class Worker:
         self.view = ModelView()
         self.link = LinkMeter(config.worker.link_rate_bps)
         """Uplink rate reported in stats: ``worker.link_rate_bps`` if set, else measured."""
+        self.downlink = DownlinkMeter()
+        """Downlink rate reported in stats, measured from chunked messages received."""
+        self.latency = LatencyMeter()
+        """Latency to the broker reported in stats, measured by link probes."""
         m = self.metrics = ServiceMetrics(self.name)
         self.board = board_for(config.worker, self.device, self.link, m, config.broker)
         self.trainer = Trainer(config, self.device, self.board, local=local.train if local is not None else None)
@@ -147,6 +155,10 @@ class Worker:
         self.m_updates = m.counter("updates", "Updates by the PS's answer", ["status", "reason"])
         self.m_grad_bytes = m.counter("gradient_bytes", "Encoded gradient bytes sent", ["codec"])
         self.m_link = m.gauge("link_rate_bytes_per_second", "Uplink rate reported in stats (declared or measured)")
+        self.m_downlink = m.gauge("downlink_rate_bytes_per_second", "Downlink rate measured from chunked messages "
+                                  "received (0 = not measured yet)")
+        self.m_latency = m.gauge("latency_seconds", "One-way latency to the broker: half the shortest recent round "
+                                 "trip of a link probe (0 = not measured yet)")
         self.m_version = m.gauge("model_version", "Version of the model this worker trains on")
         self.m_loss = m.gauge("loss", "Training loss of the last batch")
         self.m_refused = m.counter("refused_shares", "Plan shares refused because they do not fit in memory")
@@ -177,10 +189,11 @@ class Worker:
         bus.route(t.ack_filter(self.device), UpdateAck, self.sender.on_ack)
         bus.on_connect(self._announce)
         bus.on_connect(self.sender.on_connect)
+        bus.on_joined(self._on_joined)
         self.mesh.attach(bus, model, broadcast)
 
     def jobs(self) -> list[Job]:
-        return [self._train(), self._report()]
+        return [self._train(), self._report(), self._probe_links()]
 
     async def close(self) -> None:
         if self.bus is not None and self.bus.is_connected:
@@ -419,9 +432,32 @@ class Worker:
                 await self._publish_stats()
             await asyncio.sleep(self.cfg.worker.stats_interval_s)
 
+    def _on_joined(self, topic: str, nbytes: int, seconds: float) -> None:
+        """A model snapshot or delta of several chunks is a downlink sample (``link``); a mesh slice is not: it
+        came at its sender's pace."""
+        if topic == self.topics.model() or topic.startswith(self.topics.model_delta()):
+            self.downlink.observe(nbytes, seconds)
+
+    async def _probe_links(self) -> None:
+        """Time ``PROBES_PER_INTERVAL`` link probes every ``worker.stats_interval_s``, from the start (the first
+        stats carry a latency): a changed latency shows within the meter's window."""
+        assert self.bus is not None
+        topic = self.topics.probe(self.device)
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await self.bus.wait_connected()
+            for _ in range(PROBES_PER_INTERVAL):
+                probe = LinkProbe(device=self.device, incarnation=self.incarnation, time=time.time())
+                round_trip = await probe_round_trip(self.bus, topic, probe)
+                if round_trip is not None:
+                    self.latency.observe(round_trip)
+            await asyncio.sleep(self.cfg.worker.stats_interval_s)
+
     async def _publish_stats(self) -> None:
         assert self.bus is not None
         self.m_link.set(self.link.rate_bps)
+        self.m_downlink.set(self.downlink.rate_bps)
+        self.m_latency.set(self.latency.latency_s)
         self.board.sample()
         health = self.metrics.health.latest if self.metrics.health is not None else HealthReading()
         stats = DeviceStats(
@@ -432,7 +468,8 @@ class Worker:
             throttled_bits=health.throttled_bits, model_version=max(self.trainer.model_version, 0),
             loss=self._last_loss, batch_size=self._stepped_batch,
             bytes_sent=int(self.metrics.value("edgemesh_worker_published_bytes_total")),
-            link_rate_bps=self.link.rate_bps, gradient_bytes=self.trainer.gradient_bytes,
+            link_rate_bps=self.link.rate_bps, downlink_rate_bps=self.downlink.rate_bps,
+            latency_s=self.latency.latency_s, gradient_bytes=self.trainer.gradient_bytes,
             upload_time_s=self.link.upload_s, compute_flops=self._compute_flops(),
             mesh_layer_busy_s=self.mesh.layer_busy_s() if self.mesh.active else {})
         with contextlib.suppress(Exception):

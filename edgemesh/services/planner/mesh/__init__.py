@@ -8,8 +8,8 @@ Pure functions, no I/O and no torch: the planner service wires them to the bus, 
 * ``cost_model``: a member's predicted step time and memory, and a cluster's iteration;
 * ``division``: ``divide_filters`` splits every divisible layer of a model among the members of
   one cluster;
-* ``grid``: ``training_grid`` chooses the clusters of a whole fleet, ``needs_replan`` whether
-  a grid should give way to a new one.
+* ``grid``: ``training_grid`` chooses the clusters of a whole fleet, ``needs_replan`` and
+  ``links_moved`` whether a grid should give way to a new one.
 
 The names below are the package's interface. Each module imports only those listed before it,
 and none imports the planner's ``layout`` (which makes plans of grids).
@@ -37,6 +37,7 @@ from edgemesh.services.planner.mesh.grid import (
     Grid,
     GridCluster,
     grid_iteration_s,
+    links_moved,
     needs_replan,
     time_layout,
     training_grid,
@@ -59,6 +60,7 @@ __all__ = [
     "divide_filters",
     "grid_iteration_s",
     "layer_seconds",
+    "links_moved",
     "member_memory",
     "member_step",
     "member_time",

@@ -47,7 +47,7 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -414,6 +414,27 @@ def needs_replan(old: Grid, devices: Sequence[DeviceInfo], spec: str, batch: int
     if not old.clusters or not new.clusters:
         return bool(old.clusters) != bool(new.clusters)
     return grid_iteration_s(spec, old, devices, wire) > (1 + threshold) * new.predicted_iteration_s
+
+
+def links_moved(old: Grid, planned: Sequence[DeviceInfo], devices: Sequence[DeviceInfo], spec: str,
+                threshold: float = REPLAN_THRESHOLD, *, wire: Wire = FLOAT32_WIRE) -> bool:
+    """Whether the link figures in ``devices`` (uplink, downlink, latency) move ``old``'s predicted iteration,
+    from the one it had for the figures it was laid out with (``planned``), by more than ``threshold`` (relative,
+    either way). Speeds stay the planned ones here: a slowdown is ``needs_replan``'s to judge.
+
+    ``needs_replan`` asks whether another layout would win by the threshold; a link's cost falls on every layout
+    (a member moves the others' slices whatever its share), so a slow link measured for the first time, where
+    the hello gave none and the cost model assumed 100 Mbit/s, changes the best division while no layout wins
+    by much. Weighing a link by what it does to the iteration keeps noise in a fast link (a loopback measured at
+    50 or 500 MB/s) from re-planning. Devices ``old`` was not laid out with are ``needs_replan``'s too."""
+    now = {d.device: d for d in devices}
+    if not old.clusters or not planned or not old.members <= now.keys():
+        return False
+    relinked = [replace(d, link_rate_bps=now[d.device].link_rate_bps, downlink_rate_bps=now[d.device].downlink_rate_bps,
+                        latency_s=now[d.device].latency_s) if d.device in now else d for d in planned]
+    before = grid_iteration_s(spec, old, planned, wire)
+    after = grid_iteration_s(spec, old, relinked, wire)
+    return abs(after - before) > threshold * before
 
 
 # --------------------------------------------------------------------------- benchmark hooks
