@@ -81,11 +81,25 @@ def test_slow_devices_are_far_above_the_fleet_median() -> None:
     assert a.slow_devices(["a", "b", "e"]) == ["e"]
     for device in ("a", "b", "c", "d", "e"):
         a.observe_delay(device, 0)
-    assert a.slow_devices() == []  # all equal: nobody is slow (median 0 needs an excess of one version)
+    assert a.slow_devices() == []  # all equal: nobody is slow (median 0 needs an excess of half a version)
+    # a device one round late twice running is slow (index 0.3, then 0.51): with a margin of one version, a
+    # device always one round late (index -> 1) never was
+    late = AdaptiveDelay(AdaptiveConfig(alpha=0.3))
+    for device in ("a", "b", "c", "d"):
+        late.observe_delay(device, 0)
+    late.observe_delay("e", 0)
+    late.observe_delay("e", 1)
+    assert late.slow_devices() == []
+    late.observe_delay("e", 1)
+    assert late.slow_devices() == ["e"]
+    for _ in range(20):
+        late.observe_delay("e", 1)
+    assert AdaptiveDelay(AdaptiveConfig(slow_margin=1.0), indices=dict(late.indices)).slow_devices() == []
 
 
 def test_deadline_adapts_to_recent_cluster_arrival_times() -> None:
-    a = AdaptiveDelay(AdaptiveConfig(quantile=0.9, slack=1.5, min_deadline_s=0.2, max_deadline_s=10.0, window=4))
+    a = AdaptiveDelay(AdaptiveConfig(deadline_quantile=0.9, slack=1.5, min_deadline_s=0.2, max_deadline_s=10.0,
+                                     window=4))
     assert a.deadline() == 10.0  # no arrivals seen: wait the longest
     # three clusters arrive within ~1 s of the round opening, one at ~2 s
     for t in (0.0, 0.1, 0.05, 0.0):

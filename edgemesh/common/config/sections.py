@@ -214,7 +214,11 @@ class AdaptiveConfig:
     alpha: float = 0.3
     """Weight of the newest delay in each device's delay index (an exponential moving average)."""
     quantile: float = 0.9
-    """Quantile of the clusters' arrival times (the deadline) and of the delay indices (the bound)."""
+    """Quantile of the delay indices (the bound)."""
+    deadline_quantile: float = 0.5
+    """Quantile of the clusters' median cycles (the deadline): at 0.5 a round waits for the typical cluster (times
+    ``slack``), not for the stragglers, whose updates land in the next round, damped; at 0.9 it waits for nearly
+    every cluster, as sync does."""
     slack: float = 1.5
     """Factor on that quantile before clamping the deadline and the bound."""
     min_deadline_s: float = 0.02
@@ -224,13 +228,18 @@ class AdaptiveConfig:
     min_bound: int = 1
     """Smallest delay bound; the largest is training.staleness_bound (``set-bound``)."""
     slow_factor: float = 2.0
-    """A device is slow when its delay index exceeds the fleet median by this factor (and by one version)."""
+    """A device is slow when its delay index exceeds the fleet median by this factor (and by ``slow_margin``)."""
+    slow_margin: float = 0.5
+    """A device is slow when its delay index exceeds the fleet median by this many versions (and by
+    ``slow_factor``): 0.5 flags a device one round late in two consecutive rounds (an index of 0.3, then 0.51)."""
     window: int = 32
     """Arrival times remembered per cluster."""
 
     def __post_init__(self) -> None:
         _require(0 < self.alpha <= 1, "ps.adaptive.alpha", "must be in (0, 1]")
         _require(0 <= self.quantile <= 1, "ps.adaptive.quantile", "must be in [0, 1]")
+        _require(0 <= self.deadline_quantile <= 1, "ps.adaptive.deadline_quantile", "must be in [0, 1]")
+        _require(self.slow_margin >= 0, "ps.adaptive.slow_margin", "must be >= 0")
         _require(self.slack >= 1, "ps.adaptive.slack", "must be >= 1")
         _require(self.min_deadline_s > 0, "ps.adaptive.min_deadline_s", "must be > 0")
         _require(self.max_deadline_s >= self.min_deadline_s, "ps.adaptive.max_deadline_s",

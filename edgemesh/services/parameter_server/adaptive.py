@@ -9,8 +9,9 @@ No I/O and no clocks of its own: the parameter server feeds it observations and 
 * **Round deadline τ.** A round opens when the model of the previous round is published (the
   first round: with its first update). Each cluster's *cycle* (seconds from the publication of the
   model an update was computed on to the update's arrival, whichever round it lands in) is
-  remembered per cluster (the last ``window = 32``). ``τ = quantile_q(per-cluster median cycle) *
-  slack``, clamped to ``[min_deadline_s, max_deadline_s]``; with no observations yet
+  remembered per cluster (the last ``window = 32``). ``τ = quantile_dq(per-cluster median cycle) *
+  slack`` (``dq = deadline_quantile = 0.5``: the typical cluster, times the slack), clamped to
+  ``[min_deadline_s, max_deadline_s]``; with no observations yet
   ``τ = max_deadline_s``. Counting late updates too matters: were only the punctual ones timed, a
   round cut short would leave the late clusters unmeasured, the deadline would follow the fastest
   ones, cut the next round shorter still, and collapse to ``min_deadline_s`` (it did, before).
@@ -27,7 +28,9 @@ No I/O and no clocks of its own: the parameter server feeds it observations and 
   the fleet's samples takes half a step, not a whole one on half the data: cutting rounds short
   then trades waiting for more, smaller steps, instead of for noisier ones.
 * **Slow devices.** Live devices whose delay index exceeds ``slow_factor`` times the fleet median
-  and the median plus one version (default ``slow_factor = 2``): candidates for a smaller batch
+  and the median plus ``slow_margin`` versions (defaults 2 and 0.5: a device one round late twice
+  running is slow; with a margin of 1, a device always one round late, index 1, never was): candidates
+  for a smaller batch
   (planner) or harder compression (compressor).
 """
 
@@ -113,7 +116,7 @@ class AdaptiveDelay:
         typical = [quantile(self.arrivals[c], 0.5) for c in keys if self.arrivals[c]]
         if not typical:
             return s.max_deadline_s
-        return min(s.max_deadline_s, max(s.min_deadline_s, quantile(typical, s.quantile) * s.slack))
+        return min(s.max_deadline_s, max(s.min_deadline_s, quantile(typical, s.deadline_quantile) * s.slack))
 
     def _live_indices(self, live_devices: Iterable[str] | None) -> list[float]:
         if live_devices is None:
@@ -132,12 +135,12 @@ class AdaptiveDelay:
         return min(max_bound, max(lo, wanted))
 
     def slow_devices(self, live_devices: Iterable[str] | None = None) -> list[str]:
-        """Devices whose delay index exceeds ``slow_factor`` x the fleet median (and the median + 1)."""
+        """Devices whose delay index exceeds ``slow_factor`` x the fleet median (and the median + ``slow_margin``)."""
         live_devices = self.live_devices if live_devices is None else live_devices
         pool = {d: self.indices[d] for d in (self.indices if live_devices is None else live_devices)
                 if d in self.indices}
         if len(pool) < 2:
             return []
         median = quantile(pool.values(), 0.5)
-        limit = max(median * self.settings.slow_factor, median + 1.0)
+        limit = max(median * self.settings.slow_factor, median + self.settings.slow_margin)
         return sorted(d for d, i in pool.items() if i > limit)
