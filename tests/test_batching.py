@@ -81,6 +81,12 @@ def test_speed_tracker_fits_overhead_and_per_sample_time() -> None:
     t.observe("pi", 16, 0.042, upload_time_s=0.005)
     s = t.speed("pi", spec="digits-cnn", matmul_flops=10e9, memory_bytes=1 << 30)
     assert s is not None and s.fixed_s == pytest.approx(0.015) and s.sample_s == pytest.approx(0.002)
+    # it throttles to half speed: planned at the new speed from its next stats, not once older ones age out
+    slow = SpeedTracker()
+    for batch, seconds in ((8, 0.026), (16, 0.042), (32, 0.074), (16, 0.042 * 2 - 0.01)):
+        slow.observe("pi", batch, seconds)
+    overhead, per_sample = slow.fit("pi")  # type: ignore[misc]
+    assert per_sample > 0.003 and overhead < 0.03
     # a device the PS lists as slow, d versions behind, plans as (1 + d) times slower
     lagging = t.speed("pi", spec="digits-cnn", matmul_flops=10e9, memory_bytes=1 << 30, lag=2.0)
     assert lagging is not None and lagging.sample_s == pytest.approx(0.006) and lagging.fixed_s == pytest.approx(0.045)

@@ -8,8 +8,10 @@ Cost model
 One iteration of device *i* at batch *b* takes ``t_i(b) = fixed_i + b x sample_i`` seconds:
 
 * ``sample_i``, compute seconds per sample, and the step's fixed part come from the device's
-  stats: a least-squares line through its recent ``(batch, step time)`` pairs when it has
-  trained at two or more batch sizes, else ``step_time / batch`` (fixed part 0). Before any
+  stats: the fixed part is the intercept of a least-squares line through its recent
+  ``(batch, step time)`` pairs when it has trained at two or more batch sizes (else 0), and
+  ``sample_i`` is the latest pair's ``(step time - fixed) / batch``, so a device that slows down
+  (thermal throttling) or recovers is planned at its new speed from its next stats on. Before any
   stats, ``costs.step_seconds_estimate`` from the FLOPS in its hello.
 * ``fixed_i`` adds the upload time of one update (``DeviceStats.upload_time_s``).
 * A device the parameter server lists as slow (``SyncState.slow``) is ``1 + delay index``
@@ -162,10 +164,12 @@ class SpeedTracker:
         var = sum((b - mean_b) ** 2 for b, _ in kept)
         slope = sum((b - mean_b) * (t - mean_t) for b, t in kept) / var
         intercept = mean_t - slope * mean_b
-        if slope <= 0 or intercept < 0:  # noise: fall back to the latest ratio, no overhead
-            batch, seconds = kept[-1]
+        batch, seconds = kept[-1]
+        if slope <= 0 or intercept < 0 or seconds <= intercept:  # noise: the latest ratio, no overhead
             return 0.0, seconds / batch
-        return intercept, slope
+        # the line gives the overhead; the latest observation gives the speed now: a board that throttled (or
+        # recovered) since the older observations is planned at its new speed at once, not after they age out
+        return intercept, (seconds - intercept) / batch
 
     def speed(self, device: str, *, spec: str, matmul_flops: float, memory_bytes: int, lag: float = 0.0,
               reference_batch: int = 32) -> DeviceSpeed | None:
