@@ -1,36 +1,50 @@
-"""``edgemesh bench fleet``: an emulated fleet trains the default CNN under every sync policy.
+"""``edgemesh bench fleet``: an emulated fleet trains under every sync policy, in a scenario, at each policy's best
+learning rate.
 
-Each run is a whole local cluster on one broker: the planner, the parameter server, the
-compressor and one worker process per device, every worker started with ``--emulate PROFILE``
-(its steps stretched to the board's speed, its MQTT traffic through the board's link). Runs:
+Each run is a whole local cluster on one broker: the planner, the parameter server, the compressor and one
+worker process per device, every worker started with ``--emulate PROFILE`` (its steps stretched to the
+board's speed, its MQTT traffic through the board's link) under the run's scenario (``--scenario``:
+``steady``, ``dynamic``, ``harsh`` of ``scenarios.toml``: throttling, link stalls, drop-outs and a varying
+link rate, seeded so that every policy meets the same events). Runs:
 
-* ``single``: one ``pi4`` alone (the same services, one device);
-* ``sync``, ``async``, ``ssp``, ``adaptive``: the whole fleet (default: 2 x pi3, 2 x pi4,
-  2 x pi5, a jetson-nano and a laptop) under that policy.
+* ``single``: one ``pi4`` alone (the same services, one device; it meets the fleet's ``pi4-0``'s events);
+* ``sync``, ``async``, ``ssp``, ``adaptive``: the whole fleet (default: 2 x pi3, 2 x pi4, 2 x pi5, a
+  jetson-nano and a laptop) under that policy, with balanced batches (every device's batch sized to its
+  measured speed, so that ``sync`` waits for no one in a steady fleet).
 
-Every run uses the same training settings (model, data, learning rate, per-device batch,
-staleness bound) and lasts ``budget_s`` seconds from the moment the plan names every device.
-The PS evaluates the held-out split every ``EVAL_INTERVAL_S``; per policy the report gives:
+**Faithful.** Eight boards share this host's cores, so the emulation runs ``--dilation`` times slower than
+the boards in every respect (compute, link rates and latency, the scenario's events, and every setting that
+is a time on the fleet: ack timeout, stats interval, re-plan intervals, deadline clamps, reconnect backoff).
+A step the host could not finish in its emulated time is an *overrun*; a run with more than
+``MAX_OVERRUN_SHARE`` of its steps overrun is marked invalid. Every time in the report is board time (wall
+time divided by the dilation), so the dilation changes no result, only how long the benchmark takes.
 
-* ``time_to_target_s``: first evaluation at or above ``target_accuracy`` (None if never);
-* ``avg_iteration_delay_s``: mean over devices of the time between two of its updates
-  (compute, communication and any wait for the others);
-* ``final_accuracy``: mean of the last ``FINAL_EVALUATIONS`` evaluations;
-* ``updates_discarded``, ``updates_accepted``, ``model_versions``, ``bytes_published`` (every
-  payload byte every process published), the accuracy curve and more.
+**Fair.** Each policy runs at the best learning rate of a grid (``--lrs``), chosen once on the ``steady``
+scenario with another seed (``seed + 1``): a tuning run ends when it reaches the target or once it has run
+longer than the policy's best so far. ``--lr-from REPORT`` reuses a report's choices (the other scenarios
+use the steady report's), ``--lr`` sets one rate for every policy.
 
-Accuracy against time per policy goes to a PNG beside the report.
+Per policy the report gives, in board seconds: ``time_to_target_s`` (the first evaluation at or above
+``--target``, None if never), ``avg_iteration_delay_s`` (mean over devices of the time between two of its
+updates), ``final_accuracy`` (mean of the last ``FINAL_EVALUATIONS`` evaluations), ``updates_discarded``,
+``bytes_published`` (every payload byte every process published), ``emulation_overrun_share``, ``valid``,
+``lr``, the workload's ``slowest_step_s`` and ``round_overhead_s``, and the accuracy curve; the report lists
+the scenario's events (throttled spells, stalls, drop-outs) per device. The PNG plots accuracy against board
+time per policy above the events.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +53,8 @@ from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import Timeline, cluster_flags, device_names, drive, fleet_profiles, names, observe
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
+from edgemesh.common.emulation.dynamics import Timeline as DeviceTimeline
+from edgemesh.common.emulation.scenarios import Scenario, load_scenarios
 from edgemesh.common.errors import ConfigError, EdgeMeshError
 from edgemesh.common.metrics import sum_samples
 from edgemesh.common.topics import Topics
@@ -50,53 +66,132 @@ logger = logging.getLogger(__name__)
 POLICIES = ("single", "sync", "async", "ssp", "adaptive")
 DEFAULT_FLEET = ("pi3", "pi3", "pi4", "pi4", "pi5", "pi5", "jetson-nano", "laptop")
 SINGLE_PROFILE = "pi4"
+MODEL = "digits-wide-cnn"
+"""The workload: a step of it on the slowest board is many times the system's per-round overhead."""
 DEFAULT_TARGET = 0.96
-DEFAULT_BUDGET_S = 40.0
-EVAL_INTERVAL_S = 0.25
-"""How often the PS evaluates the held-out split during a run."""
+BATCH = 64
+"""Samples per device and step (``training.batch_size``; balanced batching sizes each device's batch around it, the
+round carrying devices x this many)."""
+DEFAULT_BUDGET_S = 30.0
+"""Board seconds of training per run."""
+DEFAULT_DILATION = 3.0
+DEFAULT_LRS = (0.025, 0.05, 0.1, 0.2, 0.4)
+TUNING_SCENARIO = "steady"
+EVAL_INTERVAL_S = 0.5
+"""How often, in board seconds, the PS evaluates the held-out split during a run."""
 FINAL_EVALUATIONS = 5
 """Evaluations averaged into ``final_accuracy`` (the last ones of the run)."""
 MILESTONES = (0.9, 0.95, 0.96, 0.97)
 """Accuracies whose first time is reported for every policy besides the target."""
-START_TIMEOUT_S = 120.0
-"""Longest wait for the plan to name every device."""
+MAX_OVERRUN_SHARE = 0.05
+"""A run with a larger share of overrun steps did not emulate its fleet faithfully: marked invalid."""
+START_TIMEOUT_S = 180.0
+"""Longest wall wait for the plan to name every device."""
+FLEET_TIMES = ("worker.ack_timeout_s", "worker.stats_interval_s", "worker.codec_wait_s", "planner.replan_debounce_s",
+               "planner.rebalance_interval_s", "ps.sync_state_interval_s", "ps.adaptive.min_deadline_s",
+               "ps.adaptive.max_deadline_s", "broker.backoff_initial_s", "broker.backoff_max_s")
+"""Settings that are times on the fleet: a dilated emulation stretches them like everything else."""
+QUICK = {"fleet": "pi5,laptop", "policies": "single,adaptive", "budget_s": 6.0, "target": 0.8, "lrs": "0.1,0.2",
+         "dilation": 2.0}
+"""``--quick``: what the test suite runs (a minute or two)."""
 
 
-Run = Timeline
-"""What one policy's run observed (the last plan gives the batch sizes)."""
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    """One run: a policy at a learning rate in a scenario, for ``budget_s`` board seconds; a tuning run also
+    ends at the target, or once it has run ``give_up_s`` (another rate's time to the target)."""
+
+    policy: str
+    lr: float
+    scenario: str
+    seed: int
+    budget_s: float
+    tuning: bool = False
+    give_up_s: float | None = None
 
 
-def run_config(base: dict[str, str], *, policy: str, devices: int, job: str, broker_url: str,
-               host_gflops: float, seed: int) -> Config:
+@dataclass(slots=True)
+class Bench:
+    """What every run of one benchmark shares."""
+
+    fleet: list[tuple[str, str]]
+    """(device, profile) of the fleet runs."""
+    overrides: dict[str, str]
+    broker_url: str
+    host_gflops: float
+    dilation: float
+    target: float
+    workdir: Path
+    progress: Callable[[str], None]
+
+    def members(self, policy: str) -> list[tuple[str, str]]:
+        return [(f"{SINGLE_PROFILE}-0", SINGLE_PROFILE)] if policy == "single" else self.fleet
+
+
+def run_config(bench: Bench, spec: RunSpec, *, devices: int, job: str) -> Config:
     """The configuration of one run: the benchmark's settings, then the user's ``--set`` overrides."""
+    d = bench.dilation
+    defaults = load_config(env={}, overrides={})
+    fleet_times = {key: str(_setting(defaults, key) * d) for key in FLEET_TIMES}
     overrides = {
-        "job": job, "broker.url": broker_url, "log_level": "INFO",
-        "training.sync_policy": "sync" if policy == "single" else policy,
-        "training.staleness_bound": str(2 * devices),
-        "ps.eval_every": "0", "ps.eval_interval_s": str(EVAL_INTERVAL_S),
-        "worker.emulation_host_gflops": str(host_gflops), "worker.emulation_seed": str(seed),
+        **fleet_times,
+        "job": job, "broker.url": bench.broker_url, "log_level": "INFO",
+        "broker.keepalive_s": str(int(round(defaults.broker.keepalive_s * d))),
+        "training.model_spec": MODEL, "training.lr": repr(spec.lr), "training.batch_size": str(BATCH),
+        "training.sync_policy": "sync" if spec.policy == "single" else spec.policy,
+        "training.staleness_bound": str(2 * devices), "planner.batching": "balanced",
+        "ps.eval_every": "0", "ps.eval_interval_s": str(EVAL_INTERVAL_S * d),
+        "training.seed": str(spec.seed),
+        "worker.emulation_host_gflops": str(bench.host_gflops), "worker.emulation_seed": str(spec.seed),
+        "worker.emulation_dilation": str(d), "worker.emulation_scenario": spec.scenario,
     }
-    overrides.update(base)
+    overrides.update(bench.overrides)
     return load_config(env={}, overrides=overrides)
 
 
-async def _watch(cfg: Config, run: Run, devices: set[str]) -> None:
-    """Note when the plan first names every device (t0) and every evaluation after it."""
-    await observe(cfg, *run.routes(Topics(cfg.job), devices))
+def _setting(cfg: Config, key: str) -> float:
+    value: Any = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return float(value)
 
 
-async def _run_policy(cluster: LocalCluster, devices: list[tuple[str, str]], budget_s: float,
-                      progress: Callable[[str], None], label: str) -> Run:
-    run = Run()
+@dataclass(slots=True)
+class Run:
+    """One run's timeline (board seconds) and how long it lasted."""
 
-    def status(elapsed: float) -> str:
-        accuracy = run.evaluations[-1][2] if run.evaluations else 0.0
-        return f"{label}: {elapsed:5.1f}s of {budget_s:.0f}s, accuracy {accuracy:.4f}"
+    timeline: Timeline
+    elapsed_s: float = 0.0
+    """Board seconds from t0 to the end of the run."""
 
-    watch = _watch(cluster.cfg, run, {name for name, _ in devices})
-    run.failure = await drive(cluster, devices, watch, started=lambda: run.t0,
-                              done=lambda elapsed: elapsed >= budget_s, status=status, progress=progress,
-                              start_timeout_s=START_TIMEOUT_S)
+
+def _reached(timeline: Timeline, target: float) -> bool:
+    return any(a >= target for _, _, a in timeline.evaluations)
+
+
+async def _run(bench: Bench, cluster: LocalCluster, spec: RunSpec, label: str) -> Run:
+    timeline = Timeline()
+    run = Run(timeline)
+    members = bench.members(spec.policy)
+    d = bench.dilation
+
+    def done(wall: float) -> bool:
+        board = wall / d
+        run.elapsed_s = board
+        if board >= spec.budget_s:
+            return True
+        if spec.tuning and _reached(timeline, bench.target):
+            return True
+        return spec.give_up_s is not None and board > spec.give_up_s
+
+    def status(wall: float) -> str:
+        accuracy = timeline.evaluations[-1][2] if timeline.evaluations else 0.0
+        return f"{label}: {wall / d:5.1f}s of {spec.budget_s:.0f}s board time, accuracy {accuracy:.4f}"
+
+    watch = observe(cluster.cfg, *timeline.routes(Topics(cluster.cfg.job), {name for name, _ in members}))
+    timeline.failure = await drive(cluster, members, watch, started=lambda: timeline.t0, done=done, status=status,
+                                   progress=bench.progress, start_timeout_s=START_TIMEOUT_S)
+    timeline.evaluations = [(t / d, v, a) for t, v, a in timeline.evaluations]  # board time from here on
     return run
 
 
@@ -104,155 +199,371 @@ def _first_at(evaluations: list[tuple[float, int, float]], accuracy: float) -> f
     return next((round(t, 3) for t, _, a in evaluations if a >= accuracy), None)
 
 
-def summarize(run: Run, cluster: LocalCluster, *, target: float, budget_s: float) -> dict[str, Any]:
-    """One policy's entry of the report."""
-    evaluations = run.evaluations
-    workers = cluster.samples_of("worker")
-    iteration = []
-    for samples in workers:
-        steps = sum_samples(samples, "edgemesh_worker_steps_total")
-        if steps:
-            iteration.append(budget_s / steps)
+def _per_device(cluster: LocalCluster, name: str) -> dict[str, float]:
+    return {c.name: sum_samples(c.samples, name) for c in cluster.children if c.role == "worker"}
+
+
+def summarize(run: Run, cluster: LocalCluster, spec: RunSpec, *, target: float, dilation: float) -> dict[str, Any]:
+    """One run's entry of the report (board seconds)."""
+    evaluations = run.timeline.evaluations
+    elapsed = run.elapsed_s
+    steps = _per_device(cluster, "edgemesh_worker_steps_total")
+    compute = _per_device(cluster, "edgemesh_worker_step_seconds_sum")
+    step_s = {dev: round(compute[dev] / n / dilation, 4) for dev, n in steps.items() if n}
+    iteration = [elapsed / n for n in steps.values() if n]
+    steps_total = sum(steps.values())
+    overruns = sum(sum_samples(s, "edgemesh_worker_emulation_overruns_total") for s in cluster.samples_of("worker"))
     versions = cluster.total("edgemesh_ps_model_version", "ps")
-    steps_total = sum(sum_samples(s, "edgemesh_worker_steps_total") for s in workers)
-    overruns = sum(sum_samples(s, "edgemesh_worker_emulation_overruns_total") for s in workers)
+    seconds_per_version = elapsed / versions if versions else None
+    slowest = max(step_s.values(), default=None)
+    link_s = _link_seconds(cluster, steps, dilation)
+    round_overhead = (seconds_per_version - slowest if spec.policy in ("single", "sync") and seconds_per_version
+                      and slowest else None)
+    delays = (cluster.total("edgemesh_ps_update_delay_versions_sum", "ps"),
+              cluster.total("edgemesh_ps_update_delay_versions_count", "ps"))
+    overrun_share = round(overruns / steps_total, 4) if steps_total else None
     last = [a for _, _, a in evaluations[-FINAL_EVALUATIONS:]]
-    plan = run.plan
+    plan = run.timeline.plan
+    ps = [c for c in cluster.children if c.role == "ps"]
     return {
-        "devices": len(workers),
+        "lr": spec.lr,
+        "devices": len(steps),
         "time_to_target_s": _first_at(evaluations, target),
         "avg_iteration_delay_s": round(sum(iteration) / len(iteration), 4) if iteration else None,
         "final_accuracy": round(sum(last) / len(last), 4) if last else None,
         "updates_discarded": int(cluster.total("edgemesh_ps_updates_total", "ps", status="discarded")),
         "bytes_published": cluster.over_services("_published_bytes_total"),
+        "emulation_overrun_share": overrun_share,
+        "valid": overrun_share is not None and overrun_share <= MAX_OVERRUN_SHARE,
         "updates_accepted": int(cluster.total("edgemesh_ps_updates_total", "ps", status="accepted")),
-        "discarded_by_reason": {dict(lab).get("reason", ""): int(v) for c in cluster.children if c.role == "ps"
-                                for (n, lab), v in c.samples.items()
+        "discarded_by_reason": {dict(lab).get("reason", ""): int(v) for c in ps for (n, lab), v in c.samples.items()
                                 if n == "edgemesh_ps_updates_total" and dict(lab).get("status") == "discarded" and v},
         "model_versions": int(versions),
-        "seconds_per_version": round(budget_s / versions, 4) if versions else None,
+        "seconds_per_version": round(seconds_per_version, 4) if seconds_per_version else None,
+        "slowest_step_s": slowest,
+        "round_overhead_s": round(round_overhead, 4) if round_overhead is not None else None,
+        "link_s": link_s,
+        "bus_overhead_s": (round(round_overhead - max(link_s.values()), 4)
+                           if round_overhead is not None and link_s else None),
+        "mean_update_delay": round(delays[0] / delays[1], 3) if delays[1] else None,
+        "updates_per_version": round(delays[1] / versions, 3) if versions else None,
+        "step_s": step_s,
+        "elapsed_s": round(elapsed, 3),
         "best_accuracy": round(max((a for _, _, a in evaluations), default=0.0), 4),
         "time_to_accuracy_s": {f"{m:.2f}": _first_at(evaluations, m) for m in MILESTONES},
         "worker_steps": int(steps_total),
-        "emulation_overrun_share": round(overruns / steps_total, 4) if steps_total else None,
         "link_disconnects": int(cluster.total("edgemesh_worker_emulation_link_disconnects", "worker")),
+        "link_stalls": int(cluster.total("edgemesh_worker_emulation_link_stalls", "worker")),
         "replans": int(cluster.total("edgemesh_planner_replans_total", "planner")),
-        "gradient_bytes_by_codec": {dict(lab).get("codec", ""): int(v) for c in cluster.children if c.role == "ps"
-                                    for (n, lab), v in c.samples.items()
+        "gradient_bytes_by_codec": {dict(lab).get("codec", ""): int(v) for c in ps for (n, lab), v in c.samples.items()
                                     if n == "edgemesh_ps_received_gradient_bytes_total" and v},
-        "batching": plan.batching if plan is not None else None,
         "batch_sizes": {d.device: d.batch_size for d in plan.devices} if plan is not None else {},
-        "predicted_round_s": round(plan.round_time_s, 4) if plan is not None and plan.round_time_s else None,
         "peak_rss_mb": cluster.peak_rss_mb(),
         "curve": [[round(t, 3), v, round(a, 4)] for t, v, a in evaluations],
-        "failure": run.failure,
+        "failure": run.timeline.failure,
     }
+
+
+def _link_seconds(cluster: LocalCluster, steps: dict[str, float], dilation: float) -> dict[str, float]:
+    """Board seconds each device's emulated link spent per step busy sending, up and down: the part of a round
+    that is the fleet's Wi-Fi, not the system's overhead (the latencies, 2 ms each way, are left in the overhead)."""
+    out = {}
+    for c in cluster.children:
+        n = steps.get(c.name)
+        if c.role != "worker" or not n:
+            continue
+        busy = sum(v for (name, _), v in c.samples.items() if name == "edgemesh_worker_emulation_link_busy_seconds")
+        out[c.name] = round(busy / n / dilation, 4)
+    return out
+
+
+def run_one(bench: Bench, spec: RunSpec, label: str) -> dict[str, Any]:
+    """Start a cluster, run ``spec`` on it, and summarize it."""
+    members = bench.members(spec.policy)
+    job = f"fleet-{spec.policy}-{uuid.uuid4().hex[:6]}"
+    cfg = run_config(bench, spec, devices=len(members), job=job)
+    cluster = LocalCluster(cfg, bench.workdir)
+    bench.progress(f"{label}: {len(members)} device(s), lr {spec.lr:g}, scenario {spec.scenario}")
+    started = time.monotonic()
+    run = asyncio.run(_run(bench, cluster, spec, label))
+    entry = summarize(run, cluster, spec, target=bench.target, dilation=bench.dilation)
+    entry["wall_s"] = round(time.monotonic() - started, 1)
+    bench.progress(f"{label}: time to {bench.target:.2f} {entry['time_to_target_s']}s, final accuracy "
+                   f"{entry['final_accuracy']}, iteration {entry['avg_iteration_delay_s']}s, discarded "
+                   f"{entry['updates_discarded']}, overruns {entry['emulation_overrun_share']}"
+                   + ("" if entry["valid"] else " (INVALID: overrun share above 5%)")
+                   + (f"; FAILED: {entry['failure']}" if entry["failure"] else ""))
+    return entry
+
+
+def tune(bench: Bench, policies: list[str], lrs: list[float], *, seed: int, budget_s: float) -> dict[str, Any]:
+    """Each policy's best learning rate of ``lrs`` on the tuning scenario with ``seed``: the one that reaches the
+    target soonest (failing that, the best accuracy). A run ends at the target or once it is slower than the
+    policy's best so far."""
+    out: dict[str, Any] = {}
+    for policy in policies:
+        grid: dict[str, dict[str, Any]] = {}
+        best: float | None = None
+        for lr in middle_out(lrs):
+            spec = RunSpec(policy, lr, TUNING_SCENARIO, seed, budget_s, tuning=True, give_up_s=best)
+            entry = run_one(bench, spec, f"tuning {policy} lr {lr:g}")
+            t = entry["time_to_target_s"]
+            grid[repr(lr)] = {k: entry[k] for k in ("time_to_target_s", "best_accuracy", "elapsed_s",
+                                                     "emulation_overrun_share", "valid", "failure")}
+            if t is not None and (best is None or t < best):
+                best = t
+        chosen = _choose(grid)
+        out[policy] = {"lr": chosen, "grid": dict(sorted(grid.items(), key=lambda item: float(item[0])))}
+        bench.progress(f"tuning {policy}: lr {chosen:g}")
+    return out
+
+
+def middle_out(values: list[float]) -> list[float]:
+    """``values`` sorted, from the middle outwards (0.1, 0.2, 0.05, 0.4, 0.025): the first run sets the time the
+    others must beat, and a middle rate is likelier to reach the target than an extreme one."""
+    ordered = sorted(values)
+    middle = (len(ordered) - 1) // 2
+    out = [ordered[middle]]
+    for step in range(1, len(ordered)):
+        for i in (middle + step, middle - step):
+            if 0 <= i < len(ordered):
+                out.append(ordered[i])
+    return out
+
+
+def _choose(grid: dict[str, dict[str, Any]]) -> float:
+    """The rate that reached the target soonest, else the one with the best accuracy (runs that failed last)."""
+    def key(item: tuple[str, dict[str, Any]]) -> tuple[int, float, float]:
+        _, e = item
+        reached = e["time_to_target_s"] is not None and not e["failure"]
+        return (0 if reached else 1, e["time_to_target_s"] if reached else 0.0, -(e["best_accuracy"] or 0.0))
+    return float(min(grid.items(), key=key)[0])
+
+
+def tuned_from(path: Path, policies: list[str]) -> dict[str, Any]:
+    """The ``tuning`` of an earlier report, which must cover ``policies``."""
+    try:
+        tuning = json.loads(path.read_text())["tuning"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"--lr-from {path}: not a fleet report with a tuning section ({exc})") from None
+    missing = [p for p in policies if not isinstance(tuning.get(p), dict) or "lr" not in tuning[p]]
+    if missing:
+        raise ConfigError(f"--lr-from {path}: no tuned learning rate for {', '.join(missing)}")
+    return {p: {**tuning[p], "from": str(path)} for p in policies}
+
+
+def scenario_events(scenario: Scenario, fleet: list[tuple[str, str]], seed: int, until_s: float) -> dict[str, Any]:
+    """The scenario's throttled spells, stalls and drop-outs per device over ``until_s`` board seconds, and
+    their totals (what every policy's run met)."""
+    per_device = {}
+    totals = {"throttled_share": 0.0, "stalls": 0, "stalled_s": 0.0, "drops": 0, "dropped_s": 0.0}
+    for device, profile in fleet:
+        timeline = DeviceTimeline.of(scenario, profile, device, seed)
+        events = timeline.until(until_s)
+        per_device[device] = [e.summary() for e in events]
+        totals["throttled_share"] += timeline.share("throttle", until_s) / len(fleet)
+        for e in events:
+            length = min(e.end_s, until_s) - e.start_s
+            if e.kind == "stall":
+                totals["stalls"] += 1
+                totals["stalled_s"] += length
+            elif e.kind == "drop":
+                totals["drops"] += 1
+                totals["dropped_s"] += length
+    return {"totals": {k: round(v, 3) for k, v in totals.items()}, "devices": per_device}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def ratios(policies: dict[str, dict[str, Any]]) -> dict[str, float | None]:
-    """How much sooner ``adaptive`` reaches the target than each other policy (time ratios)."""
+def ratios(policies: dict[str, dict[str, Any]], budget_s: float) -> dict[str, Any]:
+    """How much sooner ``adaptive`` reaches the target than each other policy (time ratios); for a policy that
+    never reached it, at least ``budget_s`` over adaptive's time (``..._at_least``)."""
     ours = policies.get("adaptive", {}).get("time_to_target_s")
-    return {f"{other}_over_adaptive_time_to_target": _ratio(policies[other].get("time_to_target_s"), ours)
-            for other in policies if other != "adaptive"}
+    out: dict[str, Any] = {}
+    for other in policies:
+        if other == "adaptive":
+            continue
+        theirs = policies[other].get("time_to_target_s")
+        out[f"{other}_over_adaptive_time_to_target"] = _ratio(theirs, ours)
+        if theirs is None and ours:
+            out[f"{other}_over_adaptive_time_to_target_at_least"] = _ratio(budget_s, ours)
+    return out
 
 
-def run_bench(report: Path, *, fleet: list[str], policies: list[str], target: float, budget_s: float, seed: int,
-              overrides: dict[str, str], progress: Callable[[str], None], keep_logs: bool = False) -> dict[str, Any]:
+def acceptance(scenario: str, policies: dict[str, dict[str, Any]], budget_s: float) -> dict[str, bool | None]:
+    """The issue's acceptance checks that apply to this scenario (None: a figure is missing)."""
+    out: dict[str, bool | None] = {"every_run_valid": all(e["valid"] for e in policies.values())}
+    a = policies.get("adaptive")
+    if a is None:
+        return out
+    def time_ratio(other: str) -> float | None:  # a policy that never reached the target: at least the budget
+        if other not in policies or not a["time_to_target_s"]:
+            return None
+        return _ratio(policies[other]["time_to_target_s"] or budget_s, a["time_to_target_s"])
+    if scenario == "steady" and "sync" in policies:
+        r = time_ratio("sync")
+        out["adaptive_within_10pct_of_sync"] = None if r is None else 1 / r <= 1.1
+    elif scenario != "steady":
+        r_sync, r_single = time_ratio("sync"), time_ratio("single")
+        out["adaptive_2x_sooner_than_sync"] = None if r_sync is None else r_sync >= 2
+        out["adaptive_3.2x_sooner_than_single"] = None if r_single is None else r_single >= 3.2
+        if "sync" in policies and a["final_accuracy"] is not None and policies["sync"]["final_accuracy"] is not None:
+            out["final_accuracy_within_1pt_of_sync"] = a["final_accuracy"] >= policies["sync"]["final_accuracy"] - 0.01
+        for other in ("async", "ssp"):
+            if other in policies:
+                o = policies[other]
+                sooner = a["time_to_target_s"] is not None and (o["time_to_target_s"] is None
+                                                                or a["time_to_target_s"] < o["time_to_target_s"])
+                better = (a["final_accuracy"] or 0) > (o["final_accuracy"] or 0)
+                out[f"beats_{other}"] = sooner or better
+    return out
+
+
+def run_bench(report: Path, *, fleet: list[str], policies: list[str], scenario: str, target: float, budget_s: float,
+              dilation: float, seed: int, lrs: list[float], lr_from: Path | None, overrides: dict[str, str],
+              progress: Callable[[str], None], keep_logs: bool = False) -> dict[str, Any]:
     profiles = fleet_profiles(fleet, SINGLE_PROFILE, overrides)
+    scenarios = load_scenarios(overrides.get("worker.emulation_scenarios") or None, profiles=set(profiles))
+    if scenario not in scenarios or TUNING_SCENARIO not in scenarios:
+        raise ConfigError(f"unknown scenario {scenario!r} (or no {TUNING_SCENARIO!r} to tune on); known: "
+                          f"{', '.join(sorted(scenarios))}")
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise ConfigError(f"unknown polic(ies) {', '.join(bad)}; known: {', '.join(POLICIES)}")
     host = measure_host_gflops(1)
     devices = device_names(fleet)
-    progress(f"fleet of {len(devices)}: {', '.join(fleet)}; host {host:.1f} GFLOP/s per thread; "
-             f"{len(policies)} runs of {budget_s:.0f}s")
+    progress(f"fleet of {len(devices)}: {', '.join(fleet)}; scenario {scenario}; host {host:.1f} GFLOP/s per "
+             f"thread; time dilation {dilation:g}; {len(policies)} runs of {budget_s:g} board seconds")
     workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-fleet-"))
     broker = BrokerProcess.default()
     broker.start()
+    bench = Bench(devices, overrides, broker.url, host, dilation, target, workdir, progress)
+    settings = run_config(bench, RunSpec("sync", lrs[0] if lrs else 0.1, scenario, seed, budget_s),
+                          devices=len(devices), job="settings")
     result: dict[str, Any] = {
+        "scenario": scenarios[scenario].summary(),
         "target_accuracy": target,
         "fleet": [{"device": name, **profiles[p].summary()} for name, p in devices],
         "single": {"device": f"{SINGLE_PROFILE}-0", **profiles[SINGLE_PROFILE].summary()},
         "budget_s": budget_s,
+        "time_dilation": dilation,
+        "times": "board seconds (wall seconds / time_dilation)",
         "host_gflops": round(host, 2),
         "broker": broker.kind,
+        "seed": seed,
+        "settings": _settings(settings, len(devices)),
+        "events": scenario_events(scenarios[scenario], devices, seed, budget_s),
         "policies": {},
     }
+    started = time.monotonic()
     failed = False
     try:
+        if lr_from is not None:
+            result["tuning"] = tuned_from(lr_from, policies)
+        elif len(lrs) == 1:
+            result["tuning"] = {p: {"lr": lrs[0], "grid": {}} for p in policies}
+        else:
+            result["tuning"] = tune(bench, policies, lrs, seed=seed + 1, budget_s=budget_s)
         for policy in policies:
-            members = [(f"{SINGLE_PROFILE}-0", SINGLE_PROFILE)] if policy == "single" else devices
-            job = f"fleet-{policy}-{uuid.uuid4().hex[:6]}"
-            cfg = run_config(overrides, policy=policy, devices=len(members), job=job, broker_url=broker.url,
-                             host_gflops=host, seed=seed)
-            result.setdefault("settings", _settings(cfg, len(devices)))
-            cluster = LocalCluster(cfg, workdir)
-            progress(f"{policy}: {len(members)} device(s)")
-            run = asyncio.run(_run_policy(cluster, members, budget_s, progress, policy))
-            entry = summarize(run, cluster, target=target, budget_s=budget_s)
+            spec = RunSpec(policy, float(result["tuning"][policy]["lr"]), scenario, seed, budget_s)
+            entry = run_one(bench, spec, policy)
             result["policies"][policy] = entry
-            failed = failed or run.failure is not None
-            progress(f"{policy}: time to {target:.2f} {entry['time_to_target_s']}s, final accuracy "
-                     f"{entry['final_accuracy']}, iteration {entry['avg_iteration_delay_s']}s, "
-                     f"discarded {entry['updates_discarded']}" + (f"; FAILED: {run.failure}" if run.failure else ""))
+            failed = failed or entry["failure"] is not None
     finally:
         broker.stop()
-    result["ratios"] = ratios(result["policies"])
+    result["ratios"] = ratios(result["policies"], budget_s)
+    result["acceptance"] = acceptance(scenario, result["policies"], budget_s)
+    result["bench_wall_s"] = round(time.monotonic() - started, 1)
     finish(report, result, _plot, progress, workdir, keep_logs=failed or keep_logs)
     return result
 
 
 def _settings(cfg: Config, devices: int) -> dict[str, Any]:
-    t = cfg.training
-    return {"model": t.model_spec, "dataset": t.dataset, "lr": t.lr, "momentum": t.momentum,
-            "batch_size": t.batch_size, "staleness_bound": t.staleness_bound, "devices": devices,
-            "eval_interval_s": EVAL_INTERVAL_S, "planner_batching": cfg.planner.batching,
-            "compressor_mode": cfg.compressor.mode, "ps_broadcast": cfg.ps.broadcast}
+    t, rule, d = cfg.training, cfg.ps.adaptive, cfg.worker.emulation_dilation
+    adaptive = {k: getattr(rule, k) / d if k.endswith("_s") else getattr(rule, k) for k in rule.__slots__}
+    return {"model": t.model_spec, "dataset": t.dataset, "momentum": t.momentum, "batch_size": t.batch_size,
+            "fleet_staleness_bound": 2 * devices, "devices": devices, "eval_interval_s": EVAL_INTERVAL_S,
+            "planner_batching": cfg.planner.batching, "compressor_mode": cfg.compressor.mode,
+            "ps_broadcast": cfg.ps.broadcast, "adaptive": adaptive, "max_overrun_share": MAX_OVERRUN_SHARE}
+
+
+COLOURS = {"throttle": "tab:orange", "stall": "tab:red", "drop": "black"}
 
 
 def _plot(result: dict[str, Any], path: Path) -> bool:
     plt = pyplot()
     if plt is None:
         return False
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, (ax, events) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     for policy, entry in result["policies"].items():
         curve = entry["curve"]
         if curve:
-            ax.plot([c[0] for c in curve], [c[2] for c in curve], label=policy, linewidth=1.5)
+            mark = "" if entry["valid"] else " (invalid)"
+            ax.plot([c[0] for c in curve], [c[2] for c in curve], label=f"{policy} (lr {entry['lr']:g}){mark}",
+                    linewidth=1.5)
     ax.axhline(result["target_accuracy"], color="grey", linestyle="--", linewidth=1, label="target")
-    ax.set_xlabel("seconds since the plan named every device")
     ax.set_ylabel("held-out accuracy")
     ax.set_ylim(0.5, 1.0)
     kinds = ", ".join(sorted({d["profile"] for d in result["fleet"]}))
-    ax.set_title(f"emulated fleet of {len(result['fleet'])} ({kinds}); single = one {result['single']['profile']}")
-    ax.legend(loc="lower right")
+    ax.set_title(f"scenario {result['scenario']['scenario']}: emulated fleet of {len(result['fleet'])} ({kinds}); "
+                 f"single = one {result['single']['profile']}")
+    ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
+    devices = list(result["events"]["devices"])
+    for row, device in enumerate(devices):
+        for e in result["events"]["devices"][device]:
+            events.barh(row, e["length_s"], left=e["start_s"], color=COLOURS[e["kind"]], height=0.6)
+    events.set_yticks(range(len(devices)), devices, fontsize=8)
+    events.set_xlim(0, result["budget_s"])
+    events.set_xlabel("board seconds since the plan named every device")
+    events.set_title("events: throttled (orange), link stalled (red), dropped out (black)", fontsize=9)
     return save(fig, path)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     """``edgemesh bench fleet``."""
-    parser.add_argument("--report", default="bench/reports/fleet.json", help="JSON report path (PNG beside it)")
+    parser.add_argument("--report", default=None, help="JSON report path (PNG beside it); default "
+                        "bench/reports/fleet-SCENARIO.json")
+    parser.add_argument("--scenario", default="steady", help="emulation scenario: steady, dynamic, harsh "
+                        "(worker.emulation_scenarios for your own file)")
     parser.add_argument("--fleet", default=",".join(DEFAULT_FLEET), help="device profiles, comma-separated")
     parser.add_argument("--policies", default=",".join(POLICIES), help="runs, comma-separated")
     parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="target held-out accuracy")
-    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="seconds of training per run")
-    cluster_flags(parser, seed="seed of the emulated links' disconnects")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="board seconds of training per run")
+    parser.add_argument("--dilation", type=float, default=DEFAULT_DILATION,
+                        help="the emulation runs this many times slower than the boards (overrun share < 5%%)")
+    parser.add_argument("--lrs", default=",".join(map(str, DEFAULT_LRS)), help="learning-rate grid each policy "
+                        "is tuned on (steady scenario, seed + 1)")
+    parser.add_argument("--lr", type=float, help="one learning rate for every policy (no tuning)")
+    parser.add_argument("--lr-from", type=Path, help="reuse the tuned learning rates of this report")
+    parser.add_argument("--quick", action="store_true", help="a small, short variant (what the tests run): "
+                        + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    cluster_flags(parser, seed="seed of the scenario's events and the emulated links")
     parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     cli.setup_logging(args.log_level or "WARNING")
-    if args.budget_s <= 0 or not 0 < args.target <= 1:
-        raise EdgeMeshError("--budget-s must be > 0 and --target in (0, 1]")
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
     try:
-        result = run_bench(Path(args.report), fleet=names(args.fleet), policies=names(args.policies),
-                           target=args.target, budget_s=args.budget_s, seed=args.seed, overrides=cli.overrides(args),
-                           keep_logs=args.keep_logs, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        lrs = [args.lr] if args.lr is not None else [float(x) for x in names(str(args.lrs))]
+    except ValueError:
+        print(f"edgemesh bench fleet: --lrs expects numbers, got {args.lrs!r}", file=sys.stderr)
+        return 2
+    if args.budget_s <= 0 or not 0 < args.target <= 1 or args.dilation < 1 or not lrs or min(lrs) <= 0:
+        print("edgemesh bench fleet: --budget-s and learning rates must be > 0, --target in (0, 1], "
+              "--dilation >= 1", file=sys.stderr)
+        return 2
+    report = Path(args.report or f"bench/reports/fleet-{args.scenario}.json")
+    try:
+        result = run_bench(report, fleet=names(args.fleet), policies=names(args.policies), scenario=args.scenario,
+                           target=args.target, budget_s=args.budget_s, dilation=args.dilation, seed=args.seed,
+                           lrs=lrs, lr_from=args.lr_from, overrides=cli.overrides(args), keep_logs=args.keep_logs,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     except EdgeMeshError as exc:
         print(f"edgemesh bench fleet: {exc}", file=sys.stderr)
         return 2
