@@ -72,8 +72,10 @@ DEFAULT_TARGET = 0.96
 BATCH = 64
 """Samples per device and step (``training.batch_size``; balanced batching sizes each device's batch around it, the
 round carrying devices x this many)."""
-DEFAULT_BUDGET_S = 30.0
+DEFAULT_BUDGET_S = 40.0
 """Board seconds of training per run."""
+DEFAULT_TUNING_BUDGET_S = 30.0
+"""Most board seconds of one tuning run (a rate that has not reached the target by then loses to one that has)."""
 DEFAULT_DILATION = 3.0
 DEFAULT_LRS = (0.025, 0.05, 0.1, 0.2, 0.4)
 TUNING_SCENARIO = "steady"
@@ -423,7 +425,8 @@ def acceptance(scenario: str, policies: dict[str, dict[str, Any]], budget_s: flo
 
 def run_bench(report: Path, *, fleet: list[str], policies: list[str], scenario: str, target: float, budget_s: float,
               dilation: float, seed: int, lrs: list[float], lr_from: Path | None, overrides: dict[str, str],
-              progress: Callable[[str], None], keep_logs: bool = False) -> dict[str, Any]:
+              progress: Callable[[str], None], tuning_budget_s: float = DEFAULT_TUNING_BUDGET_S,
+              keep_logs: bool = False) -> dict[str, Any]:
     profiles = fleet_profiles(fleet, SINGLE_PROFILE, overrides)
     scenarios = load_scenarios(overrides.get("worker.emulation_scenarios") or None, profiles=set(profiles))
     if scenario not in scenarios or TUNING_SCENARIO not in scenarios:
@@ -465,7 +468,7 @@ def run_bench(report: Path, *, fleet: list[str], policies: list[str], scenario: 
         elif len(lrs) == 1:
             result["tuning"] = {p: {"lr": lrs[0], "grid": {}} for p in policies}
         else:
-            result["tuning"] = tune(bench, policies, lrs, seed=seed + 1, budget_s=budget_s)
+            result["tuning"] = tune(bench, policies, lrs, seed=seed + 1, budget_s=min(budget_s, tuning_budget_s))
         for policy in policies:
             spec = RunSpec(policy, float(result["tuning"][policy]["lr"]), scenario, seed, budget_s)
             entry = run_one(bench, spec, policy)
@@ -536,6 +539,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="the emulation runs this many times slower than the boards (overrun share < 5%%)")
     parser.add_argument("--lrs", default=",".join(map(str, DEFAULT_LRS)), help="learning-rate grid each policy "
                         "is tuned on (steady scenario, seed + 1)")
+    parser.add_argument("--tuning-budget-s", type=float, default=DEFAULT_TUNING_BUDGET_S,
+                        help="most board seconds of one tuning run")
     parser.add_argument("--lr", type=float, help="one learning rate for every policy (no tuning)")
     parser.add_argument("--lr-from", type=Path, help="reuse the tuned learning rates of this report")
     parser.add_argument("--quick", action="store_true", help="a small, short variant (what the tests run): "
@@ -554,8 +559,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"edgemesh bench fleet: --lrs expects numbers, got {args.lrs!r}", file=sys.stderr)
         return 2
-    if args.budget_s <= 0 or not 0 < args.target <= 1 or args.dilation < 1 or not lrs or min(lrs) <= 0:
-        print("edgemesh bench fleet: --budget-s and learning rates must be > 0, --target in (0, 1], "
+    if (min(args.budget_s, args.tuning_budget_s) <= 0 or not 0 < args.target <= 1 or args.dilation < 1 or not lrs
+            or min(lrs) <= 0):
+        print("edgemesh bench fleet: budgets and learning rates must be > 0, --target in (0, 1], "
               "--dilation >= 1", file=sys.stderr)
         return 2
     report = Path(args.report or f"bench/reports/fleet-{args.scenario}.json")
@@ -563,6 +569,7 @@ def main(args: argparse.Namespace) -> int:
         result = run_bench(report, fleet=names(args.fleet), policies=names(args.policies), scenario=args.scenario,
                            target=args.target, budget_s=args.budget_s, dilation=args.dilation, seed=args.seed,
                            lrs=lrs, lr_from=args.lr_from, overrides=cli.overrides(args), keep_logs=args.keep_logs,
+                           tuning_budget_s=args.tuning_budget_s,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     except EdgeMeshError as exc:
         print(f"edgemesh bench fleet: {exc}", file=sys.stderr)
