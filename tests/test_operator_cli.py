@@ -59,6 +59,10 @@ async def test_devices_lists_a_worker_and_ctl_steers_the_ps(mosquitto_broker: Br
         row = next(line for line in out.splitlines() if line.startswith("pi-07"))
         assert "online" in row and "c-pi-07" in row
         assert row.split()[-4:] == ["61.2", "now", "since", "boot"]  # temperature, throttled, under-voltage
+        # the links it measured (a real worker declares none): uplink and downlink Mbit/s, latency ms
+        up, down, latency = row.split()[-7:-4]
+        assert float(up) > 0 and all(cell == "-" or float(cell) > 0 for cell in (down, latency))
+        assert "up Mbit" in out and "lat ms" in out
         # the same reading on the worker's /metrics; the other services were given no source: no series
         assert worker.metrics.value("edgemesh_device_cpu_temperature_celsius") == 61.25
         assert worker.metrics.value("edgemesh_device_throttled", when="now") == 1

@@ -57,8 +57,8 @@ async def list_devices(config: Config, *, wait_s: float) -> int:
         print(f"no devices in job {config.job!r} on {config.broker.url}")
         return 1
     print(f"{'device':<16} {'state':<8} {'GFLOP/s':>8} {'mem MiB':>8} {'cluster':<14} {'batch':>5} "
-          f"{'codec':<6} {'steps':>6} {'step ms':>8} {'version':>7} {'temp C':>6} {'throttled':<10} "
-          f"{'undervolt':<10}")
+          f"{'codec':<6} {'steps':>6} {'step ms':>8} {'version':>7} {'up Mbit':>8} {'down Mbit':>9} {'lat ms':>6} "
+          f"{'temp C':>6} {'throttled':<10} {'undervolt':<10}")
     plan = seen.plan
     for name in names:
         h, st, s, c = seen.hello.get(name), seen.status.get(name), seen.stats.get(name), seen.codec.get(name)
@@ -67,11 +67,27 @@ async def list_devices(config: Config, *, wait_s: float) -> int:
               f"{h.flops / 1e9 if h else 0:>8.2f} {h.memory_bytes / 2**20 if h else 0:>8.0f} "
               f"{member.cluster if member else '-':<14} {member.batch_size if member else 0:>5} "
               f"{c.codec if c else '-':<6} {s.steps if s else 0:>6} {s.step_time_s * 1e3 if s else 0:>8.1f} "
-              f"{s.model_version if s else 0:>7} {health_columns(s)}")
+              f"{s.model_version if s else 0:>7} {link_columns(h, s)} {health_columns(s)}")
     if plan is not None:
         print(f"\nplan v{plan.version}: {len(plan.clusters)} clusters, policy {plan.sync_policy}, "
               f"bound {plan.staleness_bound}, model {plan.model_spec}")
     return 0
+
+
+def link_columns(hello: DeviceHello | None, stats: DeviceStats | None) -> str:
+    """The uplink, downlink and latency columns of a device's row: what it declared (its hello: the operator's
+    or an emulated board's figures) where it did, else what it measured (its stats); ``-`` where neither."""
+    def pick(declared: float, measured: float) -> float:
+        return declared or measured
+
+    up = pick(hello.link_rate_bps if hello else 0.0, stats.link_rate_bps if stats else 0.0)
+    down = pick(hello.downlink_rate_bps if hello else 0.0, stats.downlink_rate_bps if stats else 0.0)
+    latency = pick(hello.latency_s if hello else 0.0, stats.latency_s if stats else 0.0)
+
+    def cell(value: float, scale: float, width: int, digits: int) -> str:
+        return f"{value * scale:>{width}.{digits}f}" if value > 0 else f"{'-':>{width}}"
+
+    return f"{cell(up, 8e-6, 8, 1)} {cell(down, 8e-6, 9, 1)} {cell(latency, 1e3, 6, 2)}"
 
 
 def health_columns(stats: DeviceStats | None) -> str:
