@@ -49,12 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from edgemesh import cli
-from edgemesh.bench.reporting import finish, pyplot, save
+from edgemesh.bench.fleet_report import acceptance, plot, ratios, scenario_events
+from edgemesh.bench.reporting import finish
 from edgemesh.bench.runs import Timeline, cluster_flags, device_names, drive, fleet_profiles, names, observe
-from edgemesh.common.config import Config, load_config
+from edgemesh.common.config import Config, describe, load_config
 from edgemesh.common.emulation.compute import measure_host_gflops
-from edgemesh.common.emulation.dynamics import Timeline as DeviceTimeline
-from edgemesh.common.emulation.scenarios import Scenario, load_scenarios
+from edgemesh.common.emulation.scenarios import load_scenarios
 from edgemesh.common.errors import ConfigError, EdgeMeshError
 from edgemesh.common.metrics import sum_samples
 from edgemesh.common.topics import Topics
@@ -133,12 +133,11 @@ class Bench:
 def run_config(bench: Bench, spec: RunSpec, *, devices: int, job: str) -> Config:
     """The configuration of one run: the benchmark's settings, then the user's ``--set`` overrides."""
     d = bench.dilation
-    defaults = load_config(env={}, overrides={})
-    fleet_times = {key: str(_setting(defaults, key) * d) for key in FLEET_TIMES}
+    defaults = {key: value for key, value, _ in describe(load_config(env={}, overrides={}))}
     overrides = {
-        **fleet_times,
+        **{key: str(defaults[key] * d) for key in FLEET_TIMES},
         "job": job, "broker.url": bench.broker_url, "log_level": "INFO",
-        "broker.keepalive_s": str(int(round(defaults.broker.keepalive_s * d))),
+        "broker.keepalive_s": str(round(defaults["broker.keepalive_s"] * d)),
         "training.model_spec": MODEL, "training.lr": repr(spec.lr), "training.batch_size": str(BATCH),
         "training.sync_policy": "sync" if spec.policy == "single" else spec.policy,
         "training.staleness_bound": str(2 * devices), "planner.batching": "balanced",
@@ -149,13 +148,6 @@ def run_config(bench: Bench, spec: RunSpec, *, devices: int, job: str) -> Config
     }
     overrides.update(bench.overrides)
     return load_config(env={}, overrides=overrides)
-
-
-def _setting(cfg: Config, key: str) -> float:
-    value: Any = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
-    return float(value)
 
 
 @dataclass(slots=True)
@@ -354,75 +346,6 @@ def tuned_from(path: Path, policies: list[str]) -> dict[str, Any]:
     return {p: {**tuning[p], "from": str(path)} for p in policies}
 
 
-def scenario_events(scenario: Scenario, fleet: list[tuple[str, str]], seed: int, until_s: float) -> dict[str, Any]:
-    """The scenario's throttled spells, stalls and drop-outs per device over ``until_s`` board seconds, and
-    their totals (what every policy's run met)."""
-    per_device = {}
-    totals = {"throttled_share": 0.0, "stalls": 0, "stalled_s": 0.0, "drops": 0, "dropped_s": 0.0}
-    for device, profile in fleet:
-        timeline = DeviceTimeline.of(scenario, profile, device, seed)
-        events = timeline.until(until_s)
-        per_device[device] = [e.summary() for e in events]
-        totals["throttled_share"] += timeline.share("throttle", until_s) / len(fleet)
-        for e in events:
-            length = min(e.end_s, until_s) - e.start_s
-            if e.kind == "stall":
-                totals["stalls"] += 1
-                totals["stalled_s"] += length
-            elif e.kind == "drop":
-                totals["drops"] += 1
-                totals["dropped_s"] += length
-    return {"totals": {k: round(v, 3) for k, v in totals.items()}, "devices": per_device}
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
-def ratios(policies: dict[str, dict[str, Any]], budget_s: float) -> dict[str, Any]:
-    """How much sooner ``adaptive`` reaches the target than each other policy (time ratios); for a policy that
-    never reached it, at least ``budget_s`` over adaptive's time (``..._at_least``)."""
-    ours = policies.get("adaptive", {}).get("time_to_target_s")
-    out: dict[str, Any] = {}
-    for other in policies:
-        if other == "adaptive":
-            continue
-        theirs = policies[other].get("time_to_target_s")
-        out[f"{other}_over_adaptive_time_to_target"] = _ratio(theirs, ours)
-        if theirs is None and ours:
-            out[f"{other}_over_adaptive_time_to_target_at_least"] = _ratio(budget_s, ours)
-    return out
-
-
-def acceptance(scenario: str, policies: dict[str, dict[str, Any]], budget_s: float) -> dict[str, bool | None]:
-    """The issue's acceptance checks that apply to this scenario (None: a figure is missing)."""
-    out: dict[str, bool | None] = {"every_run_valid": all(e["valid"] for e in policies.values())}
-    a = policies.get("adaptive")
-    if a is None:
-        return out
-    def time_ratio(other: str) -> float | None:  # a policy that never reached the target: at least the budget
-        if other not in policies or not a["time_to_target_s"]:
-            return None
-        return _ratio(policies[other]["time_to_target_s"] or budget_s, a["time_to_target_s"])
-    if scenario == "steady" and "sync" in policies:
-        r = time_ratio("sync")
-        out["adaptive_within_10pct_of_sync"] = None if r is None else 1 / r <= 1.1
-    elif scenario != "steady":
-        r_sync, r_single = time_ratio("sync"), time_ratio("single")
-        out["adaptive_2x_sooner_than_sync"] = None if r_sync is None else r_sync >= 2
-        out["adaptive_3.2x_sooner_than_single"] = None if r_single is None else r_single >= 3.2
-        if "sync" in policies and a["final_accuracy"] is not None and policies["sync"]["final_accuracy"] is not None:
-            out["final_accuracy_within_1pt_of_sync"] = a["final_accuracy"] >= policies["sync"]["final_accuracy"] - 0.01
-        for other in ("async", "ssp"):
-            if other in policies:
-                o = policies[other]
-                sooner = a["time_to_target_s"] is not None and (o["time_to_target_s"] is None
-                                                                or a["time_to_target_s"] < o["time_to_target_s"])
-                better = (a["final_accuracy"] or 0) > (o["final_accuracy"] or 0)
-                out[f"beats_{other}"] = sooner or better
-    return out
-
-
 def run_bench(report: Path, *, fleet: list[str], policies: list[str], scenario: str, target: float, budget_s: float,
               dilation: float, seed: int, lrs: list[float], lr_from: Path | None, overrides: dict[str, str],
               progress: Callable[[str], None], tuning_budget_s: float = DEFAULT_TUNING_BUDGET_S,
@@ -479,7 +402,7 @@ def run_bench(report: Path, *, fleet: list[str], policies: list[str], scenario: 
     result["ratios"] = ratios(result["policies"], budget_s)
     result["acceptance"] = acceptance(scenario, result["policies"], budget_s)
     result["bench_wall_s"] = round(time.monotonic() - started, 1)
-    finish(report, result, _plot, progress, workdir, keep_logs=failed or keep_logs)
+    finish(report, result, plot, progress, workdir, keep_logs=failed or keep_logs)
     return result
 
 
@@ -490,39 +413,6 @@ def _settings(cfg: Config, devices: int) -> dict[str, Any]:
             "fleet_staleness_bound": 2 * devices, "devices": devices, "eval_interval_s": EVAL_INTERVAL_S,
             "planner_batching": cfg.planner.batching, "compressor_mode": cfg.compressor.mode,
             "ps_broadcast": cfg.ps.broadcast, "adaptive": adaptive, "max_overrun_share": MAX_OVERRUN_SHARE}
-
-
-COLOURS = {"throttle": "tab:orange", "stall": "tab:red", "drop": "black"}
-
-
-def _plot(result: dict[str, Any], path: Path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    fig, (ax, events) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    for policy, entry in result["policies"].items():
-        curve = entry["curve"]
-        if curve:
-            mark = "" if entry["valid"] else " (invalid)"
-            ax.plot([c[0] for c in curve], [c[2] for c in curve], label=f"{policy} (lr {entry['lr']:g}){mark}",
-                    linewidth=1.5)
-    ax.axhline(result["target_accuracy"], color="grey", linestyle="--", linewidth=1, label="target")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_ylim(0.5, 1.0)
-    kinds = ", ".join(sorted({d["profile"] for d in result["fleet"]}))
-    ax.set_title(f"scenario {result['scenario']['scenario']}: emulated fleet of {len(result['fleet'])} ({kinds}); "
-                 f"single = one {result['single']['profile']}")
-    ax.legend(loc="lower right", fontsize=8)
-    ax.grid(alpha=0.3)
-    devices = list(result["events"]["devices"])
-    for row, device in enumerate(devices):
-        for e in result["events"]["devices"][device]:
-            events.barh(row, e["length_s"], left=e["start_s"], color=COLOURS[e["kind"]], height=0.6)
-    events.set_yticks(range(len(devices)), devices, fontsize=8)
-    events.set_xlim(0, result["budget_s"])
-    events.set_xlabel("board seconds since the plan named every device")
-    events.set_title("events: throttled (orange), link stalled (red), dropped out (black)", fontsize=9)
-    return save(fig, path)
 
 
 def register(parser: argparse.ArgumentParser) -> None:

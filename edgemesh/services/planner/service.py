@@ -361,9 +361,9 @@ class Planner:
 
     def _mesh_infos(self, devices: dict[str, DeviceHello]) -> list[DeviceInfo]:
         """What the grid plans with: each device's hello, its speed replaced by the one it measured and the
-        link figures its hello left unknown by those it measured (``_measured_links``); under ``adaptive``, a
-        device the parameter server lists as slow ``1 + delay index`` times slower still, as balanced batching
-        does (its cluster gets a smaller share of the batch)."""
+        link figures its hello left unknown by those it measured (``DeviceInfo.with_measured_links``); under
+        ``adaptive``, a device the parameter server lists as slow ``1 + delay index`` times slower still, as
+        balanced batching does (its cluster gets a smaller share of the batch)."""
         state = self.sync_state
         slow = set(state.slow) if state is not None and state.policy == "adaptive" else set()
         out = []
@@ -371,7 +371,7 @@ class Planner:
             info = DeviceInfo.from_hello(hello)
             stats = self.registry.stats.get(name)
             if stats is not None and stats.incarnation == hello.incarnation:
-                info = _measured_links(info, stats)
+                info = info.with_measured_links(stats)
                 if stats.compute_flops > 0:
                     info = dataclasses.replace(info, flops=stats.compute_flops / costs.TRAIN_EFFICIENCY)
             if name in slow and state is not None:
@@ -394,9 +394,9 @@ class Planner:
         elif await asyncio.to_thread(mesh.links_moved, self.grid, self.grid_devices, infos, t.model_spec,
                                      p.replan_threshold, wire=self.wire):
             regrid = "links"
-            planned = {d.device: _links(d) for d in self.grid_devices}
+            planned = {d.device: d.links for d in self.grid_devices}
             logger.info("measured links call for a new grid: %s", listing([
-                _describe_links(i) for i in infos if planned.get(i.device) != _links(i)]))
+                i.describe_links() for i in infos if planned.get(i.device) != i.links]))
         elif await asyncio.to_thread(mesh.needs_replan, self.grid, infos, t.model_spec, batch,
                                      p.replan_threshold, max_cluster_size=p.max_cluster_size, wire=self.wire,
                                      slack=p.grid_slack, min_batch=p.min_batch, max_batch=p.max_batch):
@@ -469,26 +469,6 @@ class Planner:
             "plan_version": self.version,
             "plan_devices": len(self.plan.devices) if self.plan is not None else 0,
         }
-
-
-def _measured_links(info: DeviceInfo, stats: DeviceStats) -> DeviceInfo:
-    """``info`` with the link figures ``stats`` measured where its hello gave none. A figure the hello gives is
-    declared (``worker.link_rate_bps``, or an emulated board's profile) and wins: an operator's word about a link
-    is meant to override what the device sees, and an emulated board is planned as the board. A real device's
-    hello gives 0 for what it was not told, and its measurement replaces that (else the cost model's defaults
-    hold: 100 Mbit/s, no latency)."""
-    return dataclasses.replace(info, link_rate_bps=info.link_rate_bps or stats.link_rate_bps,
-                               downlink_rate_bps=info.downlink_rate_bps or stats.downlink_rate_bps,
-                               latency_s=info.latency_s or stats.latency_s)
-
-
-def _links(info: DeviceInfo) -> tuple[float, float, float]:
-    return info.link_rate_bps, info.downlink_rate_bps, info.latency_s
-
-
-def _describe_links(info: DeviceInfo) -> str:
-    return (f"{info.device} up {info.link_rate_bps / 1e6:.3g} MB/s, down {info.downlink_rate_bps / 1e6:.3g} MB/s, "
-            f"latency {info.latency_s * 1e3:.3g} ms")
 
 
 def _same_members(a: Plan, b: Plan) -> bool:

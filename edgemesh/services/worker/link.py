@@ -22,8 +22,11 @@ the queue, not the link, and a queue only ever adds time.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import deque
+from collections.abc import Callable
 
 from edgemesh.common.bus import Bus
 from edgemesh.common.errors import BusError
@@ -156,3 +159,17 @@ async def probe_round_trip(bus: Bus, topic: str, probe: object) -> float | None:
         return None
     seconds = time.perf_counter() - started
     return seconds if bus.connections == connection and bus.is_connected else None
+
+
+async def keep_probing(bus: Bus, topic: str, probe: Callable[[], object], meter: LatencyMeter, *, per_interval: int,
+                       interval_s: float) -> None:
+    """Time ``per_interval`` probes (``probe()`` makes each) every ``interval_s`` into ``meter``, until cancelled,
+    from the start (the first stats carry a latency): a changed latency shows within the meter's window."""
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await bus.wait_connected()
+        for _ in range(per_interval):
+            round_trip = await probe_round_trip(bus, topic, probe())
+            if round_trip is not None:
+                meter.observe(round_trip)
+        await asyncio.sleep(interval_s)

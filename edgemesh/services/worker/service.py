@@ -69,7 +69,7 @@ from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serv
 from edgemesh.services.worker import profile as prof
 from edgemesh.services.worker.board import board_for
 from edgemesh.services.worker.incarnation import next_incarnation
-from edgemesh.services.worker.link import DownlinkMeter, LatencyMeter, LinkMeter, probe_round_trip
+from edgemesh.services.worker.link import DownlinkMeter, LatencyMeter, LinkMeter, keep_probing
 from edgemesh.services.worker.mesh.session import MeshSession
 from edgemesh.services.worker.sender import Sender
 from edgemesh.services.worker.trainer import Trainer
@@ -439,19 +439,11 @@ class Worker:
             self.downlink.observe(nbytes, seconds)
 
     async def _probe_links(self) -> None:
-        """Time ``PROBES_PER_INTERVAL`` link probes every ``worker.stats_interval_s``, from the start (the first
-        stats carry a latency): a changed latency shows within the meter's window."""
+        """The latency to the broker, measured from the start (``link.keep_probing``)."""
         assert self.bus is not None
-        topic = self.topics.probe(self.device)
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await self.bus.wait_connected()
-            for _ in range(PROBES_PER_INTERVAL):
-                probe = LinkProbe(device=self.device, incarnation=self.incarnation, time=time.time())
-                round_trip = await probe_round_trip(self.bus, topic, probe)
-                if round_trip is not None:
-                    self.latency.observe(round_trip)
-            await asyncio.sleep(self.cfg.worker.stats_interval_s)
+        await keep_probing(self.bus, self.topics.probe(self.device), lambda: LinkProbe(
+            device=self.device, incarnation=self.incarnation, time=time.time()), self.latency,
+            per_interval=PROBES_PER_INTERVAL, interval_s=self.cfg.worker.stats_interval_s)
 
     async def _publish_stats(self) -> None:
         assert self.bus is not None

@@ -11,11 +11,11 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from edgemesh.common.messages import DeviceHello
+from edgemesh.common.messages import DeviceHello, DeviceStats
 
 CLUSTER_PREFIX = "c-"
 """A single-device cluster is named ``c-<device>``."""
@@ -48,6 +48,25 @@ class DeviceInfo:
         return cls(device=hello.device, flops=hello.flops, memory_bytes=hello.memory_bytes,
                    link_rate_bps=hello.link_rate_bps, downlink_rate_bps=hello.downlink_rate_bps,
                    latency_s=hello.latency_s)
+
+    def with_measured_links(self, stats: DeviceStats) -> DeviceInfo:
+        """These figures with the link figures ``stats`` measured where the hello gave none. A figure the hello
+        gives is declared (``worker.link_rate_bps``, or an emulated board's profile) and wins: an operator's word
+        about a link is meant to override what the device sees, and an emulated board is planned as the board. A
+        real device's hello gives 0 for what it was not told, and its measurement replaces that (else the cost
+        model's defaults hold: 100 Mbit/s, no latency)."""
+        return replace(self, link_rate_bps=self.link_rate_bps or stats.link_rate_bps,
+                       downlink_rate_bps=self.downlink_rate_bps or stats.downlink_rate_bps,
+                       latency_s=self.latency_s or stats.latency_s)
+
+    @property
+    def links(self) -> tuple[float, float, float]:
+        """(uplink bytes/s, downlink bytes/s, latency s)."""
+        return self.link_rate_bps, self.downlink_rate_bps, self.latency_s
+
+    def describe_links(self) -> str:
+        return (f"{self.device} up {self.link_rate_bps / 1e6:.3g} MB/s, down {self.downlink_rate_bps / 1e6:.3g} "
+                f"MB/s, latency {self.latency_s * 1e3:.3g} ms")
 
 
 def check_devices(devices: Sequence[DeviceInfo]) -> None:
