@@ -68,10 +68,11 @@ POLL_S = 0.05
 
 def make_config(broker: BrokerProcess, *, job: str, **settings: object) -> Config:
     """The configuration of a test's services: its own broker and job, metrics on a free port, quick
-    reconnects, then ``settings`` (dotted keys)."""
+    reconnects, evaluations as often as a job's stop rule needs on a loaded host (``ps.eval_budget`` 0.5; the
+    budget itself is tested in test_evaluation.py), then ``settings`` (dotted keys)."""
     return load_config(env={}, overrides={
         "broker.url": broker.url, "job": job, "metrics.address": "127.0.0.1:0", "broker.backoff_initial_s": "0.05",
-        "broker.backoff_max_s": "0.5", **{key: str(value) for key, value in settings.items()}})
+        "broker.backoff_max_s": "0.5", "ps.eval_budget": "0.5", **{key: str(value) for key, value in settings.items()}})
 
 
 @contextlib.asynccontextmanager
@@ -185,12 +186,14 @@ def plan_for(devices: list[str], *, version: int = 1, batch: int = 8) -> Plan:
 
 
 def gradient(device: str, seq: int, base: int, *, incarnation: int = 1, scale: float = 0.01,
-             codec: CodecName = "none", cluster: str = "") -> GradientUpdate:
-    """A whole ``digits-cnn`` gradient of ``scale`` everywhere, computed on version ``base``."""
+             codec: CodecName = "none", cluster: str = "", spans: list[Any] | None = None) -> GradientUpdate:
+    """A whole ``digits-cnn`` gradient of ``scale`` everywhere, computed on version ``base`` (only the rows of
+    ``spans``, ``(param, start, stop)`` each, if given)."""
     enc = get_codec(codec)
-    shards = tuple(ShardUpdate(param=name, start=0, stop=shape[0], codec=codec,
-                               data=enc.encode(np.full(int(np.prod(shape)), scale, np.float32), None))
-                   for name, (shape, _) in DIGITS_LAYOUT.items())
+    rows = spans or [(name, 0, shape[0]) for name, (shape, _) in DIGITS_LAYOUT.items()]
+    shards = tuple(ShardUpdate(param=name, start=start, stop=stop, codec=codec, data=enc.encode(
+        np.full((stop - start) * int(np.prod(DIGITS_LAYOUT[name][0][1:])), scale, np.float32), None))
+        for name, start, stop in rows)
     return GradientUpdate(device=device, cluster=cluster or f"c-{device}", incarnation=incarnation, seq=seq,
                           base_version=base, samples=8, shards=shards)
 

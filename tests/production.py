@@ -2,8 +2,9 @@
 
 :func:`production_broker` runs ``production.conf`` with the shipped ACL, a password per user, a test CA's
 server certificate on the TLS listener and client certificates for the certificate listener; the ports
-are free ones of 127.0.0.1. :class:`Client` is a blocking MQTT 5 client whose publish returns the PUBACK
-reason code, so a test sees what the broker refused.
+are free ones of 127.0.0.1. :func:`site_broker_conf` is a site broker (``dev.conf``) with ``bridge.conf``
+pointed at such a broker as its cloud. :class:`Client` is a blocking MQTT 5 client whose publish returns
+the PUBACK reason code, so a test sees what the broker refused.
 """
 
 from __future__ import annotations
@@ -230,3 +231,30 @@ def production_broker(directory: Path, users: Iterable[str] = USERS) -> Iterator
         conf = rewrite(conf, rf"{key} \S+", f"{key} {value}")
     with mosquitto(conf, directory, [tls_port, plain_port, cert_port]) as log:
         yield ProductionBroker(tls_port, plain_port, cert_port, directory, log)
+
+
+@dataclass(frozen=True)
+class SiteBroker:
+    """A site broker's configuration: ``dev.conf`` on ``port`` plus ``bridge.conf`` to a cloud broker."""
+
+    conf: str
+    port: int
+    state_topic: str
+    """Where the bridge reports itself connected (``1``) or not (``0``), retained on the site broker."""
+
+
+def site_broker_conf(cloud: ProductionBroker) -> SiteBroker:
+    """deploy/mosquitto/dev.conf on a free port with deploy/mosquitto/bridge.conf appended, its address, CA and
+    password pointed at ``cloud``'s TLS listener (everything else as shipped)."""
+    port = free_port()
+    conf = rewrite((MOSQUITTO_DIR / "dev.conf").read_text(), r"listener 1883 127\.0\.0\.1",
+                   f"listener {port} 127.0.0.1")
+    bridge = (MOSQUITTO_DIR / "bridge.conf").read_text()
+    assert re.search(r"^topic edgemesh/v1/# both 1$", bridge, re.MULTILINE)
+    bridge = rewrite(bridge, r"address \S+", f"address 127.0.0.1:{cloud.tls_port}")
+    bridge = rewrite(bridge, r"bridge_cafile \S+", f"bridge_cafile {cloud.ca}")
+    bridge = rewrite(bridge, r"remote_username \S+", "remote_username bridge-site1")
+    bridge = rewrite(bridge, r"remote_password \S+", f"remote_password {ProductionBroker.password('bridge-site1')}")
+    clientid = re.search(r"^remote_clientid (\S+)$", bridge, re.MULTILINE)
+    assert clientid, "bridge.conf sets no remote_clientid"
+    return SiteBroker(conf + "\n" + bridge, port, f"$SYS/broker/connection/{clientid[1]}/state")

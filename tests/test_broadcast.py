@@ -433,3 +433,14 @@ async def test_a_parameter_server_publishes_a_snapshot_on_request(mosquitto_brok
             assert (await c.version_at_least(1)).version == 1
 
     await asyncio.wait_for(run(), RUN_S)
+
+
+def test_a_version_no_one_listens_to_is_skipped_and_the_next_message_is_a_snapshot() -> None:
+    broadcaster = Broadcaster(ParameterServerConfig(broadcast="delta", delta_codec="none"), "m")
+    params = {"w": np.ones((4, 2), np.float32)}
+    assert broadcaster.after_step(params, 0, "async", None).snapshot
+    assert not broadcaster.after_step(params, 1, "async", None).snapshot
+    broadcaster.skip()
+    assert broadcaster.skipped and broadcaster.view is None
+    again = broadcaster.after_step(params, 2, "async", None)  # the workers' view is unknown: a snapshot
+    assert again.snapshot and not broadcaster.skipped

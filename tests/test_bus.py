@@ -20,7 +20,7 @@ from edgemesh.common.errors import BusError
 from edgemesh.common.messages import DeviceHello, Event, Plan
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
-from edgemesh.local.broker import BrokerProcess
+from edgemesh.local.broker import BrokerProcess, free_port
 
 JOB = "bus"
 T = Topics(JOB)
@@ -159,6 +159,15 @@ async def test_every_route_goes_out_in_one_subscribe_and_again_on_reconnect(tmp_
             await until("a reconnect", lambda: bus.connections >= 2 and bus.is_connected)
             await until("the subscription again", lambda: "Received SUBSCRIBE from one-subscribe" in broker.log_text())
             assert len(re.findall(r"Received SUBSCRIBE from one-subscribe\b", broker.log_text())) == 1
+
+
+async def test_a_chunked_publish_that_finds_no_broker_fails_as_a_single_one_does() -> None:
+    """Chunks go out several at once; when none can, the caller sees the one BusError a single publish gives."""
+    cfg = BrokerConfig(url=f"mqtt://127.0.0.1:{free_port()}", chunk_bytes=1024, publish_timeout_s=0.2)
+    bus = Bus(cfg, client_id="nowhere", metrics=ServiceMetrics("test"))  # never connected
+    for size in (100, 10 * 1024):  # one piece, then ten chunks
+        with pytest.raises(BusError, match="could not publish"):
+            await bus.publish("edgemesh/v1/x/events", b"\x00" * size)
 
 
 async def test_a_refused_login_ends_run_with_an_error_instead_of_retrying(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from production import Client, ProductionBroker, mosquitto, rewrite
+from production import Client, ProductionBroker, mosquitto, rewrite, site_broker_conf
 from production import production_broker as start_production_broker
 from prometheus_client import CollectorRegistry
 
@@ -488,14 +488,26 @@ def test_production_acl_roles(production_broker: ProductionBroker) -> None:
         assert allowed(ps, topics.sync(), retain=True)
         assert allowed(worker, topics.events())
         assert not allowed(worker, topics.sync(), retain=True)
+        # a sharded parameter server: each shard's gradients, acks and model
+        shard = topics.for_shard(1)
+        assert allowed(worker, shard.grad("c0", "pi-01"))
+        assert not allowed(worker, shard.grad("c0", "pi-02"))
+        assert not allowed(worker, shard.ack("pi-01"))
+        assert not allowed(worker, shard.model(), retain=True)
+        assert allowed(ps, shard.ack("pi-02"))
+        assert allowed(ps, Topics.chunk(shard.model(), 1), retain=True)
+        assert allowed(ps, shard.model_delta())
 
         # reads: a worker sees its own acks and control commands, not another device's.
         # The PS publishes the denied message first; per-publisher order makes the
         # allowed one that follows arrive first if the denied one was filtered.
-        worker.subscribe(f"{topics.root}/ack/+", f"{topics.root}/control/#")
+        worker.subscribe(f"{topics.root}/ack/+", f"{topics.root}/control/#", f"{topics.root}/shard/+/ack/+")
         assert allowed(ps, topics.ack("pi-02"))
         assert allowed(ps, topics.ack("pi-01"))
         assert worker.next_message()[0] == topics.ack("pi-01")
+        assert allowed(ps, shard.ack("pi-02"))
+        assert allowed(ps, shard.ack("pi-01"))
+        assert worker.next_message()[0] == shard.ack("pi-01")
         assert allowed(operator, topics.control("ps"))
         assert allowed(operator, topics.control("device/pi-02"))
         assert allowed(operator, topics.control("device/pi-01"))
@@ -548,25 +560,14 @@ async def test_production_broker_carries_a_chunked_model_over_tls(
 def test_bridge_forwards_both_ways(production_broker: ProductionBroker, tmp_path: Path) -> None:
     """A site broker (dev.conf + bridge.conf) and the production broker as the cloud."""
     topics = Topics("bridged")
-    site_port = free_port()
-    conf = rewrite((MOSQUITTO_DIR / "dev.conf").read_text(), r"listener 1883 127\.0\.0\.1",
-                   f"listener {site_port} 127.0.0.1")
-    bridge = (MOSQUITTO_DIR / "bridge.conf").read_text()
-    assert re.search(r"^topic edgemesh/v1/# both 1$", bridge, re.MULTILINE)
-    bridge = rewrite(bridge, r"address \S+", f"address 127.0.0.1:{production_broker.tls_port}")
-    bridge = rewrite(bridge, r"bridge_cafile \S+", f"bridge_cafile {production_broker.ca}")
-    bridge = rewrite(bridge, r"remote_username \S+", "remote_username bridge-site1")
-    bridge = rewrite(bridge, r"remote_password \S+", f"remote_password {ProductionBroker.password('bridge-site1')}")
-    clientid = re.search(r"^remote_clientid (\S+)$", bridge, re.MULTILINE)
-    assert clientid, "bridge.conf sets no remote_clientid"
-    state_topic = f"$SYS/broker/connection/{clientid[1]}/state"
+    site_broker = site_broker_conf(production_broker)
 
-    with mosquitto(conf + "\n" + bridge, tmp_path, [site_port]):
-        site = Client(site_port)
+    with mosquitto(site_broker.conf, tmp_path, [site_broker.port]):
+        site = Client(site_broker.port)
         cloud = production_broker.client("operator")
         try:
-            site.subscribe(state_topic, f"{topics.root}/control/#")
-            while site.next_message() != (state_topic, b"1"):  # the bridge reports itself connected
+            site.subscribe(site_broker.state_topic, f"{topics.root}/control/#")
+            while site.next_message() != (site_broker.state_topic, b"1"):  # the bridge reports itself connected
                 pass
             cloud.subscribe(f"{topics.root}/#")
             # site to cloud: a device's hello

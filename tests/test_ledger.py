@@ -11,7 +11,7 @@ from edgemesh.common.messages import GradientUpdate
 from edgemesh.services.parameter_server.ledger import FILE, Entry, Ledger, read_ledger
 from edgemesh.services.parameter_server.optimizer import ShardGrad
 from edgemesh.services.parameter_server.recovery import Optimizer, Recovery
-from edgemesh.services.parameter_server.robust import Aggregation
+from edgemesh.services.parameter_server.robust import Aggregation, Combined
 from edgemesh.services.parameter_server.scheduler import Candidate, Clock, Step
 
 
@@ -39,7 +39,7 @@ def test_a_step_logged_but_not_in_the_ledger_is_added_on_open(tmp_path: Path) ->
     ledger.open()
     first, second = step(1, ("a", 1, 1)), step(2, ("a", 1, 2), ("b", 1, 1))
     for s in (first, second):
-        recovery.log([s], Optimizer(0.1, 0.0), [Aggregation()])
+        recovery.log([s], Optimizer(0.1, 0.0), [Combined([], how=Aggregation())], [[]])
     ledger.record([first])  # the crash: second never reached the ledger
     ledger.close()
     recovery.close()

@@ -67,10 +67,17 @@ def planned(planner: Planner, device: str) -> DeviceInfo | None:
     return next((d for d in planner.grid_devices if d.device == device), None)
 
 
+MEASURED_STEPS = 3
+"""Updates a worker has sent before its stats are read: the uplink is a moving average of the uploads, and on a
+loaded host (every service of this test shares one event loop) one upload's PUBACK can wait on another service's
+work, so a single sample may be the loop's stall rather than the link."""
+
+
 def latest_measured(box: Inbox, device: str) -> DeviceStats | None:
-    """The last stats of ``device`` that carry all three link figures."""
+    """The last stats of ``device`` that carry all three link figures, after ``MEASURED_STEPS`` uploads."""
     return next((s for t, s in reversed(box.received) if isinstance(s, DeviceStats) and t.device == device
-                 and s.link_rate_bps > 0 and s.downlink_rate_bps > 0 and s.latency_s > 0), None)
+                 and s.steps >= MEASURED_STEPS and s.link_rate_bps > 0 and s.downlink_rate_bps > 0
+                 and s.latency_s > 0), None)
 
 
 def describe(name: str, up: float, down: float, latency: float) -> str:

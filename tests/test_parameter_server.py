@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,10 +23,12 @@ from edgemesh.common.messages import (
     ModelSnapshot,
     ShardUpdate,
     SnapshotRequest,
+    UpdateAck,
 )
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.ledger import Entry, read_ledger
 from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.parameter_server.store import read_checkpoint, read_wal
 
 JOB = "pstest"
 
@@ -49,6 +53,22 @@ async def test_async_applies_each_update_and_acks_it(broker: BrokerProcess, tmp_
         moved = snap.tensors["fc2.bias"].to_numpy() - start.tensors["fc2.bias"].to_numpy()
         assert np.all(moved < 0)
         assert ps.metrics.value("edgemesh_ps_updates_total", status="accepted", reason="") == 2
+
+
+async def test_while_no_plan_names_a_device_the_model_goes_out_only_when_one_does(broker: BrokerProcess,
+                                                                                  tmp_path: Path) -> None:
+    """No one listens before the first plan: updates are applied and acked, nothing is encoded or published; the
+    plan that names devices brings a snapshot of the model as it stands."""
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "async", "training.staleness_bound": "4"})
+    ps = ParameterServer(cfg)
+    async with devices(cfg, ["a"]) as c, running(ps):
+        start = await c.version_at_least(0)  # the retained snapshot every connect brings
+        for seq in (1, 2):
+            assert (await c.push(gradient("a", seq, seq - 1))).status == "accepted"
+        assert ps.version == 2 and ps.broadcast.skipped
+        assert [s.version for s in c.snapshots] == [start.version]  # the steps went out as nothing
+        await c.publish_plan(["a"])
+        assert (await c.version_at_least(2)).version == 2
 
 
 async def test_stale_update_is_discarded_and_acked_with_its_reason(broker: BrokerProcess, tmp_path: Path) -> None:
@@ -191,11 +211,11 @@ async def test_control_switches_policy_and_rejects_bad_commands(broker: BrokerPr
 # --------------------------------------------------------------------------- crash recovery
 
 
-def start_ps_process(config: Config) -> subprocess.Popen[bytes]:
+def start_ps_process(config: Config, policy: str = "async") -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-m", "edgemesh", "ps", "--broker", config.broker.url, "--job", config.job,
          "--state-dir", config.ps.state_dir, "--metrics", "127.0.0.1:0",
-         "--set", "training.sync_policy=async", "--set", "ps.eval_every=0",
+         "--set", f"training.sync_policy={policy}", "--set", "ps.eval_every=0",
          "--set", "ps.checkpoint_every=3", "--set", "broker.backoff_max_s=0.5",
          # exact weights in every snapshot, to compare before and after the crash
          "--set", "ps.snapshot_dtype=float32", "--set", "ps.broadcast=snapshot"],
@@ -234,6 +254,91 @@ async def test_kill_9_and_restart_resumes_the_same_version_without_reapplying(
             proc.wait(timeout=WAIT_S)
     # the ledger: every applied update once, in order, across the crash
     assert read_ledger(tmp_path / "ps" / "ledger.log") == [Entry(v, "a", 1, v) for v in range(1, 7)]
+
+
+async def test_kill_9_under_sync_replays_the_logged_round_sums_exactly(mosquitto_broker: BrokerProcess,
+                                                                     tmp_path: Path) -> None:
+    """A ``sync`` round of two dense updates is logged as its weighted sum (half their bytes); after kill -9 the
+    replay of those sums gives the same weights bit for bit, and the resends are duplicates."""
+    cfg = ps_config(mosquitto_broker, tmp_path / "ps", **{"training.sync_policy": "sync"})
+    proc = start_ps_process(cfg, "sync")
+    try:
+        async with devices(cfg, ["a", "b"]) as c:
+            await c.publish_plan(["a", "b"])
+            await c.version_at_least(0)
+            for seq in range(1, 6):  # a checkpoint at version 3, rounds 4-5 only in the write-ahead log
+                acks = await asyncio.gather(c.push(gradient("a", seq, seq - 1, scale=0.01 * seq)),
+                                            c.push(gradient("b", seq, seq - 1, scale=-0.003 * seq)))
+                assert [a.status for a in acks] == ["accepted", "accepted"]
+            before = await c.version_at_least(5)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=WAIT_S)
+            logged = read_wal(tmp_path / "ps")
+            assert [r["version"] for r in logged] == [4, 5]
+            assert all("sum" in r and len(r["entries"]) == 2 and "shards" not in r["entries"][0] for r in logged)
+            c.forget()
+            proc = start_ps_process(cfg, "sync")
+            after = await c.version_at_least(0)
+            assert after.version == 5
+            for name, tensor in before.tensors.items():
+                assert np.array_equal(tensor.to_numpy(), after.tensors[name].to_numpy()), name
+            c.forget()
+            for device in ("a", "b"):
+                assert (await c.push(gradient(device, 5, 4))).status == "duplicate"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=WAIT_S)
+    assert sorted((e.version, e.device) for e in read_ledger(tmp_path / "ps" / "ledger.log")) == [
+        (v, d) for v in range(1, 6) for d in ("a", "b")]
+
+
+@pytest.mark.parametrize("stuck", [False, True], ids=["all-confirmed", "one-never"])
+async def test_a_stopping_ps_waits_briefly_for_acks_in_flight_then_writes_its_checkpoint(
+        mosquitto_broker: BrokerProcess, tmp_path: Path, stuck: bool) -> None:
+    """Acks go out without the step loop waiting for their PUBACKs; a server that stops gives those still on
+    their way up to ``ACK_DRAIN_S`` (all confirmed in time, or one never), then checkpoints."""
+    cfg = ps_config(mosquitto_broker, tmp_path, **{"training.sync_policy": "async"})
+    async with serving_ps(cfg, ["a"]) as (c, ps):
+        assert (await c.push(gradient("a", 1, 0))).status == "accepted"
+        acks = [asyncio.create_task(asyncio.sleep(0.1))]  # acks the broker has not confirmed yet
+        if stuck:
+            acks.append(asyncio.create_task(asyncio.sleep(3600)))
+        ps._acking.update(acks)
+    assert acks[0].done() and not acks[0].cancelled()
+    assert all(a.cancelled() for a in acks[1:])
+    snap = read_checkpoint(tmp_path)
+    assert snap is not None and snap.version == 1
+
+
+async def test_acks_go_out_in_the_order_of_their_batches(broker: BrokerProcess, tmp_path: Path) -> None:
+    """A batch's acks wait for the previous batch's: when one ack's publish is held up (a broker outage makes it
+    retry), a later batch's ack does not overtake it, and the versions acks name never go back."""
+    cfg = ps_config(broker, tmp_path, **{"training.sync_policy": "async", "training.staleness_bound": "8"})
+    async with serving_ps(cfg, ["a", "b"]) as (c, ps):
+        assert ps.bus is not None
+        held, release = asyncio.Event(), asyncio.Event()
+        publish, asked = ps.bus.publish, []
+
+        async def slow_first_ack(topic: str, msg: object, **kwargs: Any) -> int:
+            if isinstance(msg, UpdateAck):
+                asked.append(msg.device)
+                if msg.device == "a" and not release.is_set():
+                    held.set()
+                    await release.wait()
+            return await publish(topic, msg, **kwargs)
+
+        ps.bus.publish = slow_first_ack  # type: ignore[method-assign]
+        first, second = gradient("a", 1, 0), gradient("b", 1, 0)
+        await c.publish(c.topics.grad(first.cluster, "a"), first)
+        await asyncio.wait_for(held.wait(), WAIT_S)
+        await c.publish(c.topics.grad(second.cluster, "b"), second)
+        await c.version_at_least(2)  # b's batch applied and published: with its ack sent at once, it would be asked
+        assert asked == ["a"]
+        release.set()
+        await c.ack_for("b", 1)
+        acks = [(a.device, a.version) for a in c.acks]
+        assert acks == [("a", 1), ("b", 2)]
 
 
 async def test_a_restarted_ps_keeps_the_operators_settings(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from edgemesh.services.parameter_server.robust import (
     norm,
 )
 from edgemesh.services.parameter_server.scheduler import Candidate, Clock, Step
+from edgemesh.services.parameter_server.store import read_wal
 from edgemesh.services.worker.attack import attack_rng, falsify
 
 
@@ -227,8 +228,8 @@ def _round(state: ModelState, rng: np.random.Generator, seq: int) -> Step:
 
 def test_a_replay_of_the_log_reproduces_the_model_a_robust_rule_made(tmp_path: Path) -> None:
     """Steps under clip (its threshold from the norms before each step), krum and the trimmed mean, logged as
-    the PS logs them; a new PS replaying the log holds bit for bit the same weights and momentum, and the
-    norms clip compares with."""
+    the PS logs them (each step's weighted sum, smaller here than its six updates); a new PS replaying the log
+    holds bit for bit the same weights and momentum, and the norms clip compares with."""
     rng = np.random.default_rng(7)
     live = Recovery(tmp_path, fsync=False)
     state = live.resume("spec", PARAMS, Clock()).state
@@ -240,11 +241,14 @@ def test_a_replay_of_the_log_reproduces_the_model_a_robust_rule_made(tmp_path: P
         step = _round(state, rng, seq)
         combined = aggregator.combine(step.contributions())
         clipped += combined.clipped
-        state.step(combined.contributions, lr=0.1, momentum=0.9)
+        summed = state.step(combined.contributions, lr=0.1, momentum=0.9)
         mean.step(step.contributions(), lr=0.1, momentum=0.9)
-        live.log([step], Optimizer(0.1, 0.9), [combined.how])
+        live.log([step], Optimizer(0.1, 0.9), [combined], [summed])
     live.close()
     assert clipped >= 6  # "bad" at least, every clip step
+    # six dense updates a step: the log keeps each step's sum, smaller than they are, and names every update
+    records = read_wal(tmp_path)
+    assert all("sum" in r and "shards" not in r["entries"][0] and len(r["entries"]) == 6 for r in records)
 
     clock = Clock()
     resumed = Recovery(tmp_path, fsync=False).resume("spec", PARAMS, clock)

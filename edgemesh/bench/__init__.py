@@ -12,6 +12,7 @@ import importlib
 
 BENCHMARKS = {
     "codecs": ("edgemesh.bench.codecs", "gradient codecs: ratio, error, speed, accuracy"),
+    "ddp": ("edgemesh.bench.ddp", "EdgeMesh sync beside torch DDP on the same job: time per step, final held-out loss"),
     "fleet": ("edgemesh.bench.fleet", "an emulated fleet under every sync policy: time to accuracy, delays, bytes"),
     "jobs": ("edgemesh.bench.jobs", "users' jobs (image folders, CSV; layer list, entry point) on one running fleet: "
                                     "time to target, bytes"),
@@ -19,8 +20,12 @@ BENCHMARKS = {
                                     "accuracy, load balance"),
     "robust": ("edgemesh.bench.robust", "a fleet with faulty devices under each robust aggregation rule: "
                                         "accuracy against a clean run"),
+    "scale": ("edgemesh.bench.scale", "many light load-generating devices on one broker for minutes: updates/s, "
+                                      "publish-to-ack, CPU and RSS per service, the PS's queue"),
     "soak": ("edgemesh.bench.soak", "a cluster whose workers are killed and restarted for N minutes: memory growth, "
                                     "queues, updates lost or applied twice"),
+    "transport": ("edgemesh.bench.transport", "the broker alone beside the parameter server's ingest of the same "
+                                              "gradients: MB/s, publish-to-ack p50/p99"),
 }
 """Benchmark -> (module with ``register(parser)``, one-line help)."""
 

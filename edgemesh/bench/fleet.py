@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from edgemesh import cli
+from edgemesh.bench import headroom
 from edgemesh.bench.fleet_report import acceptance, plot, ratios, scenario_events
 from edgemesh.bench.reporting import finish
 from edgemesh.bench.runs import Timeline, cluster_flags, device_names, drive, fleet_profiles, names, observe
@@ -185,7 +186,8 @@ async def _run(bench: Bench, cluster: LocalCluster, spec: RunSpec, label: str) -
     watch = observe(cluster.cfg, *timeline.routes(Topics(cluster.cfg.job), {name for name, _ in members}))
     timeline.failure = await drive(cluster, members, watch, started=lambda: timeline.t0, done=done, status=status,
                                    progress=bench.progress, start_timeout_s=START_TIMEOUT_S)
-    timeline.evaluations = [(t / d, v, a) for t, v, a in timeline.evaluations]  # board time from here on
+    # board time from here on; an evaluation that came in after the run's end (while it stopped) is not its own
+    timeline.evaluations = [(t / d, v, a) for t, v, a in timeline.evaluations if t / d <= run.elapsed_s]
     return run
 
 
@@ -237,6 +239,8 @@ def summarize(run: Run, cluster: LocalCluster, spec: RunSpec, *, target: float, 
         "slowest_step_s": slowest,
         "round_overhead_s": round(round_overhead, 4) if round_overhead is not None else None,
         "link_s": link_s,
+        "link_up_s": _link_seconds(cluster, steps, dilation, ("up",)),
+        "link_down_s": _link_seconds(cluster, steps, dilation, ("down",)),
         "bus_overhead_s": (round(round_overhead - max(link_s.values()), 4)
                            if round_overhead is not None and link_s else None),
         "mean_update_delay": round(delays[0] / delays[1], 3) if delays[1] else None,
@@ -258,15 +262,19 @@ def summarize(run: Run, cluster: LocalCluster, spec: RunSpec, *, target: float, 
     }
 
 
-def _link_seconds(cluster: LocalCluster, steps: dict[str, float], dilation: float) -> dict[str, float]:
-    """Board seconds each device's emulated link spent per step busy sending, up and down: the part of a round
-    that is the fleet's Wi-Fi, not the system's overhead (the latencies, 2 ms each way, are left in the overhead)."""
+def _link_seconds(cluster: LocalCluster, steps: dict[str, float], dilation: float,
+                  directions: tuple[str, ...] = ("up", "down")) -> dict[str, float]:
+    """Board seconds each device's emulated link spent per step busy sending in ``directions``: the part of a
+    round that is the fleet's Wi-Fi, not the system's overhead (the latencies, 2 ms each way, are left in the
+    overhead)."""
     out = {}
     for c in cluster.children:
         n = steps.get(c.name)
         if c.role != "worker" or not n:
             continue
-        busy = sum(v for (name, _), v in c.samples.items() if name == "edgemesh_worker_emulation_link_busy_seconds")
+        busy = sum(v for (name, labels), v in c.samples.items()
+                   if name == "edgemesh_worker_emulation_link_busy_seconds" and dict(labels).get("direction")
+                   in directions)
         out[c.name] = round(busy / n / dilation, 4)
     return out
 
@@ -334,6 +342,13 @@ def _choose(grid: dict[str, dict[str, Any]]) -> float:
     return float(min(grid.items(), key=key)[0])
 
 
+def _report(path: Path | None) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+
+
 def tuned_from(path: Path, policies: list[str]) -> dict[str, Any]:
     """The ``tuning`` of an earlier report, which must cover ``policies``."""
     try:
@@ -399,6 +414,11 @@ def run_bench(report: Path, *, fleet: list[str], policies: list[str], scenario: 
             failed = failed or entry["failure"] is not None
     finally:
         broker.stop()
+    d = settings.worker.emulation_dilation
+    result["headroom"] = headroom.of_bench(
+        result, scenario=scenarios[scenario], steady=scenarios[TUNING_SCENARIO], model=MODEL, profiles=profiles,
+        steady_report=_report(lr_from), detect_s=settings.planner.replan_debounce_s / d,
+        lag_s=(settings.worker.stats_interval_s + settings.planner.rebalance_interval_s) / d)
     result["ratios"] = ratios(result["policies"], budget_s)
     result["acceptance"] = acceptance(scenario, result["policies"], budget_s)
     result["bench_wall_s"] = round(time.monotonic() - started, 1)

@@ -81,7 +81,9 @@ def run_config(base: dict[str, str], *, rule: str, job: str, broker_url: str, ho
     overrides = {
         "job": job, "broker.url": broker_url, "log_level": "INFO",
         "training.sync_policy": POLICY, "training.seed": str(seed),
-        "ps.eval_every": str(EVAL_EVERY), "ps.eval_interval_s": "0",
+        # back to back: under the default budget a busy host skips an evaluation, and runs would compare
+        # accuracies at different versions (and a run could miss its last one)
+        "ps.eval_every": str(EVAL_EVERY), "ps.eval_interval_s": "0", "ps.eval_budget": "1",
         "ps.aggregation": rule, "ps.krum_f": str(attackers), "ps.trim_fraction": str(min(attackers / workers, 0.49)),
         "ps.clip_factor": str(clip_factor(workers, attackers)),
         "compressor.mode": "static", "compressor.default_codec": CODEC,

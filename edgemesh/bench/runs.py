@@ -52,9 +52,10 @@ async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Co
                 progress: Callable[[str], None], start_timeout_s: float,
                 run_timeout_s: float | None = None, flags: Mapping[str, list[str]] | None = None,
                 tick: Callable[[float], Awaitable[None]] | None = None) -> str | None:
-    """Start ``cluster``'s services and one ``--emulate`` worker per ``(device, profile)`` (with its ``flags``,
-    if any), with ``watch`` (the run's bus observer) alongside, until ``done(seconds since started())``; then
-    scrape every process's metrics and stop them all. Returns why the run failed, or None.
+    """Start ``cluster``'s services and one ``--emulate`` worker per ``(device, profile)`` (a plain worker for
+    an empty profile; with its ``flags``, if any), with ``watch`` (the run's bus observer) alongside, until
+    ``done(seconds since started())``; then scrape every process's metrics and stop them all. Returns why the
+    run failed, or None.
 
     ``started()`` is None until the run's clock starts (the plan names every device); the run fails
     if that takes over ``start_timeout_s`` or, once started, lasts over ``run_timeout_s``. Once started,
@@ -65,7 +66,8 @@ async def drive(cluster: LocalCluster, devices: list[tuple[str, str]], watch: Co
     try:
         cluster.start_services(min_devices=len(devices))
         for name, profile in devices:
-            cluster.spawn("worker", name, ["--device", name, "--emulate", profile, *(flags or {}).get(name, [])])
+            emulate = ["--emulate", profile] if profile else []
+            cluster.spawn("worker", name, ["--device", name, *emulate, *(flags or {}).get(name, [])])
         launched = time.monotonic()
         shown = 0.0
         while True:

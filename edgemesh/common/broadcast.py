@@ -66,6 +66,8 @@ class Broadcaster:
         self._view_version = -1
         self.last_full = -1
         """Version of the last snapshot published."""
+        self.skipped = False
+        """A version went unpublished (no one listened) since the last snapshot."""
 
     @property
     def view(self) -> Mapping[str, np.ndarray] | None:
@@ -81,7 +83,12 @@ class Broadcaster:
         if delta_mode:
             self._view = {k: v.copy() for k, v in params.items()}
             self._view_version = self.last_full = version
+        self.skipped = False
         return wire.encode(snap)
+
+    def skip(self) -> None:
+        """A version no one listens to goes out as nothing; the next message is then a snapshot."""
+        self._view, self.skipped = None, True
 
     def after_step(self, params: Mapping[str, np.ndarray], version: int, policy: SyncPolicy,
                    plan: Plan | None) -> ModelMessage:

@@ -67,6 +67,9 @@ REFUSED_LOGIN_CODES = (2, 4, 5, 133, 134, 135, 138, 140)
 authorized, banned, bad authentication method (3.1.1's 2, 4, 5 and their v5 equivalents)."""
 REFUSALS_LOGGED = 1000
 """Distinct refused topics logged at ERROR (later ones, and repeats, at DEBUG; all are counted)."""
+PENDING_CALLS_WARNING = 1024
+"""aiomqtt warns when more calls than this wait on the broker (its default, 10, is less than a window of chunks
+and a few acks)."""
 SUBSCRIBE_FAILURE = 0x80
 """A SUBACK code at or above this refuses the subscription (3.1.1's 0x80 and v5's reason codes)."""
 
@@ -220,6 +223,8 @@ class Bus:
             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
             clean_session=True if protocol != aiomqtt.ProtocolVersion.V5 else None,
         )
+        # chunks in flight, and the PS's acks to a batch of devices, are many publishes at once by design
+        client.pending_calls_threshold = PENDING_CALLS_WARNING
         self._watch_publishes(client)
         self._stamp_arrivals(client)
         return client
@@ -447,7 +452,8 @@ class Bus:
     async def publish(self, topic: str, msg: Any, *, retain: bool = False, qos: int = QOS_STATE,
                       kind: str = "") -> int:
         """Publish a message (or ready envelope bytes); returns bytes sent. Chunks large payloads
-        (retained ones onto ``{topic}/chunk/{i}``).
+        (retained ones onto ``{topic}/chunk/{i}``), ``broker.chunk_window`` of them in flight at once, handed
+        to the client in order (the broker passes them on in that order).
 
         Waits up to ``publish_timeout_s`` for a connection; raises BusError after that.
         """
@@ -458,10 +464,22 @@ class Bus:
             targets = [f"{topic}/{CHUNK_SEGMENT}/{i}" for i in range(len(pieces))]
         else:
             targets = [topic] * len(pieces)
-        sent = 0
-        for target, piece in zip(targets, pieces, strict=True):
-            await self._publish_raw(target, piece, retain=retain, qos=qos)
-            sent += len(piece)
+        if len(pieces) == 1:
+            await self._publish_raw(topic, pieces[0], retain=retain, qos=qos)
+        else:  # a window of chunks in flight: one round trip to the broker per window, not per chunk
+            window = asyncio.Semaphore(self.config.chunk_window)
+
+            async def one(target: str, piece: bytes) -> None:
+                async with window:
+                    await self._publish_raw(target, piece, retain=retain, qos=qos)
+
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for target, piece in zip(targets, pieces, strict=True):
+                        group.create_task(one(target, piece))
+            except ExceptionGroup as failed:  # the first chunk that failed says why (a BusError), as one piece would
+                raise failed.exceptions[0] from None
+        sent = sum(len(piece) for piece in pieces)
         self.metrics.published_messages.labels(kind=kind or encoded_kind).inc()
         self.metrics.published_bytes.inc(sent)
         return sent

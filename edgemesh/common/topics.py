@@ -9,6 +9,9 @@ All topics live under ``edgemesh/v1/{job}/`` so several trainings can share one 
   :meth:`TopicMatch.disagreement` checks a decoded body against it (the device a topic names is
   the device in the body).
 
+A sharded parameter server (``ps.shards`` > 1) owns its gradients, acks and model broadcast under
+``shard/{index}/`` (``Topics(job, shard=i)``); every other topic is the job's own.
+
 Large retained messages are chunked onto ``{topic}/chunk/{index}`` (see ``wire``); a filter
 subscribes to both the topic and its chunks (``Filter.patterns``).
 """
@@ -16,7 +19,7 @@ subscribes to both the topic and its chunks (``Filter.patterns``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from edgemesh.common.vocabulary import MAX_TOPIC_CHARS, check_name, valid_name, valid_topic
@@ -32,6 +35,10 @@ TopicKind = Literal["hello", "status", "stats", "evaluation", "snapshot_request"
                     "model", "delta", "grad", "grad_raw", "ack", "mesh", "control", "reply", "events", "job",
                     "job_state", "job_model"]
 """The families of topics; a route is named after the family it consumes."""
+MAX_SHARDS = 64
+"""Most parameter server shards a topic may name."""
+SHARD_KINDS = ("model", "delta", "grad", "ack")
+"""The families a parameter server shard has under ``shard/{index}/``."""
 SERVICE_TARGETS = ("planner", "ps", "compressor", "all", "job")
 """Control targets other than ``device/{id}``."""
 CHECKED_FIELDS = ("device", "cluster", "layer", "phase")
@@ -59,6 +66,8 @@ class TopicMatch:
     target: str = ""
     """``control/{target}``: planner, ps, compressor, all or device/{id}; ``control-reply/{requester}``:
     the requester; a mesh backward slice: its receiver."""
+    shard: int = -1
+    """The parameter server shard a ``shard/{index}/...`` topic belongs to (-1: not a shard's topic)."""
 
     def disagreement(self, body: object) -> str | None:
         """Why ``body`` contradicts this topic (a field the topic names holds another value), or None."""
@@ -91,19 +100,35 @@ class Filter:
 
 @dataclass(frozen=True, slots=True)
 class Topics:
-    """Topic and filter builder for one job."""
+    """Topic and filter builder for one job; with ``shard``, the gradient, ack and model topics are that
+    parameter server shard's."""
 
     job: str
+    shard: int | None = None
 
     def __post_init__(self) -> None:
         check_name("job", self.job)
+        if self.shard is not None and not 0 <= self.shard < MAX_SHARDS:
+            raise TopicError(f"shard {self.shard} is not in [0, {MAX_SHARDS})")
 
     @property
     def root(self) -> str:
         return f"{PREFIX}/{self.job}"
 
+    @property
+    def ps_root(self) -> str:
+        """Where the parameter server (this shard of it) has its gradients, acks and model."""
+        return self.root if self.shard is None else f"{self.root}/shard/{self.shard}"
+
+    def for_shard(self, shard: int | None) -> Topics:
+        """The same job's topics, with ``shard``'s gradient, ack and model topics."""
+        return Topics(self.job, shard)
+
     def _filter(self, relative: str, kind: TopicKind) -> Filter:
         return Filter(f"{self.root}/{relative}", kind)
+
+    def _ps_filter(self, relative: str, kind: TopicKind) -> Filter:
+        return Filter(f"{self.ps_root}/{relative}", kind)
 
     # --- devices -----------------------------------------------------------------------
     def hello(self, device: str) -> str:
@@ -158,21 +183,21 @@ class Topics:
         return self._filter(f"codec/{device}", "codec")
 
     def model(self) -> str:
-        return f"{self.root}/model"
+        return f"{self.ps_root}/model"
 
     def model_filter(self) -> Filter:
-        return self._filter("model", "model")
+        return self._ps_filter("model", "model")
 
     def model_delta(self) -> str:
-        return f"{self.root}/model/delta"
+        return f"{self.ps_root}/model/delta"
 
     def model_delta_for(self, device: str) -> str:
         """A model-parallel member's part of every delta: the blocks of the rows it trains."""
-        return f"{self.root}/model/delta/{device}"
+        return f"{self.ps_root}/model/delta/{device}"
 
     def delta_filter(self, device: str = "") -> Filter:
         """The broadcast deltas, or (with ``device``) that member's part of each."""
-        return self._filter(f"model/delta/{device}" if device else "model/delta", "delta")
+        return self._ps_filter(f"model/delta/{device}" if device else "model/delta", "delta")
 
     def sync(self) -> str:
         """The parameter server's retained ``SyncState`` (policy, bound, deadline, delay indices)."""
@@ -183,10 +208,10 @@ class Topics:
 
     # --- gradients and acks ----------------------------------------------------------------
     def grad(self, cluster: str, device: str) -> str:
-        return f"{self.root}/grad/{cluster}/{device}"
+        return f"{self.ps_root}/grad/{cluster}/{device}"
 
     def grad_filter(self) -> Filter:
-        return self._filter("grad/+/+", "grad")
+        return self._ps_filter("grad/+/+", "grad")
 
     def grad_raw(self, cluster: str, device: str) -> str:
         return f"{self.root}/grad-raw/{cluster}/{device}"
@@ -195,10 +220,10 @@ class Topics:
         return self._filter("grad-raw/+/+", "grad_raw")
 
     def ack(self, device: str) -> str:
-        return f"{self.root}/ack/{device}"
+        return f"{self.ps_root}/ack/{device}"
 
     def ack_filter(self, device: str) -> Filter:
-        return self._filter(f"ack/{device}", "ack")
+        return self._ps_filter(f"ack/{device}", "ack")
 
     # --- model-parallel mesh ---------------------------------------------------------------
     def mesh(self, cluster: str, layer: str, phase: str, device: str) -> str:
@@ -285,6 +310,10 @@ def parse(topic: str) -> TopicMatch:
         raise TopicError(f"{topic!r} is not under {PREFIX}/{{job}}/")
     job, rest, base = parts[2], parts[3:], "/".join(parts)
     match rest:
+        case ["shard", index, *inner] if index.isascii() and index.isdigit() and int(index) < MAX_SHARDS:
+            found = parse("/".join([*parts[:3], *inner]))
+            if found.kind in SHARD_KINDS:
+                return replace(found, topic=base, shard=int(index))
         case ["device", device, ("hello" | "status" | "stats" | "evaluation") as kind]:
             return TopicMatch(job, kind, base, device=device)
         case ["device", device, "snapshot-request"]:

@@ -81,6 +81,19 @@ def rss_kb(pid: int) -> int:
     return _status_kb(pid, "VmRSS:")
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far; 0 when it is gone (or ``pid`` is None)."""
+    import psutil
+
+    if pid is None:
+        return 0.0
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(times.user + times.system)
+
+
 def _status_kb(pid: int, field: str) -> int:
     try:
         with open(f"/proc/{pid}/status") as fh:
@@ -148,9 +161,13 @@ class LocalCluster:
         return self.workdir / f"{self.cfg.job}-ps"
 
     def start_services(self, *, min_devices: int) -> None:
-        """The planner (waiting for ``min_devices`` before its first plan), the PS and the compressor."""
+        """The planner (waiting for ``min_devices`` before its first plan), the PS (one process per shard of
+        ``ps.shards``) and the compressor."""
         self.spawn("planner", "planner", ["--set", f"planner.min_devices={min_devices}"])
-        self.spawn("ps", "ps", ["--state-dir", str(self.ps_state_dir)])
+        shards = self.cfg.ps.shards
+        for shard in range(shards):
+            which = ["--shard", f"{shard}/{shards}"] if shards > 1 else []
+            self.spawn("ps", "ps" if shards == 1 else f"ps-{shard}", ["--state-dir", str(self.ps_state_dir), *which])
         self.spawn("compressor", "compressor")
 
     def failure(self) -> str | None:

@@ -185,6 +185,9 @@ async def supervise(stop: asyncio.Event, *jobs: Job, transport: Job | None = Non
             carrier = [group.create_task(transport)] if transport is not None else []
             stopper: asyncio.Future[Any] = group.create_task(stop.wait())
             finished: asyncio.Future[Any] = asyncio.gather(*tasks, *carrier)
+            # its outcome is the tasks' (the group raises their errors): read, so that none is "never retrieved"
+            # when the way out below is itself cancelled before it awaits it
+            finished.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
                 await asyncio.wait([stopper, finished], return_when=asyncio.FIRST_COMPLETED)
             finally:

@@ -28,7 +28,8 @@ class _Dense:
         expected = numel * self._dtype.itemsize
         if len(data) != expected:
             raise CodecError(f"{self.name} payload has {len(data)} bytes, {numel} values need {expected}")
-        values = np.frombuffer(data, dtype=self._dtype).astype(np.float32)
+        # float32 as is: a read-only view of the payload, no copy
+        values = np.frombuffer(data, dtype=self._dtype).astype(np.float32, copy=False)
         return check_finite(values, self.name)
 
 

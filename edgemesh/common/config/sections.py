@@ -52,6 +52,9 @@ class BrokerConfig:
     """Largest reconnect delay."""
     chunk_bytes: int = 256 * 1024
     """Payloads larger than this are split into chunks."""
+    chunk_window: int = 8
+    """Chunks of one message published at once (each QoS 1 publish waits for its PUBACK: one at a time, a 2.5 MB
+    model would wait out ten round trips to the broker)."""
     max_message_bytes: int = 64 * 1024 * 1024
     """Largest message (after reassembly) a service accepts."""
     reassembly_timeout_s: float = 30.0
@@ -76,6 +79,7 @@ class BrokerConfig:
         _require(0 < self.backoff_initial_s <= self.backoff_max_s, "broker.backoff_initial_s",
                  "must be > 0 and <= backoff_max_s")
         _require(1024 <= self.chunk_bytes <= 16 << 20, "broker.chunk_bytes", "must be in [1 KiB, 16 MiB]")
+        _require(self.chunk_window >= 1, "broker.chunk_window", "must be >= 1")
         _require(self.max_message_bytes >= self.chunk_bytes, "broker.max_message_bytes", "must be >= chunk_bytes")
         _require(self.reassembly_timeout_s > 0, "broker.reassembly_timeout_s", "must be > 0")
         _require(self.reassembly_budget_bytes >= self.max_message_bytes, "broker.reassembly_budget_bytes",
@@ -285,6 +289,12 @@ class ParameterServerConfig:
     while only the indices move; a change of policy, bound or slow devices goes out at once."""
     eval_interval_s: float = 0.0
     """Also evaluate when this many seconds passed since the last evaluation and the model moved (0 = off)."""
+    eval_budget: float = 0.1
+    """Most share of one core held-out evaluation takes: after an evaluation of d seconds the next waits
+    d x (1 / eval_budget - 1), whatever ``eval_every`` asks (1 = back to back)."""
+    eval_threads: int = 1
+    """torch threads of the evaluation (the PS's only torch work): the rest of the host's cores stay with
+    ingest, the broker and the workers."""
     data_dir: str = ""
     """Directory a submitted job's relative ``evaluation.path`` is read from on this host; empty = the working
     directory."""
@@ -297,14 +307,24 @@ class ParameterServerConfig:
     """``trimmed-mean``: the share of a coordinate's largest and of its smallest values dropped."""
     krum_f: int = 1
     """``krum``: attackers assumed among a step's n contributions; the n - krum_f best scored are averaged."""
+    shards: int = 1
+    """Parameter server processes the model's tensors are divided among (``edgemesh ps --shard i/n``;
+    docs/scale.md#a-sharded-parameter-server). Every service of the job must be given the same number:
+    workers send each process its tensors' gradients."""
+    shard: int = 0
+    """Which of the ``shards`` processes this one is (0 = the first, which also evaluates the model)."""
 
     def __post_init__(self) -> None:
+        _require(self.shards >= 1, "ps.shards", "must be >= 1")
+        _require(0 <= self.shard < self.shards, "ps.shard", f"must be in [0, ps.shards = {self.shards})")
         _require(self.mesh_assembly_timeout_s > 0, "ps.mesh_assembly_timeout_s", "must be > 0")
         _require(self.clip_factor > 0, "ps.clip_factor", "must be > 0")
         _require(0 <= self.trim_fraction < 0.5, "ps.trim_fraction", "must be in [0, 0.5)")
         _require(self.krum_f >= 0, "ps.krum_f", "must be >= 0")
         _require(self.sync_state_interval_s >= 0, "ps.sync_state_interval_s", "must be >= 0")
         _require(self.eval_interval_s >= 0, "ps.eval_interval_s", "must be >= 0")
+        _require(0 < self.eval_budget <= 1, "ps.eval_budget", "must be in (0, 1]")
+        _require(self.eval_threads >= 1, "ps.eval_threads", "must be >= 1")
         _require(self.checkpoint_every >= 1, "ps.checkpoint_every", "must be >= 1")
         _require(self.eval_every >= 0, "ps.eval_every", "must be >= 0")
         _require(self.max_batch >= 1, "ps.max_batch", "must be >= 1")
@@ -483,3 +503,7 @@ class Config:
                  f"{self.job!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
         _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                  "one of DEBUG INFO WARNING ERROR")
+        _require(self.ps.shards == 1 or self.training.sync_policy != "adaptive", "training.sync_policy",
+                 "adaptive is not available with ps.shards > 1: each shard would set its own round deadlines")
+        _require(self.ps.shards == 1 or self.planner.parallelism == "data", "planner.parallelism",
+                 "mesh is not available with ps.shards > 1: a sharded parameter server takes whole tensors")

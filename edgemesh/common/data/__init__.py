@@ -2,7 +2,8 @@
 
 Nothing is downloaded at run time. ``"digits"`` (scikit-learn's bundled 8x8 digits) is the
 default; ``"mnist-idx"`` and ``"cifar10"`` read the official files from a directory the
-operator provides; ``"synthetic-cifar"`` is random CIFAR-shaped images for timing. CIFAR-10's
+operator provides; ``"synthetic-cifar"`` is generated CIFAR-shaped images of ten smooth random
+class patterns, which a CNN learns, for benchmarks where CIFAR-10 cannot be downloaded. CIFAR-10's
 python batches are pickles, so they are read with a restricted unpickler that can rebuild
 numpy arrays and plain containers and nothing else.
 

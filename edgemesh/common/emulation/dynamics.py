@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
 import random
 from dataclasses import dataclass
@@ -107,6 +108,11 @@ class Timeline:
         self.episodes = episodes
         self._throttle_starts = [e.start_s for e in episodes.get("throttle", [])]
         self._bandwidth_starts = [e.start_s for e in episodes.get("bandwidth", [])]
+        self._blocks = sorted((e for k in ("stall", "drop") for e in episodes.get(k, [])), key=lambda e: e.start_s)
+        self._block_starts = [e.start_s for e in self._blocks]
+        self._block_reach = list(itertools.accumulate((e.end_s for e in self._blocks), max))
+        """The latest end of the stalls and drop-outs begun so far, by start order."""
+        self._drop_starts = [e.start_s for e in episodes.get("drop", [])]
 
     @classmethod
     def of(cls, scenario: Scenario, profile: str, device: str, seed: int, horizon_s: float = HORIZON_S) -> Timeline:
@@ -166,6 +172,39 @@ class Timeline:
             else:
                 i += 1
         return t
+
+    def blocked_until(self, t: float) -> float:
+        """When the link moves bytes again after board time ``t``: the end of the stalls and drop-outs ``t`` falls
+        in (``t`` itself if none)."""
+        while (i := bisect.bisect_right(self._block_starts, t)) and self._block_reach[i - 1] > t:
+            t = self._block_reach[i - 1]
+        return t
+
+    def transfer_end(self, start: float, busy_s: float) -> float:
+        """When ``busy_s`` seconds of sending at the profile's rate, handed to the link at ``start``, have arrived:
+        stalls and drop-outs hold the bytes, each interval's rate factor speeds or slows them."""
+        t, left = self.blocked_until(start), busy_s
+        bands = self.episodes.get("bandwidth", [])
+        while left > 1e-12:
+            b = bisect.bisect_right(self._bandwidth_starts, t)
+            next_rate = bands[b].start_s if b < len(bands) else math.inf
+            k = bisect.bisect_right(self._block_starts, t)
+            next_block = self._blocks[k].start_s if k < len(self._blocks) else math.inf
+            rate = self.rate_at(t)
+            until = min(next_rate, next_block)
+            if t + left / rate <= until:
+                return t + left / rate
+            left -= (until - t) * rate
+            t = self.blocked_until(until)
+        return t
+
+    def drop_between(self, start: float, end: float) -> Episode | None:
+        """The first drop-out under way at ``start`` or beginning before ``end``, None if none."""
+        drops = self.episodes.get("drop", [])
+        i = bisect.bisect_right(self._drop_starts, start) - 1
+        if i >= 0 and drops[i].end_s > start:
+            return drops[i]
+        return drops[i + 1] if i + 1 < len(drops) and drops[i + 1].start_s < end else None
 
     def link_events(self) -> list[Episode]:
         """Stalls, drop-outs and rate changes in the order they start: what drives the emulated link."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -161,6 +162,8 @@ MODEL_SPECS: Final[dict[str, ModelSpec]] = {
 """The built-in specs (``register_spec`` adds to the registry, not to this)."""
 
 _SPECS: dict[str, ModelSpec] = dict(MODEL_SPECS)
+_BUILDING = threading.Lock()
+"""Held while a model is built from the global torch RNG (``build_model``)."""
 """Every spec this process knows by name: the built-ins and the registered ones."""
 
 
@@ -187,10 +190,11 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     """Build the named model with an initialisation fixed by ``seed``.
 
     The global torch RNG state is forked and restored, so building a model does not change
-    what later random draws produce.
+    what later random draws produce; one thread at a time draws from it here (two parameter server
+    shards in one process, or a service beside its workers, would otherwise interleave their draws).
     """
     spec = get_spec(name)
-    with torch.random.fork_rng(devices=[]):
+    with _BUILDING, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = spec.builder()
     return model.to(torch.float32)

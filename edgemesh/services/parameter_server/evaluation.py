@@ -3,7 +3,9 @@
 After a step the parameter server offers the model; every ``ps.eval_every`` versions, and every
 ``ps.eval_interval_s`` seconds the model moved, a copy is handed to the evaluation loop, which
 evaluates the newest one handed over in a thread (stepping never waits for it) and reports loss
-and accuracy.
+and accuracy. Evaluation has its own budget: ``ps.eval_threads`` torch threads, and at most
+``ps.eval_budget`` of that time (after an evaluation of d seconds the next waits d x (1 / budget - 1)),
+so that however often ``eval_every`` asks, ingest keeps the rest of the host.
 
 The held-out set is the configured data set's test split, or a submitted job's ``evaluation.path`` on
 this host. A job evaluated where its data lives (``evaluation.local_share``) has no set here: each device
@@ -19,6 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
 
 from edgemesh.common import models
 from edgemesh.common.config import Config
@@ -28,6 +31,8 @@ from edgemesh.common.messages import LocalEvaluation
 
 Report = Callable[[int, float, float], Awaitable[None]]
 """``report(version, loss, accuracy)``."""
+Assemble = Callable[[int, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray] | None]]
+"""``assemble(version, rows)``: a sharded server's whole model at ``version`` from its own rows (None: not now)."""
 
 
 class Evaluator:
@@ -45,8 +50,14 @@ class Evaluator:
         self._test_set: Any = None
         self._last_version = -1
         self._last_time = -float("inf")
+        self._evaluated = -1
+        """Version of the last model evaluated."""
         self._wake = asyncio.Event()
         self._next: tuple[int, dict[str, np.ndarray]] | None = None
+        self.enabled = True
+        """False on a parameter server shard other than the first: that one evaluates the whole model."""
+        self.assemble: Assemble | None = None
+        """Set on a sharded server's first shard: the whole model from the rows it keeps."""
 
     def load(self) -> dict[str, np.ndarray]:
         """Build the model and read the held-out split (in a thread); the model's initial weights."""
@@ -74,7 +85,7 @@ class Evaluator:
 
     def offer(self, version: int, params: Mapping[str, np.ndarray]) -> None:
         """Hand ``params`` over if an evaluation is due at ``version`` (and there is a held-out set here)."""
-        if self.local:
+        if self.local or not self.enabled:
             return
         every, interval = self.cfg.ps.eval_every, self.cfg.ps.eval_interval_s
         by_count = bool(every) and version - self._last_version >= every
@@ -95,10 +106,29 @@ class Evaluator:
                 continue
             version, params = self._next
             self._next = None
+            if self.assemble is not None:
+                whole = await self.assemble(version, params)
+                if whole is None:
+                    continue
+                params = whole
+            started = time.perf_counter()
             loss, accuracy = await asyncio.to_thread(self._evaluate, params)
-            self.last_accuracy, self.last_loss = accuracy, loss
+            took = time.perf_counter() - started
+            self.last_accuracy, self.last_loss, self._evaluated = accuracy, loss, version
             await report(version, loss, accuracy)
+            # the budget: the newest model handed over meanwhile waits its turn
+            await asyncio.sleep(took * (1 / self.cfg.ps.eval_budget - 1))
+
+    async def final(self, version: int, params: Mapping[str, np.ndarray], report: Report) -> None:
+        """Evaluate ``params`` (version ``version``) now, outside the budget, unless that version was the last
+        evaluated: a job's end, so that its last state gives its last model's accuracy."""
+        if self.local or self._test_set is None or version == self._evaluated:
+            return
+        loss, accuracy = await asyncio.to_thread(self._evaluate, params)
+        self.last_accuracy, self.last_loss, self._evaluated = accuracy, loss, version
+        await report(version, loss, accuracy)
 
     def _evaluate(self, params: Mapping[str, np.ndarray]) -> tuple[float, float]:
+        torch.set_num_threads(self.cfg.ps.eval_threads)  # per thread: the executor's threads each keep their own
         models.set_params(self._model, params)
         return models.evaluate(self._model, self._test_set)

@@ -37,6 +37,8 @@ SETTLE_S = 0.5
 PROGRESS_INTERVAL_S = 1.0
 """How often a running job's retained state is refreshed while it makes progress."""
 COMMANDS = ("status", "pause", "resume", "stop")
+REACHED = "reached the target accuracy"
+"""How the reason of a job that reached its target begins (its last evaluation is its final accuracy)."""
 
 
 class JobBoard:
@@ -139,6 +141,9 @@ class JobBoard:
             ps = self.host.service
             if isinstance(ps, ParameterServer) and self.host.current == (state.name, state.sha256) \
                     and ps.state is not None:
+                if not reason.startswith(REACHED):  # its last model's accuracy, not an earlier version's
+                    await ps.evaluate_final()
+                    state = replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss)
                 with contextlib.suppress(EdgeMeshError):
                     await ps.publish_final_model()
             logger.info("job board: job %s %s: %s", state.name, phase, reason)
@@ -223,7 +228,7 @@ def _progress(state: JobState) -> tuple[Any, ...]:
 def _stop_reason(state: JobState, now: float) -> str:
     """Why the job's stop rule ends it now ('' while it goes on)."""
     if state.target_accuracy and state.accuracy is not None and state.accuracy >= state.target_accuracy:
-        return f"reached the target accuracy: {state.accuracy:.4f} >= {state.target_accuracy:g}"
+        return f"{REACHED}: {state.accuracy:.4f} >= {state.target_accuracy:g}"
     if state.max_versions and state.version >= state.max_versions:
         return f"reached model version {state.version} (job.max_versions = {state.max_versions})"
     if state.max_minutes and state.started_at and now - state.started_at >= state.max_minutes * 60:

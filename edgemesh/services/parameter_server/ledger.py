@@ -4,7 +4,9 @@
 order the steps were applied. A step is written to the write-ahead log first and to the ledger right after,
 both before any of its acks go out; a crash between the two leaves the step in the log only, so on start
 the ledger takes every logged step it lacks (the log holds the steps since the last checkpoint, and the
-ledger's lines from that version on are read back to compare). The ledger is never truncated: it is the
+ledger's lines from that version on are read back to compare). For the same reason the ledger is not fsynced
+with each step (the log is, and an entry the ledger lost to a power cut is still in the log) but before the log
+is emptied at a checkpoint (``sync``) and when it closes. The ledger is never truncated: it is the
 audit of the whole run (``edgemesh bench soak`` and the fault-injection test read it; so may an operator:
 ``read_ledger``). A line is ~40 bytes: a million updates make 40 MB.
 """
@@ -102,11 +104,15 @@ class Ledger:
             return
         assert self._fh is not None, "open() first"
         self._fh.write(_lines(entries))
-        self._fh.flush()
-        if self._fsync:
+        self._fh.flush()  # in the OS's hands: a crash of the process loses nothing, a power cut only what the log has
+
+    def sync(self) -> None:
+        """Make every entry durable: before the write-ahead log that also holds them is emptied."""
+        if self._fh is not None and self._fsync:
             os.fsync(self._fh.fileno())
 
     def close(self) -> None:
         if self._fh is not None:
+            self.sync()
             self._fh.close()
             self._fh = None

@@ -76,8 +76,10 @@ class ModelState:
         lr: float,
         momentum: float,
         weight_decay: float = 0.0,
-    ) -> None:
-        """One SGD step on the weighted sum of the contributions' gradients.
+    ) -> list[ShardGrad]:
+        """One SGD step on the weighted sum of the contributions' gradients; returns that sum, as the runs of rows
+        it touched (stepping on it alone, with weight 1, is the same step: the write-ahead log may keep it instead
+        of the contributions).
 
         Each contribution is ``(weight, shards)``; weights of one step should sum to 1.
         Only the slices some contribution covers are touched.
@@ -85,11 +87,17 @@ class ModelState:
         acc: dict[str, np.ndarray] = {}
         rows: dict[str, np.ndarray] = {}
         for weight, shards in contributions:
+            w = np.float32(weight)
             for g in shards:
                 if g.param not in acc:
-                    acc[g.param] = np.zeros_like(self.params[g.param])
-                    rows[g.param] = np.zeros(self.params[g.param].shape[0], dtype=bool)
-                acc[g.param][g.start:g.stop] += g.values * np.float32(weight)
+                    target = self.params[g.param]
+                    if g.start == 0 and g.stop == target.shape[0]:  # a whole tensor first: its product is the sum
+                        acc[g.param] = (g.values * w).reshape(target.shape)  # so far (one pass, not zeros and +=)
+                        rows[g.param] = np.ones(target.shape[0], dtype=bool)
+                        continue
+                    acc[g.param] = np.zeros_like(target)
+                    rows[g.param] = np.zeros(target.shape[0], dtype=bool)
+                acc[g.param][g.start:g.stop] += g.values * w
                 rows[g.param][g.start:g.stop] = True
         lr32, mom32, wd32 = np.float32(lr), np.float32(momentum), np.float32(weight_decay)
         for param, grad in acc.items():
@@ -100,6 +108,8 @@ class ModelState:
             p, buf = self.params[param][touched], self.momentum[param][touched]
             self._update(p, buf, grad[touched], lr32, mom32, wd32)
             self.params[param][touched], self.momentum[param][touched] = p, buf
+        return [ShardGrad(param, start, stop, acc[param][start:stop])
+                for param, touched in rows.items() for start, stop in _runs(touched)]
 
     @staticmethod
     def _update(p: np.ndarray, buf: np.ndarray, grad: np.ndarray, lr: np.float32, mom: np.float32,
@@ -110,3 +120,9 @@ class ModelState:
         buf *= mom
         buf += grad
         p -= lr * buf
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, stop)`` of every run of True in a boolean vector."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], mask, [False])).astype(np.int8)))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]

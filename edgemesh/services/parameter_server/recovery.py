@@ -6,7 +6,9 @@
 * ``log``: before any update of a step is acked, the step goes to the write-ahead log (fsynced):
   its version, the optimizer settings, the aggregation it used (``robust``: the rule, clip's threshold)
   and, per member update, device, cluster, incarnation, seq, the step's item it belongs to, weight and
-  the encoded shards.
+  the encoded shards; or, when it is smaller than all of those shards (a ``sync`` round of many dense
+  updates), the step's weighted sum in float32 (``sum``) and the norms of its contributions, which a replay
+  steps on alone, with the same result.
 * ``checkpoint``: write, fsync, rename; the log then starts afresh.
 """
 
@@ -25,7 +27,7 @@ from edgemesh.common.messages import Scalar
 from edgemesh.common.vocabulary import AGGREGATION_RULES, SYNC_POLICIES, AggregationRule, SyncPolicy
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
-from edgemesh.services.parameter_server.robust import Aggregation, combine
+from edgemesh.services.parameter_server.robust import Aggregation, Combined, combine
 from edgemesh.services.parameter_server.scheduler import Clock, Step
 
 logger = logging.getLogger(__name__)
@@ -138,24 +140,32 @@ class Recovery:
         clusters = set()
         for n, entry in enumerate(record["entries"]):
             grads = [state.decode_shard(s["param"], s["start"], s["stop"], s["codec"], s["data"])
-                     for s in entry["shards"]]
+                     for s in entry.get("shards", ())]
             # a model-parallel cluster's members were one contribution (a log from before items: one each)
             items.setdefault(int(entry.get("item", -1 - n)), (float(entry["weight"]), []))[1].extend(grads)
             clock.high_water[entry["device"]] = (int(entry["incarnation"]), int(entry["seq"]))
             clusters.add(entry.get("cluster", ""))
         for cluster in clusters:  # one tick per cluster, however many members logged a part
             clock.clocks[cluster] = clock.clocks.get(cluster, 0) + 1
-        combined = combine(list(items.values()), Aggregation.of_record(record.get("aggregation")))
-        state.step(combined.contributions, lr=float(record["lr"]), momentum=float(record["momentum"]),
-                   weight_decay=float(record.get("weight_decay", 0.0)))
+        optimizer = {"lr": float(record["lr"]), "momentum": float(record["momentum"]),
+                     "weight_decay": float(record.get("weight_decay", 0.0))}
+        if "sum" in record:  # the step's weighted sum, logged instead of its contributions
+            summed = [state.decode_shard(s["param"], s["start"], s["stop"], "none", s["data"]) for s in record["sum"]]
+            state.step([(1.0, summed)], **optimizer)
+            norms = [float(v) for v in record.get("norms", [])]
+        else:
+            combined = combine(list(items.values()), Aggregation.of_record(record.get("aggregation")))
+            state.step(combined.contributions, **optimizer)
+            norms = combined.norms
         clock.version = int(record["version"])
-        return combined.norms
+        return norms
 
-    def log(self, steps: Sequence[Step], optimizer: Optimizer, aggregations: Sequence[Aggregation]) -> int:
-        """Append ``steps`` durably (each with its items' weights and the aggregation it used, so that a
-        replay is exact); bytes written."""
+    def log(self, steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
+            sums: Sequence[list[ShardGrad]]) -> int:
+        """Append ``steps`` durably (each with its items' weights and the aggregation it used, or the weighted sum
+        it stepped on, ``ModelState.step``'s, whichever is smaller, so that a replay is exact); bytes written."""
         assert self._wal is not None, "resume() first"
-        records = [{
+        records: list[dict[str, Any]] = [{
             "version": step.version,
             "lr": optimizer.lr,
             "momentum": optimizer.momentum,
@@ -173,7 +183,15 @@ class Recovery:
                 "shards": [{"param": s.param, "start": s.start, "stop": s.stop, "codec": s.codec, "data": s.data}
                            for s in part.shards],
             } for i, (w, item) in enumerate(zip(step.weights, step.items, strict=True)) for part in item.updates],
-        } for step, how in zip(steps, aggregations, strict=True)]
+        } for step, how in zip(steps, (c.how for c in combined), strict=True)]
+        for record, c, summed in zip(records, combined, sums, strict=True):
+            sent = sum(len(s["data"]) for entry in record["entries"] for s in entry["shards"])
+            if sum(g.values.nbytes for g in summed) < sent:  # e.g. a sync round of dense updates: one sum, not N
+                record["sum"] = [{"param": g.param, "start": g.start, "stop": g.stop,
+                                  "data": np.ascontiguousarray(g.values, dtype=np.float32).data} for g in summed]
+                record["norms"] = list(c.norms)
+                for entry in record["entries"]:
+                    del entry["shards"]
         return self._wal.append(records)
 
     def checkpoint(self, model_spec: str, state: ModelState, clock: Clock, settings: dict[str, Any]) -> None:

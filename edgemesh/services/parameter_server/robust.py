@@ -99,8 +99,13 @@ class Combined:
 
 
 def norm(shards: Iterable[ShardGrad]) -> float:
-    """L2 norm of a contribution's gradient (float64)."""
-    return float(np.sqrt(sum(float(np.square(g.values, dtype=np.float64).sum()) for g in shards)))
+    """L2 norm of a contribution's gradient: float32 dot products (BLAS, no float64 copy: a seventh of the time,
+    and clip compares norms only to a multiple of their median), summed in float64."""
+    total = 0.0
+    for g in shards:
+        flat = g.values.reshape(-1)
+        total += float(np.dot(flat, flat))
+    return float(np.sqrt(total))
 
 
 def combine(contributions: Sequence[Contribution], how: Aggregation) -> Combined:

@@ -13,6 +13,11 @@ Backbone (docs/synchronization.md), top to bottom:
    when due;
 5. the retained ``sync`` state (policy, bound and, under ``adaptive``, deadline, delay indices and
    slow devices) for the planner, which gives slow devices smaller batches.
+
+Sharded (``edgemesh ps --shard i/n``, ``shards``): this process keeps its rows of the model alone, takes
+gradients, acks and broadcasts on its shard's topics, checkpoints in a directory of its own, and is
+otherwise the same server; shard 0 also evaluates the model put together from every shard's broadcast
+and publishes the sync state.
 """
 
 from __future__ import annotations
@@ -24,24 +29,29 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 from edgemesh import cli
 from edgemesh.common.broadcast import Broadcaster, ModelMessage
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
-from edgemesh.common.errors import WireError
+from edgemesh.common.errors import ConfigError, WireError
 from edgemesh.common.jobs import JobSpec
 from edgemesh.common.messages import (
     ControlCommand,
     GradientUpdate,
     LocalEvaluation,
+    ModelDelta,
     ModelSnapshot,
     Plan,
     SnapshotRequest,
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.shards import Division, ShardedView
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy, payload_reason
@@ -67,6 +77,11 @@ logger = logging.getLogger(__name__)
 
 DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
+SHARD_WAIT_S = 10.0
+"""Longest an evaluation of shard 0 waits for every other shard's broadcast to reach its version."""
+ACK_DRAIN_S = 2.0
+"""How long a stopping server waits for the acks still on their way to the broker (a device resends what it
+was not acked)."""
 COMMANDS = "status, pause, resume, set-sync-policy, set-bound, set-lr, set-aggregation, snapshot, stop"
 SETTINGS_COMMANDS = ("pause", "resume", *SETTING_COMMANDS)
 """Commands that change what the checkpoint keeps: a checkpoint is written at once, so a crash keeps them."""
@@ -80,9 +95,13 @@ class ParameterServer:
 
     def __init__(self, config: Config, *, stop: asyncio.Event | None = None, job: JobSpec | None = None) -> None:
         self.cfg = config
-        self.topics = Topics(config.job)
-        self.stop = stop or asyncio.Event()
         t, p = config.training, config.ps
+        self.sharded = p.shards > 1
+        self.topics = Topics(config.job, p.shard if self.sharded else None)
+        self.stop = stop or asyncio.Event()
+        self.division: Division | None = None
+        """Sharded: the rows of the model this process keeps (known once the model is built)."""
+        state_dir = Path(p.state_dir) / f"shard-{p.shard}-of-{p.shards}" if self.sharded else Path(p.state_dir)
         self.policy: SyncPolicy = t.sync_policy
         self.bound = t.staleness_bound
         self.lr = t.lr
@@ -92,15 +111,23 @@ class ParameterServer:
         """The adaptive policy's delay indices and arrival times (kept across policy switches)."""
         self.clock = Clock()
         self.scheduler = make_scheduler(self.policy, self.clock, self.rule, staleness_weighting=p.staleness_weighting)
-        self.recovery = Recovery(Path(p.state_dir), fsync=p.fsync)
-        self.ledger = Ledger(Path(p.state_dir), fsync=p.fsync)
+        self.recovery = Recovery(state_dir, fsync=p.fsync)
+        self.ledger = Ledger(state_dir, fsync=p.fsync)
         self.broadcast = Broadcaster(p, t.model_spec)
         self.evaluator = Evaluator(config, job)
+        self.others = ShardedView(p.shards) if self.sharded and p.shard == 0 else None
+        """Shard 0: every shard's broadcast, to evaluate the whole model."""
+        self._others_moved = asyncio.Event()
+        self._label = t.model_spec
+        """What the checkpoint says it holds: the model, and which shard of it."""
         self.state: ModelState | None = None
         self.assembly = Assembly({}, p.mesh_assembly_timeout_s)
         self.bus: Bus | None = None
         self.events: Events | None = None
         self._queue: deque[Candidate] = deque()
+        self._acking: set[asyncio.Task[None]] = set()
+        self._last_acks: asyncio.Task[None] | None = None  # the latest batch's acks: the next batch's go after
+        """Acks on their way to the broker (the step loop does not wait for their PUBACKs)."""
         self._queued: set[tuple[str, int, int]] = set()
         """(device, incarnation, seq) of the updates taken and not yet answered (queued, or in an open round): a
         resend of one is not taken again. A paused server would otherwise hold every resend, decoded, without
@@ -155,10 +182,24 @@ class ParameterServer:
         stack.callback(self.ledger.close)
         logger.info("parameter server up: model %s, version %d, policy %s, bound %d, aggregation %s",
                     self.cfg.training.model_spec, self.version, self.policy, self.bound, self.aggregator.rule)
-        return Endpoint(self.cfg.broker)
+        # each shard its own MQTT client id: two with one id would take turns throwing each other off
+        return Endpoint(self.cfg.broker, name=f"ps-{self.cfg.ps.shard}" if self.sharded else "")
 
     def _load(self) -> None:
-        resumed = self.recovery.resume(self.cfg.training.model_spec, self.evaluator.load(), self.clock)
+        initial = self.evaluator.load()
+        label = self.cfg.training.model_spec
+        if self.sharded:
+            p = self.cfg.ps
+            shapes = {name: v.shape for name, v in initial.items()}
+            self.division = Division.of(shapes, p.shard, p.shards)
+            initial = self.division.take(initial)
+            label = f"{label} (shard {p.shard} of {p.shards})"
+            if self.others is not None:
+                self.others.know(shapes)
+            else:
+                self.evaluator.enabled = False  # shard 0 evaluates the whole model
+        self._label = label
+        resumed = self.recovery.resume(label, initial, self.clock)
         self.state = resumed.state
         self._restore(OperatorSettings.of(resumed.settings))
         self.ledger.open()  # after the log's replay: the ledger takes any logged step it lacks
@@ -189,6 +230,11 @@ class ParameterServer:
         bus.route(self.topics.grad_filter(), GradientUpdate, self._on_gradient)
         if self.evaluator.local:
             bus.route(self.topics.evaluation_filter(), LocalEvaluation, self._on_local_evaluation)
+        if self.others is not None:
+            for shard in range(1, self.cfg.ps.shards):
+                bus.route(self.topics.for_shard(shard).model_filter(), ModelSnapshot, self._on_other_snapshot)
+                bus.route(self.topics.for_shard(shard).delta_filter(), ModelDelta, self._on_other_delta)
+            self.evaluator.assemble = self._whole_model
         bus.route(self.topics.snapshot_request_filter(), SnapshotRequest, self._on_snapshot_request)
         bus.on_connect(self._on_connect)
 
@@ -196,6 +242,12 @@ class ParameterServer:
         return [self._step_loop(), self.evaluator.run(self._report_evaluation)]
 
     async def close(self) -> None:
+        if self._acking:  # the acks of the last steps go out before the connection closes, if it still holds
+            _, late = await asyncio.wait(self._acking, timeout=ACK_DRAIN_S)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
         await asyncio.to_thread(self._checkpoint)
 
     async def _on_connect(self) -> None:
@@ -207,6 +259,8 @@ class ParameterServer:
         if self.plan is not None and plan.version < self.plan.version:
             raise WireError(f"plan version {plan.version} is older than {self.plan.version}", "replayed")
         self.plan = plan
+        if plan.devices and self.broadcast.skipped:
+            self._request_snapshot()  # the model moved while no plan named a device: nothing went out
         self.rule.retain((d.device for d in plan.devices), plan.cluster_names)
         await self._settle(self.assembly.replanned(plan.version))
         self._wake.set()  # a cluster may have left: an open round may now be complete
@@ -217,6 +271,34 @@ class ParameterServer:
         combined = self.evaluator.combine(report, devices)
         if combined is not None:
             await self._report_evaluation(*combined)
+
+    async def _on_other_snapshot(self, snap: ModelSnapshot, match: TopicMatch) -> None:
+        """Another shard's rows of the model (shard 0 evaluates the whole)."""
+        assert self.others is not None
+        shapes = self.others.shapes(match.shard) or {}
+        if set(snap.tensors) != set(shapes) or any(t.shape[:1] != shapes[k] for k, t in snap.tensors.items()):
+            raise WireError(f"snapshot of shard {match.shard} does not hold its rows of the model", "shape")
+        self.others.views[match.shard].load(snap)
+        self._others_moved.set()
+
+    async def _on_other_delta(self, delta: ModelDelta, match: TopicMatch) -> None:
+        assert self.others is not None
+        await self.others.views[match.shard].receive(delta)
+        self._others_moved.set()
+
+    async def _whole_model(self, version: int, own: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """The whole model at ``version``: this shard's rows ``own`` and every other shard's broadcast once it
+        reached ``version``; None if one has not within ``SHARD_WAIT_S``."""
+        assert self.others is not None
+        views = self.others.views[1:]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SHARD_WAIT_S):
+                while not all(v.ready and v.version >= version for v in views):
+                    self._others_moved.clear()
+                    await self._others_moved.wait()
+                return self.others.assemble([own, *(v.params or {} for v in views)])
+        logger.info("evaluation of version %d skipped: not every shard's model reached it", version)
+        return None
 
     async def _on_snapshot_request(self, request: SnapshotRequest, _: TopicMatch) -> None:
         """A member of the plan needs the whole model (a new division): a snapshot, unless the last is current."""
@@ -241,6 +323,10 @@ class ParameterServer:
             await self._ack(Ack(update, "discarded", "unknown_device"))
             return
         try:
+            if self.division is not None:
+                if update.mesh_step:
+                    raise WireError("a sharded parameter server takes no model-parallel steps", "shape")
+                update = replace(update, shards=self.division.localize(update.shards))
             grads = await asyncio.to_thread(self.state.decode, update.shards)
         except WireError as exc:
             self.metrics.reject(exc.reason, where, exc, route="grad")
@@ -329,8 +415,8 @@ class ParameterServer:
             # the model goes out before the acks, so a worker acked for version v usually has v
             await self._publish_model(message)
             self.scheduler.model_published(time.monotonic())
-        # acks go to different devices: out at once, not one PUBACK after another
-        await asyncio.gather(*(self._ack(ack) for ack in decision.acks))
+        # acks go to different devices: out at once, and the next batch is taken while their PUBACKs come back
+        self._send_acks(decision.acks)
         if steps:
             assert self.state is not None
             self.m_step.observe(time.perf_counter() - started)
@@ -340,19 +426,21 @@ class ParameterServer:
                 await asyncio.to_thread(self._checkpoint)
         return bool(steps)
 
-    def _apply(self, steps: list[Step]) -> ModelMessage:
-        """Apply and log ``steps``, then encode the model to broadcast (one thread hop for all)."""
+    def _apply(self, steps: list[Step]) -> ModelMessage | None:
+        """Apply and log ``steps``, then encode the model to broadcast, if anyone listens (one thread hop for all)."""
         assert self.state is not None
         t = self.cfg.training
         with self._state_lock:
             combined = [self.aggregator.combine(step.contributions()) for step in steps]  # the rule's gradients
-            for c in combined:
-                self.state.step(c.contributions, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-            self.m_wal.inc(self.recovery.log(steps, Optimizer(self.lr, t.momentum, t.weight_decay),
-                                             [c.how for c in combined]))
+            sums = [self.state.step(c.contributions, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+                    for c in combined]
+            self.m_wal.inc(self.recovery.log(steps, Optimizer(self.lr, t.momentum, t.weight_decay), combined, sums))
             self.ledger.record(steps)  # before any of their acks
             self.clock.version = steps[-1].version
             self.m_version.set(self.version)
+        if self.plan is None or not self.plan.devices:  # no one listens: nothing to encode
+            self.broadcast.skip()
+            return None
         return self.broadcast.after_step(self.state.params, self.version, self.policy, self.plan)
 
     def _checkpoint(self) -> None:
@@ -360,21 +448,44 @@ class ParameterServer:
         if self.state is None:
             return
         with self._state_lock:
-            self.recovery.checkpoint(self.cfg.training.model_spec, self.state, self.clock, {
+            self.ledger.sync()  # the log about to be emptied is what backs its entries up to now
+            self.recovery.checkpoint(self._label, self.state, self.clock, {
                 "policy": self.policy, "bound": self.bound, "lr": self.lr, "paused": self.paused,
                 "delay_indices": dict(self.rule.indices), **self.aggregator.kept()})
         self._since_checkpoint = 0
         self.m_checkpoints.inc()
 
     # ------------------------------------------------------------------ publishing
-    async def _ack(self, ack: Ack) -> None:
+    def _send_acks(self, acks: list[Ack]) -> None:
+        """Publish a batch's ``acks`` without holding up the next batch for the broker's PUBACKs (they are sent
+        once the batch's log is durable). Batches go out in order: a batch's acks wait for the previous batch's,
+        so no ack names an older version after a newer one, even when a broker outage makes some publishes retry.
+        """
+        if not acks:
+            return
+        before = self._last_acks
+        task = asyncio.create_task(self._acks_in_turn(before, acks, self.version))
+        self._last_acks = task
+        self._acking.add(task)
+        task.add_done_callback(self._acking.discard)
+
+    async def _acks_in_turn(self, before: asyncio.Task[None] | None, acks: list[Ack], version: int) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        results = await asyncio.gather(*(self._ack(ack, version) for ack in acks), return_exceptions=True)
+        for ack, result in zip(acks, results, strict=True):
+            if isinstance(result, Exception):  # the device resends; the resend gets this answer again
+                logger.warning("ack of %s seq %d not sent: %s", ack.update.device, ack.update.seq, result)
+
+    async def _ack(self, ack: Ack, version: int | None = None) -> None:
+        """Publish ``ack``, naming ``version`` (the model the update's batch made; default: the current one)."""
         assert self.bus is not None
         u = ack.update
         self._queued.discard((u.device, u.incarnation, u.seq))  # answered: a resend now gets this answer again
         self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
         await self.bus.publish(self.topics.ack(u.device), UpdateAck(
             device=u.device, incarnation=u.incarnation, seq=u.seq, status=ack.status, reason=ack.reason,
-            version=self.version, delay=ack.delay, resync=ack.resync))
+            version=self.version if version is None else version, delay=ack.delay, resync=ack.resync))
 
     def _request_snapshot(self) -> None:
         """Have the step loop publish a snapshot: model publishing is serialized with stepping."""
@@ -399,21 +510,29 @@ class ParameterServer:
     async def publish_final_model(self) -> None:
         """The model as it stands, float32 and retained on ``job/model``: what ``edgemesh job export`` reads."""
         assert self.bus is not None
-        snapshot = await asyncio.to_thread(self._final_model)
-        await self.bus.publish(self.topics.job_model(), snapshot, retain=True, kind="model")
+        version, params = await asyncio.to_thread(self._copy_params)
+        await self.bus.publish(self.topics.job_model(), ModelSnapshot(
+            version=version, model_spec=self.cfg.training.model_spec, created=time.time(), sync_policy=self.policy,
+            tensors={k: Tensor.from_numpy(v.astype("float32", copy=False)) for k, v in params.items()}),
+            retain=True, kind="model")
 
-    def _final_model(self) -> ModelSnapshot:
-        """A float32 snapshot of the weights, taken between steps (in a thread)."""
+    async def evaluate_final(self) -> None:
+        """The model as it stands, evaluated now whatever ``ps.eval_budget`` (a job's end)."""
+        version, params = await asyncio.to_thread(self._copy_params)
+        await self.evaluator.final(version, params, self._report_evaluation)
+
+    def _copy_params(self) -> tuple[int, dict[str, np.ndarray]]:
+        """The version and a copy of the weights, taken between steps (in a thread)."""
         assert self.state is not None
         with self._state_lock:
-            tensors = {k: Tensor.from_numpy(v.astype("float32", copy=True)) for k, v in self.state.params.items()}
-            return ModelSnapshot(version=self.version, model_spec=self.cfg.training.model_spec, tensors=tensors,
-                                 created=time.time(), sync_policy=self.policy)
+            return self.version, {k: v.copy() for k, v in self.state.params.items()}
 
     async def _publish_sync_state(self) -> None:
         """Publish the retained sync state when the policy, bound or slow devices changed, or, when
         only delay indices moved, at most every ``ps.sync_state_interval_s``."""
         assert self.bus is not None
+        if self.cfg.ps.shard:
+            return  # shard 0 speaks for every shard
         state = self.scheduler.sync_state(self._fleet(), bound=self.bound, time=time.time())
         key = (state.policy, state.bound, state.slow)
         now = time.monotonic()
@@ -451,6 +570,8 @@ class ParameterServer:
         match cmd.command:
             case "status" | "stop":
                 pass  # the runtime stops the service once the reply is out
+            case "set-sync-policy" if self.sharded and cmd.value == "adaptive":
+                return False, "adaptive is not available on a sharded parameter server", {}
             case "pause" | "resume" | "set-sync-policy" | "set-bound" | "set-lr" | "set-aggregation":
                 wanted = OperatorSettings.command(cmd.command, cmd.value)
                 if isinstance(wanted, str):
@@ -474,16 +595,32 @@ class ParameterServer:
                             "slow_devices": ",".join(self.rule.slow_devices())}
 
 
+class _Shard(argparse.Action):
+    """``--shard i/n``: ``ps.shard`` and ``ps.shards``, as ``--set`` would give them."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        index, sep, count = str(values).partition("/")
+        if not (sep and index.isdigit() and count.isdigit()):
+            parser.error(f"--shard expects INDEX/COUNT such as 0/2, got {values!r}")
+        namespace.set = [*namespace.set, f"ps.shard={index}", f"ps.shards={count}"]
+
+
 def register(parser: argparse.ArgumentParser) -> None:
     """``edgemesh ps``: the configuration flags and its own."""
     parser.add_argument("--state-dir", help="directory of checkpoint and write-ahead log")
     parser.add_argument("--policy", help="sync, async, ssp or adaptive")
+    parser.add_argument("--shard", action=_Shard, metavar="I/N", help="run shard I of a parameter server split "
+                        "into N processes (workers need ps.shards = N too); default: one process")
     cli.service_command(parser, run, {"state_dir": "ps.state_dir", "policy": "training.sync_policy"})
 
 
 async def run(config: Config) -> None:
     """Run the parameter server until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of the
     configuration, or without one the jobs operators submit, their states kept by the job board (``jobs``)."""
+    if config.ps.shards > 1 and not config.job:
+        raise ConfigError("a sharded parameter server serves the job of its configuration (--job NAME): "
+                          "submitted jobs need ps.shards = 1")
     if config.job:
         await ParameterServer(config).run(signals=True)
         return

@@ -136,16 +136,15 @@ class WriteAheadLog:
         """Write records and make them durable; returns bytes written."""
         if not records:
             return 0
-        out = bytearray()
-        for record in records:
+        written = 0
+        for record in records:  # header and body written as they are: no copy of the gradients into one buffer
             data = msgpack.packb(record, use_bin_type=True)
-            out += _HEADER.pack(len(data), zlib.crc32(data))
-            out += data
-        self._fh.write(out)
+            written += self._fh.write(_HEADER.pack(len(data), zlib.crc32(data)))
+            written += self._fh.write(data)
         self._fh.flush()
-        if self._fsync:
+        if self._fsync:  # one fsync for the whole batch of steps (group commit): their acks wait for it
             os.fsync(self._fh.fileno())
-        return len(out)
+        return written
 
     def reset(self) -> None:
         """Start an empty log (after a checkpoint made the old records redundant)."""

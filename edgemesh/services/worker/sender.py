@@ -2,7 +2,8 @@
 
 The PS applies an update at most once (``(device, incarnation, seq)``), so resending is safe: after
 ``worker.ack_timeout_s`` without an ack, and at once after a reconnect. The first publish of an
-update, if the connection held throughout, is a sample of the uplink rate (``LinkMeter``).
+update, if the connection held throughout, is a sample of the uplink rate (``LinkMeter``). With a
+sharded parameter server a step is one update per shard, each sent and acked on its shard's topics.
 """
 
 from __future__ import annotations
@@ -43,18 +44,20 @@ class Sender:
         ledger: a line ``incarnation seq status version`` per ack."""
         self.comm_times: deque[float] = deque(maxlen=AVERAGE_WINDOW)
         """Seconds from publishing an update to its ack, latest first out."""
-        self._acks: dict[int, asyncio.Future[UpdateAck]] = {}
-        self._pending: tuple[str, GradientUpdate] | None = None
-        """The update waiting for its ack, and its topic."""
+        self._acks: dict[tuple[int, int], asyncio.Future[UpdateAck]] = {}
+        """(parameter server shard, seq) -> the ack waited for."""
+        self._pending: dict[int, tuple[str, GradientUpdate]] = {}
+        """Shard -> the update waiting for its ack, and its topic."""
         self.m_resends = metrics.counter("resends", "Updates sent again after an ack timeout or a reconnect")
         self.m_ack = metrics.histogram("ack_seconds", "Time from publishing an update to its ack", ACK_BUCKETS)
 
-    async def send(self, update: GradientUpdate, topic: str) -> UpdateAck:
-        """Publish ``update`` on ``topic`` and wait for its ack, resending on timeout."""
+    async def send(self, update: GradientUpdate, topic: str, shard: int = 0) -> UpdateAck:
+        """Publish ``update`` on ``topic`` (parameter server shard ``shard``'s) and wait for its ack, resending
+        on timeout."""
         assert self.bus is not None
         future: asyncio.Future[UpdateAck] = asyncio.get_running_loop().create_future()
-        self._acks[update.seq] = future
-        self._pending = (topic, update)
+        self._acks[shard, update.seq] = future
+        self._pending[shard] = (topic, update)
         started = time.perf_counter()
         try:
             attempt = 0
@@ -81,8 +84,8 @@ class Sender:
                 except TimeoutError:
                     continue
         finally:
-            self._acks.pop(update.seq, None)
-            self._pending = None
+            self._acks.pop((shard, update.seq), None)
+            self._pending.pop(shard, None)
         if self.ack_log is not None and ack.status in ("accepted", "duplicate"):
             await asyncio.to_thread(_append, self.ack_log, f"{update.incarnation} {update.seq} {ack.status} "
                                                            f"{ack.version}\n")
@@ -91,17 +94,19 @@ class Sender:
         self.m_ack.observe(rtt)
         return ack
 
-    async def on_ack(self, ack: UpdateAck, _: TopicMatch) -> None:
-        """An ack on ``ack/{device}``: it settles the update of this incarnation it names, if still waited for."""
-        future = self._acks.get(ack.seq)
+    async def on_ack(self, ack: UpdateAck, match: TopicMatch) -> None:
+        """An ack on ``ack/{device}`` (of a shard): it settles the update of this incarnation it names, if still
+        waited for."""
+        future = self._acks.get((max(match.shard, 0), ack.seq))
         if ack.incarnation == self.incarnation and future is not None and not future.done():
             future.set_result(ack)
 
     async def on_connect(self) -> None:
-        """After a reconnect, resend the update still waiting for its ack (the PS may never have got it)."""
+        """After a reconnect, resend the updates still waiting for their acks (the PS may never have got them)."""
         assert self.bus is not None
-        if self._pending is not None and self.bus.connections > 1:
-            topic, update = self._pending
+        if self.bus.connections <= 1:
+            return
+        for topic, update in list(self._pending.values()):
             self.m_resends.inc()
             logger.info("%s: resending update %d after reconnect", self.device, update.seq)
             await self.bus.publish(topic, update)

@@ -19,6 +19,10 @@ A plan share whose estimated memory (``profile.share_refusal``: by the accountin
 with) exceeds what the device offers is refused: the retained status names the refused plan and why,
 and the worker waits for a plan that gives it less. A policy with ``gateway = true`` makes the worker send
 raw float32 on ``grad-raw/{cluster}/{device}`` for the compressor to encode.
+
+With a sharded parameter server (``ps.shards`` > 1) the model is assembled from every shard's broadcast
+(``shards.ShardedView``) and a step sends each shard the gradient of its rows, on its own topics, waiting
+for every shard's ack; such a worker trains only in clusters of its own (data parallelism).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -64,6 +69,7 @@ from edgemesh.common.messages import (
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.shards import ShardedView
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
 from edgemesh.services.worker import profile as prof
@@ -116,6 +122,10 @@ class Worker:
         self.me: PlanDevice | None = None
         self.policy: CodecPolicy | None = None
         self.view = ModelView()
+        self.sharded = ShardedView(config.ps.shards) if config.ps.shards > 1 else None
+        """With a sharded parameter server: the model put together from every shard's broadcast."""
+        self._min_versions: dict[int, int] = {}
+        """Shard -> the version a resync asks this device to wait for."""
         self.link = LinkMeter(config.worker.link_rate_bps)
         """Uplink rate reported in stats: ``worker.link_rate_bps`` if set, else measured."""
         self.downlink = DownlinkMeter()
@@ -184,6 +194,12 @@ class Worker:
         self.sender.bus = bus
         bus.route(t.plan_filter(), Plan, self._on_plan)
         bus.route(t.codec_filter(self.device), CodecPolicy, self._on_policy)
+        if self.sharded is not None:
+            for shard in range(len(self.sharded.views)):
+                st = t.for_shard(shard)
+                bus.route(st.model_filter(), ModelSnapshot, self._on_shard_snapshot)
+                bus.route(st.delta_filter(), ModelDelta, self._on_shard_delta)
+                bus.route(st.ack_filter(self.device), UpdateAck, self.sender.on_ack)
         model = bus.route(t.model_filter(), ModelSnapshot, self._on_snapshot)
         broadcast = bus.route(t.delta_filter(), ModelDelta, self._on_delta)
         bus.route(t.ack_filter(self.device), UpdateAck, self.sender.on_ack)
@@ -257,6 +273,29 @@ class Worker:
         await self.view.receive(delta)
         await self._notify()
 
+    async def _on_shard_snapshot(self, snap: ModelSnapshot, match: TopicMatch) -> None:
+        """A parameter server shard's rows of the model."""
+        assert self.sharded is not None
+        if snap.model_spec != self._spec():
+            raise WireError(f"snapshot is for model {snap.model_spec}", "shape")
+        if not self.trainer.layout:
+            await asyncio.to_thread(self.trainer.know_model, snap.model_spec, self.cfg.training.seed)
+        self.sharded.know({name: shape for name, (shape, _) in self.trainer.layout.items()})
+        rows = self.sharded.shapes(match.shard) or {}
+        layout = self.trainer.layout
+        if set(snap.tensors) != set(rows) or any(
+                t.shape != (rows[name][0], *layout[name][0][1:]) for name, t in snap.tensors.items()):
+            raise WireError(f"snapshot of shard {match.shard} does not hold its rows of the model", "shape")
+        self.sharded.views[match.shard].load(snap)
+        await self._notify()
+
+    async def _on_shard_delta(self, delta: ModelDelta, match: TopicMatch) -> None:
+        assert self.sharded is not None
+        if delta.model_spec != self._spec():
+            raise WireError(f"delta is for model {delta.model_spec}", "shape")
+        await self.sharded.views[match.shard].receive(delta)
+        await self._notify()
+
     def _spec(self) -> str:
         return self.plan.model_spec if self.plan else self.cfg.training.model_spec
 
@@ -314,18 +353,23 @@ class Worker:
             if refusal:
                 await self._refuse(refusal)
                 continue
-            await self._wait_for(f"model version {min_version}", self._holds_model(min_version))
+            if self.sharded is not None:
+                cluster = self.plan.cluster(self.me.cluster)
+                if cluster is not None and len(cluster.members) > 1:
+                    await self._refuse("a sharded parameter server (ps.shards > 1) takes whole tensors: this "
+                                       "device trains only in a cluster of its own")
+                    continue
+                await self._wait_for("every parameter server shard's model", self._holds_shards)
+            else:
+                await self._wait_for(f"model version {min_version}", self._holds_model(min_version))
             computed = await self._compute()
             if computed is None:
                 continue  # abandoned (a member left or lags; the planner re-plans), or left a mesh
             update = computed
             for s in update.shards:
                 self.m_grad_bytes.labels(codec=s.codec).inc(len(s.data))
-            raw = self.policy is not None and self.policy.gateway
-            topic = (self.topics.grad_raw if raw else self.topics.grad)(update.cluster, self.device)
-            ack = await self.sender.send(update, topic)
+            ack = await self._send(update)
             await self._notify()  # the stats loop waits for the first ack
-            self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
             self._delays.append(ack.delay)
             min_version = ack.version if ack.resync else 0
             if ack.status in ("accepted", "duplicate"):
@@ -341,8 +385,36 @@ class Worker:
             elif ack.reason not in QUIET_DISCARDS:
                 logger.warning("%s: update %d discarded: %s", self.device, update.seq, ack.reason)
 
+    async def _send(self, update: GradientUpdate) -> UpdateAck:
+        """Send ``update`` and wait for its ack; to a sharded parameter server, each shard its rows (the ack
+        that counts is the worst answer; a resync waits for each shard's version)."""
+        if self.sharded is None:
+            raw = self.policy is not None and self.policy.gateway
+            topic = (self.topics.grad_raw if raw else self.topics.grad)(update.cluster, self.device)
+            ack = await self.sender.send(update, topic)
+            self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
+            return ack
+        parts = self.sharded.split(update.shards)
+        versions, gaps = self.sharded.versions, [v.gap for v in self.sharded.views]
+        acks = await asyncio.gather(*(self.sender.send(
+            replace(update, shards=tuple(part), base_version=versions[i], need_snapshot=gaps[i]),
+            self.topics.for_shard(i).grad(update.cluster, self.device), i) for i, part in enumerate(parts)))
+        for ack in acks:
+            self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
+        self._min_versions = {i: ack.version for i, ack in enumerate(acks) if ack.resync}
+        worst = next((a for a in acks if a.status not in ("accepted", "duplicate")), acks[0])
+        return replace(worst, delay=max(a.delay for a in acks), resync=False)
+
+    def _holds_shards(self) -> bool:
+        """Every shard's view holds the model at the version its last ack asked for, or knows it missed a delta."""
+        assert self.sharded is not None
+        views = self.sharded.views
+        return self.sharded.ready and all(views[i].version >= v or views[i].gap for i, v in self._min_versions.items())
+
     async def _compute(self) -> GradientUpdate | None:
         """One step under the current plan: this device's update, or None when there is none to send."""
+        if self.sharded is not None:
+            return await self._compute_sharded()
         assert self.plan is not None and self.me is not None and self.view.params is not None
         params, version, gap = self.view.params, self.view.version, self.view.gap
         plan, me, policy = self.plan, self.me, self.policy
@@ -366,6 +438,24 @@ class Worker:
             elapsed = await self.board.hold(real_s, flops, samples)
             if flops is not None:  # no cost figures: no measured speed
                 self._work.append((flops, elapsed))
+        return self._stepped(plan, me, shards, samples, loss, elapsed, version, gap, mesh_step)
+
+    async def _compute_sharded(self) -> GradientUpdate:
+        """A step on the model assembled from every shard, its gradient cut at the shards' rows."""
+        assert self.plan is not None and self.me is not None and self.sharded is not None
+        params, versions, plan, me = self.sharded.params, self.sharded.versions, self.plan, self.me
+        assert params is not None
+        shards, samples, loss, real_s, flops = await asyncio.to_thread(
+            self.trainer.step, plan, me, params, min(versions), self.policy, spans=self.sharded.spans,
+            stamp=sum(versions))
+        elapsed = await self.board.hold(real_s, flops, samples)
+        if flops is not None:
+            self._work.append((flops, elapsed))
+        return self._stepped(plan, me, shards, samples, loss, elapsed, min(versions), self.sharded.gap, 0)
+
+    def _stepped(self, plan: Plan, me: PlanDevice, shards: list[ShardUpdate], samples: int, loss: float,
+                 elapsed: float, version: int, gap: bool, mesh_step: int) -> GradientUpdate:
+        """Count a step computed under ``plan`` and make its update."""
         if me.batch_size != self._stepped_batch:  # stats report the step time of the batch size in use
             self._step_times.clear()
             self._stepped_batch = me.batch_size
@@ -435,7 +525,10 @@ class Worker:
     def _on_joined(self, topic: str, nbytes: int, seconds: float) -> None:
         """A model snapshot or delta of several chunks is a downlink sample (``link``); a mesh slice is not: it
         came at its sender's pace."""
-        if topic == self.topics.model() or topic.startswith(self.topics.model_delta()):
+        rest = topic.removeprefix(self.topics.root + "/")
+        if rest.startswith("shard/"):  # a parameter server shard's
+            rest = rest.split("/", 2)[-1]
+        if rest == "model" or rest.startswith("model/delta"):
             self.downlink.observe(nbytes, seconds)
 
     async def _probe_links(self) -> None:

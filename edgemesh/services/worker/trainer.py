@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ from edgemesh.common.config import Config
 from edgemesh.common.data import BatchIterator, Dataset, load_dataset, shard
 from edgemesh.common.errors import ModelError
 from edgemesh.common.messages import CodecPolicy, Plan, PlanDevice, ShardUpdate
+from edgemesh.common.shards import Span
 from edgemesh.common.vocabulary import CodecName
 from edgemesh.services.worker.attack import attack_rng, falsify
 from edgemesh.services.worker.board import Board
@@ -67,6 +68,8 @@ class Trainer:
         """The model's parameters, to check snapshots against (empty until a plan named the model)."""
         self.model_version = -1
         """Version of the weights loaded into the model."""
+        self._stamp = -1
+        """What the weights loaded were told apart by (``step``'s ``stamp``)."""
         self.gradient_bytes = 0
         """float32 size of the last gradient encoded (the compressor sizes codecs from it)."""
         self._model: Any = None
@@ -104,40 +107,54 @@ class Trainer:
             self.layout = models.param_layout(models.build_model(model_spec, seed=seed))
 
     def step(self, plan: Plan, me: PlanDevice, params: Mapping[str, np.ndarray], version: int,
-             policy: CodecPolicy | None) -> tuple[list[ShardUpdate], int, float, float, float | None]:
+             policy: CodecPolicy | None, *, spans: Sequence[Span] | None = None,
+             stamp: int | None = None) -> tuple[list[ShardUpdate], int, float, float, float | None]:
         """Follow the plan, load the model if newer, take a batch, compute and encode the gradient:
-        (shards, samples, loss, compute seconds, training FLOPs: None for a model without cost figures)."""
+        (shards, samples, loss, compute seconds, training FLOPs: None for a model without cost figures).
+
+        ``spans``: the rows each parameter server shard owns, each encoded alone (default: whole tensors);
+        ``stamp``: what tells one model from another when ``version`` does not (a sharded model's)."""
         self._prepare(plan, me)
         assert self._batches is not None
-        if version != self.model_version:
+        stamp = version if stamp is None else stamp
+        if stamp != self._stamp:
             models.set_params(self._model, params)
-            self.model_version = version
+            self.model_version, self._stamp = version, stamp
         started = time.perf_counter()
         x, y = next(self._batches)
         loss, grads = models.compute_gradients(self._model, x, y)
         elapsed = time.perf_counter() - started
         w = self.cfg.worker
         grads = falsify(grads, w.emulation_attack, w.emulation_attack_scale, self._attack_rng)  # an emulated attacker
-        shards = self.encode({name: (0, int(g.shape[0]), g) for name, g in grads.items()}, policy)
+        if spans is None:
+            rows = [(name, 0, int(g.shape[0]), g) for name, g in grads.items()]
+        else:
+            rows = [(s.param, s.start, s.stop, grads[s.param][s.start:s.stop]) for s in spans]
+        shards = self.encode(rows, policy)
         return shards, len(y), loss, elapsed, self._flops(plan.model_spec, len(y))
 
-    def evaluate(self, data: Dataset, params: Mapping[str, np.ndarray], version: int) -> tuple[float, float]:
-        """(mean loss, accuracy) of the model at ``version`` on ``data`` (the training thread's model, between
-        steps)."""
+    def evaluate(self, data: Dataset, params: Mapping[str, np.ndarray], version: int, *,
+                 stamp: int | None = None) -> tuple[float, float]:
+        """(mean loss, accuracy) of the model at ``version`` (told apart by ``stamp``, as in ``step``) on ``data``
+        (the training thread's model, between steps)."""
         if self._model is None:
             self._model = models.build_model(self.cfg.training.model_spec, seed=self.cfg.training.seed)
             self.layout = models.param_layout(self._model)
-        if version != self.model_version:
+        stamp = version if stamp is None else stamp
+        if stamp != self._stamp:
             models.set_params(self._model, params)
-            self.model_version = version
+            self.model_version, self._stamp = version, stamp
         return models.evaluate(self._model, data)
 
-    def encode(self, grads: Rows, policy: CodecPolicy | None) -> list[ShardUpdate]:
-        """Shards of ``grads`` with the device's codec and error feedback (per parameter rows)."""
+    def encode(self, grads: Rows | Iterable[tuple[str, int, int, np.ndarray]],
+               policy: CodecPolicy | None) -> list[ShardUpdate]:
+        """Shards of ``grads`` (``param -> (start, stop, rows)``, or ``(param, start, stop, rows)`` items)
+        with the device's codec and error feedback (per parameter rows)."""
         name = codec_of(policy, self.cfg.worker.can_encode)
-        self.gradient_bytes = sum(int(g.size) for _, _, g in grads.values()) * FP32_BYTES
+        items = [(k, *v) for k, v in grads.items()] if isinstance(grads, Mapping) else list(grads)
+        self.gradient_bytes = sum(int(g.size) for _, _, _, g in items) * FP32_BYTES
         shards = []
-        for param, (start, stop, g) in grads.items():
+        for param, start, stop, g in items:
             codec = codec_for(name, g.size)
             data = self._feedback.encode(f"{param}[{start}:{stop}]", g, codec, policy)
             shards.append(ShardUpdate(param=param, start=start, stop=stop, codec=codec.name, data=data))

@@ -1,0 +1,574 @@
+"""``edgemesh bench ddp``: EdgeMesh's ``sync`` beside torch DistributedDataParallel on the same two-worker job.
+
+One run, two trainings of the same job, one after the other on this host:
+
+* **EdgeMesh**: a real local cluster (the planner, the parameter server, the compressor and ``WORKERS`` worker
+  processes, not emulated) on a broker of its own, training ``cifar-cnn`` (620k parameters, 2.48 MB of float32)
+  on ``synthetic-cifar`` under ``training.sync_policy = sync`` with uniform batches of ``training.batch_size``
+  (32) per worker. Gradients and model travel exact, as DDP's all-reduce does and as a lab LAN affords
+  (``EXACT``: codec ``none`` both ways, so both sides run the same arithmetic); EdgeMesh's defaults otherwise,
+  as a user runs it: model deltas, the write-ahead log fsynced before every ack, held-out evaluations every
+  ``ps.eval_every`` versions within ``ps.eval_budget``. ``--set compressor.mode=adaptive --set
+  ps.delta_codec=grid`` runs the edge defaults instead (fp16 then grid gradients, grid-coded deltas). It runs
+  until the parameter server's first evaluation at or after ``--steps`` model versions.
+  ``edgemesh_seconds_per_version`` is the time from version ``--warmup`` to version ``--steps``, as the first
+  ack naming each version reached this process, over the versions between;
+* **DDP**: ``WORKERS`` processes of torch ``DistributedDataParallel`` (backend gloo on 127.0.0.1), each with the
+  same model (``models.build_model`` at the same seed), its own shard of the same training split drawn in the
+  same order as the worker of that shard index, the same batch, ``torch.optim.SGD`` with the parameter server's
+  ``training.lr``, ``momentum`` and ``weight_decay`` (the same update rule) and torch threads set as a worker
+  sets them (``worker.threads``). ``ddp_seconds_per_step`` is the time from step ``--warmup`` to step
+  ``--steps`` over the steps between.
+
+``step_time_ratio`` is EdgeMesh's seconds per version over DDP's seconds per step: a model version of ``sync``
+is one step of the same SGD over the same samples (each worker's gradient weighted by its samples, as DDP
+averages them). Both final models are evaluated the same way, ``models.evaluate`` on the data set's test split:
+EdgeMesh's by the parameter server itself (its evaluation event, float32 weights) at its first evaluation at or
+after ``--steps`` (``final_version``), DDP's at the same step count (it trains that many steps, and snapshots its
+model at every version the parameter server evaluated: the two held-out curves share their points);
+``final_loss_ratio`` is EdgeMesh's final held-out loss over DDP's.
+
+Where EdgeMesh's time goes, per version, from the processes' metrics and CPU times between a scrape at the
+warm-up and one at the end: ``edgemesh_worker_step_seconds`` (a worker's forward and backward pass: its
+``step_seconds`` histogram), ``edgemesh_worker_ack_seconds`` (publishing the update until its ack: the
+broker, the parameter server's receive, the round waiting for the other worker, apply, log, broadcast, ack;
+``ack_seconds``) and the rest (encoding the gradient, loading and decoding the model, the loop), with the
+parameter server's step time and every process's CPU seconds per version (this host has few cores: the
+processes share them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from edgemesh import cli
+from edgemesh.bench.reporting import finish, pyplot, save
+from edgemesh.bench.runs import GUARD_INTERVAL_S, Timeline, cluster_flags, drive, observe
+from edgemesh.common import models
+from edgemesh.common.bus import Route
+from edgemesh.common.config import Config, load_config
+from edgemesh.common.data import BatchIterator, load_dataset, shard
+from edgemesh.common.errors import EdgeMeshError
+from edgemesh.common.messages import Event, Plan, UpdateAck
+from edgemesh.common.metrics import sum_samples
+from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.local.broker import BrokerProcess, free_port
+from edgemesh.local.processes import LocalCluster, Samples, cpu_seconds
+
+logger = logging.getLogger(__name__)
+
+MODEL = "cifar-cnn"
+DATASET = "synthetic-cifar"
+POLICY = "sync"
+WORKERS = 2
+"""Worker processes on each side (EdgeMesh workers, DDP ranks)."""
+BATCH = 32
+"""Samples per worker per step (``training.batch_size``, uniform batches)."""
+EXACT = {"compressor.mode": "static", "compressor.default_codec": "none", "ps.delta_codec": "none"}
+"""EdgeMesh's settings for a link that carries float32 at no cost worth saving: gradients and model deltas
+uncompressed. Its edge defaults (``fp16``, then ``grid`` once a link is measured slow, and ``grid`` deltas) are
+lossy and take CPU to encode, against a DDP whose all-reduce is exact."""
+LR = 0.02
+"""Both sides' learning rate (SGD, momentum 0.9): ``cifar-cnn`` learns ``synthetic-cifar`` smoothly at 0.01-0.05;
+at the default 0.1 its held-out loss jumps by tenths between evaluations (one process at batch 32 stalls near
+1.8), which would make the final losses' ratio a draw."""
+DEFAULT_STEPS = 200
+DEFAULT_WARMUP = 20
+"""Steps (model versions) before timing starts: building models, first plans and codecs, caches."""
+QUICK_STEPS = 30
+QUICK_WARMUP = 10
+GLOO_HOST = "127.0.0.1"
+GLOO_INTERFACE = "lo"
+"""The interface gloo binds to (its default follows the host name, which may not resolve)."""
+START_TIMEOUT_S = 180.0
+"""Longest wait for the plan to name every worker."""
+SECONDS_PER_STEP_LIMIT = 10.0
+"""A side that takes longer than this per step (after ``START_TIMEOUT_S``) is called failed."""
+DDP_INIT_TIMEOUT_S = 120.0
+"""Longest a DDP rank waits for the other (gloo's rendezvous and collectives)."""
+FIGURES_DIGITS = 4
+
+
+# ------------------------------------------------------------------ EdgeMesh
+@dataclass(slots=True)
+class Scrape:
+    """Every process's metrics and CPU seconds at one moment of the EdgeMesh run."""
+
+    at: float
+    """Seconds since t0."""
+    samples: dict[str, Samples]
+    """Child name (``planner``, ``ps``, ``compressor``, ``w0``, ...) -> its metrics."""
+    cpu_s: dict[str, float]
+    """Process name (the children, ``broker``) -> user + system CPU seconds so far."""
+
+    def ps_version(self) -> int:
+        return int(sum_samples(self.samples.get("ps", {}), "edgemesh_ps_model_version"))
+
+
+@dataclass(slots=True)
+class EdgeMeshRun(Timeline):
+    """What the EdgeMesh run observed: the timeline, when acks first named each version, the parameter
+    server's evaluations with their loss, and the scrapes at the warm-up and at the end."""
+
+    versions: dict[int, float] = field(default_factory=dict)
+    """Model version -> when an ack first named it (seconds since t0)."""
+    losses: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Model version -> (held-out loss, accuracy), from the parameter server's evaluation events."""
+    scrapes: list[Scrape] = field(default_factory=list)
+
+    @property
+    def version(self) -> int:
+        return max(self.versions, default=0)
+
+    def final_version(self, steps: int) -> int | None:
+        """The parameter server's first evaluated version at or after ``steps``."""
+        return min((v for v in self.losses if v >= steps), default=None)
+
+
+async def _watch(cfg: Config, run: EdgeMeshRun, devices: set[str]) -> None:
+    """t0 once the plan names every device; acks (the version clock) and the parameter server's evaluations."""
+    topics = Topics(cfg.job)
+
+    async def on_plan(plan: Plan, _: TopicMatch) -> None:
+        run.plan = plan
+        if run.t0 is None and {d.device for d in plan.devices} >= devices:
+            run.t0 = time.monotonic()
+
+    async def on_ack(ack: UpdateAck, _: TopicMatch) -> None:
+        if run.t0 is not None and ack.status == "accepted":
+            run.versions.setdefault(ack.version, time.monotonic() - run.t0)
+
+    async def on_event(event: Event, _: TopicMatch) -> None:
+        if event.kind != "evaluation" or event.source != "ps" or run.t0 is None:
+            return
+        version, accuracy = int(event.data.get("version") or 0), float(event.data.get("accuracy") or 0.0)
+        run.evaluations.append((time.monotonic() - run.t0, version, accuracy))
+        run.losses[version] = (float(event.data.get("loss") or 0.0), accuracy)
+
+    await observe(cfg, Route(topics.plan_filter(), Plan, on_plan), Route(topics.ack_filter("+"), UpdateAck, on_ack),
+                  Route(topics.events_filter(), Event, on_event))
+
+
+async def _scrape(cluster: LocalCluster, t0: float, broker_pid: int | None) -> Scrape:
+    await asyncio.to_thread(cluster.scrape_all)
+    cpu = {c.name: cpu_seconds(c.proc.pid) for c in cluster.children}
+    cpu["broker"] = cpu_seconds(broker_pid)
+    return Scrape(at=time.monotonic() - t0, samples={c.name: dict(c.samples) for c in cluster.children}, cpu_s=cpu)
+
+
+async def _drive(cluster: LocalCluster, run: EdgeMeshRun, *, steps: int, warmup: int, broker_pid: int | None,
+                 progress: Callable[[str], None]) -> None:
+    """Start the services and the workers; scrape at the warm-up and once the parameter server evaluated a
+    version at or after ``steps``; stop them all. A failure is left in ``run.failure``."""
+    devices = [(f"w{i}", "") for i in range(WORKERS)]  # real workers, not emulated boards
+
+    async def scrape(_: float) -> None:
+        assert run.t0 is not None
+        if not run.scrapes and run.version >= warmup:
+            run.scrapes.append(await _scrape(cluster, run.t0, broker_pid))
+        if len(run.scrapes) == 1 and run.final_version(steps) is not None:
+            run.scrapes.append(await _scrape(cluster, run.t0, broker_pid))
+
+    run.failure = await drive(
+        cluster, devices, _watch(cluster.cfg, run, {d for d, _ in devices}), started=lambda: run.t0,
+        done=lambda _: len(run.scrapes) == 2, status=lambda s: f"edgemesh: version {run.version} of {steps}, {s:.0f}s",
+        progress=progress, start_timeout_s=START_TIMEOUT_S, run_timeout_s=steps * SECONDS_PER_STEP_LIMIT, tick=scrape)
+
+
+def edgemesh_config(overrides: dict[str, str], *, job: str, broker_url: str, seed: int) -> Config:
+    """The run's configuration: EdgeMesh's defaults, the job (model, data, ``sync``, uniform batches of
+    ``BATCH``, ``LR``), exact transport (``EXACT``), then ``--set``."""
+    return load_config(env={}, overrides={
+        "job": job, "broker.url": broker_url, "log_level": "INFO", "training.model_spec": MODEL,
+        "training.dataset": DATASET, "training.sync_policy": POLICY, "training.batch_size": str(BATCH),
+        "training.lr": str(LR), "planner.batching": "uniform", "training.seed": str(seed), **EXACT, **overrides})
+
+
+SETTINGS_RECORDED = (
+    "training.model_spec", "training.dataset", "training.partition", "training.seed", "training.batch_size",
+    "training.sync_policy", "training.lr", "training.momentum", "training.weight_decay", "planner.batching",
+    "planner.parallelism", "ps.broadcast", "ps.delta_codec", "ps.delta_density", "ps.snapshot_every",
+    "ps.snapshot_dtype", "ps.fsync", "ps.eval_every", "ps.eval_interval_s", "ps.eval_budget", "ps.eval_threads",
+    "ps.checkpoint_every", "ps.aggregation", "compressor.mode", "compressor.default_codec", "compressor.adaptive_codec",
+    "worker.threads", "worker.codec_wait_s", "broker.chunk_bytes", "broker.chunk_window")
+"""The settings the report records (dotted keys of the run's configuration)."""
+
+
+def settings_of(cfg: Config) -> dict[str, Any]:
+    out = {}
+    for key in SETTINGS_RECORDED:
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        out[key] = value
+    return out
+
+
+def _mean_per_version(times: dict[int, float], first: int, last: int) -> tuple[float | None, float | None, int]:
+    """(mean, median) seconds per step from step ``first`` to ``last`` (the steps observed nearest inside), and
+    the number of steps timed."""
+    seen = sorted(v for v in times if first <= v <= last)
+    if len(seen) < 2:
+        return None, None, 0
+    lo, hi = seen[0], seen[-1]
+    gaps = [(times[b] - times[a]) / (b - a) for a, b in zip(seen, seen[1:], strict=False)]
+    return (round((times[hi] - times[lo]) / (hi - lo), FIGURES_DIGITS), round(statistics.median(gaps), FIGURES_DIGITS),
+            hi - lo)
+
+
+def _delta(first: Scrape, last: Scrape, names: Iterable[str], metric: str, **labels: str) -> float:
+    """How much ``metric`` (summed over the children ``names`` and the labels not given) grew between the scrapes."""
+    want = set(labels.items())
+
+    def total(scrape: Scrape) -> float:
+        return sum(v for n in names for (m, lab), v in scrape.samples.get(n, {}).items()
+                   if m == metric and want <= set(lab))
+
+    return total(last) - total(first)
+
+
+def breakdown(run: EdgeMeshRun, workers: list[str]) -> dict[str, Any]:
+    """Per model version between the two scrapes: the window's seconds, the workers' compute and publish-to-ack
+    seconds per step (mean over both), the rest, the parameter server's step, CPU seconds per process, bytes."""
+    if len(run.scrapes) < 2:
+        return {}
+    first, last = run.scrapes[0], run.scrapes[-1]
+    versions = last.ps_version() - first.ps_version()
+    steps = _delta(first, last, workers, "edgemesh_worker_step_seconds_count")
+    acks = _delta(first, last, workers, "edgemesh_worker_ack_seconds_count")
+    if versions <= 0 or steps <= 0 or acks <= 0:
+        return {}
+    per_version = (last.at - first.at) / versions
+    compute = _delta(first, last, workers, "edgemesh_worker_step_seconds_sum") / steps
+    ack = _delta(first, last, workers, "edgemesh_worker_ack_seconds_sum") / acks
+    grad_bytes = _delta(first, last, workers, "edgemesh_worker_gradient_bytes_total")
+    codecs = sorted({dict(lab).get("codec", "") for n in workers for (m, lab), v in last.samples.get(n, {}).items()
+                     if m == "edgemesh_worker_gradient_bytes_total" and v > 0})
+    evaluations = [v for v in run.losses if first.ps_version() < v <= last.ps_version()]
+    r = FIGURES_DIGITS
+    return {
+        "versions": versions, "seconds": round(last.at - first.at, 3),
+        "from_version": first.ps_version(), "to_version": last.ps_version(),
+        "seconds_per_version": round(per_version, r),
+        "worker_step_seconds": round(compute, r), "worker_ack_seconds": round(ack, r),
+        "other_seconds": round(per_version - compute - ack, r),
+        "ps_step_seconds": round(_delta(first, last, ["ps"], "edgemesh_ps_step_seconds_sum") / versions, r),
+        "ps_evaluations": len(evaluations),
+        "cpu_s_per_version": {name: round((last.cpu_s.get(name, 0.0) - cpu) / versions, r)
+                              for name, cpu in first.cpu_s.items()},
+        "cpu_s_per_version_total": round(sum(last.cpu_s.get(n, 0.0) - c for n, c in first.cpu_s.items()) / versions,
+                                         r),
+        "gradient_codecs": codecs,
+        "gradient_bytes_per_update": round(grad_bytes / steps),
+        "ps_published_bytes_per_version": round(_delta(first, last, ["ps"], "edgemesh_ps_published_bytes_total")
+                                                / versions),
+    }
+
+
+def run_edgemesh(cfg: Config, workdir: Path, broker_pid: int | None, *, steps: int, warmup: int,
+                 progress: Callable[[str], None]) -> tuple[dict[str, Any], EdgeMeshRun]:
+    cluster = LocalCluster(cfg, workdir)
+    run = EdgeMeshRun()
+    asyncio.run(_drive(cluster, run, steps=steps, warmup=warmup, broker_pid=broker_pid, progress=progress))
+    workers = [c.name for c in cluster.children if c.role == "worker"]
+    mean, median, timed = _mean_per_version(run.versions, warmup, steps)
+    final = run.final_version(steps)
+    batches = {d.device: d.batch_size for d in run.plan.devices} if run.plan else {}
+    if run.failure is None and set(batches.values()) != {cfg.training.batch_size}:
+        run.failure = f"the plan's batches are {batches}, not {cfg.training.batch_size} for every worker"
+    entry: dict[str, Any] = {
+        "seconds_per_version": mean, "median_seconds_per_version": median, "versions_timed": timed,
+        "final_version": final,
+        "final_loss": round(run.losses[final][0], FIGURES_DIGITS) if final is not None else None,
+        "final_accuracy": round(run.losses[final][1], FIGURES_DIGITS) if final is not None else None,
+        "plan": {"version": run.plan.version, "batching": run.plan.batching, "batches": batches,
+                 "shards": {d.device: d.shard_index for d in run.plan.devices}} if run.plan else None,
+        "breakdown": breakdown(run, workers),
+        "updates_discarded": int(cluster.total("edgemesh_ps_updates_total", "ps", status="discarded")),
+        "curve": [[v, round(loss, FIGURES_DIGITS), round(acc, FIGURES_DIGITS)]
+                  for v, (loss, acc) in sorted(run.losses.items())],
+        "failure": run.failure,
+    }
+    return entry, run
+
+
+# ------------------------------------------------------------------ torch DistributedDataParallel
+@dataclass(frozen=True, slots=True)
+class DdpJob:
+    """What every DDP rank trains (picklable: it crosses to the spawned processes)."""
+
+    port: int
+    steps: int
+    """Steps trained: at least the timed ones, and up to the last version evaluated."""
+    warmup: int
+    timed_until: int
+    """The last timed step (``--steps``)."""
+    evaluate_at: tuple[int, ...]
+    """Steps after which rank 0 keeps its model for the held-out curve (evaluated after training)."""
+    model_spec: str
+    dataset: str
+    dataset_path: str
+    seed: int
+    partition: str
+    partition_alpha: float
+    batch: int
+    lr: float
+    momentum: float
+    weight_decay: float
+    threads: int
+    out_dir: str
+
+    @classmethod
+    def of(cls, cfg: Config, *, port: int, steps: int, warmup: int, timed_until: int, evaluate_at: Iterable[int],
+           out_dir: Path) -> DdpJob:
+        t = cfg.training
+        return cls(port=port, steps=steps, warmup=warmup, timed_until=timed_until,
+                   evaluate_at=tuple(sorted(set(evaluate_at))), model_spec=t.model_spec, dataset=t.dataset,
+                   dataset_path=t.dataset_path, seed=t.seed, partition=t.partition, partition_alpha=t.partition_alpha,
+                   batch=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
+                   threads=cfg.worker.threads, out_dir=str(out_dir))
+
+
+def ddp_rank(rank: int, job: DdpJob) -> None:
+    """One DDP rank: its shard as the worker of that shard index draws it, ``job.steps`` SGD steps; its step
+    times, CPU seconds and (rank 0) the held-out loss of the kept models go to ``{out_dir}/rank{rank}.json``."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn import functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(job.threads)  # as a worker does, before any torch work
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", GLOO_INTERFACE)
+    dist.init_process_group("gloo", init_method=f"tcp://{GLOO_HOST}:{job.port}", rank=rank, world_size=WORKERS,
+                            timeout=timedelta(seconds=DDP_INIT_TIMEOUT_S))
+    try:
+        model = models.build_model(job.model_spec, seed=job.seed)
+        ddp = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=job.lr, momentum=job.momentum,
+                                    weight_decay=job.weight_decay)
+        train, test = load_dataset(job.dataset, job.dataset_path or None, seed=job.seed)
+        batches = BatchIterator(shard(train, rank, WORKERS, scheme=job.partition, alpha=job.partition_alpha,
+                                      seed=job.seed), job.batch, seed=job.seed + rank)
+        keep = set(job.evaluate_at) if rank == 0 else set()
+        kept: dict[int, dict[str, Any]] = {}
+        stamps: list[float] = []
+        cpu: dict[int, float] = {}
+        dist.barrier()
+        stamps.append(time.perf_counter())
+        for step in range(1, job.steps + 1):
+            x, y = next(batches)
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(ddp(torch.tensor(x, dtype=torch.float32)), torch.tensor(y, dtype=torch.int64))
+            loss.backward()
+            optimizer.step()
+            stamps.append(time.perf_counter())
+            if step in (job.warmup, job.timed_until):
+                cpu[step] = time.process_time()
+            if step in keep:
+                kept[step] = models.get_params(model)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    curve = []
+    for step, params in sorted(kept.items()):
+        models.set_params(model, params)
+        curve.append([step, *models.evaluate(model, test)])
+    Path(job.out_dir, f"rank{rank}.json").write_text(json.dumps({
+        "stamps": stamps, "cpu_s": (cpu[job.timed_until] - cpu[job.warmup]) / (job.timed_until - job.warmup),
+        "curve": curve}))
+
+
+def run_ddp(job: DdpJob, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Spawn the ranks, wait for them (at most ``START_TIMEOUT_S`` plus ``SECONDS_PER_STEP_LIMIT`` per step),
+    read what they wrote."""
+    import torch.multiprocessing as mp
+
+    failure = None
+    context = mp.start_processes(ddp_rank, args=(job,), nprocs=WORKERS, join=False, start_method="spawn")
+    limit_s = START_TIMEOUT_S + job.steps * SECONDS_PER_STEP_LIMIT
+    deadline = time.monotonic() + limit_s
+    try:
+        while not context.join(timeout=GUARD_INTERVAL_S):
+            if time.monotonic() > deadline:
+                failure = f"DDP not done within {limit_s:.0f}s"
+                break
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        failure = f"a DDP rank failed: {str(exc).strip().splitlines()[-1]}"
+    finally:
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+    if failure is not None:
+        progress(f"ddp: FAILED: {failure}")
+        return {"failure": failure}
+    ranks = [json.loads(Path(job.out_dir, f"rank{r}.json").read_text()) for r in range(WORKERS)]
+    times = dict(enumerate(ranks[0]["stamps"]))
+    mean, median, timed = _mean_per_version(times, job.warmup, job.timed_until)
+    curve = ranks[0]["curve"]
+    final = curve[-1] if curve else None
+    return {
+        "seconds_per_step": mean, "median_seconds_per_step": median, "steps_timed": timed, "steps_trained": job.steps,
+        "final_step": final[0] if final else None,
+        "final_loss": round(final[1], FIGURES_DIGITS) if final else None,
+        "final_accuracy": round(final[2], FIGURES_DIGITS) if final else None,
+        "cpu_s_per_step": {f"rank{r}": round(entry["cpu_s"], FIGURES_DIGITS) for r, entry in enumerate(ranks)},
+        "cpu_s_per_step_total": round(sum(entry["cpu_s"] for entry in ranks), FIGURES_DIGITS),
+        "backend": "gloo", "curve": [[s, round(loss, FIGURES_DIGITS), round(acc, FIGURES_DIGITS)]
+                                     for s, loss, acc in curve],
+        "failure": None,
+    }
+
+
+# ------------------------------------------------------------------ the benchmark
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: dict[str, str],
+              progress: Callable[[str], None], keep_logs: bool = False) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-ddp-"))
+    broker = BrokerProcess.default()
+    cfg = edgemesh_config(overrides, job=f"ddp-{uuid.uuid4().hex[:6]}", broker_url="mqtt://127.0.0.1:1883",
+                          seed=seed)
+    t = cfg.training
+    initial = models.build_model(t.model_spec, seed=t.seed)
+    _, test = load_dataset(t.dataset, t.dataset_path or None, seed=t.seed)
+    initial_loss, initial_accuracy = models.evaluate(initial, test)
+    progress(f"{t.model_spec} on {t.dataset}, {WORKERS} workers x batch {t.batch_size}, lr {t.lr}, momentum "
+             f"{t.momentum}: {steps} steps, timed after {warmup}; held-out loss at the start {initial_loss:.4f}")
+    broker.start()
+    try:
+        cfg = dataclasses.replace(cfg, broker=dataclasses.replace(cfg.broker, url=broker.url))
+        progress(f"edgemesh: planner, parameter server, compressor and {WORKERS} workers on {broker.kind}, {POLICY}")
+        edgemesh, run = run_edgemesh(cfg, workdir, broker.pid, steps=steps, warmup=warmup, progress=progress)
+    finally:
+        broker.stop()
+    failed = f"; FAILED: {edgemesh['failure']}" if edgemesh["failure"] else ""
+    progress(f"edgemesh: {edgemesh['seconds_per_version']} s per version, held-out loss {edgemesh['final_loss']} at "
+             f"version {edgemesh['final_version']}{failed}")
+    final = edgemesh["final_version"] or steps
+    every = cfg.ps.eval_every or steps
+    evaluated = [v for v in run.losses if v <= final] or list(range(every, steps + 1, every))
+    out_dir = workdir / "ddp"
+    out_dir.mkdir()
+    job = DdpJob.of(cfg, port=free_port(GLOO_HOST), steps=max(steps, final), warmup=warmup, timed_until=steps,
+                    evaluate_at=[*evaluated, final], out_dir=out_dir)
+    progress(f"ddp: {WORKERS} ranks, gloo on {GLOO_HOST}:{job.port}, {job.steps} steps, {job.threads} torch "
+             "thread(s) each")
+    ddp = run_ddp(job, progress)
+    progress(f"ddp: {ddp.get('seconds_per_step')} s per step, held-out loss {ddp.get('final_loss')} at step "
+             f"{ddp.get('final_step')}")
+    parts = edgemesh["breakdown"]
+    failure = edgemesh["failure"] or ddp["failure"]
+    result: dict[str, Any] = {
+        "model": t.model_spec, "dataset": t.dataset, "workers": WORKERS, "batch_per_worker": t.batch_size,
+        "steps": steps, "warmup_steps": warmup, "final_version": final, "lr": t.lr, "momentum": t.momentum,
+        "weight_decay": t.weight_decay, "torch_threads": cfg.worker.threads,
+        "edgemesh_seconds_per_version": edgemesh["seconds_per_version"],
+        "ddp_seconds_per_step": ddp.get("seconds_per_step"),
+        "step_time_ratio": _ratio(edgemesh["seconds_per_version"], ddp.get("seconds_per_step")),
+        "initial_loss": round(initial_loss, FIGURES_DIGITS),
+        "initial_accuracy": round(initial_accuracy, FIGURES_DIGITS),
+        "edgemesh_final_loss": edgemesh["final_loss"], "ddp_final_loss": ddp.get("final_loss"),
+        "final_loss_ratio": _ratio(edgemesh["final_loss"], ddp.get("final_loss")),
+        "edgemesh_final_accuracy": edgemesh["final_accuracy"], "ddp_final_accuracy": ddp.get("final_accuracy"),
+        "edgemesh_worker_step_seconds": parts.get("worker_step_seconds"),
+        "edgemesh_worker_ack_seconds": parts.get("worker_ack_seconds"),
+        "edgemesh_other_seconds": parts.get("other_seconds"),
+        "edgemesh": edgemesh, "ddp": ddp,
+        "settings": {**settings_of(cfg), "broker": broker.kind, "overrides": overrides, "seed": seed,
+                     "host_cores": os.cpu_count()},
+        "failure": failure,
+    }
+    finish(report, result, plot, progress, workdir, keep_logs=keep_logs or failure is not None)
+    return result
+
+
+def plot(result: dict[str, Any], png: Path) -> bool:
+    plt = pyplot()
+    if plt is None or not result["step_time_ratio"]:
+        return False
+    fig, (speed, final, curves) = plt.subplots(1, 3, figsize=(15, 4.5))
+    parts = [("worker compute", result["edgemesh_worker_step_seconds"]),
+             ("publish to ack", result["edgemesh_worker_ack_seconds"]),
+             ("rest (encode, model, loop)", result["edgemesh_other_seconds"])]
+    if all(value is not None for _, value in parts):
+        bottom = 0.0
+        for label, value in parts:
+            speed.bar(0, value, bottom=bottom, label=label)
+            bottom += value
+        speed.scatter([0], [result["edgemesh_seconds_per_version"]], color="black", zorder=3, label="measured")
+    else:
+        speed.bar(0, result["edgemesh_seconds_per_version"], label="EdgeMesh")
+    speed.bar(1, result["ddp_seconds_per_step"], color="#55a868", label="DDP step")
+    speed.set_xticks([0, 1], [f"EdgeMesh {POLICY}\n(per version)", "torch DDP\n(per step)"])
+    speed.set_ylabel("seconds")
+    speed.set_title(f"{result['workers']} workers x batch {result['batch_per_worker']}: ratio "
+                    f"{result['step_time_ratio']}")
+    speed.legend(fontsize=8, loc="upper right")
+    bars = final.bar([0, 1], [result["edgemesh_final_loss"] or 0, result["ddp_final_loss"] or 0],
+                     color=["#4878a8", "#55a868"])
+    final.bar_label(bars, fmt="%.4f")
+    final.axhline(result["initial_loss"], color="#c44e52", linestyle="--", label="at the start")
+    final.set_xticks([0, 1], ["EdgeMesh", "torch DDP"])
+    final.set_ylabel("held-out loss (test split)")
+    final.set_title(f"final model, version {result['final_version']}: ratio {result['final_loss_ratio']}")
+    final.legend(fontsize=8, loc="lower right")
+    for name, label in (("edgemesh", f"EdgeMesh {POLICY}"), ("ddp", "torch DDP")):
+        curve = result[name].get("curve") or []
+        curves.plot([0] + [c[0] for c in curve], [result["initial_loss"]] + [c[1] for c in curve], label=label)
+    curves.set_xlabel("model version (step)")
+    curves.set_ylabel("held-out loss")
+    curves.set_title(f"{result['model']} on {result['dataset']}")
+    curves.legend(fontsize=8)
+    for ax in (speed, final, curves):
+        ax.grid(alpha=0.3, axis="y")
+    return save(fig, png)
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh bench ddp``."""
+    parser.add_argument("--report", default="bench/reports/ddp.json", help="JSON report path (PNG beside it)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"model versions (DDP steps) to train and time up to (default {DEFAULT_STEPS})")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help=f"steps before timing starts (default {DEFAULT_WARMUP})")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_STEPS} steps, timed after {QUICK_WARMUP} (what the tests run)")
+    cluster_flags(parser, seed="seed of the model, the data set, its split and the batches (both sides)")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    cli.setup_logging(args.log_level or "WARNING")
+    steps = args.steps if args.steps is not None else QUICK_STEPS if args.quick else DEFAULT_STEPS
+    warmup = args.warmup if args.warmup is not None else QUICK_WARMUP if args.quick else DEFAULT_WARMUP
+    if warmup < 1 or steps < warmup + 2:
+        print(f"edgemesh bench ddp: need --warmup >= 1 and --steps >= --warmup + 2 (two timed steps at least); got "
+              f"--steps {steps}, --warmup {warmup}", file=sys.stderr)
+        return 2
+    try:
+        overrides = cli.overrides(args)
+        edgemesh_config(overrides, job="ddp", broker_url="mqtt://127.0.0.1:1883", seed=args.seed)
+        result = run_bench(Path(args.report), steps=steps, warmup=warmup, seed=args.seed, overrides=overrides,
+                           keep_logs=args.keep_logs, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except EdgeMeshError as exc:
+        print(f"edgemesh bench ddp: {exc}", file=sys.stderr)
+        return 2
+    return 1 if result["failure"] else 0

@@ -1,0 +1,459 @@
+"""``edgemesh bench transport``: how close the parameter server's ingest comes to what the broker itself carries.
+
+In one run, through one broker of its own, for each payload size (``--payloads``: 1 MB and the model's whole
+gradient, 2.48 MB for ``cifar-cnn``) and each number of messages in flight (``--in-flight``: 1 and 8), for
+``--seconds`` each:
+
+* **raw** (the broker and the client library alone): N aiomqtt clients each publish the payload at QoS 1 and
+  wait for a small QoS 1 answer from one subscriber that does nothing else, then publish the next: the request
+  and ack of a worker and the parameter server, with no work between;
+* **stream**: N aiomqtt clients publish at QoS 1 back to back (each waits only for the broker's PUBACK) to one
+  subscriber that counts the bytes: what a plain publisher pushes through the broker;
+* **ps**: a real parameter server (its own process: ``async``, codec ``none``, its write-ahead log, checkpoints
+  and held-out evaluation as configured) and N load-generating devices on EdgeMesh's own bus. They *replay*
+  one recorded gradient instead of computing one (small random values, rows of the model's largest
+  parameters up to the payload size) and each waits for its ack before sending the next, computed on the
+  version the last ack named. Receive, join the chunks, decode, validate, apply, log, ack. No plan is
+  published: no device listens to the model, so the PS broadcasts none (as it does while no plan names a
+  device), and every device is taken.
+
+* **sharded** (``--shards``, default 1 and 2): the same with the parameter server split into n processes
+  (``edgemesh ps --shard i/n``); each device sends every shard its rows of the replayed gradient (an equal
+  part of the payload from each shard's rows) and waits for every shard's ack.
+
+Per trial: MB/s of payload acked (stream: received), messages/s, and publish-to-ack p50/p99 (ms).
+``ps_ingest_ratio`` is the parameter server's MB/s over raw's at the same payload and number in flight, for
+each pair, and ``ps_ingest_ratio_vs_stream`` the same over stream's; the PS's CPU seconds per update and its
+step, decode and log figures from its metrics are its parts. ``cpu_cores`` says, per trial, how many of the
+host's cores were busy (``host``, of ``host_cores``) and how many the broker, the devices (this process) and
+the parameter server's processes took: a host near all its cores busy limits every side alike, whatever the
+parameter server does. Under ``sharded``, per shard count, the same
+figures (CPU summed over the shards) and ``speedup_vs_1``: its MB/s over one process's in the same pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import numpy as np
+
+from edgemesh import cli
+from edgemesh.bench.reporting import finish, pyplot, save
+from edgemesh.bench.runs import names
+from edgemesh.common import models
+from edgemesh.common.bus import Bus
+from edgemesh.common.config import Config, load_config
+from edgemesh.common.errors import EdgeMeshError
+from edgemesh.common.messages import GradientUpdate, ModelSnapshot, ShardUpdate, UpdateAck
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.shards import divide
+from edgemesh.common.topics import Topics
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.local.processes import LocalCluster, cpu_seconds
+
+logger = logging.getLogger(__name__)
+
+MODEL = "cifar-cnn"
+DATASET = "synthetic-cifar"
+DEFAULT_PAYLOADS = ("1MB", "model")
+DEFAULT_IN_FLIGHT = (1, 8)
+DEFAULT_SHARDS = (1, 2)
+DEFAULT_SECONDS = 10.0
+MB = 1_000_000
+ACK_TIMEOUT_S = 30.0
+"""Longest wait for one answer; a trial whose answer does not come fails."""
+PS_START_TIMEOUT_S = 120.0
+"""Longest wait for the parameter server's first model."""
+GRADIENT_SCALE = 1e-4
+"""Size of the replayed gradient's values: the model moves, and stays finite, for a whole run."""
+JOB = "transport"
+RAW_TOPIC = "bench/raw"
+
+
+@dataclasses.dataclass(slots=True)
+class Trial:
+    """What one trial measured."""
+
+    messages: int = 0
+    payload_bytes: int = 0
+    seconds: float = 0.0
+    latencies: list[float] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.latencies)
+        def pct(q: float) -> float | None:
+            return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 2) if lat else None
+        return {"messages": self.messages, "seconds": round(self.seconds, 3),
+                "mb_per_s": round(self.payload_bytes / MB / self.seconds, 1) if self.seconds else None,
+                "messages_per_s": round(self.messages / self.seconds, 1) if self.seconds else None,
+                "p50_ms": pct(0.5), "p99_ms": pct(0.99)}
+
+
+def cpu_now(broker_pid: int | None, ps_pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far: the host's busy time (all cores), the broker's, this process's (the devices) and the
+    parameter server's processes'."""
+    import psutil
+
+    host = psutil.cpu_times()
+    me = psutil.Process().cpu_times()
+    return {"host": host.user + host.nice + host.system + getattr(host, "irq", 0.0) + getattr(host, "softirq", 0.0),
+            "broker": cpu_seconds(broker_pid), "devices": me.user + me.system,
+            "ps": sum(cpu_seconds(pid) for pid in ps_pids)}
+
+
+def cores(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """Cores busy on average between two ``cpu_now`` readings ``seconds`` apart."""
+    return {k: round((after[k] - before[k]) / seconds, 2) for k in before if seconds > 0 and (k != "ps" or after[k])}
+
+
+def payload_bytes(spec: str, gradient_bytes: int) -> int:
+    """``1MB``-style sizes, or ``model`` (the whole gradient)."""
+    if spec == "model":
+        return gradient_bytes
+    units = {"KB": 1_000, "MB": MB}
+    for unit, scale in units.items():
+        if spec.upper().endswith(unit):
+            return int(float(spec[:-len(unit)]) * scale)
+    return int(spec)
+
+
+# ------------------------------------------------------------------ the broker alone
+def _client(host: str, port: int, identifier: str) -> aiomqtt.Client:
+    """An aiomqtt client as EdgeMesh's bus makes one: MQTT 5, TCP_NODELAY (without it every answer waits out Nagle
+    and the broker's delayed ACK, ~40 ms)."""
+    return aiomqtt.Client(host, port, identifier=identifier, protocol=aiomqtt.ProtocolVersion.V5,
+                          socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+
+
+async def _raw(host: str, port: int, size: int, n: int, seconds: float, *, stream: bool) -> Trial:
+    trial = Trial()
+    payload = np.random.default_rng(0).bytes(size)
+    run = uuid.uuid4().hex[:6]
+    received = asyncio.Event()
+    async with _client(host, port, f"bench-sub-{run}") as sub:
+        await sub.subscribe(f"{RAW_TOPIC}/{run}/+", qos=1)
+
+        async def answer() -> None:
+            async with asyncio.TaskGroup() as answers:
+                async for msg in sub.messages:
+                    received.set()
+                    if stream:
+                        trial.payload_bytes += len(msg.payload) if isinstance(msg.payload, bytes) else 0
+                        trial.messages += 1
+                        continue
+                    device = str(msg.topic).rsplit("/", 1)[1]
+                    answers.create_task(sub.publish(f"{RAW_TOPIC}-ack/{run}/{device}", b"ok", qos=1))
+
+        answering = asyncio.create_task(answer())
+        try:
+            start = time.perf_counter()
+            async with asyncio.TaskGroup() as devices:
+                for i in range(n):
+                    devices.create_task(_raw_device(host, port, run, i, payload, start + seconds, trial,
+                                                    stream=stream))
+            trial.seconds = time.perf_counter() - start
+        finally:
+            answering.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await answering
+    return trial
+
+
+async def _raw_device(host: str, port: int, run: str, i: int, payload: bytes, until: float, trial: Trial, *,
+                      stream: bool) -> None:
+    async with _client(host, port, f"bench-dev-{run}-{i}") as client:
+        topic = f"{RAW_TOPIC}/{run}/{i}"
+        if stream:
+            while time.perf_counter() < until:
+                await client.publish(topic, payload, qos=1)
+            return
+        await client.subscribe(f"{RAW_TOPIC}-ack/{run}/{i}", qos=1)
+        answers = aiter(client.messages)
+        while time.perf_counter() < until:
+            sent = time.perf_counter()
+            await client.publish(topic, payload, qos=1)
+            async with asyncio.timeout(ACK_TIMEOUT_S):
+                await anext(answers)
+            trial.latencies.append(time.perf_counter() - sent)
+            trial.messages += 1
+            trial.payload_bytes += len(payload)
+
+
+# ------------------------------------------------------------------ the parameter server
+def recorded_gradient(size: int, shards: int = 1) -> list[tuple[ShardUpdate, ...]]:
+    """The replayed gradient for a parameter server of ``shards`` processes: for each, shards of ``cifar-cnn``
+    holding about ``size / shards`` bytes of float32 values from its rows, whole rows of its largest parameters
+    first."""
+    layout = models.param_layout(models.build_model(MODEL))
+    shapes = {name: shape for name, (shape, _) in layout.items()}
+    rng = np.random.default_rng(1)
+    parts = []
+    for run in divide(shapes, shards):
+        part, left = [], size // shards
+        for span in sorted(run, key=lambda s: -(s.stop - s.start) * int(np.prod(shapes[s.param][1:]))):
+            row = int(np.prod(shapes[span.param][1:])) * 4
+            rows = min(span.stop - span.start, max(1, left // row)) if left > 0 else 0
+            if rows == 0:
+                break
+            values = (rng.standard_normal(rows * row // 4) * GRADIENT_SCALE).astype(np.float32)
+            part.append(ShardUpdate(param=span.param, start=span.start, stop=span.start + rows, codec="none",
+                                    data=values.tobytes()))
+            left -= rows * row
+        parts.append(tuple(part))
+    return parts
+
+
+def gradient_bytes() -> int:
+    layout = models.param_layout(models.build_model(MODEL))
+    return sum(int(np.prod(shape)) * 4 for shape, _ in layout.values())
+
+
+def ps_config(broker_url: str, workdir: Path, overrides: dict[str, str], max_in_flight: int, shards: int) -> Config:
+    job = JOB if shards == 1 else f"{JOB}-{shards}"
+    return load_config(env={}, overrides={
+        "job": job, "broker.url": broker_url, "log_level": "INFO", "training.model_spec": MODEL,
+        "training.dataset": DATASET, "training.sync_policy": "async", "training.lr": "0.01",
+        "training.staleness_bound": str(4 * max_in_flight), "ps.state_dir": str(workdir / job),
+        "ps.shards": str(shards), **overrides})
+
+
+async def _ps_trial(cfg: Config, parts: list[tuple[ShardUpdate, ...]], n: int, seconds: float, run: str) -> Trial:
+    """``n`` devices each sending every shard its part of the replayed gradient and waiting for every ack."""
+    trial = Trial()
+    count = len(parts)
+    topics = [Topics(cfg.job, i if count > 1 else None) for i in range(count)]
+    devices = [f"d{run}-{i}" for i in range(n)]
+    bus = Bus(cfg.broker, client_id=f"bench-devices-{run}", metrics=ServiceMetrics("bench"))
+    acks: dict[tuple[str, int], asyncio.Queue[UpdateAck]] = {(d, i): asyncio.Queue() for d in devices
+                                                             for i in range(count)}
+    modelled: set[int] = set()
+    first_models = asyncio.Event()
+
+    async def on_ack(ack: UpdateAck, match: Any) -> None:
+        queue = acks.get((ack.device, max(match.shard, 0)))
+        if queue is not None:
+            queue.put_nowait(ack)
+
+    async def on_model(_: ModelSnapshot, match: Any) -> None:
+        modelled.add(max(match.shard, 0))
+        if len(modelled) == count:
+            first_models.set()
+
+    for t in topics:
+        for d in devices:
+            bus.route(t.ack_filter(d), UpdateAck, on_ack)
+        bus.route(t.model_filter(), ModelSnapshot, on_model)
+    async with bus.running():
+        async with asyncio.timeout(PS_START_TIMEOUT_S):
+            await first_models.wait()
+        size = sum(len(s.data) for part in parts for s in part)
+        seqs = dict.fromkeys(devices, 0)
+        bases = {(d, i): 0 for d in devices for i in range(count)}
+
+        async def send(name: str, shard: int) -> UpdateAck:
+            update = GradientUpdate(device=name, cluster=f"c-{name}", incarnation=1, seq=seqs[name],
+                                    base_version=bases[name, shard], samples=32, shards=parts[shard],
+                                    sent_at=time.time(), plan_version=1)
+            await bus.publish(topics[shard].grad(update.cluster, name), update, qos=1, kind="grad")
+            async with asyncio.timeout(ACK_TIMEOUT_S):
+                ack = await acks[name, shard].get()
+            bases[name, shard] = max(bases[name, shard], ack.version)
+            return ack
+
+        async def device(name: str, until: float, into: Trial) -> None:
+            while True:
+                seqs[name] += 1
+                sent = time.perf_counter()
+                answers = await asyncio.gather(*(send(name, shard) for shard in range(count)))
+                into.latencies.append(time.perf_counter() - sent)
+                if all(ack.status == "accepted" for ack in answers):
+                    into.messages += 1
+                    into.payload_bytes += size
+                if time.perf_counter() >= until:
+                    return
+
+        # one update from each device first: the plan has reached the PS, its buffers are allocated
+        await asyncio.gather(*(device(d, 0.0, Trial()) for d in devices))
+        start = time.perf_counter()
+        await asyncio.gather(*(device(d, start + seconds, trial) for d in devices))
+        trial.seconds = time.perf_counter() - start
+    return trial
+
+
+def _measure(into: dict[str, Any], key: str, cfg: Config, cluster: LocalCluster,
+             parts: list[tuple[ShardUpdate, ...]], n: int, seconds: float, broker_pid: int | None) -> None:
+    """One parameter server trial (every shard of it), its figures under ``key`` of ``into``."""
+    cluster.scrape_all()
+    before = [dict(c.samples) for c in cluster.children]
+    pids = [c.proc.pid for c in cluster.children]
+    busy = cpu_now(broker_pid, pids)
+    trial = asyncio.run(_ps_trial(cfg, parts, n, seconds, uuid.uuid4().hex[:4]))
+    after = cpu_now(broker_pid, pids)
+    cpu = after["ps"] - busy["ps"]
+    cluster.scrape_all()
+    into["ps"][key] = trial.summary()
+    into.setdefault("cpu_cores", {}).setdefault("ps", {})[key] = cores(busy, after, trial.seconds)
+    into["ps_cpu_s_per_update"][key] = round(cpu / trial.messages, 4) if trial.messages else None
+    merged_before: dict[Any, float] = {}
+    merged_after: dict[Any, float] = {}
+    for child, was in zip(cluster.children, before, strict=True):
+        for k, v in was.items():
+            merged_before[k] = merged_before.get(k, 0.0) + v
+        for k, v in child.samples.items():
+            merged_after[k] = merged_after.get(k, 0.0) + v
+    into["ps_parts"][key] = _ps_figures(merged_before, merged_after, trial.messages)
+
+
+def _ps_figures(before: dict[Any, float], after: dict[Any, float], updates: int) -> dict[str, Any]:
+    """Per accepted update, what the PS's metrics say its time went to (seconds, from histogram sums)."""
+    def delta(name: str) -> float:
+        return sum(v for (n, _), v in after.items() if n == name) - sum(v for (n, _), v in before.items() if n == name)
+    out: dict[str, Any] = {}
+    if updates:
+        out["step_ms_per_update"] = round(delta("edgemesh_ps_step_seconds_sum") / updates * 1e3, 3)
+        out["handler_ms_per_update"] = round(delta("edgemesh_ps_handler_seconds_sum") / updates * 1e3, 3)
+        out["wal_bytes_per_update"] = round(delta("edgemesh_ps_wal_bytes_total") / updates)
+    return out
+
+
+def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], seconds: float, overrides: dict[str, str],
+              progress: Callable[[str], None], keep_logs: bool = False,
+              shard_counts: list[int] | None = None) -> dict[str, Any]:
+    whole = gradient_bytes()
+    sizes = {spec: payload_bytes(spec, whole) for spec in payloads}
+    workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-transport-"))
+    broker = BrokerProcess.default()
+    broker.start()
+    result: dict[str, Any] = {"model": MODEL, "gradient_bytes": whole, "broker": broker.kind, "seconds": seconds,
+                              "payloads": sizes, "in_flight": in_flight, "replayed_gradients": True,
+                              "raw": {}, "stream": {}, "ps": {}, "ps_cpu_s_per_update": {}, "ps_parts": {},
+                              "sharded": {}, "cpu_cores": {"raw": {}, "stream": {}, "ps": {}},
+                              "host_cores": os.cpu_count()}
+    counts = sorted({1, *(shard_counts or DEFAULT_SHARDS)})
+    failure = None
+    try:
+        host, port = broker.host, broker.port
+        # every shard count's parameter server up at once (a job each), so each pair's trials run back to back
+        servers: dict[int, tuple[Config, LocalCluster]] = {}
+        for count in counts:
+            cfg = ps_config(broker.url, workdir, overrides, max(in_flight), count)
+            cluster = LocalCluster(cfg, workdir)
+            for i in range(count):
+                cluster.spawn("ps", "ps" if count == 1 else f"ps-{i}", ["--shard", f"{i}/{count}"] if count > 1 else [])
+            servers[count] = (cfg, cluster)
+            if count > 1:
+                result["sharded"][str(count)] = {"ps": {}, "ps_cpu_s_per_update": {}, "ps_parts": {},
+                                                 "speedup_vs_1": {}, "cpu_cores": {"ps": {}}}
+        try:
+            # each pair back to back (broker alone, streamed, then the PS): a busy host moves all alike
+            for spec, size in sizes.items():
+                for n in in_flight:
+                    key = f"{spec}/{n}"
+                    for kind in ("raw", "stream"):
+                        before = cpu_now(broker.pid, [])
+                        trial = asyncio.run(_raw(host, port, size, n, seconds, stream=kind == "stream"))
+                        result[kind][key] = trial.summary()
+                        result["cpu_cores"][kind][key] = cores(before, cpu_now(broker.pid, []), trial.seconds)
+                    for count, (cfg, cluster) in servers.items():
+                        into = result if count == 1 else result["sharded"][str(count)]
+                        _measure(into, key, cfg, cluster, recorded_gradient(size, count), n, seconds, broker.pid)
+                    raw, ours = result["raw"][key], result["ps"][key]
+                    shown = ", ".join(f"{c} shards {e['ps'][key]['mb_per_s']} MB/s"
+                                      for c, e in result["sharded"].items())
+                    progress(f"{key}: raw {raw['mb_per_s']} MB/s (p50 {raw['p50_ms']} ms), stream "
+                             f"{result['stream'][key]['mb_per_s']} MB/s, ps {ours['mb_per_s']} MB/s "
+                             f"(p50 {ours['p50_ms']} ms){'; ' + shown if shown else ''}")
+        finally:
+            for _, cluster in servers.values():
+                cluster.stop()
+    except (EdgeMeshError, OSError, TimeoutError, aiomqtt.MqttError) as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+        progress(f"FAILED: {failure}")
+    finally:
+        broker.stop()
+    result["failure"] = failure
+    for entry in result["sharded"].values():
+        entry["speedup_vs_1"] = {key: round(ps["mb_per_s"] / result["ps"][key]["mb_per_s"], 3)
+                                 for key, ps in entry["ps"].items() if ps["mb_per_s"]
+                                 and result["ps"].get(key, {}).get("mb_per_s")}
+    for other in ("raw", "stream"):
+        suffix = "" if other == "raw" else "_vs_stream"
+        result[f"ps_ingest_ratio{suffix}"] = {
+            key: round(ps["mb_per_s"] / result[other][key]["mb_per_s"], 3)
+            for key, ps in result["ps"].items() if ps["mb_per_s"] and result[other].get(key, {}).get("mb_per_s")}
+    finish(report, result, plot, progress, workdir, keep_logs=keep_logs or failure is not None)
+    return result
+
+
+def plot(result: dict[str, Any], png: Path) -> bool:
+    plt = pyplot()
+    if plt is None or not result["ps"]:
+        return False
+    keys = list(result["ps"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.27
+    for i, kind in enumerate(("stream", "raw", "ps")):
+        values = [result[kind].get(k, {}).get("mb_per_s") or 0 for k in keys]
+        ax.bar([x + (i - 1) * width for x in range(len(keys))], values, width, label=kind)
+    ax.set_xticks(range(len(keys)), [f"{k.split('/')[0]}, {k.split('/')[1]} in flight" for k in keys])
+    ax.set_ylabel("MB/s")
+    ax.set_title(f"{MODEL} gradients through {result['broker']}: the broker alone and the parameter server")
+    ax.legend()
+    return save(fig, png)
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh bench transport``."""
+    parser.add_argument("--report", default="bench/reports/transport.json", help="JSON report path (PNG beside it)")
+    parser.add_argument("--payloads", default=",".join(DEFAULT_PAYLOADS),
+                        help="payload sizes, comma-separated: 1MB, 500KB, or model (the whole gradient)")
+    parser.add_argument("--in-flight", default=",".join(map(str, DEFAULT_IN_FLIGHT)),
+                        help="messages in flight (devices each waiting for its answer), comma-separated")
+    parser.add_argument("--seconds", type=float, default=DEFAULT_SECONDS, help="length of each trial")
+    parser.add_argument("--shards", default=",".join(map(str, DEFAULT_SHARDS)),
+                        help="parameter server shard counts to measure, comma-separated (1 always)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a parameter server setting (repeatable), e.g. ps.fsync=false")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the parameter server's log")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    cli.setup_logging(args.log_level or "WARNING")
+    try:
+        in_flight = [int(x) for x in names(args.in_flight)]
+        shard_counts = [int(x) for x in names(args.shards)]
+        payloads = names(args.payloads)
+        for spec in payloads:
+            payload_bytes(spec, 1)
+    except ValueError:
+        print("edgemesh bench transport: --in-flight takes whole numbers, --payloads sizes such as 1MB or model",
+              file=sys.stderr)
+        return 2
+    if not in_flight or min(in_flight) < 1 or args.seconds <= 0 or not payloads or min(shard_counts, default=1) < 1:
+        print("edgemesh bench transport: --in-flight >= 1, --shards >= 1, --seconds > 0, at least one payload",
+              file=sys.stderr)
+        return 2
+    try:
+        result = run_bench(Path(args.report), payloads=payloads, in_flight=in_flight, seconds=args.seconds,
+                           overrides=cli.overrides(args), keep_logs=args.keep_logs, shard_counts=shard_counts,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except EdgeMeshError as exc:
+        print(f"edgemesh bench transport: {exc}", file=sys.stderr)
+        return 2
+    return 1 if result["failure"] else 0

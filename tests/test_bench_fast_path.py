@@ -1,0 +1,111 @@
+"""The benchmarks of the parameter server's fast path and scale, quick runs: ``bench transport``, ``bench ddp`` and
+``bench scale``. Each writes its report layout and a PNG beside it; nothing here asserts a speed. (Apart from
+test_bench.py so that the test runner's two workers share the long benchmark runs.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(400)
+"""Each quick run is a cluster of processes; a loaded CI host makes it slower than the default limit."""
+
+
+def test_bench_transport_sets_the_parameter_servers_ingest_beside_the_broker_alone(tmp_path: Path) -> None:
+    """Two short trials each: the broker alone (answered and streamed) and a real PS acking every replayed
+    gradient it applied, as one process and as two shards; the ratio is the PS's MB/s over the broker's at the
+    same payload and number in flight."""
+    report = tmp_path / "transport.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh", "bench", "transport", "--report", str(report), "--payloads", "300KB",
+         "--in-flight", "1,2", "--seconds", "1.5"],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(report.read_text())
+    assert data["failure"] is None and data["replayed_gradients"] is True
+    assert data["payloads"] == {"300KB": 300_000}
+    for kind in ("raw", "stream", "ps"):
+        assert set(data[kind]) == {"300KB/1", "300KB/2"}, kind
+        for entry in data[kind].values():
+            assert entry["messages"] > 0 and entry["mb_per_s"] > 0, kind
+    for key, ps in data["ps"].items():
+        assert ps["p50_ms"] <= ps["p99_ms"]
+        assert data["ps_ingest_ratio"][key] == pytest.approx(ps["mb_per_s"] / data["raw"][key]["mb_per_s"], abs=1e-3)
+        assert data["ps_cpu_s_per_update"][key] > 0
+        assert data["ps_parts"][key]["wal_bytes_per_update"] >= 300_000  # every applied gradient was logged
+    # two shards, each taking its half of every gradient: together they log all of it
+    sharded = data["sharded"]["2"]
+    for key, ps in sharded["ps"].items():
+        assert ps["messages"] > 0
+        assert sharded["speedup_vs_1"][key] == pytest.approx(ps["mb_per_s"] / data["ps"][key]["mb_per_s"], abs=1e-3)
+        assert sharded["ps_parts"][key]["wal_bytes_per_update"] >= 300_000
+    assert report.with_suffix(".png").stat().st_size > 1000
+
+
+DDP_KEYS = {"edgemesh_seconds_per_version", "ddp_seconds_per_step", "step_time_ratio", "initial_loss",
+            "edgemesh_final_loss", "ddp_final_loss", "final_loss_ratio", "edgemesh_final_accuracy",
+            "ddp_final_accuracy", "edgemesh_worker_step_seconds", "edgemesh_worker_ack_seconds", "steps",
+            "warmup_steps", "batch_per_worker", "lr", "momentum", "torch_threads", "settings", "edgemesh", "ddp"}
+
+
+def test_bench_ddp_quick_sets_edgemesh_sync_beside_torch_ddp(tmp_path: Path) -> None:
+    """``--quick``: 30 steps of a real two-worker EdgeMesh cluster under ``sync`` and of two DDP ranks, on digits at
+    lr 0.1 (``--set``): cifar-cnn learns synthetic-cifar over a hundred steps or more, while in 30 on digits both
+    sides end well below the loss they start from, at a fraction of the cost per step. Bad arguments exit 2."""
+    for args, message in ((["--steps", "10", "--warmup", "20"], "--steps >= --warmup + 2"),
+                          (["--set", "training.lr=0"], "training.lr: must be > 0")):
+        refused = subprocess.run([sys.executable, "-m", "edgemesh", "bench", "ddp",
+                                  "--report", str(tmp_path / "x.json"), *args],
+                                 capture_output=True, text=True, timeout=120, check=False)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+    report = tmp_path / "ddp.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh", "bench", "ddp", "--quick", "--report", str(report),
+         "--set", "training.model_spec=digits-cnn", "--set", "training.dataset=digits",
+         "--set", "training.lr=0.1"],
+        capture_output=True, text=True, timeout=360, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert DDP_KEYS <= data.keys() and data["failure"] is None
+    assert data["model"] == "digits-cnn" and data["settings"]["training.sync_policy"] == "sync"
+    assert data["steps"] == 30 and data["workers"] == 2 and data["batch_per_worker"] == 32
+    assert data["edgemesh"]["plan"]["batches"] == {"w0": 32, "w1": 32}  # the planner gave each worker the batch
+    assert data["final_version"] == data["edgemesh"]["final_version"] == data["ddp"]["final_step"] >= 30
+    assert data["step_time_ratio"] == pytest.approx(
+        data["edgemesh_seconds_per_version"] / data["ddp_seconds_per_step"], abs=1e-3)
+    assert data["final_loss_ratio"] == pytest.approx(data["edgemesh_final_loss"] / data["ddp_final_loss"], abs=1e-3)
+    for side in ("edgemesh", "ddp"):
+        assert data[f"{side}_final_loss"] < data["initial_loss"], side  # both learned
+    assert data["edgemesh_worker_step_seconds"] > 0 and data["edgemesh_worker_ack_seconds"] > 0
+    assert report.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_scale_runs_light_devices_against_the_real_services(tmp_path: Path) -> None:
+    """Four load devices for a few seconds: every update they sent is answered or still in flight at the end, the
+    report has the PS's queue over time and each process's CPU and memory. Bad arguments exit 2."""
+    refused = subprocess.run([sys.executable, "-m", "edgemesh", "bench", "scale", "--workers", "0",
+                              "--report", str(tmp_path / "x.json")], capture_output=True, text=True, timeout=120,
+                             check=False)
+    assert refused.returncode == 2 and "--workers >= 1" in refused.stderr
+    report = tmp_path / "scale.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh", "bench", "scale", "--workers", "4", "--minutes", "0.1", "--step-s", "0.3",
+         "--sample-s", "1", "--report", str(report)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["failure"] is None and data["replayed_gradients"] is True and data["workers"] == 4
+    assert data["updates_accepted"] > 0 and data["updates_discarded"] == 0 and data["updates_lost"] == 0
+    assert data["updates_sent"] == data["updates_accepted"] + data["updates_in_flight_at_end"]
+    assert 0 <= data["updates_in_flight_at_end"] <= 4
+    assert data["ack_p50_ms"] <= data["ack_p99_ms"]
+    assert data["model_versions"] > 0 and data["model_messages_received"] >= data["model_versions"]
+    assert set(data["cpu_share"]) == set(data["rss_mib_peak"]) == {"planner", "ps", "compressor", "broker", "load"}
+    assert all(v > 0 for v in data["rss_mib_peak"].values())
+    assert len(data["samples"]) >= 3 and max(s["ps_pending"] for s in data["samples"]) <= 4
+    assert data["acceptance"] == {"queue_bounded": True, "no_update_discarded": True}
+    assert report.with_suffix(".png").stat().st_size > 1000

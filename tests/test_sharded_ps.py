@@ -1,0 +1,215 @@
+"""A parameter server split into shards (``edgemesh ps --shard i/n``): the division of the model's rows, the
+shard topics, and services on a real broker training exactly what one server trains."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import gradient, inbox, make_config, plan_for, running, until
+
+from edgemesh.common import models
+from edgemesh.common.config import Config
+from edgemesh.common.errors import ConfigError, WireError
+from edgemesh.common.messages import ModelSnapshot, UpdateAck
+from edgemesh.common.shards import Division, ShardedView, divide
+from edgemesh.common.topics import TopicError, Topics, parse
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.local.processes import LocalCluster
+from edgemesh.services.compressor.service import Compressor
+from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.planner.service import Planner
+from edgemesh.services.worker.service import Worker
+
+MODEL = "digits-cnn"
+STEPS = 6
+"""Sync rounds the exactness test trains."""
+TRAIN_S = 90.0
+
+
+def shapes_of(spec: str) -> dict[str, tuple[int, ...]]:
+    return {k: v.shape for k, v in models.get_params(models.build_model(spec, seed=0)).items()}
+
+
+# --------------------------------------------------------------------------- the division
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 5])
+def test_the_division_covers_every_row_once_in_runs_of_about_equal_size(shards: int) -> None:
+    shapes = shapes_of("cifar-cnn")  # one tensor holds 85 % of the values: it is cut by rows
+    runs = divide(shapes, shards)
+    assert len(runs) == shards
+    rows: dict[str, list[tuple[int, int]]] = {}
+    for run in runs:
+        for span in run:
+            rows.setdefault(span.param, []).append((span.start, span.stop))
+    for name, shape in shapes.items():
+        spans = sorted(rows[name])
+        assert spans[0][0] == 0 and spans[-1][1] == shape[0]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))  # no gap, no overlap
+    sizes = [sum((s.stop - s.start) * int(np.prod(shapes[s.param][1:])) for s in run) for run in runs]
+    row = max(int(np.prod(shape[1:])) for shape in shapes.values())
+    assert max(sizes) - min(sizes) <= 2 * row  # equal to within a row or two of the widest tensor
+
+
+def test_a_model_too_small_for_its_shards_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="too few rows"):
+        divide({"w": (2, 3)}, 3)
+
+
+def test_a_shard_takes_only_its_rows_and_a_worker_puts_them_back_together() -> None:
+    shapes = shapes_of(MODEL)
+    params = models.get_params(models.build_model(MODEL, seed=3))
+    parts = [Division.of(shapes, i, 2).take(params) for i in range(2)]
+    view = ShardedView(2)
+    view.know(shapes)
+    whole = view.assemble(parts)
+    assert whole.keys() == params.keys()
+    for name, value in params.items():
+        np.testing.assert_array_equal(whole[name], value)
+    split = Division.of(shapes, 1, 2)
+    span = split.spans[0]
+    g = gradient("a", 1, 0).shards[0]
+    inside = type(g)(param=span.param, start=span.start, stop=span.start + 1, codec="none", data=b"")
+    assert split.localize([inside])[0].start == 0  # counted from the shard's first row
+    outside = type(g)(param=span.param, start=max(span.start - 1, 0), stop=span.start + 1, codec="none", data=b"")
+    if span.start:
+        with pytest.raises(WireError, match="not parameter server shard 1's"):
+            split.localize([outside])
+
+
+def test_shard_topics_are_parsed_with_their_shard_and_nothing_else_lives_under_shard() -> None:
+    t = Topics("j", 1)
+    for topic, kind in [(t.grad("c", "d"), "grad"), (t.ack("d"), "ack"), (t.model(), "model"),
+                        (t.model_delta(), "delta"), (Topics.chunk(t.model(), 3), "model")]:
+        found = parse(topic)
+        assert (found.kind, found.shard) == (kind, 1)
+    assert parse(Topics("j").grad("c", "d")).shard == -1
+    for bad in ["edgemesh/v1/j/shard/1/plan", "edgemesh/v1/j/shard/x/model", "edgemesh/v1/j/shard/99/model"]:
+        with pytest.raises(TopicError):
+            parse(bad)
+    assert t.plan() == Topics("j").plan() and t.sync() == Topics("j").sync()  # the job's own
+
+
+def test_sharded_settings_that_cannot_work_are_refused_at_load(tmp_path: Path) -> None:
+    broker = BrokerProcess.default()
+    with pytest.raises(ConfigError, match="ps.shard"):
+        make_config(broker, job="s", **{"ps.shards": 2, "ps.shard": 2})
+    with pytest.raises(ConfigError, match="adaptive"):
+        make_config(broker, job="s", **{"ps.shards": 2, "training.sync_policy": "adaptive"})
+    with pytest.raises(ConfigError, match="mesh"):
+        make_config(broker, job="s", **{"ps.shards": 2, "planner.parallelism": "mesh"})
+    bad = subprocess.run([sys.executable, "-m", "edgemesh", "ps", "--shard", "1-2", "--job", "s"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode != 0 and "--shard expects INDEX/COUNT" in bad.stderr
+
+
+# --------------------------------------------------------------------------- services on a broker
+
+
+def sharded_config(broker: BrokerProcess, tmp_path: Path, shards: int, **extra: object) -> Config:
+    """Two workers under ``sync`` with exact transport (float32 snapshots, no gradient codec), so that any
+    difference between one server and its shards would show."""
+    # a job of its own: a retained model of another run on the same broker would be taken for this one's
+    return make_config(broker, job=f"s{shards}-{uuid.uuid4().hex[:6]}", **{
+        "ps.state_dir": tmp_path / f"ps{shards}", "ps.shards": shards, "training.model_spec": MODEL,
+        "training.sync_policy": "sync", "training.seed": 5, "planner.min_devices": 2,
+        "ps.broadcast": "snapshot", "ps.snapshot_dtype": "float32", "ps.eval_every": 0,
+        "compressor.mode": "static", "compressor.default_codec": "none", "worker.max_steps": STEPS,
+        "worker.ack_timeout_s": 5, **extra})
+
+
+async def train(cfg: Config, tmp_path: Path) -> dict[str, np.ndarray]:
+    """Planner, compressor, the PS (every shard, in this process) and two workers until both made STEPS steps;
+    the whole model the servers end with."""
+    servers = [ParameterServer(replace(cfg, ps=replace(cfg.ps, shard=i))) for i in range(cfg.ps.shards)]
+    workers = [Worker(replace(cfg, worker=replace(cfg.worker, device=f"w{i}",
+                                                  state_dir=str(tmp_path / f"{cfg.job}-w{i}")))) for i in range(2)]
+    async with running(Planner(cfg), Compressor(cfg), *servers, *workers):
+        await until("both workers' steps", lambda: all(w.stop.is_set() for w in workers), TRAIN_S)
+    # a sync round is a round on every shard
+    assert [s.version for s in servers] == [cfg.worker.max_steps] * cfg.ps.shards
+    parts = [s.state.params for s in servers if s.state is not None]
+    view = ShardedView(cfg.ps.shards)
+    view.know(shapes_of(MODEL))
+    return view.assemble(parts)
+
+
+async def test_two_shards_train_exactly_what_one_server_trains(mosquitto_broker: BrokerProcess,
+                                                               tmp_path: Path) -> None:
+    one = await train(sharded_config(mosquitto_broker, tmp_path, 1), tmp_path)
+    two = await train(sharded_config(mosquitto_broker, tmp_path, 2), tmp_path)
+    initial = models.get_params(models.build_model(MODEL, seed=5))
+    assert any(not np.allclose(one[k], initial[k]) for k in one)  # it trained
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+async def test_a_shard_refuses_rows_it_does_not_own_and_acks_on_its_own_topic(mosquitto_broker: BrokerProcess,
+                                                                              tmp_path: Path) -> None:
+    cfg = sharded_config(mosquitto_broker, tmp_path, 2, **{"ps.shard": 1, "training.sync_policy": "async"})
+    ps = ParameterServer(cfg)
+    t = Topics(cfg.job, 1)
+    async with running(ps), inbox(cfg, (t.ack_filter("a"), UpdateAck), (t.model_filter(), ModelSnapshot)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(["a"]))
+        snap = await box.next(ModelSnapshot)
+        assert ps.division is not None and set(snap.tensors) == {s.param for s in ps.division.spans}
+        whole = gradient("a", 1, 0)  # every tensor whole: most rows are shard 0's
+        await box.publish(t.grad("c-a", "a"), whole)
+        ack = await box.next(UpdateAck)
+        assert (ack.seq, ack.status, ack.reason) == (1, "discarded", "shape")
+        assert ps.metrics.value("edgemesh_ps_rejected_total", reason="shape") == 1
+        rows = gradient("a", 2, 0, spans=[(s.param, s.start, s.stop) for s in ps.division.spans])
+        await box.publish(t.grad("c-a", "a"), rows)
+        ack = await box.next(UpdateAck)
+        assert (ack.seq, ack.status) == (2, "accepted")
+        await until("the shard's version 1", lambda: ps.version == 1)
+
+
+async def test_a_shard_killed_with_9_recovers_alone_and_the_model_is_still_exact(mosquitto_broker: BrokerProcess,
+                                                                                  tmp_path: Path) -> None:
+    """Shards as processes of their own; shard 1 killed with -9 in the middle of training and started again:
+    it resumes from its checkpoint and log, the workers resend what it did not ack, shard 0 never stops, and
+    the model both end with is the one a single server trains from the same seeds."""
+    steps = 40
+    one = await train(sharded_config(mosquitto_broker, tmp_path, 1, **{"worker.max_steps": steps}), tmp_path)
+    cfg = sharded_config(mosquitto_broker, tmp_path, 2, **{"worker.max_steps": steps, "ps.checkpoint_every": 7,
+                                                          "worker.ack_timeout_s": 1})
+    cluster = LocalCluster(cfg, tmp_path)
+    workers = [Worker(replace(cfg, worker=replace(cfg.worker, device=f"w{i}",
+                                                  state_dir=str(tmp_path / f"w{i}")))) for i in range(2)]
+    shards = [Topics(cfg.job, i) for i in range(2)]
+    try:
+        cluster.start_services(min_devices=2)
+        async with inbox(cfg, *((t.model_filter(), ModelSnapshot) for t in shards)) as box:
+            def latest(shard: int) -> ModelSnapshot | None:
+                return next(iter(reversed(box.of(ModelSnapshot, lambda m: m.shard == shard))), None)
+
+            async with running(*workers):
+                await box.until("shard 1 past its first checkpoint", lambda: (s := latest(1)) and s.version >= 9,
+                                TRAIN_S)
+                killed = next(c for c in cluster.children if c.name == "ps-1")
+                killed.proc.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(killed.proc.wait, 30)
+                at_kill = latest(0)
+                cluster.spawn("ps", "ps-1", ["--state-dir", str(cluster.ps_state_dir), "--shard", "1/2"])
+                await until("both workers' steps", lambda: all(w.stop.is_set() for w in workers), TRAIN_S)
+            await box.until("both shards' last version", lambda: all(
+                (s := latest(i)) and s.version == steps for i in range(2)))
+            assert at_kill is not None and at_kill.version < steps  # shard 0 trained on around the restart
+            parts = [{k: t.to_numpy() for k, t in latest(i).tensors.items()} for i in range(2)]  # type: ignore[union-attr]
+        assert "resumed from checkpoint" in (tmp_path / f"{cfg.job}-ps-1.log").read_text()
+    finally:
+        cluster.stop()
+    view = ShardedView(2)
+    view.know(shapes_of(MODEL))
+    two = view.assemble(parts)
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)
