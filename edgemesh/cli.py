@@ -30,9 +30,9 @@ from edgemesh.common.errors import EdgeMeshError
 
 COMMANDS: Mapping[str, tuple[str, str]] = {
     "planner": ("edgemesh.services.planner.service", "device registry, mesh layout, plan"),
-    "ps": ("edgemesh.services.parameter_server.service", "parameter server: global model, versions, checkpoints"),
+    "ps": ("edgemesh.services.parameter_server.command", "parameter server: global model, versions, checkpoints"),
     "compressor": ("edgemesh.services.compressor.service", "codec policy per device, and the gateway"),
-    "worker": ("edgemesh.services.worker.service", "one device: trains its share of the model"),
+    "worker": ("edgemesh.services.worker.command", "one device: trains its share of the model"),
     "broker": ("edgemesh.local.embedded", "run the embedded MQTT broker (amqtt, MQTT 3.1.1)"),
     "demo": ("edgemesh.local.demo", "a whole local cluster: broker, planner, PS, compressor, N workers"),
     "devices": ("edgemesh.operator.devices", "list the devices of a job and their state"),

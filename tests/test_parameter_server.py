@@ -297,14 +297,14 @@ async def test_kill_9_under_sync_replays_the_logged_round_sums_exactly(mosquitto
 async def test_a_stopping_ps_waits_briefly_for_acks_in_flight_then_writes_its_checkpoint(
         mosquitto_broker: BrokerProcess, tmp_path: Path, stuck: bool) -> None:
     """Acks go out without the step loop waiting for their PUBACKs; a server that stops gives those still on
-    their way up to ``ACK_DRAIN_S`` (all confirmed in time, or one never), then checkpoints."""
+    their way up to ``acks.DRAIN_S`` (all confirmed in time, or one never), then checkpoints."""
     cfg = ps_config(mosquitto_broker, tmp_path, **{"training.sync_policy": "async"})
     async with serving_ps(cfg, ["a"]) as (c, ps):
         assert (await c.push(gradient("a", 1, 0))).status == "accepted"
         acks = [asyncio.create_task(asyncio.sleep(0.1))]  # acks the broker has not confirmed yet
         if stuck:
             acks.append(asyncio.create_task(asyncio.sleep(3600)))
-        ps._acking.update(acks)
+        ps.acks.in_flight.update(acks)
     assert acks[0].done() and not acks[0].cancelled()
     assert all(a.cancelled() for a in acks[1:])
     snap = read_checkpoint(tmp_path)

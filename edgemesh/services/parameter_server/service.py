@@ -22,7 +22,6 @@ and publishes the sync state.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -34,32 +33,31 @@ from pathlib import Path
 
 import numpy as np
 
-from edgemesh import cli
 from edgemesh.common.broadcast import Broadcaster, ModelMessage
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
-from edgemesh.common.errors import ConfigError, WireError
+from edgemesh.common.errors import WireError
 from edgemesh.common.jobs import JobSpec
 from edgemesh.common.messages import (
     ControlCommand,
     GradientUpdate,
     LocalEvaluation,
-    ModelDelta,
     ModelSnapshot,
     Plan,
     SnapshotRequest,
-    UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.shards import Division, ShardedView
+from edgemesh.common.shards import Division
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy, payload_reason
+from edgemesh.services.parameter_server.acks import Acks
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
 from edgemesh.services.parameter_server.assembly import Assembly, Outcome
 from edgemesh.services.parameter_server.evaluation import Evaluator
 from edgemesh.services.parameter_server.ledger import Ledger
 from edgemesh.services.parameter_server.optimizer import ModelState
+from edgemesh.services.parameter_server.peers import Peers
 from edgemesh.services.parameter_server.recovery import SETTING_COMMANDS, OperatorSettings, Optimizer, Recovery
 from edgemesh.services.parameter_server.robust import Aggregator
 from edgemesh.services.parameter_server.scheduler import (
@@ -71,17 +69,13 @@ from edgemesh.services.parameter_server.scheduler import (
     Step,
     make_scheduler,
 )
+from edgemesh.services.parameter_server.sync_state import SyncAnnouncer
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
 
 logger = logging.getLogger(__name__)
 
 DELAY_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0)
-SHARD_WAIT_S = 10.0
-"""Longest an evaluation of shard 0 waits for every other shard's broadcast to reach its version."""
-ACK_DRAIN_S = 2.0
-"""How long a stopping server waits for the acks still on their way to the broker (a device resends what it
-was not acked)."""
 COMMANDS = "status, pause, resume, set-sync-policy, set-bound, set-lr, set-aggregation, snapshot, stop"
 SETTINGS_COMMANDS = ("pause", "resume", *SETTING_COMMANDS)
 """Commands that change what the checkpoint keeps: a checkpoint is written at once, so a crash keeps them."""
@@ -115,9 +109,8 @@ class ParameterServer:
         self.ledger = Ledger(state_dir, fsync=p.fsync)
         self.broadcast = Broadcaster(p, t.model_spec)
         self.evaluator = Evaluator(config, job)
-        self.others = ShardedView(p.shards) if self.sharded and p.shard == 0 else None
-        """Shard 0: every shard's broadcast, to evaluate the whole model."""
-        self._others_moved = asyncio.Event()
+        self.peers = Peers(p.shards) if self.sharded and p.shard == 0 else None
+        """Shard 0: every other shard's broadcast, to evaluate the whole model."""
         self._label = t.model_spec
         """What the checkpoint says it holds: the model, and which shard of it."""
         self.state: ModelState | None = None
@@ -125,27 +118,16 @@ class ParameterServer:
         self.bus: Bus | None = None
         self.events: Events | None = None
         self._queue: deque[Candidate] = deque()
-        self._acking: set[asyncio.Task[None]] = set()
-        self._last_acks: asyncio.Task[None] | None = None  # the latest batch's acks: the next batch's go after
-        """Acks on their way to the broker (the step loop does not wait for their PUBACKs)."""
-        self._queued: set[tuple[str, int, int]] = set()
-        """(device, incarnation, seq) of the updates taken and not yet answered (queued, or in an open round): a
-        resend of one is not taken again. A paused server would otherwise hold every resend, decoded, without
-        bound, and a ``sync`` round longer than the worker's ack timeout would answer its resend ``round_full``
-        (and the worker resync) while the first copy waits in the round."""
         self._wake = asyncio.Event()
         self._state_lock = threading.Lock()
         """Held by the thread that steps and logs and by the one that checkpoints: a step of a step loop
         cancelled at shutdown still runs in its thread while the final checkpoint is written."""
         self._since_checkpoint = 0
         self._snapshot_requested = False
-        self._sync_published: tuple[object, ...] | None = None
-        """(policy, bound, slow devices, delay indices) of the last published sync state."""
-        self._sync_published_at = -float("inf")
 
         m = self.metrics = ServiceMetrics(self.name)
         self.m_version = m.gauge("model_version", "Current global model version")
-        self.m_updates = m.counter("updates", "Gradient updates by outcome", ["status", "reason"])
+        self.acks = Acks(self.topics, m)
         self.m_assembling = m.gauge("mesh_assembling_steps", "Model-parallel steps waiting for members' shards")
         self.m_delay = m.histogram("update_delay_versions", "Delay of accepted updates in versions", DELAY_BUCKETS)
         self.m_step = m.histogram("step_seconds", "Time to apply one batch of updates", STEP_BUCKETS)
@@ -157,9 +139,7 @@ class ParameterServer:
         self.m_policy = m.gauge("sync_policy_info", "1 for the active synchronization policy", ["policy"])
         self.m_paused = m.gauge("paused", "1 while paused by an operator")
         self.m_codec_bytes = m.counter("received_gradient_bytes", "Encoded gradient bytes received", ["codec"])
-        self.m_adaptive_bound = m.gauge("adaptive_bound_versions", "Adaptive policy: current delay bound D")
-        self.m_adaptive_deadline = m.gauge("adaptive_deadline_seconds", "Adaptive policy: current round deadline")
-        self.m_slow = m.gauge("slow_devices", "Adaptive policy: devices whose delay index is far above the median")
+        self.sync_out = SyncAnnouncer(self.topics, p.sync_state_interval_s, m)
         self.aggregator = Aggregator(p, m)
         """How a step's contributions combine (``robust``): the rule in force and the recent norms clip uses."""
         self._set_policy_gauge()
@@ -194,8 +174,8 @@ class ParameterServer:
             self.division = Division.of(shapes, p.shard, p.shards)
             initial = self.division.take(initial)
             label = f"{label} (shard {p.shard} of {p.shards})"
-            if self.others is not None:
-                self.others.know(shapes)
+            if self.peers is not None:
+                self.peers.know(shapes)
             else:
                 self.evaluator.enabled = False  # shard 0 evaluates the whole model
         self._label = label
@@ -226,15 +206,14 @@ class ParameterServer:
 
     def attach(self, bus: Bus, events: Events) -> None:
         self.bus, self.events = bus, events
+        self.acks.bus = bus
         bus.route(self.topics.plan_filter(), Plan, self._on_plan)
         bus.route(self.topics.grad_filter(), GradientUpdate, self._on_gradient)
         if self.evaluator.local:
             bus.route(self.topics.evaluation_filter(), LocalEvaluation, self._on_local_evaluation)
-        if self.others is not None:
-            for shard in range(1, self.cfg.ps.shards):
-                bus.route(self.topics.for_shard(shard).model_filter(), ModelSnapshot, self._on_other_snapshot)
-                bus.route(self.topics.for_shard(shard).delta_filter(), ModelDelta, self._on_other_delta)
-            self.evaluator.assemble = self._whole_model
+        if self.peers is not None:
+            self.peers.attach(bus, self.topics)
+            self.evaluator.assemble = self.peers.whole_model
         bus.route(self.topics.snapshot_request_filter(), SnapshotRequest, self._on_snapshot_request)
         bus.on_connect(self._on_connect)
 
@@ -242,17 +221,12 @@ class ParameterServer:
         return [self._step_loop(), self.evaluator.run(self._report_evaluation)]
 
     async def close(self) -> None:
-        if self._acking:  # the acks of the last steps go out before the connection closes, if it still holds
-            _, late = await asyncio.wait(self._acking, timeout=ACK_DRAIN_S)
-            for task in late:
-                task.cancel()
-            if late:
-                await asyncio.wait(late)
+        await self.acks.drain()  # the acks of the last steps go out before the connection closes, if it holds
         await asyncio.to_thread(self._checkpoint)
 
     async def _on_connect(self) -> None:
         self._request_snapshot()  # the first, or a restarted broker has lost the retained model
-        self._sync_published = None  # and the retained sync state
+        self.sync_out.forget()  # and the retained sync state
 
     # ------------------------------------------------------------------ consuming
     async def _on_plan(self, plan: Plan, _: TopicMatch) -> None:
@@ -272,34 +246,6 @@ class ParameterServer:
         if combined is not None:
             await self._report_evaluation(*combined)
 
-    async def _on_other_snapshot(self, snap: ModelSnapshot, match: TopicMatch) -> None:
-        """Another shard's rows of the model (shard 0 evaluates the whole)."""
-        assert self.others is not None
-        shapes = self.others.shapes(match.shard) or {}
-        if set(snap.tensors) != set(shapes) or any(t.shape[:1] != shapes[k] for k, t in snap.tensors.items()):
-            raise WireError(f"snapshot of shard {match.shard} does not hold its rows of the model", "shape")
-        self.others.views[match.shard].load(snap)
-        self._others_moved.set()
-
-    async def _on_other_delta(self, delta: ModelDelta, match: TopicMatch) -> None:
-        assert self.others is not None
-        await self.others.views[match.shard].receive(delta)
-        self._others_moved.set()
-
-    async def _whole_model(self, version: int, own: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
-        """The whole model at ``version``: this shard's rows ``own`` and every other shard's broadcast once it
-        reached ``version``; None if one has not within ``SHARD_WAIT_S``."""
-        assert self.others is not None
-        views = self.others.views[1:]
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(SHARD_WAIT_S):
-                while not all(v.ready and v.version >= version for v in views):
-                    self._others_moved.clear()
-                    await self._others_moved.wait()
-                return self.others.assemble([own, *(v.params or {} for v in views)])
-        logger.info("evaluation of version %d skipped: not every shard's model reached it", version)
-        return None
-
     async def _on_snapshot_request(self, request: SnapshotRequest, _: TopicMatch) -> None:
         """A member of the plan needs the whole model (a new division): a snapshot, unless the last is current."""
         if self.plan is None or self.plan.device(request.device) is None:
@@ -312,15 +258,14 @@ class ParameterServer:
         """Check an update against plan and model; queue it, or discard it with an ack."""
         assert self.state is not None
         where = self.topics.grad(match.cluster, match.device)
-        key = (update.device, update.incarnation, update.seq)
-        resent = self.assembly.taken(update, self.clock) if update.mesh_step else key in self._queued
+        resent = self.assembly.taken(update, self.clock) if update.mesh_step else self.acks.owes(update)
         if resent:
             self.metrics.reject("queued", where, f"{update.device} seq {update.seq} is queued already",
                                 route="grad")
             return  # the queued copy's ack answers this resend too
         if self.plan is not None and self.plan.device(update.device) is None:
             self.metrics.reject("unknown_device", where, update.device, route="grad")
-            await self._ack(Ack(update, "discarded", "unknown_device"))
+            await self.acks.send(Ack(update, "discarded", "unknown_device"), self.version)
             return
         try:
             if self.division is not None:
@@ -330,7 +275,7 @@ class ParameterServer:
             grads = await asyncio.to_thread(self.state.decode, update.shards)
         except WireError as exc:
             self.metrics.reject(exc.reason, where, exc, route="grad")
-            await self._ack(Ack(update, "discarded", payload_reason(exc.reason)))
+            await self.acks.send(Ack(update, "discarded", payload_reason(exc.reason)), self.version)
             return
         for shard in update.shards:
             self.m_codec_bytes.labels(codec=shard.codec).inc(len(shard.data))
@@ -345,7 +290,7 @@ class ParameterServer:
                 return
             item = outcome.joined
         if not update.mesh_step:
-            self._queued.add(key)
+            self.acks.owe(update)
         self._queue.append(item)
         self._count_pending()  # a paused server holds it: the gauge says so
         self._wake.set()
@@ -357,7 +302,7 @@ class ParameterServer:
             u = ack.update
             self.metrics.reject(ack.reason, self.topics.grad(u.cluster, u.device),
                                 f"step {u.mesh_step} of {u.cluster}: {ack.reason}", route="grad")
-        await asyncio.gather(*(self._ack(ack) for ack in [*outcome.rejected, *outcome.acks]))
+        await asyncio.gather(*(self.acks.send(ack, self.version) for ack in [*outcome.rejected, *outcome.acks]))
 
     # ------------------------------------------------------------------ stepping
     def _fleet(self) -> Fleet:
@@ -384,7 +329,7 @@ class ParameterServer:
             if self._snapshot_requested:
                 self._snapshot_requested = False
                 await self._publish_snapshot()
-            if self._sync_published is None:
+            if self.sync_out.owed:
                 await self._publish_sync_state()
             if self.paused:
                 continue
@@ -416,7 +361,7 @@ class ParameterServer:
             await self._publish_model(message)
             self.scheduler.model_published(time.monotonic())
         # acks go to different devices: out at once, and the next batch is taken while their PUBACKs come back
-        self._send_acks(decision.acks)
+        self.acks.send_batch(decision.acks, self.version)
         if steps:
             assert self.state is not None
             self.m_step.observe(time.perf_counter() - started)
@@ -456,37 +401,6 @@ class ParameterServer:
         self.m_checkpoints.inc()
 
     # ------------------------------------------------------------------ publishing
-    def _send_acks(self, acks: list[Ack]) -> None:
-        """Publish a batch's ``acks`` without holding up the next batch for the broker's PUBACKs (they are sent
-        once the batch's log is durable). Batches go out in order: a batch's acks wait for the previous batch's,
-        so no ack names an older version after a newer one, even when a broker outage makes some publishes retry.
-        """
-        if not acks:
-            return
-        before = self._last_acks
-        task = asyncio.create_task(self._acks_in_turn(before, acks, self.version))
-        self._last_acks = task
-        self._acking.add(task)
-        task.add_done_callback(self._acking.discard)
-
-    async def _acks_in_turn(self, before: asyncio.Task[None] | None, acks: list[Ack], version: int) -> None:
-        if before is not None:
-            await asyncio.wait([before])
-        results = await asyncio.gather(*(self._ack(ack, version) for ack in acks), return_exceptions=True)
-        for ack, result in zip(acks, results, strict=True):
-            if isinstance(result, Exception):  # the device resends; the resend gets this answer again
-                logger.warning("ack of %s seq %d not sent: %s", ack.update.device, ack.update.seq, result)
-
-    async def _ack(self, ack: Ack, version: int | None = None) -> None:
-        """Publish ``ack``, naming ``version`` (the model the update's batch made; default: the current one)."""
-        assert self.bus is not None
-        u = ack.update
-        self._queued.discard((u.device, u.incarnation, u.seq))  # answered: a resend now gets this answer again
-        self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
-        await self.bus.publish(self.topics.ack(u.device), UpdateAck(
-            device=u.device, incarnation=u.incarnation, seq=u.seq, status=ack.status, reason=ack.reason,
-            version=self.version if version is None else version, delay=ack.delay, resync=ack.resync))
-
     def _request_snapshot(self) -> None:
         """Have the step loop publish a snapshot: model publishing is serialized with stepping."""
         self._snapshot_requested = True
@@ -528,20 +442,10 @@ class ParameterServer:
             return self.version, {k: v.copy() for k, v in self.state.params.items()}
 
     async def _publish_sync_state(self) -> None:
-        """Publish the retained sync state when the policy, bound or slow devices changed, or, when
-        only delay indices moved, at most every ``ps.sync_state_interval_s``."""
         assert self.bus is not None
-        if self.cfg.ps.shard:
-            return  # shard 0 speaks for every shard
-        state = self.scheduler.sync_state(self._fleet(), bound=self.bound, time=time.time())
-        key = (state.policy, state.bound, state.slow)
-        now = time.monotonic()
-        if self._sync_published is not None and self._sync_published[:3] == key and (
-                self._sync_published[3] == state.delay_indices
-                or now - self._sync_published_at < self.cfg.ps.sync_state_interval_s):
-            return
-        self._sync_published, self._sync_published_at = (*key, state.delay_indices), now
-        await self.bus.publish(self.topics.sync(), state, retain=True)
+        if not self.cfg.ps.shard:  # shard 0 speaks for every shard
+            await self.sync_out.publish(self.bus, self.scheduler.sync_state(self._fleet(), bound=self.bound,
+                                                                            time=time.time()))
 
     async def _report_evaluation(self, version: int, loss: float, accuracy: float) -> None:
         assert self.events is not None
@@ -553,9 +457,7 @@ class ParameterServer:
     def _adaptive_gauges(self, fleet: Fleet) -> None:
         """The adaptive rule's bound, deadline and slow devices for ``fleet``, on its gauges."""
         self.rule.follow(fleet.bound, fleet.devices)
-        self.m_adaptive_bound.set(self.rule.bound())
-        self.m_adaptive_deadline.set(self.rule.deadline(self.scheduler.live(fleet)))
-        self.m_slow.set(len(self.rule.slow_devices()))
+        self.sync_out.gauges(self.rule, self.rule.deadline(self.scheduler.live(fleet)))
 
     def _count_pending(self) -> None:
         self.m_pending.set(len(self._queue) + len(self.scheduler.pending()))
@@ -585,7 +487,7 @@ class ParameterServer:
         fleet = self._fleet()
         self._adaptive_gauges(fleet)
         if cmd.command in ("set-sync-policy", "set-bound"):
-            self._sync_published = None  # the step loop publishes the new state (woken above)
+            self.sync_out.forget()  # the step loop publishes the new state (woken above)
         if cmd.command in SETTINGS_COMMANDS:
             await asyncio.to_thread(self._checkpoint)
         return True, "ok", {"version": self.version, "policy": self.policy, "bound": self.bound, "lr": self.lr,
@@ -593,37 +495,3 @@ class ParameterServer:
                             "adaptive_bound": self.rule.bound(),
                             "adaptive_deadline_s": self.rule.deadline(self.scheduler.live(fleet)),
                             "slow_devices": ",".join(self.rule.slow_devices())}
-
-
-class _Shard(argparse.Action):
-    """``--shard i/n``: ``ps.shard`` and ``ps.shards``, as ``--set`` would give them."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
-        index, sep, count = str(values).partition("/")
-        if not (sep and index.isdigit() and count.isdigit()):
-            parser.error(f"--shard expects INDEX/COUNT such as 0/2, got {values!r}")
-        namespace.set = [*namespace.set, f"ps.shard={index}", f"ps.shards={count}"]
-
-
-def register(parser: argparse.ArgumentParser) -> None:
-    """``edgemesh ps``: the configuration flags and its own."""
-    parser.add_argument("--state-dir", help="directory of checkpoint and write-ahead log")
-    parser.add_argument("--policy", help="sync, async, ssp or adaptive")
-    parser.add_argument("--shard", action=_Shard, metavar="I/N", help="run shard I of a parameter server split "
-                        "into N processes (workers need ps.shards = N too); default: one process")
-    cli.service_command(parser, run, {"state_dir": "ps.state_dir", "policy": "training.sync_policy"})
-
-
-async def run(config: Config) -> None:
-    """Run the parameter server until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of the
-    configuration, or without one the jobs operators submit, their states kept by the job board (``jobs``)."""
-    if config.ps.shards > 1 and not config.job:
-        raise ConfigError("a sharded parameter server serves the job of its configuration (--job NAME): "
-                          "submitted jobs need ps.shards = 1")
-    if config.job:
-        await ParameterServer(config).run(signals=True)
-        return
-    from edgemesh.services.parameter_server.jobs import serve_jobs
-
-    await serve_jobs(config)

@@ -21,36 +21,29 @@ and the worker waits for a plan that gives it less. A policy with ``gateway = tr
 raw float32 on ``grad-raw/{cluster}/{device}`` for the compressor to encode.
 
 With a sharded parameter server (``ps.shards`` > 1) the model is assembled from every shard's broadcast
-(``shards.ShardedView``) and a step sends each shard the gradient of its rows, on its own topics, waiting
-for every shard's ack; such a worker trains only in clusters of its own (data parallelism).
+and a step sends each shard the gradient of its rows, waiting for every shard's ack (``sharded``); such a
+worker trains only in clusters of its own (data parallelism).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import importlib.metadata
 import logging
 import socket
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from edgemesh import cli
 from edgemesh.common import wire
 from edgemesh.common.broadcast import ModelView
 from edgemesh.common.bus import Bus
 from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config
-from edgemesh.common.data import Dataset, LocalData, load_local
+from edgemesh.common.data import Dataset, LocalData
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.health import HealthReading
-from edgemesh.common.jobs import JobSpec, model_spec, resolve
+from edgemesh.common.jobs import JobSpec
 from edgemesh.common.messages import (
     CodecPolicy,
     ControlCommand,
@@ -69,27 +62,24 @@ from edgemesh.common.messages import (
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.shards import ShardedView
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
 from edgemesh.services.worker import profile as prof
 from edgemesh.services.worker.board import board_for
 from edgemesh.services.worker.incarnation import next_incarnation
-from edgemesh.services.worker.link import DownlinkMeter, LatencyMeter, LinkMeter, keep_probing
+from edgemesh.services.worker.link import keep_probing
 from edgemesh.services.worker.mesh.session import MeshSession
 from edgemesh.services.worker.sender import Sender
+from edgemesh.services.worker.sharded import REFUSAL as SHARDED_REFUSAL
+from edgemesh.services.worker.sharded import ShardedModel
+from edgemesh.services.worker.stats import Recent, mean
 from edgemesh.services.worker.trainer import Trainer
-
-if TYPE_CHECKING:
-    from edgemesh.services.host import ActiveJob
 
 logger = logging.getLogger(__name__)
 
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 WAIT_LOG_INTERVAL_S = 10.0
 """How often a worker waiting for a plan, model or ack says so."""
-AVERAGE_WINDOW = 20
-"""Steps over which step times and delays are averaged for stats."""
 QUIET_DISCARDS = ("stale", "round_full", "future", "replanned")
 """Discards that are part of training (a late or superseded update), not worth a warning."""
 PROBES_PER_INTERVAL = 2
@@ -122,17 +112,12 @@ class Worker:
         self.me: PlanDevice | None = None
         self.policy: CodecPolicy | None = None
         self.view = ModelView()
-        self.sharded = ShardedView(config.ps.shards) if config.ps.shards > 1 else None
+        self.sharded = ShardedModel(config.ps.shards, self.topics, self.device) if config.ps.shards > 1 else None
         """With a sharded parameter server: the model put together from every shard's broadcast."""
-        self._min_versions: dict[int, int] = {}
-        """Shard -> the version a resync asks this device to wait for."""
-        self.link = LinkMeter(config.worker.link_rate_bps)
-        """Uplink rate reported in stats: ``worker.link_rate_bps`` if set, else measured."""
-        self.downlink = DownlinkMeter()
-        """Downlink rate reported in stats, measured from chunked messages received."""
-        self.latency = LatencyMeter()
-        """Latency to the broker reported in stats, measured by link probes."""
         m = self.metrics = ServiceMetrics(self.name)
+        self.recent = Recent(config.worker, self.topics, m)
+        """Recent steps, delays and link figures: the stats."""
+        self.link = self.recent.link
         self.board = board_for(config.worker, self.device, self.link, m, config.broker)
         self.trainer = Trainer(config, self.device, self.board, local=local.train if local is not None else None)
         self.validation: Dataset | None = local.validation if local is not None else None
@@ -152,23 +137,11 @@ class Worker:
         self._refused = 0
         """Version of the last plan whose share did not fit this device's memory (0 = none)."""
         self._refusal = ""
-        self._step_times: deque[float] = deque(maxlen=AVERAGE_WINDOW)
-        self._stepped_batch = 0
-        """Batch size of the steps in ``_step_times``."""
-        self._delays: deque[int] = deque(maxlen=AVERAGE_WINDOW)
-        self._work: deque[tuple[float, float]] = deque(maxlen=AVERAGE_WINDOW)
-        """(training FLOPs, compute seconds) of recent steps: the measured speed in stats."""
-        self._last_loss: float | None = None
 
         self.m_steps = m.counter("steps", "Training steps computed")
         self.m_step = m.histogram("step_seconds", "Compute time of one training step", STEP_BUCKETS)
         self.m_updates = m.counter("updates", "Updates by the PS's answer", ["status", "reason"])
         self.m_grad_bytes = m.counter("gradient_bytes", "Encoded gradient bytes sent", ["codec"])
-        self.m_link = m.gauge("link_rate_bytes_per_second", "Uplink rate reported in stats (declared or measured)")
-        self.m_downlink = m.gauge("downlink_rate_bytes_per_second", "Downlink rate measured from chunked messages "
-                                  "received (0 = not measured yet)")
-        self.m_latency = m.gauge("latency_seconds", "One-way latency to the broker: half the shortest recent round "
-                                 "trip of a link probe (0 = not measured yet)")
         self.m_version = m.gauge("model_version", "Version of the model this worker trains on")
         self.m_loss = m.gauge("loss", "Training loss of the last batch")
         self.m_refused = m.counter("refused_shares", "Plan shares refused because they do not fit in memory")
@@ -195,7 +168,7 @@ class Worker:
         bus.route(t.plan_filter(), Plan, self._on_plan)
         bus.route(t.codec_filter(self.device), CodecPolicy, self._on_policy)
         if self.sharded is not None:
-            for shard in range(len(self.sharded.views)):
+            for shard in range(self.sharded.count):
                 st = t.for_shard(shard)
                 bus.route(st.model_filter(), ModelSnapshot, self._on_shard_snapshot)
                 bus.route(st.delta_filter(), ModelDelta, self._on_shard_delta)
@@ -205,7 +178,7 @@ class Worker:
         bus.route(t.ack_filter(self.device), UpdateAck, self.sender.on_ack)
         bus.on_connect(self._announce)
         bus.on_connect(self.sender.on_connect)
-        bus.on_joined(self._on_joined)
+        bus.on_joined(self.recent.on_joined)
         self.mesh.attach(bus, model, broadcast)
 
     def jobs(self) -> list[Job]:
@@ -280,20 +253,14 @@ class Worker:
             raise WireError(f"snapshot is for model {snap.model_spec}", "shape")
         if not self.trainer.layout:
             await asyncio.to_thread(self.trainer.know_model, snap.model_spec, self.cfg.training.seed)
-        self.sharded.know({name: shape for name, (shape, _) in self.trainer.layout.items()})
-        rows = self.sharded.shapes(match.shard) or {}
-        layout = self.trainer.layout
-        if set(snap.tensors) != set(rows) or any(
-                t.shape != (rows[name][0], *layout[name][0][1:]) for name, t in snap.tensors.items()):
-            raise WireError(f"snapshot of shard {match.shard} does not hold its rows of the model", "shape")
-        self.sharded.views[match.shard].load(snap)
+        self.sharded.load(snap, match.shard, self.trainer.layout)
         await self._notify()
 
     async def _on_shard_delta(self, delta: ModelDelta, match: TopicMatch) -> None:
         assert self.sharded is not None
         if delta.model_spec != self._spec():
             raise WireError(f"delta is for model {delta.model_spec}", "shape")
-        await self.sharded.views[match.shard].receive(delta)
+        await self.sharded.receive(delta, match.shard)
         await self._notify()
 
     def _spec(self) -> str:
@@ -356,10 +323,9 @@ class Worker:
             if self.sharded is not None:
                 cluster = self.plan.cluster(self.me.cluster)
                 if cluster is not None and len(cluster.members) > 1:
-                    await self._refuse("a sharded parameter server (ps.shards > 1) takes whole tensors: this "
-                                       "device trains only in a cluster of its own")
+                    await self._refuse(SHARDED_REFUSAL)
                     continue
-                await self._wait_for("every parameter server shard's model", self._holds_shards)
+                await self._wait_for("every parameter server shard's model", self.sharded.holds)
             else:
                 await self._wait_for(f"model version {min_version}", self._holds_model(min_version))
             computed = await self._compute()
@@ -370,7 +336,7 @@ class Worker:
                 self.m_grad_bytes.labels(codec=s.codec).inc(len(s.data))
             ack = await self._send(update)
             await self._notify()  # the stats loop waits for the first ack
-            self._delays.append(ack.delay)
+            self.recent.delays.append(ack.delay)
             min_version = ack.version if ack.resync else 0
             if ack.status in ("accepted", "duplicate"):
                 self.accepted += 1
@@ -394,22 +360,10 @@ class Worker:
             ack = await self.sender.send(update, topic)
             self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
             return ack
-        parts = self.sharded.split(update.shards)
-        versions, gaps = self.sharded.versions, [v.gap for v in self.sharded.views]
-        acks = await asyncio.gather(*(self.sender.send(
-            replace(update, shards=tuple(part), base_version=versions[i], need_snapshot=gaps[i]),
-            self.topics.for_shard(i).grad(update.cluster, self.device), i) for i, part in enumerate(parts)))
+        answer, acks = await self.sharded.send(self.sender, update)
         for ack in acks:
             self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
-        self._min_versions = {i: ack.version for i, ack in enumerate(acks) if ack.resync}
-        worst = next((a for a in acks if a.status not in ("accepted", "duplicate")), acks[0])
-        return replace(worst, delay=max(a.delay for a in acks), resync=False)
-
-    def _holds_shards(self) -> bool:
-        """Every shard's view holds the model at the version its last ack asked for, or knows it missed a delta."""
-        assert self.sharded is not None
-        views = self.sharded.views
-        return self.sharded.ready and all(views[i].version >= v or views[i].gap for i, v in self._min_versions.items())
+        return answer
 
     async def _compute(self) -> GradientUpdate | None:
         """One step under the current plan: this device's update, or None when there is none to send."""
@@ -428,7 +382,7 @@ class Worker:
             shards, samples, loss, elapsed = result.shards, result.samples, result.loss, result.elapsed_s
             version, gap, mesh_step = result.version, result.gap, result.step
             if result.work is not None:
-                self._work.append(result.work)
+                self.recent.work.append(result.work)
         else:
             if self.mesh.member is not None:  # a model-parallel member until this plan: its view held its rows
                 await self.mesh.leave()
@@ -437,34 +391,31 @@ class Worker:
                                                                           version, policy)
             elapsed = await self.board.hold(real_s, flops, samples)
             if flops is not None:  # no cost figures: no measured speed
-                self._work.append((flops, elapsed))
+                self.recent.work.append((flops, elapsed))
         return self._stepped(plan, me, shards, samples, loss, elapsed, version, gap, mesh_step)
 
     async def _compute_sharded(self) -> GradientUpdate:
         """A step on the model assembled from every shard, its gradient cut at the shards' rows."""
         assert self.plan is not None and self.me is not None and self.sharded is not None
-        params, versions, plan, me = self.sharded.params, self.sharded.versions, self.plan, self.me
+        view, plan, me = self.sharded.view, self.plan, self.me
+        params, versions = view.params, view.versions
         assert params is not None
         shards, samples, loss, real_s, flops = await asyncio.to_thread(
-            self.trainer.step, plan, me, params, min(versions), self.policy, spans=self.sharded.spans,
+            self.trainer.step, plan, me, params, min(versions), self.policy, spans=view.spans,
             stamp=sum(versions))
         elapsed = await self.board.hold(real_s, flops, samples)
         if flops is not None:
-            self._work.append((flops, elapsed))
-        return self._stepped(plan, me, shards, samples, loss, elapsed, min(versions), self.sharded.gap, 0)
+            self.recent.work.append((flops, elapsed))
+        return self._stepped(plan, me, shards, samples, loss, elapsed, min(versions), view.gap, 0)
 
     def _stepped(self, plan: Plan, me: PlanDevice, shards: list[ShardUpdate], samples: int, loss: float,
                  elapsed: float, version: int, gap: bool, mesh_step: int) -> GradientUpdate:
         """Count a step computed under ``plan`` and make its update."""
-        if me.batch_size != self._stepped_batch:  # stats report the step time of the batch size in use
-            self._step_times.clear()
-            self._stepped_batch = me.batch_size
+        self.recent.stepped(me.batch_size, elapsed, loss)
         self.m_steps.inc()
         self.m_step.observe(elapsed)
         self.m_loss.set(loss)
         self.m_version.set(version)
-        self._step_times.append(elapsed)
-        self._last_loss = loss
         self.seq += 1
         return GradientUpdate(device=self.device, cluster=me.cluster, incarnation=self.incarnation, seq=self.seq,
                               base_version=version, samples=samples, need_snapshot=gap, shards=tuple(shards),
@@ -507,10 +458,6 @@ class Worker:
                 loss_sum=loss * samples))
 
     # ------------------------------------------------------------------ reporting
-    def _compute_flops(self) -> float:
-        seconds = sum(t for _, t in self._work)
-        return sum(f for f, _ in self._work) / seconds if seconds > 0 else 0.0
-
     async def _report(self) -> None:
         """Stats after the first update (the compressor needs step time and gradient size to
         choose a codec at once), then every ``worker.stats_interval_s``."""
@@ -522,88 +469,29 @@ class Worker:
                 await self._publish_stats()
             await asyncio.sleep(self.cfg.worker.stats_interval_s)
 
-    def _on_joined(self, topic: str, nbytes: int, seconds: float) -> None:
-        """A model snapshot or delta of several chunks is a downlink sample (``link``); a mesh slice is not: it
-        came at its sender's pace."""
-        rest = topic.removeprefix(self.topics.root + "/")
-        if rest.startswith("shard/"):  # a parameter server shard's
-            rest = rest.split("/", 2)[-1]
-        if rest == "model" or rest.startswith("model/delta"):
-            self.downlink.observe(nbytes, seconds)
-
     async def _probe_links(self) -> None:
         """The latency to the broker, measured from the start (``link.keep_probing``)."""
         assert self.bus is not None
         await keep_probing(self.bus, self.topics.probe(self.device), lambda: LinkProbe(
-            device=self.device, incarnation=self.incarnation, time=time.time()), self.latency,
+            device=self.device, incarnation=self.incarnation, time=time.time()), self.recent.latency,
             per_interval=PROBES_PER_INTERVAL, interval_s=self.cfg.worker.stats_interval_s)
 
     async def _publish_stats(self) -> None:
         assert self.bus is not None
-        self.m_link.set(self.link.rate_bps)
-        self.m_downlink.set(self.downlink.rate_bps)
-        self.m_latency.set(self.latency.latency_s)
         self.board.sample()
         health = self.metrics.health.latest if self.metrics.health is not None else HealthReading()
         stats = DeviceStats(
             device=self.device, incarnation=self.incarnation, time=time.time(),
             steps=int(self.metrics.value("edgemesh_worker_steps_total")),
-            step_time_s=_mean(self._step_times), comm_time_s=_mean(self.sender.comm_times),
-            delay_index=_mean(self._delays), rss_bytes=prof.rss_bytes(), cpu_temp_c=health.temperature_c,
+            comm_time_s=mean(self.sender.comm_times), rss_bytes=prof.rss_bytes(), cpu_temp_c=health.temperature_c,
             throttled_bits=health.throttled_bits, model_version=max(self.trainer.model_version, 0),
-            loss=self._last_loss, batch_size=self._stepped_batch,
             bytes_sent=int(self.metrics.value("edgemesh_worker_published_bytes_total")),
-            link_rate_bps=self.link.rate_bps, downlink_rate_bps=self.downlink.rate_bps,
-            latency_s=self.latency.latency_s, gradient_bytes=self.trainer.gradient_bytes,
-            upload_time_s=self.link.upload_s, compute_flops=self._compute_flops(),
+            gradient_bytes=self.trainer.gradient_bytes, **self.recent.figures(),
             mesh_layer_busy_s=self.mesh.layer_busy_s() if self.mesh.active else {})
         with contextlib.suppress(Exception):
             await self.bus.publish(self.topics.stats(self.device), stats)
 
 
-def _mean(values: deque[Any]) -> float:
-    return float(np.mean(values)) if values else 0.0
-
-
-def register(parser: argparse.ArgumentParser) -> None:
-    """``edgemesh worker``: the configuration flags and its own."""
-    parser.add_argument("--device", help="device name (default: host name)")
-    parser.add_argument("--emulate", metavar="PROFILE", help="emulate a device profile (pi3, pi4, pi5, jetson-nano, "
-                        "laptop): its speed, memory and link; off by default")
-    cli.service_command(parser, run, {"device": "worker.device", "emulate": "worker.emulate"})
-
-
 def device_name(config: Config) -> str:
     """The device's name: ``worker.device``, else the host name."""
     return config.worker.device or socket.gethostname().split(".")[0]
-
-
-async def run(config: Config) -> None:
-    """Run one worker until stopped (SIGINT, SIGTERM, a ``stop`` command or ``worker.max_steps``): the job
-    of the configuration, or without one every job submitted that this device has the data for."""
-    import torch
-
-    from edgemesh.services.host import serve_or_host
-
-    # before any torch work: a thread that ran a torch op keeps the thread count it started with
-    torch.set_num_threads(config.worker.threads)
-    await serve_or_host("worker", config, Worker, device=device_name(config), factory=for_job)
-
-
-async def for_job(active: ActiveJob) -> Worker:
-    """This device's worker in a submitted job: the model built from the job file and the device's own data
-    read first, so a device whose data is missing or broken says why and stays out (DataError, ModelError)."""
-    spec = active.spec
-    await asyncio.to_thread(model_spec, spec)
-    local = None
-    if spec.data.format != "digits":
-        local = await asyncio.to_thread(
-            load_local, spec.data.format, resolve(spec.data.path, active.config.worker.data_dir),
-            input_shape=spec.model.input_shape, classes=spec.model.classes,
-            validation_share=spec.evaluation.local_share, seed=active.config.training.seed,
-            label_column=spec.data.label_column,
-            max_samples=spec.data.max_samples)
-        logger.info("%s: job %s, %d local samples (%s)%s", device_name(active.config), spec.name, len(local.train),
-                    ", ".join(f"{k} {v}" for k, v in local.class_counts.items()),
-                    f", {len(local.validation)} for validation" if local.validation is not None else "")
-    return Worker(active.config, job=spec, local=local)

@@ -1,0 +1,45 @@
+"""``edgemesh ps``: its flags, and which server runs: the job of the configuration (one process, or shard i of n
+with ``--shard i/n``), or, with no job named, the job board that serves the jobs operators submit."""
+
+from __future__ import annotations
+
+import argparse
+
+from edgemesh import cli
+from edgemesh.common.config import Config
+from edgemesh.common.errors import ConfigError
+from edgemesh.services.parameter_server.service import ParameterServer
+
+
+class _Shard(argparse.Action):
+    """``--shard i/n``: ``ps.shard`` and ``ps.shards``, as ``--set`` would give them."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        index, sep, count = str(values).partition("/")
+        if not (sep and index.isdigit() and count.isdigit()):
+            parser.error(f"--shard expects INDEX/COUNT such as 0/2, got {values!r}")
+        namespace.set = [*namespace.set, f"ps.shard={index}", f"ps.shards={count}"]
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh ps``: the configuration flags and its own."""
+    parser.add_argument("--state-dir", help="directory of checkpoint and write-ahead log")
+    parser.add_argument("--policy", help="sync, async, ssp or adaptive")
+    parser.add_argument("--shard", action=_Shard, metavar="I/N", help="run shard I of a parameter server split "
+                        "into N processes (workers need ps.shards = N too); default: one process")
+    cli.service_command(parser, run, {"state_dir": "ps.state_dir", "policy": "training.sync_policy"})
+
+
+async def run(config: Config) -> None:
+    """Run the parameter server until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of the
+    configuration, or without one the jobs operators submit, their states kept by the job board (``jobs``)."""
+    if config.ps.shards > 1 and not config.job:
+        raise ConfigError("a sharded parameter server serves the job of its configuration (--job NAME): "
+                          "submitted jobs need ps.shards = 1")
+    if config.job:
+        await ParameterServer(config).run(signals=True)
+        return
+    from edgemesh.services.parameter_server.jobs import serve_jobs
+
+    await serve_jobs(config)
