@@ -22,7 +22,7 @@ from edgemesh.operator.job import submission_of
 from edgemesh.services.host import JobHost
 from edgemesh.services.parameter_server import jobs as ps_jobs
 from edgemesh.services.parameter_server.jobs import JobBoard
-from edgemesh.services.worker import service as worker_service
+from edgemesh.services.worker import command as worker_command
 from edgemesh.services.worker.service import Worker
 
 TRAIN_S = 90.0
@@ -39,7 +39,7 @@ async def hosts(config: Config) -> AsyncIterator[dict[str, JobHost]]:
     ps = JobHost("ps", config, ps_jobs.for_job)
     board = JobBoard(ps)
     workers = {d: JobHost("worker", dataclasses.replace(config, worker=dataclasses.replace(
-        config.worker, device=d)), worker_service.for_job, device=d) for d in DEVICES}
+        config.worker, device=d)), worker_command.for_job, device=d) for d in DEVICES}
     tasks = [asyncio.create_task(ps.run(extra=board.attach))] + [asyncio.create_task(w.run()) for w in workers.values()]
     try:
         yield {"ps": ps, **workers}
