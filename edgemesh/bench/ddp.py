@@ -143,6 +143,7 @@ class EdgeMeshRun(Timeline):
 async def _watch(cfg: Config, run: EdgeMeshRun, devices: set[str]) -> None:
     """t0 once the plan names every device; acks (the version clock) and the parameter server's evaluations."""
     topics = Topics(cfg.job)
+    acks = Topics(cfg.job, 0) if cfg.ps.shards > 1 else topics  # shard 0's acks: every shard steps each round
 
     async def on_plan(plan: Plan, _: TopicMatch) -> None:
         run.plan = plan
@@ -160,7 +161,7 @@ async def _watch(cfg: Config, run: EdgeMeshRun, devices: set[str]) -> None:
         run.evaluations.append((time.monotonic() - run.t0, version, accuracy))
         run.losses[version] = (float(event.data.get("loss") or 0.0), accuracy)
 
-    await observe(cfg, Route(topics.plan_filter(), Plan, on_plan), Route(topics.ack_filter("+"), UpdateAck, on_ack),
+    await observe(cfg, Route(topics.plan_filter(), Plan, on_plan), Route(acks.ack_filter("+"), UpdateAck, on_ack),
                   Route(topics.events_filter(), Event, on_event))
 
 
