@@ -29,6 +29,8 @@ Install EdgeMesh into $VENV and enable its systemd units.
   SOURCE   what pip installs: a checkout directory, a wheel or sdist, or a URL
            (e.g. git+https://example.com/edgemesh.git@v0.1.0)
   ROLE     planner | ps | compressor | worker | services (= planner ps compressor)
+           | ps@I: shard I of a parameter server split into ps.shards processes
+             (edgemesh-ps@I.service; set job and ps.shards in edgemesh.toml first)
 
 Options:
   --device NAME   device name of the worker (default: the short host name)
@@ -75,6 +77,7 @@ ROLES=()
 for role in "${POSITIONAL[@]:1}"; do
     case "$role" in
         planner|ps|compressor|worker) ROLES+=("$role") ;;
+        ps@[0-9]|ps@[1-9][0-9]) ROLES+=("$role") ;;
         services) ROLES+=(planner ps compressor) ;;
         *) die_usage "unknown role '$role'" ;;
     esac
@@ -100,7 +103,7 @@ if [[ $EUID -ne 0 ]]; then
     echo "error: run as root (sudo $0 ...)" >&2
     exit 1
 fi
-for f in systemd/edgemesh-planner.service systemd/edgemesh-ps.service \
+for f in systemd/edgemesh-planner.service systemd/edgemesh-ps.service systemd/edgemesh-ps@.service \
          systemd/edgemesh-compressor.service systemd/edgemesh-worker@.service \
          edgemesh.example.toml edgemesh.example.env; do
     [[ -f "$SCRIPT_DIR/$f" ]] || { echo "error: $SCRIPT_DIR/$f is missing; run the script from an EdgeMesh checkout" >&2; exit 1; }

@@ -145,9 +145,13 @@ def parse_unit(path: Path) -> Unit:
     return Unit(path, sections)
 
 
+INSTANCES = {"edgemesh-ps@.service": "1"}
+"""The instance a template is tried with (a shard's index); the others', a device name: pi-07."""
+
+
 def exec_args(unit: Unit) -> tuple[str, Any]:
-    """The unit's ExecStart parsed by the real CLI parser (instance ``%i`` = pi-07)."""
-    argv = shlex.split(unit.value("Service", "ExecStart").replace("%i", "pi-07"))
+    """The unit's ExecStart parsed by the real CLI parser (instance ``%i``: ``INSTANCES``, else pi-07)."""
+    argv = shlex.split(unit.value("Service", "ExecStart").replace("%i", INSTANCES.get(unit.path.name, "pi-07")))
     assert argv[0] == EDGEMESH_BIN, f"{unit.path.name}: ExecStart runs {argv[0]}, not {EDGEMESH_BIN}"
     try:
         args = cli.build_parser(argv[1:]).parse_args(argv[1:])
@@ -277,7 +281,8 @@ def test_install_script_syntax() -> None:
     ["--frobnicate", "/src", "worker"],
     ["--device", "bad/name", "/src", "worker"],
     ["--device"],
-], ids=["no-args", "no-role", "unknown-role", "unknown-option", "bad-device", "missing-value"])
+    ["/src", "ps@x"],
+], ids=["no-args", "no-role", "unknown-role", "unknown-option", "bad-device", "missing-value", "bad-shard"])
 def test_install_script_rejects_bad_arguments(args: list[str], tmp_path: Path) -> None:
     # Only cat, basename and dirname on PATH: should the argument checks ever let a bad
     # call through, the script stops at its first system command instead of installing.
@@ -352,6 +357,9 @@ def test_unit_runs_a_real_subcommand(path: Path) -> None:
     if service == "worker":
         assert path.name.endswith("@.service") and args.device == "pi-07"  # the instance name
         assert unit.value("Service", "MemoryMax").endswith("M")
+    if path.name == "edgemesh-ps@.service":  # shard 1: the count is the configuration's, the port its own
+        assert args.set == ["ps.shard=1"] and port == "9491"
+        assert unit.value("Unit", "Conflicts") == "edgemesh-ps.service"
 
 
 def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
@@ -376,6 +384,8 @@ def test_prometheus_scrapes_the_unit_ports() -> None:
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     unit_ports = {}
     for path in UNIT_FILES:
+        if path.name in INSTANCES:  # the shards' ports, one per index, are in a commented-out job
+            continue
         command, args = exec_args(parse_unit(path))
         unit_ports[command] = int(args.metrics.rpartition(":")[2])
     scraped: dict[str, set[int]] = {}

@@ -187,8 +187,9 @@ def test_wal_append_and_read(tmp_path: Path) -> None:
     wal = store.WriteAheadLog(tmp_path, fsync=True)
     try:
         assert wal.append([]) == 0
+        empty = (tmp_path / store.WAL_NAME).stat().st_size
         written = wal.append(_records(3))
-        assert written == (tmp_path / store.WAL_NAME).stat().st_size
+        assert written == (tmp_path / store.WAL_NAME).stat().st_size - empty
         wal.append(_records(2, start=3))
     finally:
         wal.close()
@@ -218,8 +219,7 @@ def test_a_torn_wal_tail_is_cut_and_earlier_records_kept(tmp_path: Path, cut: in
     full = path.read_bytes()
     path.write_bytes(full[: good_size + min(cut, len(full) - good_size - 1)])
     assert store.read_wal(tmp_path) == _records(3)
-    assert path.stat().st_size == good_size  # the tail is gone for good
-    # the log keeps working after the cut
+    # the log keeps working after the cut: the next record takes the torn one's place
     wal = store.WriteAheadLog(tmp_path, fsync=False)
     wal.append(_records(1, start=9))
     wal.close()
@@ -229,7 +229,6 @@ def test_a_torn_wal_tail_is_cut_and_earlier_records_kept(tmp_path: Path, cut: in
 def test_a_corrupt_last_record_is_cut(tmp_path: Path) -> None:
     wal = store.WriteAheadLog(tmp_path, fsync=False)
     wal.append(_records(2))
-    good_size = (tmp_path / store.WAL_NAME).stat().st_size
     wal.append(_records(1, start=2))
     wal.close()
     path = tmp_path / store.WAL_NAME
@@ -237,18 +236,49 @@ def test_a_corrupt_last_record_is_cut(tmp_path: Path) -> None:
     raw[-1] ^= 0xFF  # checksum no longer matches
     path.write_bytes(bytes(raw))
     assert store.read_wal(tmp_path) == _records(2)
-    assert path.stat().st_size == good_size
+    wal = store.WriteAheadLog(tmp_path, fsync=False)
+    wal.append(_records(1, start=5))
+    wal.close()
+    assert store.read_wal(tmp_path) == [*_records(2), *_records(1, start=5)]
 
 
 def test_reset_empties_the_log_and_keeps_it_usable(tmp_path: Path) -> None:
     wal = store.WriteAheadLog(tmp_path, fsync=True)
     try:
         wal.append(_records(3))
+        size = (tmp_path / store.WAL_NAME).stat().st_size
         wal.reset()
         assert store.read_wal(tmp_path) == []
-        assert (tmp_path / store.WAL_NAME).stat().st_size == 0
         wal.append(_records(1, start=7))
     finally:
         wal.close()
+    # the new generation overwrites the old one in the same file; the old records after it are not read back
     assert store.read_wal(tmp_path) == _records(1, start=7)
+    assert (tmp_path / store.WAL_NAME).stat().st_size == size
     assert sorted(p.name for p in tmp_path.iterdir()) == [store.WAL_NAME]
+    wal = store.WriteAheadLog(tmp_path, fsync=False)  # reopened: the generation goes on after its last record
+    wal.append(_records(1, start=8))
+    wal.close()
+    assert store.read_wal(tmp_path) == _records(2, start=7)
+
+
+def test_a_log_of_the_earlier_format_is_read_and_rewritten(tmp_path: Path) -> None:
+    """Before generations a log was records from the start of the file, checked with zlib's crc32."""
+    path = tmp_path / store.WAL_NAME
+    bodies = [msgpack.packb(r, use_bin_type=True) for r in _records(3)]
+    path.write_bytes(b"".join(struct.pack("<II", len(b), zlib.crc32(b)) + b for b in bodies) + b"\x07\x00")
+    assert store.read_wal(tmp_path) == _records(3)  # the torn tail ends it, as before
+    wal = store.WriteAheadLog(tmp_path, fsync=True)
+    wal.append(_records(1, start=3))
+    wal.close()
+    assert store.read_wal(tmp_path) == _records(4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [store.WAL_NAME]
+
+
+def test_a_stale_length_is_not_read_into_memory(tmp_path: Path) -> None:
+    wal = store.WriteAheadLog(tmp_path, fsync=False)
+    wal.append(_records(2))
+    wal.close()
+    with open(tmp_path / store.WAL_NAME, "ab") as fh:
+        fh.write(struct.pack("<II", 0xFFFFFFF0, 0) + b"\x00" * 64)
+    assert store.read_wal(tmp_path) == _records(2)

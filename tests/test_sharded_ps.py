@@ -4,6 +4,7 @@ shard topics, and services on a real broker training exactly what one server tra
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from helpers import gradient, inbox, make_config, plan_for, running, until
 
+from edgemesh import cli
 from edgemesh.common import models
 from edgemesh.common.config import Config
 from edgemesh.common.errors import ConfigError, WireError
@@ -109,6 +111,12 @@ def test_sharded_settings_that_cannot_work_are_refused_at_load(tmp_path: Path) -
     bad = subprocess.run([sys.executable, "-m", "edgemesh", "ps", "--shard", "1-2", "--job", "s"],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode != 0 and "--shard expects INDEX/COUNT" in bad.stderr
+    # the index alone (the systemd template's edgemesh-ps@1): the count is the configuration's ps.shards
+    argv = ["ps", "--shard", "1", "--job", "s"]
+    assert cli.build_parser(argv).parse_args(argv).set == ["ps.shard=1"]
+    alone = subprocess.run([sys.executable, "-m", "edgemesh", *argv], capture_output=True, text=True, timeout=60,
+                           check=False, env={**os.environ, "EDGEMESH_PS__SHARDS": "1"})
+    assert alone.returncode == 2 and "ps.shard" in alone.stderr and "[0, ps.shards = 1)" in alone.stderr
 
 
 # --------------------------------------------------------------------------- services on a broker
