@@ -54,7 +54,7 @@ import numpy as np
 from edgemesh import cli
 from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import names
-from edgemesh.common import models
+from edgemesh.common import models, paho_decode
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.errors import EdgeMeshError
@@ -335,6 +335,7 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
               shard_counts: list[int] | None = None) -> dict[str, Any]:
     whole = gradient_bytes()
     sizes = {spec: payload_bytes(spec, whole) for spec in payloads}
+    paho_decode.install()  # raw's subscriber decodes as EdgeMesh's bus does, from the first trial on
     workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-transport-"))
     broker = BrokerProcess.default()
     broker.start()

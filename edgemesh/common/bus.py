@@ -40,7 +40,7 @@ from typing import Any, Generic, TypeVar
 import aiomqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
-from edgemesh.common import chunks, wire
+from edgemesh.common import chunks, paho_decode, wire
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.metrics import ServiceMetrics
@@ -225,6 +225,7 @@ class Bus:
         )
         # chunks in flight, and the PS's acks to a batch of devices, are many publishes at once by design
         client.pending_calls_threshold = PENDING_CALLS_WARNING
+        paho_decode.install()  # a received payload copied once, not four times
         self._watch_publishes(client)
         self._stamp_arrivals(client)
         return client
