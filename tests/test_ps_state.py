@@ -282,3 +282,21 @@ def test_a_stale_length_is_not_read_into_memory(tmp_path: Path) -> None:
     with open(tmp_path / store.WAL_NAME, "ab") as fh:
         fh.write(struct.pack("<II", 0xFFFFFFF0, 0) + b"\x00" * 64)
     assert store.read_wal(tmp_path) == _records(2)
+
+
+def test_a_logged_record_is_the_msgpack_of_it_with_long_buffers_not_copied(tmp_path: Path) -> None:
+    grad = np.arange(70_000, dtype=np.float32)
+    record = {"version": 3, "lr": 0.1, "entries": [
+        {"device": "pi-a", "shards": [{"param": "w", "start": 0, "stop": 2, "data": grad.tobytes()},
+                                      {"param": "b", "start": 0, "stop": 1, "data": b"\x01" * (store._INLINE - 1)}]},
+        {"device": "pi-b", "weight": 0.5, "shards": ()}],
+        "sum": [{"param": "w", "data": grad.data}, {"param": "v", "data": bytearray(store._INLINE)}]}
+    pieces = store._pieces(record)
+    assert b"".join(pieces) == msgpack.packb(record, use_bin_type=True)
+    assert sum(isinstance(p, memoryview) for p in pieces) == 3  # the two long gradients and the long bytearray
+    wal = store.WriteAheadLog(tmp_path, fsync=True)
+    wal.append([record, *_records(1, start=4)])
+    wal.close()
+    back = store.read_wal(tmp_path)
+    assert back[0]["sum"][0]["data"] == grad.tobytes() and back[0]["entries"][1]["shards"] == []
+    assert back[1:] == _records(1, start=4)
