@@ -212,3 +212,22 @@ def test_a_message_is_one_call_into_wire_each_way() -> None:
     assert kind == "event" and len(pieces) > 1
     got = [receiver.take(T.events(), piece, Event) for piece in pieces]
     assert got[:-1] == [None] * (len(pieces) - 1) and got[-1] == event
+
+
+async def test_what_is_published_once_a_message_is_handed_arrives_after_all_of_it(broker: BrokerProcess) -> None:
+    """``handed`` is set when the last chunk is with the client, and the publish goes on to wait for the broker's
+    PUBACKs; a message published from then on reaches a subscriber after the whole first one (the parameter
+    server's acks after its model)."""
+    cfg = config(broker, **{"broker.chunk_bytes": "1024", "broker.chunk_window": "2"})
+    big = Event(kind="evaluation", source="ps", time=1.0, message="x" * 4000)  # 4 chunks, 2 in flight at once
+    async with routed(cfg) as (_, seen), routed(cfg, "sender") as (sender, _):
+        for _ in range(3):
+            handed = asyncio.Event()
+            publishing = asyncio.create_task(sender.publish(T.events(), big, handed=handed))
+            async with asyncio.timeout(WAIT_S):
+                await handed.wait()
+            assert not publishing.done()  # the PUBACKs of the last window are still to come
+            await sender.publish(T.hello("pi-1"), hello("pi-1"))
+            await publishing
+        await until("every message handled", lambda: len(seen.seen) == 6, changed=seen.changed)
+        assert [type(m).__name__ for _, m in seen.seen] == ["Event", "DeviceHello"] * 3

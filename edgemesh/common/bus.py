@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import aiomqtt
+from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edgemesh.common import chunks, paho_decode, wire
@@ -111,6 +112,8 @@ class Bus:
                                          timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped,
                                          on_joined=self._joined)
         self._arrivals: deque[tuple[str, chunks.Arrival]] = deque()
+        self._handing: asyncio.Event | None = None
+        """The ``handed`` event of the publish being handed to the client right now (``_publish_raw``)."""
         """When the messages the current client parsed were read, in the order it queues them (``_stamp_arrivals``)."""
         self._clients = 0
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
@@ -247,6 +250,9 @@ class Bus:
             info = publish(topic, payload, qos, retain, properties)
             if qos:
                 in_flight[info.mid] = topic  # its PUBACK is read by the event loop, after this returns
+            handing, self._handing = self._handing, None
+            if handing is not None and info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:  # else retried: handed again
+                handing.set()
             return info
 
         def acked(c: Any, userdata: Any, mid: int, reason_code: ReasonCode, properties: Any) -> None:
@@ -451,12 +457,14 @@ class Bus:
 
     # --- publishing ----------------------------------------------------------------------
     async def publish(self, topic: str, msg: Any, *, retain: bool = False, qos: int = QOS_STATE,
-                      kind: str = "") -> int:
+                      kind: str = "", handed: asyncio.Event | None = None) -> int:
         """Publish a message (or ready envelope bytes); returns bytes sent. Chunks large payloads
         (retained ones onto ``{topic}/chunk/{i}``), ``broker.chunk_window`` of them in flight at once, handed
         to the client in order (the broker passes them on in that order).
 
-        Waits up to ``publish_timeout_s`` for a connection; raises BusError after that.
+        ``handed`` is set once the last piece is handed to the client, before the broker's PUBACKs: what is
+        published after that goes to the broker after this message, on the same connection. Waits up to
+        ``publish_timeout_s`` for a connection; raises BusError after that.
         """
         encoded_kind, pieces = chunks.frames(msg, self.config.chunk_bytes)
         if len(pieces) == 1:
@@ -466,18 +474,19 @@ class Bus:
         else:
             targets = [topic] * len(pieces)
         if len(pieces) == 1:
-            await self._publish_raw(topic, pieces[0], retain=retain, qos=qos)
+            await self._publish_raw(topic, pieces[0], retain=retain, qos=qos, handed=handed)
         else:  # a window of chunks in flight: one round trip to the broker per window, not per chunk
             window = asyncio.Semaphore(self.config.chunk_window)
+            last = len(pieces) - 1
 
-            async def one(target: str, piece: bytes) -> None:
-                async with window:
-                    await self._publish_raw(target, piece, retain=retain, qos=qos)
+            async def one(target: str, piece: bytes, i: int) -> None:
+                async with window:  # taken in the order asked: the pieces are handed in order
+                    await self._publish_raw(target, piece, retain=retain, qos=qos, handed=handed if i == last else None)
 
             try:
                 async with asyncio.TaskGroup() as group:
-                    for target, piece in zip(targets, pieces, strict=True):
-                        group.create_task(one(target, piece))
+                    for i, (target, piece) in enumerate(zip(targets, pieces, strict=True)):
+                        group.create_task(one(target, piece, i))
             except ExceptionGroup as failed:  # the first chunk that failed says why (a BusError), as one piece would
                 raise failed.exceptions[0] from None
         sent = sum(len(piece) for piece in pieces)
@@ -485,7 +494,8 @@ class Bus:
         self.metrics.published_bytes.inc(sent)
         return sent
 
-    async def _publish_raw(self, topic: str, payload: bytes, *, retain: bool, qos: int) -> None:
+    async def _publish_raw(self, topic: str, payload: bytes, *, retain: bool, qos: int,
+                           handed: asyncio.Event | None = None) -> None:
         try:
             async with asyncio.timeout(self.config.publish_timeout_s):
                 while True:
@@ -494,12 +504,15 @@ class Bus:
                     if client is None:
                         await asyncio.sleep(0)
                         continue
+                    self._handing = handed  # set by the paho client's publish (_watch_publishes), called at once
                     try:
                         await client.publish(topic, payload, qos=qos, retain=retain)
                         return
                     except aiomqtt.MqttError as exc:
                         logger.debug("%s: publish on %s failed (%s); retrying", self.client_id, topic, exc)
                         await asyncio.sleep(self.config.backoff_initial_s)
+                    finally:
+                        self._handing = None  # taken by then, unless the client never got that far
         except TimeoutError:
             raise BusError(f"could not publish on {topic} within {self.config.publish_timeout_s}s") from None
 

@@ -1,15 +1,19 @@
 """The parameter server's answers to updates: which are still owed one, and publishing them.
 
 A step's acks go out once its log is durable, all at once, and the step loop takes the next batch while the
-broker's PUBACKs come back. A batch's acks wait for the previous batch's, so no device hears of an older model
-version after a newer one, even when a broker outage makes a publish retry. A stopping server gives the acks
-still on their way ``DRAIN_S``; a device resends what it was not acked, and the resend is answered again.
+broker's PUBACKs come back. A step that moved the model broadcasts it first, and its acks follow as soon as the
+model is handed to the client (``send_after``): on one connection the broker passes them on in that order, so a
+worker has the model its ack names without the PS waiting for the model's PUBACKs first. A batch's acks wait
+for the previous batch's, so no device hears of an older model version after a newer one, even when a broker
+outage makes a publish retry. A stopping server gives the acks still on their way ``DRAIN_S``; a device
+resends what it was not acked, and the resend is answered again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from edgemesh.common.bus import Bus
 from edgemesh.common.messages import GradientUpdate, UpdateAck
@@ -70,6 +74,21 @@ class Acks:
         self._last = task
         self.in_flight.add(task)
         task.add_done_callback(self.in_flight.discard)
+
+    async def send_after(self, model: Callable[[asyncio.Event], Awaitable[None]], acks: list[Ack],
+                         version: int) -> None:
+        """Publish the model (``model(handed)``), then ``acks`` (as ``send_batch``) as soon as the model is handed
+        to the client, not after its PUBACKs: the broker passes them on in that order. Returns once the model is
+        published (or raises why it was not; its acks went out all the same: their steps are logged)."""
+        handed = asyncio.Event()
+        publishing = asyncio.ensure_future(model(handed))
+        waiting = asyncio.ensure_future(handed.wait())
+        try:
+            await asyncio.wait([publishing, waiting], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+            self.send_batch(acks, version)
+        await publishing
 
     async def _in_turn(self, before: asyncio.Task[None] | None, acks: list[Ack], version: int) -> None:
         if before is not None:

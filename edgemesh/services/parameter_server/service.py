@@ -7,10 +7,9 @@ Backbone (docs/synchronization.md), top to bottom:
 3. a gradient: checked against the plan and the model (unknown device, wrong shard, codec error,
    NaN: a counted rejection and a ``discarded`` ack), a model-parallel member's part joined with
    its cluster's (``assembly``), then queued;
-4. the step loop: the queued updates go to the policy's scheduler (``scheduler``); the steps it
-   forms are applied (``optimizer``) and logged durably (``recovery``) in one thread hop; the model
-   goes out (``broadcast``), then the acks; then an evaluation (``evaluation``) and a checkpoint
-   when due;
+4. the step loop: the queued updates go to the policy's scheduler (``scheduler``); the steps it forms are
+   applied (``optimizer``) and logged durably (``recovery``) in one thread hop; the model goes out
+   (``broadcast``), then the acks (``acks``); then an evaluation (``evaluation``) and a checkpoint when due;
 5. the retained ``sync`` state (policy, bound and, under ``adaptive``, deadline, delay indices and
    slow devices) for the planner, which gives slow devices smaller batches.
 
@@ -356,12 +355,11 @@ class ParameterServer:
             self._adaptive_gauges(fleet)
             await self._publish_sync_state()
         self._count_pending()
-        if message is not None:
-            # the model goes out before the acks, so a worker acked for version v usually has v
-            await self._publish_model(message)
+        if message is not None:  # the model goes out before the acks, so a worker acked for version v usually has v
+            await self.acks.send_after(lambda out: self._publish_model(message, out), decision.acks, self.version)
             self.scheduler.model_published(time.monotonic())
-        # acks go to different devices: out at once, and the next batch is taken while their PUBACKs come back
-        self.acks.send_batch(decision.acks, self.version)
+        else:  # acks go to different devices: out at once, the next batch taken while their PUBACKs come back
+            self.acks.send_batch(decision.acks, self.version)
         if steps:
             assert self.state is not None
             self.m_step.observe(time.perf_counter() - started)
@@ -412,14 +410,17 @@ class ParameterServer:
         payload = await asyncio.to_thread(self.broadcast.snapshot, state.params, self.version, self.policy)
         await self.bus.publish(self.topics.model(), payload, retain=True, kind="model")
 
-    async def _publish_model(self, message: ModelMessage) -> None:
+    async def _publish_model(self, message: ModelMessage, handed: asyncio.Event) -> None:
+        """The broadcast; ``handed`` set once it is handed to the client (with per-device parts: once sent)."""
         assert self.bus is not None
         if message.snapshot:
-            await self.bus.publish(self.topics.model(), message.payload, retain=True, kind="model")
+            await self.bus.publish(self.topics.model(), message.payload, retain=True, kind="model", handed=handed)
             return
-        await asyncio.gather(self.bus.publish(self.topics.model_delta(), message.payload, kind="model_delta"),
+        await asyncio.gather(self.bus.publish(self.topics.model_delta(), message.payload, kind="model_delta",
+                                              handed=None if message.parts else handed),
                              *(self.bus.publish(self.topics.model_delta_for(device), part, kind="model_delta")
                                for device, part in message.parts.items()))
+        handed.set()
 
     async def publish_final_model(self) -> None:
         """The model as it stands, float32 and retained on ``job/model``: what ``edgemesh job export`` reads."""
