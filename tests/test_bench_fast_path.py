@@ -57,6 +57,7 @@ def test_bench_ddp_quick_sets_edgemesh_sync_beside_torch_ddp(tmp_path: Path) -> 
     lr 0.1 (``--set``): cifar-cnn learns synthetic-cifar over a hundred steps or more, while in 30 on digits both
     sides end well below the loss they start from, at a fraction of the cost per step. Bad arguments exit 2."""
     for args, message in ((["--steps", "10", "--warmup", "20"], "--steps >= --warmup + 2"),
+                          (["--rounds", "0"], "--rounds must be >= 1"),
                           (["--set", "training.lr=0"], "training.lr: must be > 0")):
         refused = subprocess.run([sys.executable, "-m", "edgemesh", "bench", "ddp",
                                   "--report", str(tmp_path / "x.json"), *args],
@@ -64,10 +65,10 @@ def test_bench_ddp_quick_sets_edgemesh_sync_beside_torch_ddp(tmp_path: Path) -> 
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
     report = tmp_path / "ddp.json"
     result = subprocess.run(
-        [sys.executable, "-m", "edgemesh", "bench", "ddp", "--quick", "--report", str(report),
+        [sys.executable, "-m", "edgemesh", "bench", "ddp", "--quick", "--rounds", "2", "--report", str(report),
          "--set", "training.model_spec=digits-cnn", "--set", "training.dataset=digits",
          "--set", "training.lr=0.1"],
-        capture_output=True, text=True, timeout=360, check=False)
+        capture_output=True, text=True, timeout=480, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(report.read_text())
     assert DDP_KEYS <= data.keys() and data["failure"] is None
@@ -77,6 +78,11 @@ def test_bench_ddp_quick_sets_edgemesh_sync_beside_torch_ddp(tmp_path: Path) -> 
     assert data["final_version"] == data["edgemesh"]["final_version"] == data["ddp"]["final_step"] >= 30
     assert data["step_time_ratio"] == pytest.approx(
         data["edgemesh_seconds_per_version"] / data["ddp_seconds_per_step"], abs=1e-3)
+    # two rounds, the second with DDP first; the seconds are their means
+    assert [r["first"] for r in data["rounds"]] == ["edgemesh", "ddp"]
+    assert data["rounds"][0]["edgemesh_seconds_per_version"] == data["edgemesh"]["seconds_per_version"]
+    for side, key in (("edgemesh", "edgemesh_seconds_per_version"), ("ddp", "ddp_seconds_per_step")):
+        assert data[key] == pytest.approx(sum(r[key] for r in data["rounds"]) / 2, abs=1e-3), side
     assert data["final_loss_ratio"] == pytest.approx(data["edgemesh_final_loss"] / data["ddp_final_loss"], abs=1e-3)
     for side in ("edgemesh", "ddp"):
         assert data[f"{side}_final_loss"] < data["initial_loss"], side  # both learned

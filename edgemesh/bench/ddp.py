@@ -22,9 +22,14 @@ One run, two trainings of the same job, one after the other on this host:
 
 ``step_time_ratio`` is EdgeMesh's seconds per version over DDP's seconds per step: a model version of ``sync``
 is one step of the same SGD over the same samples (each worker's gradient weighted by its samples, as DDP
-averages them). Both final models are evaluated the same way, ``models.evaluate`` on the data set's test split:
-EdgeMesh's by the parameter server itself (its evaluation event, float32 weights) at its first evaluation at or
-after ``--steps`` (``final_version``), DDP's at the same step count (it trains that many steps, and snapshots its
+averages them). With ``--rounds`` n (2; 1 with ``--quick``) each side trains n times, EdgeMesh first in odd
+rounds and DDP first in even ones (ABBA: on a shared host whose load drifts, one pair run once has swung the
+ratio by a quarter); both seconds are the means over the rounds, each round's under ``rounds``. The losses,
+curves and breakdown are the first round's.
+
+Both final models are evaluated the same way, ``models.evaluate`` on the data set's test split: EdgeMesh's by
+the parameter server itself (its evaluation event, float32 weights) at its first evaluation at or after
+``--steps`` (``final_version``), DDP's at the same step count (it trains that many steps, and snapshots its
 model at every version the parameter server evaluated: the two held-out curves share their points);
 ``final_loss_ratio`` is EdgeMesh's final held-out loss over DDP's.
 
@@ -90,6 +95,8 @@ at the default 0.1 its held-out loss jumps by tenths between evaluations (one pr
 DEFAULT_STEPS = 200
 DEFAULT_WARMUP = 20
 """Steps (model versions) before timing starts: building models, first plans and codecs, caches."""
+DEFAULT_ROUNDS = 2
+"""EdgeMesh, DDP, then DDP, EdgeMesh: a host whose load drifts over the run weighs on both sides."""
 QUICK_STEPS = 30
 QUICK_WARMUP = 10
 GLOO_HOST = "127.0.0.1"
@@ -441,10 +448,66 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: dict[str, str],
-              progress: Callable[[str], None], keep_logs: bool = False) -> dict[str, Any]:
-    workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-ddp-"))
+def _edgemesh_once(cfg: Config, workdir: Path, *, steps: int, warmup: int,
+                   progress: Callable[[str], None]) -> tuple[dict[str, Any], EdgeMeshRun, str]:
+    """One EdgeMesh training on a broker of its own (a job of its own, in a directory of its own); the broker's
+    kind."""
     broker = BrokerProcess.default()
+    broker.start()
+    try:
+        cfg = dataclasses.replace(cfg, job=f"ddp-{uuid.uuid4().hex[:6]}",
+                                  broker=dataclasses.replace(cfg.broker, url=broker.url))
+        progress(f"edgemesh: planner, parameter server, compressor and {WORKERS} workers on {broker.kind}, {POLICY}")
+        workdir.mkdir(parents=True, exist_ok=True)
+        entry, run = run_edgemesh(cfg, workdir, broker.pid, steps=steps, warmup=warmup, progress=progress)
+    finally:
+        broker.stop()
+    failed = f"; FAILED: {entry['failure']}" if entry["failure"] else ""
+    progress(f"edgemesh: {entry['seconds_per_version']} s per version, held-out loss {entry['final_loss']} at "
+             f"version {entry['final_version']}{failed}")
+    return entry, run, broker.kind
+
+
+def _ddp_once(job: DdpJob, out_dir: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+    """One DDP training of ``job`` (on a free port, its ranks' files in ``out_dir``)."""
+    out_dir.mkdir(parents=True)
+    job = dataclasses.replace(job, port=free_port(GLOO_HOST), out_dir=str(out_dir))
+    progress(f"ddp: {WORKERS} ranks, gloo on {GLOO_HOST}:{job.port}, {job.steps} steps, {job.threads} torch "
+             "thread(s) each")
+    ddp = run_ddp(job, progress)
+    progress(f"ddp: {ddp.get('seconds_per_step')} s per step, held-out loss {ddp.get('final_loss')} at step "
+             f"{ddp.get('final_step')}")
+    return ddp
+
+
+def _rounds(first: tuple[dict[str, Any], dict[str, Any]], more: int, again: Callable[[int, bool], tuple[
+        dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each round's seconds: the first (EdgeMesh, then DDP), then ``more`` rounds alternating which side goes
+    first (DDP first in the second), so that a host growing busier or quieter over the run weighs on both."""
+    rounds = []
+    for i in range(1 + more):
+        ddp_first = i % 2 == 1
+        edgemesh, ddp = first if i == 0 else again(i, ddp_first)
+        rounds.append({"first": "ddp" if ddp_first else "edgemesh",
+                       "edgemesh_seconds_per_version": edgemesh["seconds_per_version"],
+                       "ddp_seconds_per_step": ddp.get("seconds_per_step"),
+                       "step_time_ratio": _ratio(edgemesh["seconds_per_version"], ddp.get("seconds_per_step")),
+                       "failure": edgemesh["failure"] or ddp.get("failure")})
+        if rounds[-1]["failure"]:
+            break
+    return rounds
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    """The mean, or None if any is missing."""
+    given = list(values)
+    kept = [v for v in given if v is not None]
+    return round(statistics.fmean(kept), FIGURES_DIGITS) if kept and len(kept) == len(given) else None
+
+
+def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: dict[str, str],
+              progress: Callable[[str], None], keep_logs: bool = False, rounds: int = 1) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-ddp-"))
     cfg = edgemesh_config(overrides, job=f"ddp-{uuid.uuid4().hex[:6]}", broker_url="mqtt://127.0.0.1:1883",
                           seed=seed)
     t = cfg.training
@@ -453,37 +516,32 @@ def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: di
     initial_loss, initial_accuracy = models.evaluate(initial, test)
     progress(f"{t.model_spec} on {t.dataset}, {WORKERS} workers x batch {t.batch_size}, lr {t.lr}, momentum "
              f"{t.momentum}: {steps} steps, timed after {warmup}; held-out loss at the start {initial_loss:.4f}")
-    broker.start()
-    try:
-        cfg = dataclasses.replace(cfg, broker=dataclasses.replace(cfg.broker, url=broker.url))
-        progress(f"edgemesh: planner, parameter server, compressor and {WORKERS} workers on {broker.kind}, {POLICY}")
-        edgemesh, run = run_edgemesh(cfg, workdir, broker.pid, steps=steps, warmup=warmup, progress=progress)
-    finally:
-        broker.stop()
-    failed = f"; FAILED: {edgemesh['failure']}" if edgemesh["failure"] else ""
-    progress(f"edgemesh: {edgemesh['seconds_per_version']} s per version, held-out loss {edgemesh['final_loss']} at "
-             f"version {edgemesh['final_version']}{failed}")
+    edgemesh, run, broker_kind = _edgemesh_once(cfg, workdir / "edgemesh-0", steps=steps, warmup=warmup,
+                                                progress=progress)
     final = edgemesh["final_version"] or steps
     every = cfg.ps.eval_every or steps
     evaluated = [v for v in run.losses if v <= final] or list(range(every, steps + 1, every))
-    out_dir = workdir / "ddp"
-    out_dir.mkdir()
-    job = DdpJob.of(cfg, port=free_port(GLOO_HOST), steps=max(steps, final), warmup=warmup, timed_until=steps,
-                    evaluate_at=[*evaluated, final], out_dir=out_dir)
-    progress(f"ddp: {WORKERS} ranks, gloo on {GLOO_HOST}:{job.port}, {job.steps} steps, {job.threads} torch "
-             "thread(s) each")
-    ddp = run_ddp(job, progress)
-    progress(f"ddp: {ddp.get('seconds_per_step')} s per step, held-out loss {ddp.get('final_loss')} at step "
-             f"{ddp.get('final_step')}")
+    job = DdpJob.of(cfg, port=0, steps=max(steps, final), warmup=warmup, timed_until=steps,
+                    evaluate_at=[*evaluated, final], out_dir=workdir / "ddp-0")
+    ddp = _ddp_once(job, workdir / "ddp-0", progress)
+
+    def again(i: int, ddp_first: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+        progress(f"round {i + 1} of {rounds}: {'DDP' if ddp_first else 'EdgeMesh'} first")
+        other = _ddp_once(job, workdir / f"ddp-{i}", progress) if ddp_first else None
+        mine, _, _ = _edgemesh_once(cfg, workdir / f"edgemesh-{i}", steps=steps, warmup=warmup, progress=progress)
+        return mine, other if other is not None else _ddp_once(job, workdir / f"ddp-{i}", progress)
+
+    timed = _rounds((edgemesh, ddp), rounds - 1 if not (edgemesh["failure"] or ddp["failure"]) else 0, again)
+    per_version = _mean(r["edgemesh_seconds_per_version"] for r in timed)
+    per_step = _mean(r["ddp_seconds_per_step"] for r in timed)
     parts = edgemesh["breakdown"]
-    failure = edgemesh["failure"] or ddp["failure"]
+    failure = next((r["failure"] for r in timed if r["failure"]), None)
     result: dict[str, Any] = {
         "model": t.model_spec, "dataset": t.dataset, "workers": WORKERS, "batch_per_worker": t.batch_size,
         "steps": steps, "warmup_steps": warmup, "final_version": final, "lr": t.lr, "momentum": t.momentum,
         "weight_decay": t.weight_decay, "torch_threads": cfg.worker.threads,
-        "edgemesh_seconds_per_version": edgemesh["seconds_per_version"],
-        "ddp_seconds_per_step": ddp.get("seconds_per_step"),
-        "step_time_ratio": _ratio(edgemesh["seconds_per_version"], ddp.get("seconds_per_step")),
+        "edgemesh_seconds_per_version": per_version, "ddp_seconds_per_step": per_step,
+        "step_time_ratio": _ratio(per_version, per_step), "rounds": timed,
         "initial_loss": round(initial_loss, FIGURES_DIGITS),
         "initial_accuracy": round(initial_accuracy, FIGURES_DIGITS),
         "edgemesh_final_loss": edgemesh["final_loss"], "ddp_final_loss": ddp.get("final_loss"),
@@ -493,7 +551,7 @@ def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: di
         "edgemesh_worker_ack_seconds": parts.get("worker_ack_seconds"),
         "edgemesh_other_seconds": parts.get("other_seconds"),
         "edgemesh": edgemesh, "ddp": ddp,
-        "settings": {**settings_of(cfg), "broker": broker.kind, "overrides": overrides, "seed": seed,
+        "settings": {**settings_of(cfg), "broker": broker_kind, "overrides": overrides, "seed": seed,
                      "host_cores": os.cpu_count()},
         "failure": failure,
     }
@@ -551,7 +609,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=None,
                         help=f"steps before timing starts (default {DEFAULT_WARMUP})")
     parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_STEPS} steps, timed after {QUICK_WARMUP} (what the tests run)")
+                        help=f"{QUICK_STEPS} steps, timed after {QUICK_WARMUP}, one round (what the tests run)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"trainings of each side, alternating which goes first; the seconds are their means "
+                             f"(default {DEFAULT_ROUNDS}, 1 with --quick)")
     cluster_flags(parser, seed="seed of the model, the data set, its split and the batches (both sides)")
     parser.set_defaults(func=main)
 
@@ -560,6 +621,10 @@ def main(args: argparse.Namespace) -> int:
     cli.setup_logging(args.log_level or "WARNING")
     steps = args.steps if args.steps is not None else QUICK_STEPS if args.quick else DEFAULT_STEPS
     warmup = args.warmup if args.warmup is not None else QUICK_WARMUP if args.quick else DEFAULT_WARMUP
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else DEFAULT_ROUNDS
+    if rounds < 1:
+        print(f"edgemesh bench ddp: --rounds must be >= 1, got {rounds}", file=sys.stderr)
+        return 2
     if warmup < 1 or steps < warmup + 2:
         print(f"edgemesh bench ddp: need --warmup >= 1 and --steps >= --warmup + 2 (two timed steps at least); got "
               f"--steps {steps}, --warmup {warmup}", file=sys.stderr)
@@ -568,7 +633,8 @@ def main(args: argparse.Namespace) -> int:
         overrides = cli.overrides(args)
         edgemesh_config(overrides, job="ddp", broker_url="mqtt://127.0.0.1:1883", seed=args.seed)
         result = run_bench(Path(args.report), steps=steps, warmup=warmup, seed=args.seed, overrides=overrides,
-                           keep_logs=args.keep_logs, progress=lambda line: print(line, file=sys.stderr, flush=True))
+                           keep_logs=args.keep_logs, rounds=rounds,
+                           progress=lambda line: print(line, file=sys.stderr, flush=True))
     except EdgeMeshError as exc:
         print(f"edgemesh bench ddp: {exc}", file=sys.stderr)
         return 2
