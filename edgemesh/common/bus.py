@@ -112,9 +112,9 @@ class Bus:
                                          timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped,
                                          on_joined=self._joined)
         self._arrivals: deque[tuple[str, chunks.Arrival]] = deque()
+        """When the messages the current client parsed were read, in the order it queues them (``_stamp_arrivals``)."""
         self._handing: asyncio.Event | None = None
         """The ``handed`` event of the publish being handed to the client right now (``_publish_raw``)."""
-        """When the messages the current client parsed were read, in the order it queues them (``_stamp_arrivals``)."""
         self._clients = 0
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._closing = False

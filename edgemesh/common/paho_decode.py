@@ -3,10 +3,11 @@
 paho-mqtt 2.x splits an incoming PUBLISH with ``struct.unpack(f"!H{n}s", packet)`` three times (the topic's
 length, the topic, the packet id) and then slices off the MQTT 5 properties, and ``Properties.unpack`` slices its
 buffer again for every field: each step copies the rest of the packet, payload included. For a 256 KiB chunk
-that is 0.2 ms with the GIL held, 2 ms of every 2.48 MB gradient the parameter server takes in (as much as
-applying it). ``decode_publish`` reads the same fields from a memoryview and copies the payload once; it
-returns what paho's does and raises ``MalformedPacket`` where paho's does (paho's own ``convert_exception``
-wraps it). ``install`` puts it in paho's place, once, for every client of the process; the bus calls it.
+that is 0.2 ms with the GIL held (against 0.006 ms for one copy, both on a cached packet), up to 2 ms of every
+2.48 MB gradient the parameter server takes in. ``decode_publish`` reads the same fields from a memoryview and
+copies the payload once; it returns what paho's does and raises ``MalformedPacket`` where paho's does (paho's
+own ``convert_exception`` wraps it). ``install`` puts it in paho's place, once, for every client of the
+process; the bus calls it.
 """
 
 from __future__ import annotations
