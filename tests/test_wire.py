@@ -43,8 +43,12 @@ from edgemesh.common.messages import (
     Plan,
     PlanCluster,
     PlanDevice,
+    ShardSteps,
     ShardUpdate,
     SnapshotRequest,
+    StepDiscard,
+    StepPart,
+    StepRecord,
     SyncState,
     UpdateAck,
 )
@@ -141,9 +145,14 @@ JOB_STATE = JobState(name="shapes", state="running", sha256="ab" * 32, submitted
                      target_accuracy=0.9, device_errors={"pi-03": "data path '/data/shapes' does not exist"})
 LOCAL_EVALUATION = LocalEvaluation(device="pi-01", version=40, samples=120, correct=101, loss_sum=48.2)
 LEFT = DeviceStatus(device="pi-03", state="left", time=1.7e9, reason="image-folder: unknown class folder 'hexagon'")
+SHARD_STEPS = ShardSteps(version=421, policy="adaptive", steps=(
+    StepRecord(version=420, parts=(StepPart(device="pi-a", incarnation=7, seq=12, weight=0.375),)),
+    StepRecord(version=421, parts=(StepPart(device="pi-a", incarnation=7, seq=13, weight=0.25),
+                                   StepPart(device="pi-b", incarnation=2, seq=40, weight=0.125)))),
+    discards=(StepDiscard(device="pi-c", incarnation=1, seq=9, reason="stale", delay=5),))
 EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK, SYNC,
             REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_READY, MESH_SLICE, MESH_STATS, MESH_GRADIENT, JOB, JOB_STATE,
-            LOCAL_EVALUATION, LEFT, SNAPSHOT_REQUEST, PROBE]
+            LOCAL_EVALUATION, LEFT, SNAPSHOT_REQUEST, PROBE, SHARD_STEPS]
 
 
 def test_examples_cover_every_registered_kind() -> None:

@@ -10,7 +10,8 @@ All topics live under ``edgemesh/v1/{job}/`` so several trainings can share one 
   the device in the body).
 
 A sharded parameter server (``ps.shards`` > 1) owns its gradients, acks and model broadcast under
-``shard/{index}/`` (``Topics(job, shard=i)``); every other topic is the job's own.
+``shard/{index}/`` (``Topics(job, shard=i)``); shard 0 also publishes the steps the others follow on
+``shard/0/steps``; every other topic is the job's own.
 
 Large retained messages are chunked onto ``{topic}/chunk/{index}`` (see ``wire``); a filter
 subscribes to both the topic and its chunks (``Filter.patterns``).
@@ -33,11 +34,11 @@ CHUNK_SEGMENT = "chunk"
 
 TopicKind = Literal["hello", "status", "stats", "evaluation", "snapshot_request", "probe", "plan", "sync", "codec",
                     "model", "delta", "grad", "grad_raw", "ack", "mesh", "control", "reply", "events", "job",
-                    "job_state", "job_model"]
+                    "job_state", "job_model", "steps"]
 """The families of topics; a route is named after the family it consumes."""
 MAX_SHARDS = 64
 """Most parameter server shards a topic may name."""
-SHARD_KINDS = ("model", "delta", "grad", "ack")
+SHARD_KINDS = ("model", "delta", "grad", "ack", "steps")
 """The families a parameter server shard has under ``shard/{index}/``."""
 SERVICE_TARGETS = ("planner", "ps", "compressor", "all", "job")
 """Control targets other than ``device/{id}``."""
@@ -199,6 +200,13 @@ class Topics:
         """The broadcast deltas, or (with ``device``) that member's part of each."""
         return self._ps_filter(f"model/delta/{device}" if device else "model/delta", "delta")
 
+    def steps(self) -> str:
+        """Shard 0's retained ``ShardSteps``: the steps every other shard of the parameter server applies."""
+        return f"{self.for_shard(0).ps_root}/steps"
+
+    def steps_filter(self) -> Filter:
+        return Filter(self.steps(), "steps")
+
     def sync(self) -> str:
         """The parameter server's retained ``SyncState`` (policy, bound, deadline, delay indices)."""
         return f"{self.root}/sync"
@@ -311,6 +319,8 @@ def parse(topic: str) -> TopicMatch:
     job, rest, base = parts[2], parts[3:], "/".join(parts)
     match rest:
         case ["shard", index, *inner] if index.isascii() and index.isdigit() and int(index) < MAX_SHARDS:
+            if inner == ["steps"]:  # a shard's family alone: nothing outside shard/ is named so
+                return TopicMatch(job, "steps", base, shard=int(index))
             found = parse("/".join([*parts[:3], *inner]))
             if found.kind in SHARD_KINDS:
                 return replace(found, topic=base, shard=int(index))

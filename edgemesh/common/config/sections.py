@@ -312,12 +312,17 @@ class ParameterServerConfig:
     docs/scale.md#a-sharded-parameter-server). Every service of the job must be given the same number:
     workers send each process its tensors' gradients."""
     shard: int = 0
-    """Which of the ``shards`` processes this one is (0 = the first, which also evaluates the model)."""
+    """Which of the ``shards`` processes this one is (0 = the first, which also runs the policy for all of them
+    and evaluates the model)."""
+    shard_wait_s: float = 30.0
+    """A shard other than 0: how long a step of shard 0 waits for an update it took that has not reached this
+    shard (its sender died between the two publishes); then it is taken without it."""
 
     def __post_init__(self) -> None:
         _require(self.shards >= 1, "ps.shards", "must be >= 1")
         _require(0 <= self.shard < self.shards, "ps.shard", f"must be in [0, ps.shards = {self.shards})")
         _require(self.mesh_assembly_timeout_s > 0, "ps.mesh_assembly_timeout_s", "must be > 0")
+        _require(self.shard_wait_s > 0, "ps.shard_wait_s", "must be > 0")
         _require(self.clip_factor > 0, "ps.clip_factor", "must be > 0")
         _require(0 <= self.trim_fraction < 0.5, "ps.trim_fraction", "must be in [0, 0.5)")
         _require(self.krum_f >= 0, "ps.krum_f", "must be >= 0")
@@ -503,7 +508,5 @@ class Config:
                  f"{self.job!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
         _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                  "one of DEBUG INFO WARNING ERROR")
-        _require(self.ps.shards == 1 or self.training.sync_policy != "adaptive", "training.sync_policy",
-                 "adaptive is not available with ps.shards > 1: each shard would set its own round deadlines")
         _require(self.ps.shards == 1 or self.planner.parallelism == "data", "planner.parallelism",
                  "mesh is not available with ps.shards > 1: a sharded parameter server takes whole tensors")

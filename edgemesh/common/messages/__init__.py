@@ -5,7 +5,8 @@ Frozen dataclasses; ``wire`` encodes and decodes them and checks field types, an
 
 * ``devices``: DeviceHello, DeviceStatus, DeviceStats, LinkProbe
 * ``plan``: Plan and its PlanDevice, PlanCluster, LayerDivision
-* ``training``: CodecPolicy, ShardUpdate, GradientUpdate, UpdateAck, ModelSnapshot, ModelDelta, SyncState
+* ``training``: CodecPolicy, ShardUpdate, GradientUpdate, UpdateAck, ModelSnapshot, ModelDelta, SyncState,
+  ShardSteps (shard 0's steps, for the other shards)
 * ``mesh``: MeshReady, MeshBegin, MeshSlice, SnapshotRequest
 * ``operations``: ControlCommand, ControlReply, Event
 * ``jobs``: JobSubmission, JobState, LocalEvaluation
@@ -21,7 +22,11 @@ from edgemesh.common.messages.training import (
     GradientUpdate,
     ModelDelta,
     ModelSnapshot,
+    ShardSteps,
     ShardUpdate,
+    StepDiscard,
+    StepPart,
+    StepRecord,
     SyncState,
     UpdateAck,
 )
@@ -30,5 +35,6 @@ __all__ = [
     "CodecPolicy", "ControlCommand", "ControlReply", "DeviceHello", "DeviceStats", "DeviceStatus", "Event",
     "GradientUpdate", "JobState", "JobSubmission", "LayerDivision", "LinkProbe", "LocalEvaluation", "MeshBegin",
     "MeshReady", "MeshSlice", "ModelDelta", "ModelSnapshot", "Plan", "PlanCluster", "PlanDevice", "Scalar",
-    "ShardUpdate", "SnapshotRequest", "SyncState", "UpdateAck",
+    "ShardSteps", "ShardUpdate", "SnapshotRequest", "StepDiscard", "StepPart", "StepRecord", "SyncState",
+    "UpdateAck",
 ]

@@ -187,3 +187,80 @@ class SyncState:
             nonneg(f"delay index of {name}", index)
         for name in self.slow:
             check_name("device", name)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPart:
+    """One update a step of shard 0 applied, and its weight in the step."""
+
+    device: str
+    incarnation: int
+    seq: int
+    weight: float
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+        nonneg("incarnation", self.incarnation)
+        nonneg("seq", self.seq)
+        nonneg("weight", self.weight)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepDiscard:
+    """An update shard 0 discarded (or refused), and why."""
+
+    device: str
+    incarnation: int
+    seq: int
+    reason: AckReason
+    delay: int = 0
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepRecord:
+    """One step of shard 0: the version it made and the updates it took."""
+
+    version: int
+    parts: tuple[StepPart, ...]
+
+    def validate(self) -> None:
+        if self.version < 1:
+            raise ValueError("a step makes version 1 or later")
+        if not 0 < len(self.parts) <= MAX_DEVICES:
+            raise ValueError("a step takes 1 to 10,000 updates")
+        for part in self.parts:
+            part.validate()
+
+
+@message("shard_steps")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardSteps:
+    """What shard 0 of a sharded parameter server decided, retained on ``shard/0/steps``: its latest steps
+    (oldest first) and the updates it discarded since the last such message. The other shards apply exactly
+    these steps, with these weights, and answer these discards."""
+
+    version: int
+    """Shard 0's version when this went out."""
+    policy: SyncPolicy
+    steps: tuple[StepRecord, ...] = ()
+    discards: tuple[StepDiscard, ...] = ()
+
+    def validate(self) -> None:
+        nonneg("version", self.version)
+        if len(self.steps) > MAX_KEPT_STEPS or len(self.discards) > MAX_DEVICES:
+            raise ValueError("too many steps or discards")
+        for step in self.steps:
+            step.validate()
+            if step.version > self.version:
+                raise ValueError(f"step {step.version} is past version {self.version}")
+        if any(a.version >= b.version for a, b in zip(self.steps, self.steps[1:], strict=False)):
+            raise ValueError("steps out of order")
+        for discard in self.discards:
+            discard.validate()
+
+
+MAX_KEPT_STEPS = 1024
+"""Most steps one ``ShardSteps`` may carry."""

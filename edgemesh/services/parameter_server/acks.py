@@ -48,6 +48,8 @@ class Acks:
         self.in_flight: set[asyncio.Task[None]] = set()
         """Batches of acks on their way to the broker."""
         self._last: asyncio.Task[None] | None = None
+        self.watch: Callable[[Ack], None] | None = None
+        """Told of every ack sent (a sharded server's shards tell each other their discards)."""
         self.m_updates = metrics.counter("updates", "Gradient updates by outcome", ["status", "reason"])
 
     def owe(self, update: GradientUpdate) -> None:
@@ -62,6 +64,8 @@ class Acks:
         u = ack.update
         self.owed.discard(key_of(u))  # answered: a resend now gets this answer again
         self.m_updates.labels(status=ack.status, reason=ack.reason).inc()
+        if self.watch is not None:
+            self.watch(ack)
         await self.bus.publish(self.topics.ack(u.device), UpdateAck(
             device=u.device, incarnation=u.incarnation, seq=u.seq, status=ack.status, reason=ack.reason,
             version=version, delay=ack.delay, resync=ack.resync))

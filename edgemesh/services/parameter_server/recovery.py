@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from edgemesh.common.errors import ConfigError
-from edgemesh.common.messages import Scalar
+from edgemesh.common.messages import Scalar, StepPart, StepRecord
 from edgemesh.common.vocabulary import AGGREGATION_RULES, SYNC_POLICIES, AggregationRule, SyncPolicy
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
@@ -96,6 +96,8 @@ class Resumed:
     state: ModelState
     settings: dict[str, Any] = field(default_factory=dict)
     replayed: int = 0
+    steps: list[StepRecord] = field(default_factory=list)
+    """The replayed steps: the version each made, and its updates with their weights."""
 
 
 class Recovery:
@@ -128,6 +130,9 @@ class Recovery:
                 resumed.settings["norms"] = [*resumed.settings.get("norms", []),
                                              *self._replay(resumed.state, clock, record)]
                 resumed.replayed += 1
+                resumed.steps.append(StepRecord(version=int(record["version"]), parts=tuple(
+                    StepPart(device=e["device"], incarnation=int(e["incarnation"]), seq=int(e["seq"]),
+                             weight=float(e["weight"])) for e in record["entries"])))
         if resumed.replayed:
             logger.info("replayed %d logged steps; now at version %d", resumed.replayed, clock.version)
         self._wal = store.WriteAheadLog(self.state_dir, fsync=self._fsync)

@@ -110,7 +110,9 @@ def norm(shards: Iterable[ShardGrad]) -> float:
 
 def combine(contributions: Sequence[Contribution], how: Aggregation) -> Combined:
     """The contributions ``ModelState.step`` sums for one step under ``how``."""
-    if how.rule == "clip":
+    if not contributions:  # a shard's step of none of its updates (``shard_steps``): nothing to judge
+        out = Combined([], norms=[])
+    elif how.rule == "clip":
         out = _clip(contributions, how.clip_threshold)
     elif how.rule == "krum":
         out = _krum(contributions, how.krum_f)
@@ -155,7 +157,7 @@ class Aggregator:
         threshold = None
         if self.rule == "clip":
             recent = [*self.norms, *_norms(contributions)]
-            threshold = self.clip_factor * float(np.median(recent))
+            threshold = self.clip_factor * float(np.median(recent)) if recent else None
         combined = combine(contributions, Aggregation(self.rule, threshold, self.trim_fraction, self.krum_f))
         self.norms.extend(combined.norms)
         self.m_clipped.inc(combined.clipped)

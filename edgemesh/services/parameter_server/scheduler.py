@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from edgemesh.common.messages import GradientUpdate, SyncState
+from edgemesh.common.messages import GradientUpdate, Plan, SyncState
 from edgemesh.common.vocabulary import AckReason, AckStatus, SyncPolicy
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, round_weights, staleness_weight
 from edgemesh.services.parameter_server.optimizer import ShardGrad
@@ -128,6 +128,16 @@ class Fleet:
     bound: int = 0
     planned_samples: int = 0
     now: float = 0.0
+
+    @classmethod
+    def of(cls, plan: Plan | None, bound: int, now: float) -> Fleet:
+        """What ``plan`` (None: none yet) says, the configured ``bound``, at ``now``."""
+        if plan is None:
+            return cls(bound=bound, now=now)
+        return cls(clusters=plan.cluster_names, plan_version=plan.version,
+                   devices=frozenset(d.device for d in plan.devices), bound=bound,
+                   # one batch per cluster (its members share it)
+                   planned_samples=sum({d.cluster: d.batch_size for d in plan.devices}.values()), now=now)
 
 
 class Scheduler:

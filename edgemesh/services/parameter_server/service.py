@@ -15,8 +15,9 @@ Backbone (docs/synchronization.md), top to bottom:
 
 Sharded (``edgemesh ps --shard i/n``, ``shards``): this process keeps its rows of the model alone, takes
 gradients, acks and broadcasts on its shard's topics, checkpoints in a directory of its own, and is
-otherwise the same server; shard 0 also evaluates the model put together from every shard's broadcast
-and publishes the sync state.
+otherwise the same server; shard 0 alone runs the policy and publishes its steps, which the others take
+(``shard_steps``), and it evaluates the model put together from every shard's broadcast and publishes the
+sync state.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from edgemesh.services.parameter_server.scheduler import (
     Step,
     make_scheduler,
 )
+from edgemesh.services.parameter_server.shard_steps import Follower, Leader
 from edgemesh.services.parameter_server.sync_state import SyncAnnouncer
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
 
@@ -103,7 +105,6 @@ class ParameterServer:
         self.rule = AdaptiveDelay(p.adaptive)
         """The adaptive policy's delay indices and arrival times (kept across policy switches)."""
         self.clock = Clock()
-        self.scheduler = make_scheduler(self.policy, self.clock, self.rule, staleness_weighting=p.staleness_weighting)
         self.recovery = Recovery(state_dir, fsync=p.fsync)
         self.ledger = Ledger(state_dir, fsync=p.fsync)
         self.broadcast = Broadcaster(p, t.model_spec)
@@ -127,6 +128,11 @@ class ParameterServer:
         m = self.metrics = ServiceMetrics(self.name)
         self.m_version = m.gauge("model_version", "Current global model version")
         self.acks = Acks(self.topics, m)
+        self.scheduler = (Follower(self.clock, p.shard_wait_s, m) if self.sharded and p.shard else
+                          make_scheduler(self.policy, self.clock, self.rule, staleness_weighting=p.staleness_weighting))
+        self.leader = Leader(self.topics, self._wake.set) if self.sharded and not p.shard else None
+        """Shard 0: the steps and discards every other shard follows (a follower's scheduler is a ``Follower``)."""
+        self.acks.watch = self.leader.answered if self.leader else getattr(self.scheduler, "answered", None)
         self.m_assembling = m.gauge("mesh_assembling_steps", "Model-parallel steps waiting for members' shards")
         self.m_delay = m.histogram("update_delay_versions", "Delay of accepted updates in versions", DELAY_BUCKETS)
         self.m_step = m.histogram("step_seconds", "Time to apply one batch of updates", STEP_BUCKETS)
@@ -181,6 +187,8 @@ class ParameterServer:
         resumed = self.recovery.resume(label, initial, self.clock)
         self.state = resumed.state
         self._restore(OperatorSettings.of(resumed.settings))
+        if self.leader is not None:
+            self.leader.resume(resumed.settings.get("shard_steps"), resumed.steps)
         self.ledger.open()  # after the log's replay: the ledger takes any logged step it lacks
         self.assembly.rows = {name: int(p.shape[0]) for name, p in self.state.params.items()}
         self.m_version.set(self.version)
@@ -192,10 +200,11 @@ class ParameterServer:
         self.aggregator.norms.extend(kept.norms)
         if kept.policy is not None and kept.policy != self.policy:
             self.policy = kept.policy
-            # an open round's updates are judged again under the new policy, not dropped
-            self.scheduler = make_scheduler(kept.policy, self.clock, self.rule, carry=self.scheduler.pending(),
-                                            staleness_weighting=self.cfg.ps.staleness_weighting)
             self._set_policy_gauge()
+            if not isinstance(self.scheduler, Follower):  # a follower takes shard 0's steps, whatever the policy
+                # an open round's updates are judged again under the new policy, not dropped
+                self.scheduler = make_scheduler(kept.policy, self.clock, self.rule, carry=self.scheduler.pending(),
+                                                staleness_weighting=self.cfg.ps.staleness_weighting)
         self.bound = kept.bound if kept.bound is not None else self.bound
         self.lr = kept.lr if kept.lr is not None else self.lr
         self.paused = kept.paused if kept.paused is not None else self.paused
@@ -214,6 +223,10 @@ class ParameterServer:
             self.peers.attach(bus, self.topics)
             self.evaluator.assemble = self.peers.whole_model
         bus.route(self.topics.snapshot_request_filter(), SnapshotRequest, self._on_snapshot_request)
+        if isinstance(self.scheduler, Follower):
+            self.scheduler.attach(bus, self.topics, self._wake.set)
+        elif self.leader is not None:
+            self.leader.attach(bus)
         bus.on_connect(self._on_connect)
 
     def jobs(self) -> list[Job]:
@@ -305,15 +318,7 @@ class ParameterServer:
 
     # ------------------------------------------------------------------ stepping
     def _fleet(self) -> Fleet:
-        plan = self.plan
-        return Fleet(
-            clusters=plan.cluster_names if plan is not None else (),
-            plan_version=plan.version if plan is not None else 0,
-            devices=frozenset(d.device for d in plan.devices) if plan is not None else None,
-            bound=self.bound,
-            # one batch per cluster (its members share it)
-            planned_samples=sum({d.cluster: d.batch_size for d in plan.devices}.values()) if plan is not None else 0,
-            now=time.monotonic())
+        return Fleet.of(self.plan, self.bound, time.monotonic())
 
     async def _step_loop(self) -> None:
         while True:
@@ -348,11 +353,13 @@ class ParameterServer:
                 self.assembly.discarded(ack.update, ack.reason)
         steps = decision.steps
         message = await asyncio.to_thread(self._apply, steps) if steps else None
+        if self.leader is not None:  # the others take these steps once they are in the log
+            self.leader.publish(steps, self.version, self.policy)
         for step in steps:
             for item in step.items:
                 self.m_delay.observe(step.delay(item))
         if isinstance(self.scheduler, AdaptiveScheduler):
-            self._adaptive_gauges(fleet)
+            self.sync_out.gauges(self.rule, fleet, self.scheduler.live(fleet))
             await self._publish_sync_state()
         self._count_pending()
         if message is not None:  # the model goes out before the acks, so a worker acked for version v usually has v
@@ -394,7 +401,8 @@ class ParameterServer:
             self.ledger.sync()  # the log about to be emptied is what backs its entries up to now
             self.recovery.checkpoint(self._label, self.state, self.clock, {
                 "policy": self.policy, "bound": self.bound, "lr": self.lr, "paused": self.paused,
-                "delay_indices": dict(self.rule.indices), **self.aggregator.kept()})
+                "delay_indices": dict(self.rule.indices), **self.aggregator.kept(),
+                **({"shard_steps": self.leader.kept()} if self.leader else {})})
         self._since_checkpoint = 0
         self.m_checkpoints.inc()
 
@@ -455,11 +463,6 @@ class ParameterServer:
         await self.events.emit("evaluation", f"version {version}: accuracy {accuracy:.4f}, loss {loss:.4f}",
                                version=version, accuracy=accuracy, loss=loss)
 
-    def _adaptive_gauges(self, fleet: Fleet) -> None:
-        """The adaptive rule's bound, deadline and slow devices for ``fleet``, on its gauges."""
-        self.rule.follow(fleet.bound, fleet.devices)
-        self.sync_out.gauges(self.rule, self.rule.deadline(self.scheduler.live(fleet)))
-
     def _count_pending(self) -> None:
         self.m_pending.set(len(self._queue) + len(self.scheduler.pending()))
 
@@ -473,8 +476,6 @@ class ParameterServer:
         match cmd.command:
             case "status" | "stop":
                 pass  # the runtime stops the service once the reply is out
-            case "set-sync-policy" if self.sharded and cmd.value == "adaptive":
-                return False, "adaptive is not available on a sharded parameter server", {}
             case "pause" | "resume" | "set-sync-policy" | "set-bound" | "set-lr" | "set-aggregation":
                 wanted = OperatorSettings.command(cmd.command, cmd.value)
                 if isinstance(wanted, str):
@@ -486,7 +487,7 @@ class ParameterServer:
             case _:
                 return False, f"unknown command {cmd.command!r} ({COMMANDS})", {}
         fleet = self._fleet()
-        self._adaptive_gauges(fleet)
+        self.sync_out.gauges(self.rule, fleet, self.scheduler.live(fleet))
         if cmd.command in ("set-sync-policy", "set-bound"):
             self.sync_out.forget()  # the step loop publishes the new state (woken above)
         if cmd.command in SETTINGS_COMMANDS:

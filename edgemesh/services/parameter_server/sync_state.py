@@ -15,6 +15,7 @@ from edgemesh.common.messages import SyncState
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
+from edgemesh.services.parameter_server.scheduler import Fleet
 
 
 class SyncAnnouncer:
@@ -39,9 +40,11 @@ class SyncAnnouncer:
         """Publish at the next chance, changed or not (a new connection, a new policy or bound)."""
         self._published = None
 
-    def gauges(self, rule: AdaptiveDelay, deadline_s: float) -> None:
+    def gauges(self, rule: AdaptiveDelay, fleet: Fleet, live: tuple[str, ...]) -> None:
+        """The adaptive rule's bound, deadline (for the ``live`` clusters) and slow devices for ``fleet``."""
+        rule.follow(fleet.bound, fleet.devices)
         self.m_bound.set(rule.bound())
-        self.m_deadline.set(deadline_s)
+        self.m_deadline.set(rule.deadline(live))
         self.m_slow.set(len(rule.slow_devices()))
 
     async def publish(self, bus: Bus, state: SyncState) -> None:

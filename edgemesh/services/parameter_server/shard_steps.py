@@ -1,0 +1,287 @@
+"""The steps shard 0 of a sharded parameter server decides and every other shard takes: what keeps the policies
+exact when the model's rows are split among processes (docs/scale.md#a-sharded-parameter-server).
+
+Were each shard to run the policy on its own, the same updates reaching two shards in another order would be
+judged differently: under ``async`` and ``ssp`` one shard would apply A then B and the other B then A, with other
+delays, weights and verdicts; under ``adaptive`` a round's deadline would close on other updates at each shard.
+So shard 0 (the :class:`Leader`) runs the policy, and once a step is in its log it publishes, retained on
+``shard/0/steps`` (:class:`ShardSteps`), its latest steps (the version each made, the updates it took and their
+weights) and its latest discards. Every other shard (:class:`Follower`, its scheduler whatever the policy) holds
+the updates it receives until a step of shard 0 names them, then takes that step with those weights, making the
+same version, and answers shard 0's discards as shard 0 did. Under ``sync`` this changes nothing but when a
+shard's acks go (after shard 0's step); under the others it is what makes the model one model.
+
+* A follower that restarts finds the retained message and takes the steps past what its own log recovered.
+  Shard 0 keeps its latest steps in its checkpoint (and its log has those since), and publishes them again
+  when it starts: a step logged just before a crash is not lost to the others with the message it never sent.
+* A step naming an update the follower never got (its sender died between one shard's publish and the next's)
+  waits ``ps.shard_wait_s``, then is taken without it; so is a step naming an update the follower refused (its
+  rows were malformed or not finite here). Either part is counted (``shard_parts_missed``); the update, arriving
+  later, is answered as shard 0 answered it and not applied.
+* A follower further behind than the retained steps reach takes the oldest it can, its version jumping over
+  the ones it cannot have (counted: ``shard_versions_skipped``, and logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+
+from edgemesh.common.bus import Bus
+from edgemesh.common.messages import GradientUpdate, ShardSteps, StepDiscard, StepPart, StepRecord
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.common.vocabulary import SyncPolicy
+from edgemesh.services.parameter_server.acks import Key, key_of
+from edgemesh.services.parameter_server.scheduler import (
+    SCHEDULERS,
+    Ack,
+    Candidate,
+    Clock,
+    Decision,
+    Fleet,
+    Scheduler,
+    Step,
+)
+
+logger = logging.getLogger(__name__)
+
+KEPT_STEPS = 64
+"""Steps the retained message holds: a follower that many versions behind still catches up exactly."""
+KEPT_PARTS = 2048
+"""Most updates those steps name in all (64 clusters' rounds would otherwise make every message 250 kB)."""
+KEPT_DISCARDS = 256
+"""Discards the retained message holds: a restarted follower still answers the recent ones."""
+REMEMBERED = 4096
+"""Keys a follower remembers as discarded, missed or refused (a resend of one is answered at once)."""
+
+
+def _key(part: StepPart | StepDiscard) -> Key:
+    return part.device, part.incarnation, part.seq
+
+
+class Leader:
+    """Shard 0: the steps and discards it publishes for the other shards."""
+
+    def __init__(self, topics: Topics, wake: Callable[[], None]) -> None:
+        self.topics, self.wake = topics, wake
+        self.steps: deque[StepRecord] = deque()
+        self.discards: OrderedDict[Key, StepDiscard] = OrderedDict()
+        self.owed = False
+        """A discard or step not yet published."""
+        self.bus: Bus | None = None
+        self._sending: set[asyncio.Task[int]] = set()
+
+    def attach(self, bus: Bus) -> None:
+        """Publish on ``bus``; after every (re)connect again (a restarted broker lost the retained message). The
+        step loop sends it: the service wakes it on connect."""
+        self.bus = bus
+
+        async def connected() -> None:
+            self.owed = True
+
+        bus.on_connect(connected)
+
+    def resume(self, kept: object, replayed: Sequence[StepRecord]) -> None:
+        """The steps a checkpoint kept (``kept()``) and those replayed from the log after it: published again at
+        the first chance, for a shard that missed them while this one was down."""
+        records = [StepRecord(version=int(v), parts=tuple(StepPart(device=str(d), incarnation=int(i), seq=int(q),
+                                                                   weight=float(w)) for d, i, q, w in parts))
+                   for v, parts in (kept if isinstance(kept, list) else [])]
+        self._keep([*records, *replayed])
+        self.owed = True  # even none: the retained message may be an earlier run's, which the others must not take
+
+    def kept(self) -> list[list[object]]:
+        """The steps to keep in a checkpoint."""
+        return [[r.version, [[p.device, p.incarnation, p.seq, p.weight] for p in r.parts]] for r in self.steps]
+
+    def stepped(self, steps: Sequence[Step]) -> None:
+        """``steps`` are in the log: the other shards take them next (``publish`` sends them)."""
+        self._keep([record_of(step.version, [(u, w) for item, w in zip(step.items, step.weights, strict=True)
+                                             for u in item.updates]) for step in steps])
+
+    def _keep(self, records: Sequence[StepRecord]) -> None:
+        self.steps.extend(records)
+        while len(self.steps) > KEPT_STEPS or (len(self.steps) > 1 and
+                                                sum(len(s.parts) for s in self.steps) > KEPT_PARTS):
+            self.steps.popleft()
+        self.owed = self.owed or bool(records)
+
+    def answered(self, ack: Ack) -> None:
+        """Every ack this shard sends: its discards are the other shards' too."""
+        if ack.status != "discarded":
+            return
+        u = ack.update
+        self.discards[key_of(u)] = StepDiscard(device=u.device, incarnation=u.incarnation, seq=u.seq,
+                                               reason=ack.reason, delay=max(0, ack.delay))
+        self.discards.move_to_end(key_of(u))
+        while len(self.discards) > KEPT_DISCARDS:
+            self.discards.popitem(last=False)
+        self.owed = True
+        self.wake()
+
+    def publish(self, steps: Sequence[Step], version: int, policy: SyncPolicy) -> None:
+        """``steps`` are in the log: send them with the earlier ones and the discards, retained; in order behind
+        the previous send (one connection keeps it), without waiting here for the broker."""
+        self.stepped(steps)
+        if not self.owed or self.bus is None:
+            return
+        self.owed = False
+        message = ShardSteps(version=version, policy=policy, steps=tuple(self.steps),
+                             discards=tuple(self.discards.values()))
+        task = asyncio.create_task(self.bus.publish(self.topics.steps(), message, retain=True, kind="steps"))
+        self._sending.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[int]) -> None:
+        self._sending.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.warning("shard 0's steps not published: %s", exc)
+            self.owed = True  # the next step or discard sends them all again
+
+
+class Follower(Scheduler):
+    """A shard other than 0, under every policy: it takes shard 0's steps (see the module's docstring)."""
+
+    policy = "sync"  # what it reports; shard 0's decides
+
+    def __init__(self, clock: Clock, wait_s: float, metrics: ServiceMetrics) -> None:
+        super().__init__(clock)
+        self.wait_s = wait_s
+        self.held: dict[Key, Candidate] = {}
+        self.records: dict[int, StepRecord] = {}
+        """Shard 0's steps past this shard's version, by version."""
+        self.settled: OrderedDict[Key, Ack] = OrderedDict()
+        """Updates shard 0 discarded, or that this shard missed or refused: how a late or resent one is answered."""
+        self.refused: OrderedDict[Key, None] = OrderedDict()
+        """Updates this shard refused (their rows did not decode here): a step naming one does not wait for it."""
+        self.resync = False
+        self._waiting_since: float | None = None
+        self._answers: list[Ack] = []
+        self.m_missed = metrics.counter("shard_parts_missed", "Updates shard 0 applied that this shard did not have "
+                                        "in time (or refused): its steps took them without")
+        self.m_skipped = metrics.counter("shard_versions_skipped", "Versions of shard 0 this shard could not take "
+                                         "(further behind than shard 0's retained steps reach)")
+
+    # ------------------------------------------------------------------ from shard 0 and from this shard
+    def attach(self, bus: Bus, topics: Topics, wake: Callable[[], None]) -> None:
+        """Follow shard 0's steps, ``wake`` the step loop at each."""
+        async def steps(message: ShardSteps, _: TopicMatch) -> None:
+            self.follow(message)
+            wake()
+
+        bus.route(topics.steps_filter(), ShardSteps, steps)
+
+    def follow(self, message: ShardSteps) -> None:
+        """Shard 0's latest steps and discards."""
+        self.resync = SCHEDULERS[message.policy].resyncs
+        # each message holds every step shard 0 keeps: it replaces the last (a retained one of an earlier run
+        # of the job, say, whose steps this run's shard 0 does not have)
+        self.records = {r.version: r for r in message.steps if r.version > self.clock.version}
+        for d in message.discards:
+            key = _key(d)
+            if key in self.settled:
+                continue
+            held = self.held.pop(key, None)
+            ack = Ack(held.update if held else _stand_in(d), "discarded", d.reason, d.delay, True)
+            self._remember(key, ack)
+            if held is not None:
+                self._answers.append(ack)
+
+    def answered(self, ack: Ack) -> None:
+        """Every ack this shard sends: an update it discarded (its rows malformed or not finite here, say) is one
+        a step of shard 0 takes without, here."""
+        if ack.status != "discarded":
+            return
+        self.refused[key_of(ack.update)] = None
+        while len(self.refused) > REMEMBERED:
+            self.refused.popitem(last=False)
+
+    # ------------------------------------------------------------------ the scheduler's part
+    def take(self, batch: Sequence[Candidate], fleet: Fleet) -> Decision:
+        out = Decision(acks=self._answers)
+        self._answers = []
+        for item in batch:
+            key = key_of(item.update)
+            if key in self.settled:  # discarded by shard 0, or missed here: answered as before
+                ack = self.settled[key]
+                out.acks.append(Ack(item.update, ack.status, ack.reason, ack.delay, ack.resync))
+            else:
+                self.held[key] = item
+        for key, item in list(self.held.items()):
+            if self.clock.seen(item.update):  # its sender has moved on (a later update of it was applied)
+                del self.held[key]
+                out.acks.append(Ack(item.update, "duplicate"))
+        version = self.clock.version
+        while (record := self._next(fleet.now, version)) is not None:
+            self._take(record, out)
+            version = record.version
+        return out
+
+    def pending(self) -> list[Candidate]:
+        return list(self.held.values())
+
+    def timeout(self, fleet: Fleet) -> float | None:
+        if self._waiting_since is None:
+            return None
+        return max(0.0, self._waiting_since + self.wait_s - fleet.now)
+
+    def _next(self, now: float, at: int) -> StepRecord | None:
+        """Shard 0's step after version ``at``, once this shard holds every update it names (or waited enough)."""
+        for old in [v for v in self.records if v <= at]:
+            del self.records[old]
+        if not self.records:
+            return None
+        version = min(self.records)
+        if version > at + 1:
+            logger.error("versions %d to %d of shard 0 are not in its retained steps any more: this shard's rows "
+                         "go without them", at + 1, version - 1)
+            self.m_skipped.inc(version - 1 - at)
+        record = self.records[version]
+        missing = [p for p in record.parts if _key(p) not in self.held and _key(p) not in self.refused]
+        if missing:
+            if self._waiting_since is None:
+                self._waiting_since = now
+            if now - self._waiting_since < self.wait_s:
+                return None
+            logger.warning("version %d taken without %d of its updates, which did not arrive within "
+                           "ps.shard_wait_s = %g s", version, len(missing), self.wait_s)
+        self._waiting_since = None
+        return record
+
+    def _take(self, record: StepRecord, out: Decision) -> None:
+        items, weights = [], []
+        for part in record.parts:
+            key = _key(part)
+            item = self.held.pop(key, None)
+            if item is None:  # missed or refused here: a late copy is answered as shard 0 answered it
+                self.m_missed.inc()
+                self._remember(key, Ack(_stand_in(part), "accepted", "", 0, self.resync))
+                continue
+            items.append(item)
+            weights.append(part.weight)
+        # nothing of it here: a step of no update, which moves the version on and leaves the rows as they are
+        step = Step(tuple(items), record.version, tuple(weights))
+        self.clock.advance(step.items)
+        out.steps.append(step)
+        out.acks += [Ack(item.update, "accepted", "", step.delay(item), self.resync) for item in items]
+
+    def _remember(self, key: Key, ack: Ack) -> None:
+        self.settled[key] = ack
+        while len(self.settled) > REMEMBERED:
+            self.settled.popitem(last=False)
+
+
+def record_of(version: int, parts: Sequence[tuple[GradientUpdate, float]]) -> StepRecord:
+    """The step that made ``version`` of ``(update, weight)`` ``parts``, as shard 0 publishes it."""
+    return StepRecord(version=version, parts=tuple(StepPart(device=u.device, incarnation=u.incarnation, seq=u.seq,
+                                                            weight=w) for u, w in parts))
+
+
+def _stand_in(part: StepPart | StepDiscard) -> GradientUpdate:
+    """The update a step or discard names, for an ack to a copy of it that comes later."""
+    return GradientUpdate(device=part.device, cluster="", incarnation=part.incarnation, seq=part.seq, base_version=0,
+                          samples=1, shards=())
+

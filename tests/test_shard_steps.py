@@ -1,0 +1,235 @@
+"""Shard 0 of a sharded parameter server runs the policy and every other shard takes its steps
+(``shard_steps``): the same updates, in the same order, with the same weights, whatever order they reached
+each shard in; shard 0's discards answered by every shard; what a shard never got waited for, then gone
+without. Pure rules first, then real shards on a real broker."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import gradient, inbox, make_config, plan_for, running, until
+
+from edgemesh.common import models
+from edgemesh.common.config import Config
+from edgemesh.common.messages import GradientUpdate, ShardSteps, StepDiscard, StepPart, StepRecord, UpdateAck
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.shards import ShardedView
+from edgemesh.common.topics import Topics
+from edgemesh.local.broker import BrokerProcess
+from edgemesh.services.compressor.service import Compressor
+from edgemesh.services.parameter_server.ledger import read_ledger
+from edgemesh.services.parameter_server.scheduler import Ack, Candidate, Clock, Decision, Fleet, Step
+from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.parameter_server.shard_steps import KEPT_STEPS, Follower, Leader
+from edgemesh.services.planner.service import Planner
+from edgemesh.services.worker.service import Worker
+
+WAIT_S = 5.0
+
+
+def update(device: str, seq: int, base: int = 0) -> GradientUpdate:
+    return GradientUpdate(device=device, cluster=f"c-{device}", incarnation=1, seq=seq, base_version=base,
+                          samples=8, shards=())
+
+
+def candidate(device: str, seq: int, base: int = 0) -> Candidate:
+    return Candidate(update(device, seq, base), [], 0.0)
+
+
+def steps(*records: tuple[int, list[tuple[str, int, float]]], policy: str = "async",
+          discards: tuple[StepDiscard, ...] = ()) -> ShardSteps:
+    return ShardSteps(version=max((v for v, _ in records), default=0), policy=policy, discards=discards,  # type: ignore[arg-type]
+                      steps=tuple(StepRecord(version=v, parts=tuple(
+                          StepPart(device=d, incarnation=1, seq=s, weight=w) for d, s, w in parts))
+                          for v, parts in records))
+
+
+def follower(name: str) -> Follower:
+    return Follower(Clock(), WAIT_S, ServiceMetrics(name))
+
+
+def counted(f: Follower, name: str) -> float:
+    return f.m_missed._value.get() if name == "missed" else f.m_skipped._value.get()
+
+
+def at(now: float) -> Fleet:
+    return Fleet(now=now)
+
+
+def take(f: Follower, batch: list[Candidate], now: float = 0.0) -> Decision:
+    """``f.take``, and the version its steps make (the server sets it once they are applied)."""
+    got = f.take(batch, at(now))
+    if got.steps:
+        f.clock.version = got.steps[-1].version
+    return got
+
+
+# --------------------------------------------------------------------------- the rules
+
+
+def test_a_follower_takes_shard_0s_steps_in_its_order_with_its_weights_whatever_order_updates_came_in() -> None:
+    f = follower("order")
+    got = take(f, [candidate("b", 1), candidate("a", 1)], 0)  # here b came first; shard 0 took a first
+    assert got.steps == [] and len(f.pending()) == 2  # held until shard 0 names them
+    f.follow(steps((1, [("a", 1, 1.0)]), (2, [("b", 1, 0.5)])))
+    got = take(f, [], 0)
+    assert [(s.version, [i.update.device for i in s.items], s.weights) for s in got.steps] == [
+        (1, ["a"], (1.0,)), (2, ["b"], (0.5,))]
+    assert [(a.update.device, a.status, a.delay, a.resync) for a in got.acks] == [
+        ("a", "accepted", 0, False), ("b", "accepted", 1, False)]  # b computed on 0, applied making 2
+    assert f.clock.version == 2 and f.pending() == []
+    f.follow(steps((2, [("b", 1, 0.5)]), (3, [("a", 2, 0.25), ("b", 2, 0.25)]), policy="adaptive"))
+    got = take(f, [candidate("a", 2, 2), candidate("b", 2, 2)], 0)  # a step already taken is not again
+    assert [s.version for s in got.steps] == [3] and all(a.resync for a in got.acks)  # a round policy's
+
+
+def test_a_follower_answers_shard_0s_discards_and_a_resend_of_one_the_same() -> None:
+    f = follower("discards")
+    take(f, [candidate("a", 1)], 0)
+    f.follow(steps(discards=(StepDiscard(device="a", incarnation=1, seq=1, reason="stale", delay=5),
+                             StepDiscard(device="b", incarnation=1, seq=7, reason="nan"))))
+    got = take(f, [], 0)
+    assert [(a.update.device, a.status, a.reason, a.delay) for a in got.acks] == [("a", "discarded", "stale", 5)]
+    got = take(f, [candidate("b", 7), candidate("a", 1)], 0)  # b's part came after shard 0 refused it; a resent
+    assert [(a.update.device, a.status, a.reason) for a in got.acks] == [
+        ("b", "discarded", "nan"), ("a", "discarded", "stale")]
+    assert f.pending() == []
+
+
+def test_a_step_waits_for_an_update_this_shard_lacks_then_goes_without_it_and_answers_it_late() -> None:
+    f = follower("missing")
+    take(f, [candidate("a", 1)], 0)
+    f.follow(steps((1, [("a", 1, 0.5), ("b", 1, 0.5)]), policy="sync"))
+    assert take(f, [], 1).steps == [] and f.timeout(at(1)) == pytest.approx(WAIT_S)
+    assert take(f, [], 1 + WAIT_S / 2).steps == []
+    got = take(f, [], 1 + WAIT_S)
+    assert [(s.version, [i.update.device for i in s.items], s.weights) for s in got.steps] == [(1, ["a"], (0.5,))]
+    assert counted(f, "missed") == 1 and f.timeout(at(1 + WAIT_S)) is None
+    late = take(f, [candidate("b", 1)], 10)  # shard 0 took it: answered so, not applied here
+    assert late.steps == [] and [(a.update.device, a.status) for a in late.acks] == [("b", "accepted")]
+    # an update this shard refused itself (its rows were malformed here) is not waited for
+    f.answered(Ack(update("c", 1), "discarded", "shape"))
+    take(f, [candidate("a", 2, 1)], 20)
+    f.follow(steps((2, [("a", 2, 0.5), ("c", 1, 0.5)]), policy="sync"))
+    assert [s.version for s in take(f, [], 20).steps] == [2]
+
+
+def test_shard_0s_latest_message_replaces_the_last_so_an_earlier_runs_retained_steps_are_not_taken() -> None:
+    f = follower("rerun")
+    f.follow(steps((1, [("old", 1, 1.0)]), (2, [("old", 2, 1.0)])))  # retained by a run of the job before this
+    f.follow(steps())  # this run's shard 0, started: nothing stepped yet
+    assert take(f, [], WAIT_S * 2).steps == [] and f.clock.version == 0
+    f.follow(steps((1, [("a", 1, 1.0)])))
+    assert [s.version for s in take(f, [candidate("a", 1)], WAIT_S * 2).steps] == [1]
+
+
+def test_a_follower_too_far_behind_jumps_to_the_oldest_step_it_can_still_take() -> None:
+    f = follower("gap")
+    f.follow(steps((5, [("a", 1, 1.0)])))
+    got = take(f, [candidate("a", 1)], 0)
+    assert [s.version for s in got.steps] == [5] and counted(f, "skipped") == 4
+
+
+def test_shard_0_keeps_its_latest_steps_through_a_checkpoint_and_its_log() -> None:
+    leader = Leader(Topics("j"), lambda: None)
+    for v in range(1, KEPT_STEPS + 11):
+        leader.stepped([Step((candidate("a", v),), v, (0.5,))])
+    assert len(leader.steps) == KEPT_STEPS and leader.steps[0].version == 11
+    kept = leader.kept()
+    again = Leader(Topics("j"), lambda: None)
+    replayed = StepRecord(version=KEPT_STEPS + 11, parts=(StepPart(device="b", incarnation=2, seq=3, weight=1.0),))
+    again.resume(kept, [replayed])
+    assert list(again.steps)[:-1] == list(leader.steps)[1:] and again.steps[-1] == replayed and again.owed
+    woken = []
+    discarding = Leader(Topics("j"), lambda: woken.append(1))
+    discarding.answered(Ack(update("a", 1), "accepted"))
+    assert not discarding.owed and not woken
+    discarding.answered(Ack(update("a", 2), "discarded", "stale", 3))
+    assert discarding.owed and woken and list(discarding.discards.values()) == [
+        StepDiscard(device="a", incarnation=1, seq=2, reason="stale", delay=3)]
+
+
+# --------------------------------------------------------------------------- shards on a broker
+
+
+def shard_config(broker: BrokerProcess, tmp_path: Path, policy: str, **extra: object) -> Config:
+    return make_config(broker, job=f"steps-{uuid.uuid4().hex[:6]}", **{
+        "ps.state_dir": tmp_path / "ps", "ps.shards": 2, "training.model_spec": "digits-cnn",
+        "training.sync_policy": policy, "ps.broadcast": "snapshot", "ps.snapshot_dtype": "float32",
+        "ps.eval_every": 0, "training.seed": 5, **extra})
+
+
+def shards_of(cfg: Config) -> list[ParameterServer]:
+    return [ParameterServer(replace(cfg, ps=replace(cfg.ps, shard=i))) for i in range(cfg.ps.shards)]
+
+
+def ledgers(cfg: Config) -> list[list[tuple[int, str, int, int]]]:
+    return [[tuple(e) for e in read_ledger(Path(cfg.ps.state_dir) / f"shard-{i}-of-2" / "ledger.log")]  # type: ignore[misc]
+            for i in range(2)]
+
+
+async def test_async_shards_apply_updates_that_came_in_opposite_orders_in_shard_0s_order(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """Two updates reach shard 0 as a, b and shard 1 as b, a: both shards make version 1 of a and version 2 of
+    b (b one version late, its weight damped so), and the model they make is the one one server makes of a, b."""
+    cfg = shard_config(mosquitto_broker, tmp_path, "async", **{"training.staleness_bound": 4})
+    servers = shards_of(cfg)
+    shard = [Topics(cfg.job, i) for i in range(2)]
+    async with running(*servers), inbox(cfg, *((t.ack_filter("+"), UpdateAck) for t in shard)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(["a", "b"]), retain=True)
+        await until("both shards' plan", lambda: all(s.plan is not None for s in servers))
+        spans = [[(s.param, s.start, s.stop) for s in ps.division.spans] for ps in servers]  # type: ignore[union-attr]
+        a = [gradient("a", 1, 0, scale=0.01, spans=spans[i]) for i in range(2)]
+        b = [gradient("b", 1, 0, scale=-0.03, spans=spans[i]) for i in range(2)]
+        await box.publish(shard[1].grad("c-b", "b"), b[1])
+        await until("shard 1 holding b", lambda: len(servers[1].scheduler.pending()) == 1)
+        await box.publish(shard[0].grad("c-a", "a"), a[0])
+        await until("shard 0 at version 1", lambda: servers[0].version == 1)
+        await box.publish(shard[0].grad("c-b", "b"), b[0])
+        await box.publish(shard[1].grad("c-a", "a"), a[1])
+        await box.until("every shard's acks", lambda: len(box.of(UpdateAck)) == 4)
+        await until("both shards at version 2", lambda: [s.version for s in servers] == [2, 2])
+        acks = {(m.shard, u.device): (u.status, u.delay) for m, u in box.received if isinstance(u, UpdateAck)}
+        assert acks == {(0, "a"): ("accepted", 0), (1, "a"): ("accepted", 0), (0, "b"): ("accepted", 1),
+                        (1, "b"): ("accepted", 1)}
+        view = ShardedView(2)
+        view.know({k: v.shape for k, v in models.get_params(models.build_model("digits-cnn", seed=5)).items()})
+        two = view.assemble([s.state.params for s in servers if s.state is not None])
+    assert ledgers(cfg)[0] == ledgers(cfg)[1] == [(1, "a", 1, 1), (2, "b", 1, 1)]
+    one_cfg = replace(cfg, ps=replace(cfg.ps, shards=1, state_dir=str(tmp_path / "one")))
+    one = ParameterServer(one_cfg)
+    async with running(one), inbox(one_cfg, (Topics(cfg.job).ack_filter("+"), UpdateAck)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(["a", "b"]), retain=True)
+        await until("the plan", lambda: one.plan is not None)
+        for u in (gradient("a", 1, 0, scale=0.01), gradient("b", 1, 0, scale=-0.03)):
+            await box.publish(Topics(cfg.job).grad(u.cluster, u.device), u)
+            await box.next(UpdateAck, lambda m, d=u.device: m.device == d)  # type: ignore[misc]
+        assert one.state is not None
+        for name, value in one.state.params.items():
+            np.testing.assert_allclose(two[name], value, rtol=0, atol=1e-7, err_msg=name)
+
+
+async def test_adaptive_shards_train_with_rounds_shard_0_closes_and_every_shard_takes_the_same(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """Planner, compressor, two shards under ``adaptive`` and two workers, one of them an emulated Pi 3: both
+    workers finish, and both shards applied the same updates as the same versions (their ledgers are one)."""
+    steps_wanted = 12
+    cfg = shard_config(mosquitto_broker, tmp_path, "adaptive", **{
+        "planner.min_devices": 2, "compressor.mode": "static", "compressor.default_codec": "none",
+        "worker.max_steps": steps_wanted, "worker.ack_timeout_s": 5, "ps.adaptive.max_deadline_s": 0.5})
+    servers = shards_of(cfg)
+    workers = [Worker(replace(cfg, worker=replace(cfg.worker, device=f"w{i}", emulate="pi3" if i else "",
+                                                  state_dir=str(tmp_path / f"w{i}")))) for i in range(2)]
+    async with running(Planner(cfg), Compressor(cfg), *servers, *workers):
+        await until("both workers' steps", lambda: all(w.stop.is_set() for w in workers), 120)
+        await until("shard 1 caught up", lambda: servers[1].version == servers[0].version)
+    zero, one = ledgers(cfg)
+    assert zero == one and len(zero) >= 2 * steps_wanted - 2  # every accepted update, as the same version
+    versions = [v for v, *_ in zero]
+    assert servers[0].version == max(versions) and servers[0].policy == "adaptive"
+    # the emulated Pi 3 is several times slower: shard 0's deadline closed rounds without it, and shard 1 did too
+    assert any(versions.count(v) == 1 for v in versions)
