@@ -26,6 +26,7 @@ from edgemesh.common.messages import JobState, ModelSnapshot
 from edgemesh.common.topics import Topics, all_job_states_filter
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
+from edgemesh.services.parameter_server.ledger import read_ledger
 
 pytestmark = pytest.mark.e2e
 
@@ -213,3 +214,47 @@ async def test_a_restarted_ps_resumes_the_job_and_a_late_worker_joins_it(mosquit
         assert done.state == "finished", done.reason
     finally:
         cluster.stop()
+
+
+async def test_a_job_submitted_to_a_fleet_with_a_sharded_parameter_server_trains_and_exports_whole(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """The parameter server as two shard processes serving submitted jobs (``edgemesh ps --shard i`` with
+    ``ps.shards = 2`` in the fleet's file, as the systemd template runs them): shard 0's host keeps the job board,
+    shard 1's serves what it starts; the job reaches its target, both shards apply the same updates as the same
+    versions, and the exported model holds every row of every tensor."""
+    devices = DEVICES[:2]
+    for i, device in enumerate(devices):
+        draw_shapes(tmp_path / device / "shapes", CLASSES, 40, seed=i)
+    draw_shapes(tmp_path / "ps" / "shapes-eval", CLASSES, 30, seed=10)
+    config = make_config(mosquitto_broker, job="fleet", **{"broker.backoff_max_s": "0.5", "ps.shards": 2})
+    cluster = LocalCluster(config, tmp_path, serve_jobs=True)
+    try:
+        cluster.spawn("planner", "planner")
+        for shard in range(2):
+            cluster.spawn("ps", f"ps-{shard}", ["--shard", str(shard), "--state-dir", str(tmp_path / "ps" / "state"),
+                                                "--set", f"ps.data_dir={tmp_path / 'ps'}"])
+        cluster.spawn("compressor", "compressor")
+        for device in devices:
+            start_worker(cluster, tmp_path, device)
+        job_file = tmp_path / "shapes.toml"
+        job_file.write_text(SHAPES_JOB)
+        submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60")
+        assert submitted.returncode == 0, submitted.stderr
+        finished = await wait_for_job(config, "shapes", ("finished", "failed", "stopped"))
+        assert finished.state == "finished", finished.reason
+        assert finished.accuracy is not None and finished.accuracy >= 0.9
+        async with inbox(dataclasses.replace(config, job="shapes"), (Topics("shapes").job_model_filter(),
+                                                                      ModelSnapshot)) as box:
+            snapshot = await box.next(ModelSnapshot)
+    finally:
+        cluster.stop()
+    spec = parse_job(SHAPES_JOB)
+    model_spec(spec)
+    whole = models.get_params(models.build_model(spec.model_key))
+    assert {k: t.shape for k, t in snapshot.tensors.items()} == {k: v.shape for k, v in whole.items()}
+    ledgers = [read_ledger(next((tmp_path / "ps" / "state").glob(f"shapes/*/shard-{i}-of-2/ledger.log")))
+               for i in range(2)]
+    # the same updates as the same versions, up to the exported model's; a shard may have stepped once more
+    # while the other was leaving the ended job
+    upto = [[e for e in ledger if e.version <= snapshot.version] for ledger in ledgers]
+    assert upto[0] == upto[1] and {e.version for e in upto[0]} == set(range(1, snapshot.version + 1))

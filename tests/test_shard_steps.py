@@ -228,8 +228,9 @@ async def test_adaptive_shards_train_with_rounds_shard_0_closes_and_every_shard_
         await until("both workers' steps", lambda: all(w.stop.is_set() for w in workers), 120)
         await until("shard 1 caught up", lambda: servers[1].version == servers[0].version)
     zero, one = ledgers(cfg)
-    assert zero == one and len(zero) >= 2 * steps_wanted - 2  # every accepted update, as the same version
+    # every accepted update, as the same version (the Pi's late ones may be discarded as stale: fewer than 2 x 12)
+    assert zero == one and len(zero) >= steps_wanted, (zero, one)
     versions = [v for v, *_ in zero]
     assert servers[0].version == max(versions) and servers[0].policy == "adaptive"
     # the emulated Pi 3 is several times slower: shard 0's deadline closed rounds without it, and shard 1 did too
-    assert any(versions.count(v) == 1 for v in versions)
+    assert any(versions.count(v) == 1 for v in versions), zero

@@ -1,5 +1,5 @@
-"""``edgemesh ps``: its flags, and which server runs: the job of the configuration (one process, or shard i of n
-with ``--shard i/n``), or, with no job named, the job board that serves the jobs operators submit."""
+"""``edgemesh ps``: its flags, and which server runs: the job of the configuration, or, with no job named, the
+job board that serves the jobs operators submit; either as one process, or as shard i of n (``--shard i/n``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import argparse
 
 from edgemesh import cli
 from edgemesh.common.config import Config
-from edgemesh.common.errors import ConfigError
 from edgemesh.services.parameter_server.service import ParameterServer
 
 
@@ -35,10 +34,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 async def run(config: Config) -> None:
     """Run the parameter server until stopped (SIGINT, SIGTERM or a ``stop`` command): the job of the
-    configuration, or without one the jobs operators submit, their states kept by the job board (``jobs``)."""
-    if config.ps.shards > 1 and not config.job:
-        raise ConfigError("a sharded parameter server serves the job of its configuration (--job NAME): "
-                          "submitted jobs need ps.shards = 1")
+    configuration, or without one the jobs operators submit, their states kept by the job board (``jobs``; with
+    shards, shard 0's keeps them and the others serve what it starts)."""
     if config.job:
         await ParameterServer(config).run(signals=True)
         return

@@ -23,8 +23,17 @@ from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.jobs import model_spec
-from edgemesh.common.messages import ControlCommand, ControlReply, DeviceStatus, Event, JobState, Scalar
+from edgemesh.common.messages import (
+    ControlCommand,
+    ControlReply,
+    DeviceStatus,
+    Event,
+    JobState,
+    ModelSnapshot,
+    Scalar,
+)
 from edgemesh.common.messages.jobs import JobPhase
+from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
 from edgemesh.services.host import ActiveJob, JobHost
 from edgemesh.services.parameter_server.service import ParameterServer
@@ -141,17 +150,35 @@ class JobBoard:
             ps = self.host.service
             if isinstance(ps, ParameterServer) and self.host.current == (state.name, state.sha256) \
                     and ps.state is not None:
-                if not reason.startswith(REACHED):  # its last model's accuracy, not an earlier version's
-                    await ps.evaluate_final()
+                reached = reason.startswith(REACHED)  # its last evaluation is its last model's: kept
+                await self._final(ps, state, evaluate=not reached)
+                if not reached:
                     state = replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss)
-                with contextlib.suppress(EdgeMeshError):
-                    await ps.publish_final_model()
             logger.info("job board: job %s %s: %s", state.name, phase, reason)
             await self._publish(replace(state, state=phase, reason=reason, ended_at=time.time(),
                                         updated_at=time.time()))
             await self._event(state.name, f"job_{phase}", reason)
         finally:
             self._ending.discard(state.name)
+
+    async def _final(self, ps: ParameterServer, state: JobState, *, evaluate: bool) -> None:
+        """The job's model as it stands (with a sharded server, every shard's rows): evaluated now, unless its
+        target was reached (its last evaluation is its last model's), and published float32 and retained on
+        ``job/model``, which ``edgemesh job export`` reads."""
+        assert self.bus is not None
+        whole = await ps.whole_model()
+        if whole is None:
+            logger.error("job board: job %s: no final model, not every shard's broadcast reached version %d",
+                         state.name, ps.version)
+            return
+        version, params = whole
+        if evaluate:
+            await ps.evaluator.final(version, params, ps.report_evaluation)
+        with contextlib.suppress(EdgeMeshError):
+            await self.bus.publish(Topics(ps.cfg.job).job_model(), ModelSnapshot(
+                version=version, model_spec=ps.cfg.training.model_spec, created=time.time(),
+                sync_policy=ps.policy, tensors={k: Tensor.from_numpy(v.astype("float32", copy=False))
+                                                for k, v in params.items()}), retain=True, kind="model")
 
     async def _publish(self, state: JobState) -> None:
         assert self.bus is not None
@@ -237,9 +264,10 @@ def _stop_reason(state: JobState, now: float) -> str:
 
 
 async def serve_jobs(config: Config) -> None:
-    """The parameter server's host: it serves the jobs operators submit and keeps their states (the board)."""
+    """The parameter server's host: it serves the jobs operators submit and keeps their states (the board). With
+    shards, only shard 0's host keeps the board; the others serve the jobs its states start, as every host does."""
     host = JobHost("ps", config, for_job)
-    await host.run(signals=True, extra=JobBoard(host).attach)
+    await host.run(signals=True, extra=None if config.ps.shard else JobBoard(host).attach)
 
 
 async def for_job(active: ActiveJob) -> ParameterServer:

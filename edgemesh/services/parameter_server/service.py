@@ -42,13 +42,11 @@ from edgemesh.common.messages import (
     ControlCommand,
     GradientUpdate,
     LocalEvaluation,
-    ModelSnapshot,
     Plan,
     SnapshotRequest,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.shards import Division
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy, payload_reason
 from edgemesh.services.parameter_server.acks import Acks
@@ -230,7 +228,7 @@ class ParameterServer:
         bus.on_connect(self._on_connect)
 
     def jobs(self) -> list[Job]:
-        return [self._step_loop(), self.evaluator.run(self._report_evaluation)]
+        return [self._step_loop(), self.evaluator.run(self.report_evaluation)]
 
     async def close(self) -> None:
         await self.acks.drain()  # the acks of the last steps go out before the connection closes, if it holds
@@ -256,7 +254,7 @@ class ParameterServer:
         devices = {d.device for d in self.plan.devices} if self.plan is not None else set()
         combined = self.evaluator.combine(report, devices)
         if combined is not None:
-            await self._report_evaluation(*combined)
+            await self.report_evaluation(*combined)
 
     async def _on_snapshot_request(self, request: SnapshotRequest, _: TopicMatch) -> None:
         """A member of the plan needs the whole model (a new division): a snapshot, unless the last is current."""
@@ -430,19 +428,12 @@ class ParameterServer:
                                for device, part in message.parts.items()))
         handed.set()
 
-    async def publish_final_model(self) -> None:
-        """The model as it stands, float32 and retained on ``job/model``: what ``edgemesh job export`` reads."""
-        assert self.bus is not None
+    async def whole_model(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        """The version and a copy of the whole model as it stands (a job's end); a sharded server's shard 0 adds
+        the other shards' rows from their broadcasts once they reach its version (None if one does not)."""
         version, params = await asyncio.to_thread(self._copy_params)
-        await self.bus.publish(self.topics.job_model(), ModelSnapshot(
-            version=version, model_spec=self.cfg.training.model_spec, created=time.time(), sync_policy=self.policy,
-            tensors={k: Tensor.from_numpy(v.astype("float32", copy=False)) for k, v in params.items()}),
-            retain=True, kind="model")
-
-    async def evaluate_final(self) -> None:
-        """The model as it stands, evaluated now whatever ``ps.eval_budget`` (a job's end)."""
-        version, params = await asyncio.to_thread(self._copy_params)
-        await self.evaluator.final(version, params, self._report_evaluation)
+        whole = params if self.peers is None else await self.peers.whole_model(version, params)
+        return None if whole is None else (version, whole)
 
     def _copy_params(self) -> tuple[int, dict[str, np.ndarray]]:
         """The version and a copy of the weights, taken between steps (in a thread)."""
@@ -456,7 +447,7 @@ class ParameterServer:
             await self.sync_out.publish(self.bus, self.scheduler.sync_state(self._fleet(), bound=self.bound,
                                                                             time=time.time()))
 
-    async def _report_evaluation(self, version: int, loss: float, accuracy: float) -> None:
+    async def report_evaluation(self, version: int, loss: float, accuracy: float) -> None:
         assert self.events is not None
         self.m_accuracy.set(accuracy)
         self.m_loss.set(loss)
