@@ -135,17 +135,17 @@ def test_a_follower_too_far_behind_jumps_to_the_oldest_step_it_can_still_take() 
 
 
 def test_shard_0_keeps_its_latest_steps_through_a_checkpoint_and_its_log() -> None:
-    leader = Leader(Topics("j"), lambda: None)
+    leader = Leader(Topics("j"), lambda: None, 2, WAIT_S, ServiceMetrics("lead"))
     for v in range(1, KEPT_STEPS + 11):
         leader.stepped([Step((candidate("a", v),), v, (0.5,))])
     assert len(leader.steps) == KEPT_STEPS and leader.steps[0].version == 11
     kept = leader.kept()
-    again = Leader(Topics("j"), lambda: None)
+    again = Leader(Topics("j"), lambda: None, 2, WAIT_S, ServiceMetrics("lead"))
     replayed = StepRecord(version=KEPT_STEPS + 11, parts=(StepPart(device="b", incarnation=2, seq=3, weight=1.0),))
     again.resume(kept, [replayed])
     assert list(again.steps)[:-1] == list(leader.steps)[1:] and again.steps[-1] == replayed and again.owed
     woken = []
-    discarding = Leader(Topics("j"), lambda: woken.append(1))
+    discarding = Leader(Topics("j"), lambda: woken.append(1), 2, WAIT_S, ServiceMetrics("lead"))
     discarding.answered(Ack(update("a", 1), "accepted"))
     assert not discarding.owed and not woken
     discarding.answered(Ack(update("a", 2), "discarded", "stale", 3))
@@ -234,3 +234,41 @@ async def test_adaptive_shards_train_with_rounds_shard_0_closes_and_every_shard_
     assert servers[0].version == max(versions) and servers[0].policy == "adaptive"
     # the emulated Pi 3 is several times slower: shard 0's deadline closed rounds without it, and shard 1 did too
     assert any(versions.count(v) == 1 for v in versions), zero
+
+
+async def test_clip_on_shards_clips_each_update_by_the_norm_of_the_whole_of_it(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """Under ``clip`` shard 1 tells shard 0 its part of every update's norm, and shard 0 clips by the whole norm:
+    an update that is huge only in shard 1's rows is clipped on both shards, by the same factor, and the model
+    is the one one server makes of the same updates (each shard judging alone would not clip it at all)."""
+    cfg = shard_config(mosquitto_broker, tmp_path, "async", **{"ps.aggregation": "clip", "ps.clip_factor": 3.0})
+    servers = shards_of(cfg)
+    shard = [Topics(cfg.job, i) for i in range(2)]
+    scales = {"a": (0.01, 0.01), "b": (0.02, 0.02), "c": (0.01, 5.0)}  # per shard's rows; c huge in shard 1's
+    async with running(*servers), inbox(cfg, *((t.ack_filter("+"), UpdateAck) for t in shard)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(list(scales)), retain=True)
+        await until("both shards' plan", lambda: all(s.plan is not None for s in servers))
+        spans = [[(s.param, s.start, s.stop) for s in ps.division.spans] for ps in servers]  # type: ignore[union-attr]
+        for n, (device, (low, high)) in enumerate(scales.items()):
+            for i, scale in enumerate((low, high)):
+                await box.publish(shard[i].grad(f"c-{device}", device), gradient(device, 1, n, scale=scale,
+                                                                                 spans=spans[i]))
+            await until(f"version {n + 1} on both shards", lambda v=n + 1: [s.version for s in servers] == [v, v])
+        assert servers[0].metrics.value("edgemesh_ps_robust_clipped_total") == 1
+        assert servers[0].metrics.value("edgemesh_ps_shard_norms_missing_total") == 0
+        view = ShardedView(2)
+        view.know({k: v.shape for k, v in models.get_params(models.build_model("digits-cnn", seed=5)).items()})
+        two = view.assemble([s.state.params for s in servers if s.state is not None])
+    one_cfg = replace(cfg, ps=replace(cfg.ps, shards=1, state_dir=str(tmp_path / "one")))
+    one = ParameterServer(one_cfg)
+    async with running(one), inbox(one_cfg, (Topics(cfg.job).ack_filter("+"), UpdateAck)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(list(scales)), retain=True)
+        await until("the plan", lambda: one.plan is not None)
+        for n, (device, (low, high)) in enumerate(scales.items()):
+            parts = [gradient(device, 1, n, scale=s, spans=spans[i]) for i, s in enumerate((low, high))]
+            await box.publish(Topics(cfg.job).grad(f"c-{device}", device),
+                              replace(parts[0], shards=parts[0].shards + parts[1].shards))
+            await box.next(UpdateAck, lambda m, d=device: m.device == d)  # type: ignore[misc]
+        assert one.metrics.value("edgemesh_ps_robust_clipped_total") == 1 and one.state is not None
+        for name, value in one.state.params.items():
+            np.testing.assert_allclose(two[name], value, rtol=0, atol=1e-6, err_msg=name)

@@ -40,9 +40,11 @@ from edgemesh.common.messages import (
     MeshSlice,
     ModelDelta,
     ModelSnapshot,
+    NormPart,
     Plan,
     PlanCluster,
     PlanDevice,
+    ShardNorms,
     ShardSteps,
     ShardUpdate,
     SnapshotRequest,
@@ -150,9 +152,10 @@ SHARD_STEPS = ShardSteps(version=421, policy="adaptive", steps=(
     StepRecord(version=421, parts=(StepPart(device="pi-a", incarnation=7, seq=13, weight=0.25),
                                    StepPart(device="pi-b", incarnation=2, seq=40, weight=0.125)))),
     discards=(StepDiscard(device="pi-c", incarnation=1, seq=9, reason="stale", delay=5),))
+SHARD_NORMS = ShardNorms(shard=1, parts=(NormPart(device="pi-a", incarnation=7, seq=13, squared=0.0425),))
 EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK, SYNC,
             REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_READY, MESH_SLICE, MESH_STATS, MESH_GRADIENT, JOB, JOB_STATE,
-            LOCAL_EVALUATION, LEFT, SNAPSHOT_REQUEST, PROBE, SHARD_STEPS]
+            LOCAL_EVALUATION, LEFT, SNAPSHOT_REQUEST, PROBE, SHARD_STEPS, SHARD_NORMS]
 
 
 def test_examples_cover_every_registered_kind() -> None:

@@ -11,7 +11,8 @@ All topics live under ``edgemesh/v1/{job}/`` so several trainings can share one 
 
 A sharded parameter server (``ps.shards`` > 1) owns its gradients, acks and model broadcast under
 ``shard/{index}/`` (``Topics(job, shard=i)``); shard 0 also publishes the steps the others follow on
-``shard/0/steps``; every other topic is the job's own.
+``shard/0/steps``, and under ``clip`` the others tell it their part of updates' norms on ``shard/{i}/norms``;
+every other topic is the job's own.
 
 Large retained messages are chunked onto ``{topic}/chunk/{index}`` (see ``wire``); a filter
 subscribes to both the topic and its chunks (``Filter.patterns``).
@@ -34,11 +35,11 @@ CHUNK_SEGMENT = "chunk"
 
 TopicKind = Literal["hello", "status", "stats", "evaluation", "snapshot_request", "probe", "plan", "sync", "codec",
                     "model", "delta", "grad", "grad_raw", "ack", "mesh", "control", "reply", "events", "job",
-                    "job_state", "job_model", "steps"]
+                    "job_state", "job_model", "steps", "norms"]
 """The families of topics; a route is named after the family it consumes."""
 MAX_SHARDS = 64
 """Most parameter server shards a topic may name."""
-SHARD_KINDS = ("model", "delta", "grad", "ack", "steps")
+SHARD_KINDS = ("model", "delta", "grad", "ack", "steps", "norms")
 """The families a parameter server shard has under ``shard/{index}/``."""
 SERVICE_TARGETS = ("planner", "ps", "compressor", "all", "job")
 """Control targets other than ``device/{id}``."""
@@ -207,6 +208,14 @@ class Topics:
     def steps_filter(self) -> Filter:
         return Filter(self.steps(), "steps")
 
+    def norms(self) -> str:
+        """This shard's part of updates' norms (``ShardNorms``), for shard 0's ``clip``."""
+        return f"{self.ps_root}/norms"
+
+    def norms_filter(self) -> Filter:
+        """Every shard's norms."""
+        return Filter(f"{self.root}/shard/+/norms", "norms")
+
     def sync(self) -> str:
         """The parameter server's retained ``SyncState`` (policy, bound, deadline, delay indices)."""
         return f"{self.root}/sync"
@@ -319,8 +328,8 @@ def parse(topic: str) -> TopicMatch:
     job, rest, base = parts[2], parts[3:], "/".join(parts)
     match rest:
         case ["shard", index, *inner] if index.isascii() and index.isdigit() and int(index) < MAX_SHARDS:
-            if inner == ["steps"]:  # a shard's family alone: nothing outside shard/ is named so
-                return TopicMatch(job, "steps", base, shard=int(index))
+            if inner in (["steps"], ["norms"]):  # a shard's families alone: nothing outside shard/ is named so
+                return TopicMatch(job, inner[0], base, shard=int(index))  # type: ignore[arg-type]
             found = parse("/".join([*parts[:3], *inner]))
             if found.kind in SHARD_KINDS:
                 return replace(found, topic=base, shard=int(index))

@@ -6,7 +6,7 @@ Frozen dataclasses; ``wire`` encodes and decodes them and checks field types, an
 * ``devices``: DeviceHello, DeviceStatus, DeviceStats, LinkProbe
 * ``plan``: Plan and its PlanDevice, PlanCluster, LayerDivision
 * ``training``: CodecPolicy, ShardUpdate, GradientUpdate, UpdateAck, ModelSnapshot, ModelDelta, SyncState,
-  ShardSteps (shard 0's steps, for the other shards)
+  ShardSteps (shard 0's steps, for the other shards), ShardNorms (the others' part of updates' norms)
 * ``mesh``: MeshReady, MeshBegin, MeshSlice, SnapshotRequest
 * ``operations``: ControlCommand, ControlReply, Event
 * ``jobs``: JobSubmission, JobState, LocalEvaluation
@@ -22,6 +22,8 @@ from edgemesh.common.messages.training import (
     GradientUpdate,
     ModelDelta,
     ModelSnapshot,
+    NormPart,
+    ShardNorms,
     ShardSteps,
     ShardUpdate,
     StepDiscard,
@@ -34,7 +36,7 @@ from edgemesh.common.messages.training import (
 __all__ = [
     "CodecPolicy", "ControlCommand", "ControlReply", "DeviceHello", "DeviceStats", "DeviceStatus", "Event",
     "GradientUpdate", "JobState", "JobSubmission", "LayerDivision", "LinkProbe", "LocalEvaluation", "MeshBegin",
-    "MeshReady", "MeshSlice", "ModelDelta", "ModelSnapshot", "Plan", "PlanCluster", "PlanDevice", "Scalar",
-    "ShardSteps", "ShardUpdate", "SnapshotRequest", "StepDiscard", "StepPart", "StepRecord", "SyncState",
-    "UpdateAck",
+    "MeshReady", "MeshSlice", "ModelDelta", "ModelSnapshot", "NormPart", "Plan", "PlanCluster", "PlanDevice",
+    "Scalar", "ShardNorms", "ShardSteps", "ShardUpdate", "SnapshotRequest", "StepDiscard", "StepPart", "StepRecord",
+    "SyncState", "UpdateAck",
 ]

@@ -225,6 +225,9 @@ class StepRecord:
 
     version: int
     parts: tuple[StepPart, ...]
+    clipped: bool = False
+    """Shard 0 applied ``clip``: the weights include each update's clip scale (from the norm of the whole update),
+    and the other shards sum with them as they are."""
 
     def validate(self) -> None:
         if self.version < 1:
@@ -260,6 +263,36 @@ class ShardSteps:
             raise ValueError("steps out of order")
         for discard in self.discards:
             discard.validate()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NormPart:
+    device: str
+    incarnation: int
+    seq: int
+    squared: float
+    """Squared L2 norm of the update's rows this shard holds."""
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+        nonneg("squared", self.squared)
+
+
+@message("shard_norms")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ShardNorms:
+    """A shard's part of updates' norms, on ``shard/{i}/norms``: under ``clip`` shard 0 clips each update by the
+    norm of the whole of it."""
+
+    shard: int
+    parts: tuple[NormPart, ...]
+
+    def validate(self) -> None:
+        nonneg("shard", self.shard)
+        if not 0 < len(self.parts) <= MAX_DEVICES:
+            raise ValueError("1 to 10,000 norms")
+        for part in self.parts:
+            part.validate()
 
 
 MAX_KEPT_STEPS = 1024

@@ -132,7 +132,8 @@ class Recovery:
                 resumed.replayed += 1
                 resumed.steps.append(StepRecord(version=int(record["version"]), parts=tuple(
                     StepPart(device=e["device"], incarnation=int(e["incarnation"]), seq=int(e["seq"]),
-                             weight=float(e["weight"])) for e in record["entries"])))
+                             weight=float(e["weight"]) * float(e.get("scale", 1.0))) for e in record["entries"]),
+                    clipped=any("scale" in e for e in record["entries"])))
         if resumed.replayed:
             logger.info("replayed %d logged steps; now at version %d", resumed.replayed, clock.version)
         self._wal = store.WriteAheadLog(self.state_dir, fsync=self._fsync)
@@ -185,10 +186,11 @@ class Recovery:
                 "seq": part.seq,
                 "item": i,
                 "weight": w,
+                **({"scale": c.scales[i]} if c.scales else {}),  # clip's, for a sharded server's other shards
                 "shards": [{"param": s.param, "start": s.start, "stop": s.stop, "codec": s.codec, "data": s.data}
                            for s in part.shards],
             } for i, (w, item) in enumerate(zip(step.weights, step.items, strict=True)) for part in item.updates],
-        } for step, how in zip(steps, (c.how for c in combined), strict=True)]
+        } for step, c in zip(steps, combined, strict=True) for how in [c.how]]
         for record, c, summed in zip(records, combined, sums, strict=True):
             sent = sum(len(s["data"]) for entry in record["entries"] for s in entry["shards"])
             if sum(g.values.nbytes for g in summed) < sent:  # e.g. a sync round of dense updates: one sum, not N

@@ -68,6 +68,9 @@ class Aggregation:
     """``clip``: the norm contributions were clipped to (None: no reference yet)."""
     trim_fraction: float = 0.2
     krum_f: int = 1
+    elsewhere: tuple[float, ...] = ()
+    """``clip`` on shard 0 of a sharded server: each contribution's squared norm over the rows the other shards
+    hold (their ``ShardNorms``), so that its norm is the whole update's; empty: this process holds every row."""
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,7 +83,7 @@ class Aggregation:
         rule: AggregationRule = next((r for r in AGGREGATION_RULES if r == record.get("rule")), "mean")
         threshold = record.get("clip_threshold")
         return cls(rule, None if threshold is None else float(threshold), float(record.get("trim_fraction", 0.2)),
-                   int(record.get("krum_f", 1)))
+                   int(record.get("krum_f", 1)), tuple(float(v) for v in record.get("elsewhere", ())))
 
 
 @dataclass(slots=True)
@@ -93,19 +96,27 @@ class Combined:
     """L2 norm of every contribution as applied (clipped, under ``clip``; those Krum left out are not)."""
     clipped: int = 0
     """Contributions whose norm ``clip`` cut."""
+    scales: list[float] = field(default_factory=list)
+    """``clip``: what each contribution was multiplied by (1 where it was not cut)."""
     excluded: int = 0
     """Contributions left out: by Krum, those not among the best scored; by the trimmed mean, the ones each
     coordinate drops."""
 
 
-def norm(shards: Iterable[ShardGrad]) -> float:
-    """L2 norm of a contribution's gradient: float32 dot products (BLAS, no float64 copy: a seventh of the time,
-    and clip compares norms only to a multiple of their median), summed in float64."""
+def norm(shards: Iterable[ShardGrad], elsewhere: float = 0.0) -> float:
+    """L2 norm of a contribution's gradient (with ``elsewhere``, the squared norm of its rows other shards hold):
+    float32 dot products (BLAS, no float64 copy: a seventh of the time, and clip compares norms only to a
+    multiple of their median), summed in float64."""
+    return float(np.sqrt(squared(shards) + elsewhere))
+
+
+def squared(shards: Iterable[ShardGrad]) -> float:
+    """Squared L2 norm of these rows of a gradient (what a shard tells shard 0 for ``clip``)."""
     total = 0.0
     for g in shards:
         flat = g.values.reshape(-1)
         total += float(np.dot(flat, flat))
-    return float(np.sqrt(total))
+    return total
 
 
 def combine(contributions: Sequence[Contribution], how: Aggregation) -> Combined:
@@ -113,7 +124,7 @@ def combine(contributions: Sequence[Contribution], how: Aggregation) -> Combined
     if not contributions:  # a shard's step of none of its updates (``shard_steps``): nothing to judge
         out = Combined([], norms=[])
     elif how.rule == "clip":
-        out = _clip(contributions, how.clip_threshold)
+        out = _clip(contributions, how.clip_threshold, how.elsewhere or (0.0,) * len(contributions))
     elif how.rule == "krum":
         out = _krum(contributions, how.krum_f)
     elif how.rule == "median":
@@ -152,16 +163,20 @@ class Aggregator:
         self.m_excluded = metrics.counter("robust_excluded", "Contributions a robust rule left out of a step",
                                           ["rule"])
 
-    def combine(self, contributions: Sequence[Contribution]) -> Combined:
-        """One step's contributions under the rule in force (``Combined.how`` is logged with the step)."""
+    def combine(self, contributions: Sequence[Contribution], *, rule: AggregationRule | None = None,
+                elsewhere: Sequence[float] = ()) -> Combined:
+        """One step's contributions under the rule in force, or ``rule`` (``Combined.how`` is logged with the
+        step); ``elsewhere``: see :attr:`Aggregation.elsewhere`."""
+        rule = rule or self.rule
         threshold = None
-        if self.rule == "clip":
-            recent = [*self.norms, *_norms(contributions)]
+        if rule == "clip":
+            recent = [*self.norms, *(norm(shards, *elsewhere[i:i + 1]) for i, (_, shards) in enumerate(contributions))]
             threshold = self.clip_factor * float(np.median(recent)) if recent else None
-        combined = combine(contributions, Aggregation(self.rule, threshold, self.trim_fraction, self.krum_f))
+        combined = combine(contributions, Aggregation(rule, threshold, self.trim_fraction, self.krum_f,
+                                                      tuple(elsewhere) if rule == "clip" else ()))
         self.norms.extend(combined.norms)
         self.m_clipped.inc(combined.clipped)
-        self.m_excluded.labels(rule=self.rule).inc(combined.excluded)
+        self.m_excluded.labels(rule=rule).inc(combined.excluded)
         return combined
 
     def kept(self) -> dict[str, Any]:
@@ -177,17 +192,18 @@ class Aggregator:
         self._warned = (self.rule, policy)
 
 
-def _clip(contributions: Sequence[Contribution], threshold: float | None) -> Combined:
+def _clip(contributions: Sequence[Contribution], threshold: float | None, elsewhere: Sequence[float]) -> Combined:
     out = Combined([])
-    for weight, shards in contributions:
-        size = norm(shards)
+    for (weight, shards), far in zip(contributions, elsewhere, strict=True):
+        size, scale = norm(shards, far), 1.0
         if threshold is not None and size > threshold:
-            scale = np.float32(threshold / size)
-            shards = [ShardGrad(g.param, g.start, g.stop, g.values * scale) for g in shards]
+            scale = threshold / size
+            shards = [ShardGrad(g.param, g.start, g.stop, g.values * np.float32(scale)) for g in shards]
             out.clipped += 1
             size = threshold
         out.contributions.append((weight, shards))
         out.norms.append(size)
+        out.scales.append(scale)
     return out
 
 

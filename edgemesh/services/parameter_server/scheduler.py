@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from edgemesh.common.messages import GradientUpdate, Plan, SyncState
-from edgemesh.common.vocabulary import AckReason, AckStatus, SyncPolicy
+from edgemesh.common.vocabulary import AckReason, AckStatus, AggregationRule, SyncPolicy
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, round_weights, staleness_weight
 from edgemesh.services.parameter_server.optimizer import ShardGrad
 
@@ -62,6 +62,9 @@ class Step:
     items: tuple[Candidate, ...]
     version: int
     weights: tuple[float, ...] = ()
+    rule: AggregationRule | None = None
+    """The aggregation this step must use whatever the rule in force (a shard's step of shard 0's clipped one:
+    ``mean``, its weights already scaled)."""
 
     def delay(self, item: Candidate) -> int:
         return self.version - 1 - item.update.base_version

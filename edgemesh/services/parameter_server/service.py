@@ -128,7 +128,8 @@ class ParameterServer:
         self.acks = Acks(self.topics, m)
         self.scheduler = (Follower(self.clock, p.shard_wait_s, m) if self.sharded and p.shard else
                           make_scheduler(self.policy, self.clock, self.rule, staleness_weighting=p.staleness_weighting))
-        self.leader = Leader(self.topics, self._wake.set) if self.sharded and not p.shard else None
+        self.leader = Leader(self.topics, self._wake.set, p.shards, p.shard_wait_s, m) if self.sharded and not p.shard \
+            else None
         """Shard 0: the steps and discards every other shard follows (a follower's scheduler is a ``Follower``)."""
         self.acks.watch = self.leader.answered if self.leader else getattr(self.scheduler, "answered", None)
         self.m_assembling = m.gauge("mesh_assembling_steps", "Model-parallel steps waiting for members' shards")
@@ -283,6 +284,8 @@ class ParameterServer:
                     raise WireError("a sharded parameter server takes no model-parallel steps", "shape")
                 update = replace(update, shards=self.division.localize(update.shards))
             grads = await asyncio.to_thread(self.state.decode, update.shards)
+            if isinstance(self.scheduler, Follower):  # under clip shard 0 clips by the whole update's norm
+                self.scheduler.measured(update, grads, self.aggregator.rule)
         except WireError as exc:
             self.metrics.reject(exc.reason, where, exc, route="grad")
             await self.acks.send(Ack(update, "discarded", payload_reason(exc.reason)), self.version)
@@ -350,9 +353,11 @@ class ParameterServer:
             if ack.status == "discarded" and ack.reason:
                 self.assembly.discarded(ack.update, ack.reason)
         steps = decision.steps
-        message = await asyncio.to_thread(self._apply, steps) if steps else None
+        elsewhere = await self.leader.elsewhere(steps) if self.leader and steps and self.aggregator.rule == "clip" \
+            else []
+        message = await asyncio.to_thread(self._apply, steps, elsewhere) if steps else None
         if self.leader is not None:  # the others take these steps once they are in the log
-            self.leader.publish(steps, self.version, self.policy)
+            self.leader.publish(self.version, self.policy)
         for step in steps:
             for item in step.items:
                 self.m_delay.observe(step.delay(item))
@@ -374,16 +379,19 @@ class ParameterServer:
                 await asyncio.to_thread(self._checkpoint)
         return bool(steps)
 
-    def _apply(self, steps: list[Step]) -> ModelMessage | None:
+    def _apply(self, steps: list[Step], elsewhere: list[list[float]]) -> ModelMessage | None:
         """Apply and log ``steps``, then encode the model to broadcast, if anyone listens (one thread hop for all)."""
         assert self.state is not None
         t = self.cfg.training
         with self._state_lock:
-            combined = [self.aggregator.combine(step.contributions()) for step in steps]  # the rule's gradients
+            combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far)  # the rule's
+                        for step, far in zip(steps, elsewhere or [[]] * len(steps), strict=True)]  # gradients
             sums = [self.state.step(c.contributions, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
                     for c in combined]
             self.m_wal.inc(self.recovery.log(steps, Optimizer(self.lr, t.momentum, t.weight_decay), combined, sums))
             self.ledger.record(steps)  # before any of their acks
+            if self.leader is not None:  # the other shards take them next, clipped as here
+                self.leader.stepped(steps, [c.scales if c.how.rule == "clip" else [] for c in combined])
             self.clock.version = steps[-1].version
             self.m_version.set(self.version)
         if self.plan is None or not self.plan.devices:  # no one listens: nothing to encode

@@ -25,16 +25,28 @@ shard's acks go (after shard 0's step); under the others it is what makes the mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from edgemesh.common.bus import Bus
-from edgemesh.common.messages import GradientUpdate, ShardSteps, StepDiscard, StepPart, StepRecord
+from edgemesh.common.errors import WireError
+from edgemesh.common.messages import (
+    GradientUpdate,
+    NormPart,
+    ShardNorms,
+    ShardSteps,
+    StepDiscard,
+    StepPart,
+    StepRecord,
+)
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
-from edgemesh.common.vocabulary import SyncPolicy
+from edgemesh.common.vocabulary import AggregationRule, SyncPolicy
 from edgemesh.services.parameter_server.acks import Key, key_of
+from edgemesh.services.parameter_server.optimizer import ShardGrad
+from edgemesh.services.parameter_server.robust import squared
 from edgemesh.services.parameter_server.scheduler import (
     SCHEDULERS,
     Ack,
@@ -58,16 +70,23 @@ REMEMBERED = 4096
 """Keys a follower remembers as discarded, missed or refused (a resend of one is answered at once)."""
 
 
-def _key(part: StepPart | StepDiscard) -> Key:
+def _key(part: StepPart | StepDiscard | NormPart) -> Key:
     return part.device, part.incarnation, part.seq
 
 
 class Leader:
     """Shard 0: the steps and discards it publishes for the other shards."""
 
-    def __init__(self, topics: Topics, wake: Callable[[], None]) -> None:
-        self.topics, self.wake = topics, wake
+    def __init__(self, topics: Topics, wake: Callable[[], None], shards: int, wait_s: float,
+                 metrics: ServiceMetrics) -> None:
+        self.topics, self.wake, self.shards, self.wait_s = topics, wake, shards, wait_s
         self.steps: deque[StepRecord] = deque()
+        self.partials: OrderedDict[Key, dict[int, float]] = OrderedDict()
+        """Under ``clip``: each update's squared norm over the other shards' rows, by shard (``ShardNorms``)."""
+        self._arrived = asyncio.Event()
+        self.m_unmeasured = metrics.counter(
+            "shard_norms_missing", "Updates clip judged without another shard's part of their norm (not in within "
+            "ps.shard_wait_s)")
         self.discards: OrderedDict[Key, StepDiscard] = OrderedDict()
         self.owed = False
         """A discard or step not yet published."""
@@ -82,25 +101,62 @@ class Leader:
         async def connected() -> None:
             self.owed = True
 
+        async def measured(message: ShardNorms, match: TopicMatch) -> None:
+            if not 0 < match.shard < self.shards or message.shard != match.shard:
+                raise WireError(f"norms of shard {message.shard} on shard {match.shard}'s topic", "field")
+            for part in message.parts:
+                self.partials.setdefault(_key(part), {})[match.shard] = part.squared
+                self.partials.move_to_end(_key(part))
+            while len(self.partials) > REMEMBERED:
+                self.partials.popitem(last=False)
+            self._arrived.set()
+
         bus.on_connect(connected)
+        bus.route(self.topics.norms_filter(), ShardNorms, measured)
+
+    async def elsewhere(self, steps: Sequence[Step]) -> list[list[float]]:
+        """Under ``clip``: each contribution's squared norm over the other shards' rows, once every shard told it
+        (waiting up to ``wait_s`` in all; a part still missing counts as 0, and is counted)."""
+        keys = [[[key_of(u) for u in item.updates] for item in step.items] for step in steps]
+        others = set(range(1, self.shards))
+
+        def missing() -> list[Key]:
+            return [k for step in keys for item in step for k in item if set(self.partials.get(k, ())) < others]
+
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.wait_s):
+                while missing():
+                    self._arrived.clear()
+                    await self._arrived.wait()
+        if lacking := missing():
+            logger.warning("clip judged %d updates without every shard's part of their norm", len(lacking))
+            self.m_unmeasured.inc(len(lacking))
+        return [[sum(sum(self.partials.get(k, {}).values()) for k in item) for item in step] for step in keys]
 
     def resume(self, kept: object, replayed: Sequence[StepRecord]) -> None:
         """The steps a checkpoint kept (``kept()``) and those replayed from the log after it: published again at
         the first chance, for a shard that missed them while this one was down."""
         records = [StepRecord(version=int(v), parts=tuple(StepPart(device=str(d), incarnation=int(i), seq=int(q),
-                                                                   weight=float(w)) for d, i, q, w in parts))
-                   for v, parts in (kept if isinstance(kept, list) else [])]
+                                                                   weight=float(w)) for d, i, q, w in parts),
+                              clipped=bool(clipped[:1] == [True]))
+                   for v, parts, *clipped in (kept if isinstance(kept, list) else [])]
         self._keep([*records, *replayed])
         self.owed = True  # even none: the retained message may be an earlier run's, which the others must not take
 
     def kept(self) -> list[list[object]]:
         """The steps to keep in a checkpoint."""
-        return [[r.version, [[p.device, p.incarnation, p.seq, p.weight] for p in r.parts]] for r in self.steps]
+        return [[r.version, [[p.device, p.incarnation, p.seq, p.weight] for p in r.parts], r.clipped]
+                for r in self.steps]
 
-    def stepped(self, steps: Sequence[Step]) -> None:
-        """``steps`` are in the log: the other shards take them next (``publish`` sends them)."""
-        self._keep([record_of(step.version, [(u, w) for item, w in zip(step.items, step.weights, strict=True)
-                                             for u in item.updates]) for step in steps])
+    def stepped(self, steps: Sequence[Step], scales: Sequence[Sequence[float]] = ()) -> None:
+        """``steps`` are in the log: the other shards take them next (``publish`` sends them). ``scales``: what
+        ``clip`` multiplied each step's contributions by (empty for a step it did not judge)."""
+        records = []
+        for step, clip in zip(steps, [*scales, *[()] * (len(steps) - len(scales))], strict=True):
+            factors = list(clip) or [1.0] * len(step.items)
+            records.append(record_of(step.version, [(u, w * f) for item, w, f in zip(
+                step.items, step.weights, factors, strict=True) for u in item.updates], clipped=bool(clip)))
+        self._keep(records)
 
     def _keep(self, records: Sequence[StepRecord]) -> None:
         self.steps.extend(records)
@@ -122,10 +178,9 @@ class Leader:
         self.owed = True
         self.wake()
 
-    def publish(self, steps: Sequence[Step], version: int, policy: SyncPolicy) -> None:
-        """``steps`` are in the log: send them with the earlier ones and the discards, retained; in order behind
-        the previous send (one connection keeps it), without waiting here for the broker."""
-        self.stepped(steps)
+    def publish(self, version: int, policy: SyncPolicy) -> None:
+        """Send the steps kept and the discards, retained, if anything is new; in order behind the previous send
+        (one connection keeps it), without waiting here for the broker."""
         if not self.owed or self.bus is None:
             return
         self.owed = False
@@ -158,6 +213,9 @@ class Follower(Scheduler):
         self.refused: OrderedDict[Key, None] = OrderedDict()
         """Updates this shard refused (their rows did not decode here): a step naming one does not wait for it."""
         self.resync = False
+        self.bus: Bus | None = None
+        self.topics: Topics | None = None
+        self._sending: set[asyncio.Task[int]] = set()
         self._waiting_since: float | None = None
         self._answers: list[Ack] = []
         self.m_missed = metrics.counter("shard_parts_missed", "Updates shard 0 applied that this shard did not have "
@@ -168,6 +226,8 @@ class Follower(Scheduler):
     # ------------------------------------------------------------------ from shard 0 and from this shard
     def attach(self, bus: Bus, topics: Topics, wake: Callable[[], None]) -> None:
         """Follow shard 0's steps, ``wake`` the step loop at each."""
+        self.bus, self.topics = bus, topics
+
         async def steps(message: ShardSteps, _: TopicMatch) -> None:
             self.follow(message)
             wake()
@@ -189,6 +249,16 @@ class Follower(Scheduler):
             self._remember(key, ack)
             if held is not None:
                 self._answers.append(ack)
+
+    def measured(self, update: GradientUpdate, grads: Sequence[ShardGrad], rule: AggregationRule) -> None:
+        """Under ``clip``, tell shard 0 this shard's part of ``update``'s norm (it clips by the whole's)."""
+        if rule != "clip" or self.bus is None or self.topics is None or self.topics.shard is None:
+            return
+        message = ShardNorms(shard=self.topics.shard, parts=(NormPart(
+            device=update.device, incarnation=update.incarnation, seq=update.seq, squared=squared(grads)),))
+        task = asyncio.create_task(self.bus.publish(self.topics.norms(), message, kind="norms"))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     def answered(self, ack: Ack) -> None:
         """Every ack this shard sends: an update it discarded (its rows malformed or not finite here, say) is one
@@ -263,7 +333,7 @@ class Follower(Scheduler):
             items.append(item)
             weights.append(part.weight)
         # nothing of it here: a step of no update, which moves the version on and leaves the rows as they are
-        step = Step(tuple(items), record.version, tuple(weights))
+        step = Step(tuple(items), record.version, tuple(weights), "mean" if record.clipped else None)
         self.clock.advance(step.items)
         out.steps.append(step)
         out.acks += [Ack(item.update, "accepted", "", step.delay(item), self.resync) for item in items]
@@ -274,10 +344,10 @@ class Follower(Scheduler):
             self.settled.popitem(last=False)
 
 
-def record_of(version: int, parts: Sequence[tuple[GradientUpdate, float]]) -> StepRecord:
+def record_of(version: int, parts: Sequence[tuple[GradientUpdate, float]], *, clipped: bool = False) -> StepRecord:
     """The step that made ``version`` of ``(update, weight)`` ``parts``, as shard 0 publishes it."""
-    return StepRecord(version=version, parts=tuple(StepPart(device=u.device, incarnation=u.incarnation, seq=u.seq,
-                                                            weight=w) for u, w in parts))
+    return StepRecord(version=version, clipped=clipped, parts=tuple(
+        StepPart(device=u.device, incarnation=u.incarnation, seq=u.seq, weight=w) for u, w in parts))
 
 
 def _stand_in(part: StepPart | StepDiscard) -> GradientUpdate:
