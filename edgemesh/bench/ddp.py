@@ -93,6 +93,10 @@ EXACT = {"compressor.mode": "static", "compressor.default_codec": "none", "ps.de
 """EdgeMesh's settings for a link that carries float32 at no cost worth saving: gradients and model deltas
 uncompressed. Its edge defaults (``fp16``, then ``grid`` once a link is measured slow, and ``grid`` deltas) are
 lossy and take CPU to encode, against a DDP whose all-reduce is exact."""
+HALF = {"compressor.mode": "static", "compressor.default_codec": "fp16", "ps.delta_codec": "fp16"}
+"""``--comm fp16``: EdgeMesh's gradients and model deltas in float16, beside DDP with torch's
+``fp16_compress_hook`` (its all-reduce in float16): both sides send half the bytes."""
+COMMS = {"fp32": EXACT, "fp16": HALF}
 LR = 0.02
 """Both sides' learning rate (SGD, momentum 0.9): ``cifar-cnn`` learns ``synthetic-cifar`` smoothly at 0.01-0.05;
 at the default 0.1 its held-out loss jumps by tenths between evaluations (one process at batch 32 stalls near
@@ -193,13 +197,13 @@ async def _drive(cluster: LocalCluster, run: EdgeMeshRun, *, steps: int, warmup:
         progress=progress, start_timeout_s=START_TIMEOUT_S, run_timeout_s=steps * SECONDS_PER_STEP_LIMIT, tick=scrape)
 
 
-def edgemesh_config(overrides: dict[str, str], *, job: str, broker_url: str, seed: int) -> Config:
+def edgemesh_config(overrides: dict[str, str], *, job: str, broker_url: str, seed: int, comm: str = "fp32") -> Config:
     """The run's configuration: EdgeMesh's defaults, the job (model, data, ``sync``, uniform batches of
-    ``BATCH``, ``LR``), exact transport (``EXACT``), then ``--set``."""
+    ``BATCH``, ``LR``), the transport of ``comm`` (``EXACT`` or ``HALF``), then ``--set``."""
     return load_config(env={}, overrides={
         "job": job, "broker.url": broker_url, "log_level": "INFO", "training.model_spec": MODEL,
         "training.dataset": DATASET, "training.sync_policy": POLICY, "training.batch_size": str(BATCH),
-        "training.lr": str(LR), "planner.batching": "uniform", "training.seed": str(seed), **EXACT, **overrides})
+        "training.lr": str(LR), "planner.batching": "uniform", "training.seed": str(seed), **COMMS[comm], **overrides})
 
 
 SETTINGS_RECORDED = (
@@ -349,10 +353,11 @@ def _mean(values: Iterable[float | None]) -> float | None:
 
 
 def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: dict[str, str],
-              progress: Callable[[str], None], keep_logs: bool = False, rounds: int = 1) -> dict[str, Any]:
+              progress: Callable[[str], None], keep_logs: bool = False, rounds: int = 1,
+              comm: str = "fp32") -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-ddp-"))
     cfg = edgemesh_config(overrides, job=f"ddp-{uuid.uuid4().hex[:6]}", broker_url="mqtt://127.0.0.1:1883",
-                          seed=seed)
+                          seed=seed, comm=comm)
     t = cfg.training
     initial = models.build_model(t.model_spec, seed=t.seed)
     _, test = load_dataset(t.dataset, t.dataset_path or None, seed=t.seed)
@@ -365,7 +370,7 @@ def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: di
     every = cfg.ps.eval_every or steps
     evaluated = [v for v in run.losses if v <= final] or list(range(every, steps + 1, every))
     job = DdpJob.of(cfg, port=0, steps=max(steps, final), warmup=warmup, timed_until=steps,
-                    evaluate_at=[*evaluated, final], out_dir=workdir / "ddp-0")
+                    evaluate_at=[*evaluated, final], out_dir=workdir / "ddp-0", comm=comm)
     ddp = ddp_once(job, workdir / "ddp-0", progress)
 
     def again(i: int, ddp_first: bool) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -382,7 +387,7 @@ def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: di
     result: dict[str, Any] = {
         "model": t.model_spec, "dataset": t.dataset, "workers": WORKERS, "batch_per_worker": t.batch_size,
         "steps": steps, "warmup_steps": warmup, "final_version": final, "lr": t.lr, "momentum": t.momentum,
-        "weight_decay": t.weight_decay, "torch_threads": cfg.worker.threads,
+        "weight_decay": t.weight_decay, "torch_threads": cfg.worker.threads, "comm": comm,
         "edgemesh_seconds_per_version": per_version, "ddp_seconds_per_step": per_step,
         "step_time_ratio": _ratio(per_version, per_step), "rounds": timed,
         "initial_loss": round(initial_loss, FIGURES_DIGITS),
@@ -453,6 +458,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help=f"steps before timing starts (default {DEFAULT_WARMUP})")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_STEPS} steps, timed after {QUICK_WARMUP}, one round (what the tests run)")
+    parser.add_argument("--comm", choices=sorted(COMMS), default="fp32",
+                        help="what both sides send: fp32 (exact, the default), or fp16 (EdgeMesh's fp16 codec, "
+                             "DDP's fp16_compress_hook)")
     parser.add_argument("--rounds", type=int, default=None,
                         help=f"trainings of each side, alternating which goes first; the seconds are their means "
                              f"(default {DEFAULT_ROUNDS}, 1 with --quick)")
@@ -474,9 +482,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         overrides = cli.overrides(args)
-        edgemesh_config(overrides, job="ddp", broker_url="mqtt://127.0.0.1:1883", seed=args.seed)
+        edgemesh_config(overrides, job="ddp", broker_url="mqtt://127.0.0.1:1883", seed=args.seed, comm=args.comm)
         result = run_bench(Path(args.report), steps=steps, warmup=warmup, seed=args.seed, overrides=overrides,
-                           keep_logs=args.keep_logs, rounds=rounds,
+                           keep_logs=args.keep_logs, rounds=rounds, comm=args.comm,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     except EdgeMeshError as exc:
         print(f"edgemesh bench ddp: {exc}", file=sys.stderr)

@@ -72,16 +72,18 @@ class DdpJob:
     weight_decay: float
     threads: int
     out_dir: str
+    comm: str = "fp32"
+    """``fp16``: the all-reduce in float16 (torch's ``fp16_compress_hook``)."""
 
     @classmethod
     def of(cls, cfg: Config, *, port: int, steps: int, warmup: int, timed_until: int, evaluate_at: Iterable[int],
-           out_dir: Path) -> DdpJob:
+           out_dir: Path, comm: str = "fp32") -> DdpJob:
         t = cfg.training
         return cls(port=port, steps=steps, warmup=warmup, timed_until=timed_until,
                    evaluate_at=tuple(sorted(set(evaluate_at))), model_spec=t.model_spec, dataset=t.dataset,
                    dataset_path=t.dataset_path, seed=t.seed, partition=t.partition, partition_alpha=t.partition_alpha,
                    batch=t.batch_size, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay,
-                   threads=cfg.worker.threads, out_dir=str(out_dir))
+                   threads=cfg.worker.threads, out_dir=str(out_dir), comm=comm)
 
 
 def ddp_rank(rank: int, job: DdpJob) -> None:
@@ -99,6 +101,9 @@ def ddp_rank(rank: int, job: DdpJob) -> None:
     try:
         model = models.build_model(job.model_spec, seed=job.seed)
         ddp = DistributedDataParallel(model)
+        if job.comm == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         optimizer = torch.optim.SGD(model.parameters(), lr=job.lr, momentum=job.momentum,
                                     weight_decay=job.weight_decay)
         train, test = load_dataset(job.dataset, job.dataset_path or None, seed=job.seed)

@@ -29,6 +29,7 @@ from edgemesh.common import costs, wire
 from edgemesh.common.codecs import codec_for, get_codec
 from edgemesh.common.config import ParameterServerConfig
 from edgemesh.common.errors import WireError
+from edgemesh.common.half import from_half, to_half
 from edgemesh.common.messages import CodecPolicy, ModelDelta, ModelSnapshot, Plan, ShardUpdate
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.vocabulary import SyncPolicy
@@ -77,7 +78,8 @@ class Broadcaster:
         """The model as a snapshot; in delta mode it is exact (float32) and resets the workers' view."""
         delta_mode = self.cfg.broadcast == "delta"
         dtype = "float32" if delta_mode else self.cfg.snapshot_dtype
-        tensors = {k: Tensor.from_numpy(v.astype(dtype, copy=False)) for k, v in params.items()}
+        tensors = {k: Tensor.from_numpy(to_half(v) if dtype == "float16" else v.astype(dtype, copy=False))
+                   for k, v in params.items()}
         snap = ModelSnapshot(version=version, model_spec=self.model_spec, created=time.time(), sync_policy=policy,
                              tensors=tensors)
         if delta_mode:
@@ -126,6 +128,11 @@ class Broadcaster:
             if mine:
                 parts[device] = wire.encode(replace(delta, shards=mine))
         return ModelMessage(wire.encode(delta), False, parts)
+
+
+def _float32(values: np.ndarray) -> np.ndarray:
+    """A writable float32 copy of a snapshot's tensor (float16 ones through ``half``: fast whatever the values)."""
+    return from_half(values) if values.dtype.itemsize == 2 else np.array(values, dtype=np.float32)
 
 
 def member_rows(plan: Plan | None) -> dict[str, dict[str, tuple[int, int]]]:
@@ -222,11 +229,8 @@ class ModelView:
         if rows is not None and set(rows) != set(snap.tensors):
             raise WireError("snapshot names other parameters than the rows this view keeps", "shape")
         self.lengths = {k: t.shape[0] if t.shape else 0 for k, t in snap.tensors.items()}
-        if rows is None:
-            self.params = {k: np.array(t.to_numpy(), dtype=np.float32) for k, t in snap.tensors.items()}
-        else:
-            self.params = {k: np.array(t.to_numpy()[rows[k][0]:rows[k][1]], dtype=np.float32)
-                           for k, t in snap.tensors.items()}
+        whole = {k: (slice(None) if rows is None else slice(*rows[k])) for k in snap.tensors}
+        self.params = {k: _float32(t.to_numpy()[whole[k]]) for k, t in snap.tensors.items()}
         self.version = snap.version
         self.gap = False
         return True

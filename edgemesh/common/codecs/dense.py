@@ -6,6 +6,7 @@ import numpy as np
 
 from edgemesh.common.codecs.base import check_finite, register
 from edgemesh.common.errors import CodecError
+from edgemesh.common.half import from_half, to_half
 from edgemesh.common.messages import CodecPolicy
 from edgemesh.common.vocabulary import CodecName
 
@@ -20,8 +21,8 @@ class _Dense:
 
     def encode(self, grad: np.ndarray, policy: CodecPolicy | None) -> bytes:
         flat = np.asarray(grad, dtype=np.float32).reshape(-1)
-        if self._dtype.itemsize == 2:
-            flat = np.clip(flat, -FP16_MAX, FP16_MAX)
+        if self._dtype.itemsize == 2:  # fast whatever the values (``half``), clipped to float16's range
+            return to_half(np.clip(flat, -FP16_MAX, FP16_MAX)).astype(self._dtype, copy=False).tobytes()
         return flat.astype(self._dtype).tobytes()
 
     def decode(self, data: bytes, numel: int) -> np.ndarray:
@@ -29,7 +30,8 @@ class _Dense:
         if len(data) != expected:
             raise CodecError(f"{self.name} payload has {len(data)} bytes, {numel} values need {expected}")
         # float32 as is: a read-only view of the payload, no copy
-        values = np.frombuffer(data, dtype=self._dtype).astype(np.float32, copy=False)
+        values = np.frombuffer(data, dtype=self._dtype)
+        values = from_half(values) if self._dtype.itemsize == 2 else values.astype(np.float32, copy=False)
         return check_finite(values, self.name)
 
 

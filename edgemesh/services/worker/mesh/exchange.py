@@ -12,6 +12,7 @@ import numpy as np
 
 from edgemesh.common.bus import Bus
 from edgemesh.common.errors import ModelError, WireError
+from edgemesh.common.half import from_half, to_half
 from edgemesh.common.messages import MeshSlice
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import Topics
@@ -125,7 +126,8 @@ class BusExchange:
         if len(shape) < 2 or shape[1] != units or (msg.step == self.step and shape[0] != self.batch):
             raise WireError(f"{msg.phase} slice of {msg.layer} from member {msg.sender} has shape {shape}; "
                             f"expected ({self.batch}, {units}, ...)", "shape")
-        values = msg.tensor.to_numpy().astype(np.float32)
+        raw = msg.tensor.to_numpy()
+        values = from_half(raw) if raw.dtype.itemsize == 2 else raw.astype(np.float32)
         if not np.isfinite(values).all():
             raise WireError(f"{msg.phase} slice of {msg.layer} from member {msg.sender} is not finite", "nan")
         self._box.setdefault(key, {})[msg.sender] = values
@@ -145,7 +147,7 @@ class BusExchange:
         self.layer_bytes.setdefault(owner, [0, 0])[direction] += nbytes
 
     async def _publish(self, layer: str, phase: str, to: str, array: np.ndarray) -> None:
-        wire = np.ascontiguousarray(array, dtype=self.dtype)
+        wire = to_half(array) if self.dtype.itemsize == 2 else np.ascontiguousarray(array, dtype=self.dtype)
         self._count(layer, phase, 0, wire.nbytes)
         tensor = Tensor.from_numpy(wire)
         msg = MeshSlice(cluster=self.cluster, plan_version=self.plan_version, step=self.step, layer=layer,
