@@ -20,6 +20,9 @@ shard's acks go (after shard 0's step); under the others it is what makes the mo
   later, is answered as shard 0 answered it and not applied.
 * A follower further behind than the retained steps reach takes the oldest it can, its version jumping over
   the ones it cannot have (counted: ``shard_versions_skipped``, and logged).
+* Under ``clip`` every other shard tells shard 0 its part of each update's squared norm (:class:`ShardNorms` on
+  ``shard/{i}/norms``, ``Follower.measured``); shard 0 waits for them (``Leader.elsewhere``), clips by the norm
+  of the whole update, and its step records carry each weight times its clip factor, which the others sum with.
 """
 
 from __future__ import annotations
