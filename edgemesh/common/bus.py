@@ -31,17 +31,15 @@ import random
 import socket
 import ssl
 import time
-import typing
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import aiomqtt
-from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edgemesh.common import chunks, paho_decode, wire
+from edgemesh.common.bus_taps import Taps
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.metrics import ServiceMetrics
@@ -111,11 +109,8 @@ class Bus:
                                          budget_bytes=config.reassembly_budget_bytes,
                                          timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped,
                                          on_joined=self._joined)
-        self._arrivals: deque[tuple[str, chunks.Arrival]] = deque()
-        """When the messages the current client parsed were read, in the order it queues them (``_stamp_arrivals``)."""
-        self._handing: asyncio.Event | None = None
-        """The ``handed`` event of the publish being handed to the client right now (``_publish_raw``)."""
-        self._clients = 0
+        self._taps = Taps(self._refused)
+        """What the paho client under aiomqtt tells: PUBACK codes, publishes handed over, arrival times."""
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
         self._closing = False
         self._refusals_logged: set[tuple[str, str]] = set()
@@ -229,71 +224,8 @@ class Bus:
         # chunks in flight, and the PS's acks to a batch of devices, are many publishes at once by design
         client.pending_calls_threshold = PENDING_CALLS_WARNING
         paho_decode.install()  # a received payload copied once, not four times
-        self._watch_publishes(client)
-        self._stamp_arrivals(client)
+        self._taps.attach(client)
         return client
-
-    def _watch_publishes(self, client: aiomqtt.Client) -> None:
-        """Count and log the publishes the broker refuses.
-
-        aiomqtt completes a publish on any PUBACK and drops its reason code, so a publish an MQTT 5 broker's
-        ACL denies (0x87, not authorized) would look sent. The paho client under it is wrapped: its publish
-        remembers each QoS 1 message's topic until the PUBACK, whose code is checked. (Under MQTT 3.1.1 a
-        broker drops a denied publish without a word: nothing can tell.)
-        """
-        paho = client._client  # noqa: SLF001 - the reason code is only seen here
-        in_flight: dict[int, str] = {}
-        publish, on_publish = paho.publish, typing.cast(Callable[..., None], paho.on_publish)
-
-        def publishing(topic: str, payload: Any = None, qos: int = 0, retain: bool = False,
-                       properties: Any = None) -> Any:
-            info = publish(topic, payload, qos, retain, properties)
-            if qos:
-                in_flight[info.mid] = topic  # its PUBACK is read by the event loop, after this returns
-            handing, self._handing = self._handing, None
-            if handing is not None and info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS:  # else retried: handed again
-                handing.set()
-            return info
-
-        def acked(c: Any, userdata: Any, mid: int, reason_code: ReasonCode, properties: Any) -> None:
-            topic = in_flight.pop(mid, "")
-            if reason_code.is_failure:
-                self._refused("publish", topic, reason_code)
-            on_publish(c, userdata, mid, reason_code, properties)
-
-        paho.publish = publishing  # type: ignore[method-assign]
-        paho.on_publish = acked
-
-    def _stamp_arrivals(self, client: aiomqtt.Client) -> None:
-        """Note when each message is read off the connection, and the payload bytes read so far (a
-        ``chunks.Arrival``), for downlink samples.
-
-        aiomqtt queues every message it parses for the connection loop, which takes them out only after the
-        ``on_connect`` hooks and whenever the event loop gets round to it: that is not when they arrived. The paho
-        client under it is wrapped again (see ``_watch_publishes``): its message callback, called as each message
-        is parsed, notes the time, in the order aiomqtt queues the messages.
-        """
-        paho = client._client  # noqa: SLF001 - the time of parsing is only seen here
-        on_message = typing.cast(Callable[..., None], paho.on_message)
-        arrivals: deque[tuple[str, chunks.Arrival]] = deque()
-        self._arrivals, self._clients = arrivals, self._clients + 1
-        connection, received = self._clients, 0
-
-        def stamped(c: Any, userdata: Any, message: Any) -> None:
-            nonlocal received
-            received += len(message.payload)
-            arrivals.append((message.topic, chunks.Arrival(time.monotonic(), received, connection)))
-            on_message(c, userdata, message)
-
-        paho.on_message = stamped
-
-    def _arrival(self, topic: str) -> chunks.Arrival | None:
-        """When the message on ``topic`` the connection loop took out was read (None if that is not known)."""
-        while self._arrivals:
-            seen, arrival = self._arrivals.popleft()
-            if seen == topic:
-                return arrival
-        return None
 
     def _refused(self, operation: str, topic: str, code: int | ReasonCode) -> None:
         """A publish or subscription the broker refused: counted always, logged once per topic at ERROR."""
@@ -354,7 +286,7 @@ class Bus:
                 for hook in self._hooks:
                     await hook()
                 async for msg in client.messages:  # ends only when the client disconnects
-                    arrival = self._arrival(msg.topic.value)
+                    arrival = self._taps.arrival(msg.topic.value)
                     payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else \
                         b"" if msg.payload is None else str(msg.payload).encode()
                     if not payload and msg.retain:
@@ -504,7 +436,7 @@ class Bus:
                     if client is None:
                         await asyncio.sleep(0)
                         continue
-                    self._handing = handed  # set by the paho client's publish (_watch_publishes), called at once
+                    self._taps.handing = handed  # set by the paho client's publish (``Taps``), called at once
                     try:
                         await client.publish(topic, payload, qos=qos, retain=retain)
                         return
@@ -512,7 +444,7 @@ class Bus:
                         logger.debug("%s: publish on %s failed (%s); retrying", self.client_id, topic, exc)
                         await asyncio.sleep(self.config.backoff_initial_s)
                     finally:
-                        self._handing = None  # taken by then, unless the client never got that far
+                        self._taps.handing = None  # taken by then, unless the client never got that far
         except TimeoutError:
             raise BusError(f"could not publish on {topic} within {self.config.publish_timeout_s}s") from None
 
