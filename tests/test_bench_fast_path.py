@@ -75,7 +75,9 @@ def test_bench_ddp_quick_sets_edgemesh_sync_beside_torch_ddp(tmp_path: Path) -> 
     assert data["model"] == "digits-cnn" and data["settings"]["training.sync_policy"] == "sync"
     assert data["steps"] == 30 and data["workers"] == 2 and data["batch_per_worker"] == 32
     assert data["edgemesh"]["plan"]["batches"] == {"w0": 32, "w1": 32}  # the planner gave each worker the batch
-    assert data["final_version"] == data["edgemesh"]["final_version"] == data["ddp"]["final_step"] >= 30
+    assert data["final_version"] == data["edgemesh"]["final_version"] == data["ddp"]["final_step"] == 30
+    # neither side evaluates while it is timed: EdgeMesh's one held-out evaluation is at version 30
+    assert [v for v, *_ in data["edgemesh"]["curve"]] == [30]
     assert data["step_time_ratio"] == pytest.approx(
         data["edgemesh_seconds_per_version"] / data["ddp_seconds_per_step"], abs=1e-3)
     # two rounds, the second with DDP first; the seconds are their means

@@ -7,8 +7,10 @@ One run, two trainings of the same job, one after the other on this host:
   on ``synthetic-cifar`` under ``training.sync_policy = sync`` with uniform batches of ``training.batch_size``
   (32) per worker. Gradients and model travel exact, as DDP's all-reduce does and as a lab LAN affords
   (``EXACT``: codec ``none`` both ways, so both sides run the same arithmetic); EdgeMesh's defaults otherwise,
-  as a user runs it: model deltas, the write-ahead log fsynced before every ack, held-out evaluations every
-  ``ps.eval_every`` versions within ``ps.eval_budget``. ``--set compressor.mode=adaptive --set
+  as a user runs it: model deltas, the write-ahead log fsynced before every ack; one held-out evaluation, at
+  version ``--steps`` (``ps.eval_every``), so that neither side evaluates while it is timed (DDP evaluates the
+  models it kept after it trained; ``--set ps.eval_every=5`` evaluates as EdgeMesh does by default, within
+  ``ps.eval_budget``, on the cores the workers train on). ``--set compressor.mode=adaptive --set
   ps.delta_codec=grid`` runs the edge defaults instead (fp16 then grid gradients, grid-coded deltas). It runs
   until the parameter server's first evaluation at or after ``--steps`` model versions.
   ``edgemesh_seconds_per_version`` is the time from version ``--warmup`` to version ``--steps``, as the first
@@ -197,13 +199,17 @@ async def _drive(cluster: LocalCluster, run: EdgeMeshRun, *, steps: int, warmup:
         progress=progress, start_timeout_s=START_TIMEOUT_S, run_timeout_s=steps * SECONDS_PER_STEP_LIMIT, tick=scrape)
 
 
-def edgemesh_config(overrides: dict[str, str], *, job: str, broker_url: str, seed: int, comm: str = "fp32") -> Config:
+def edgemesh_config(overrides: dict[str, str], *, job: str, broker_url: str, seed: int, steps: int,
+                    comm: str = "fp32") -> Config:
     """The run's configuration: EdgeMesh's defaults, the job (model, data, ``sync``, uniform batches of
-    ``BATCH``, ``LR``), the transport of ``comm`` (``EXACT`` or ``HALF``), then ``--set``."""
+    ``BATCH``, ``LR``), the transport of ``comm`` (``EXACT`` or ``HALF``), a held-out evaluation at version
+    ``steps`` only (``ps.eval_every``: none while the steps are timed, as DDP evaluates its kept models after it
+    trained), then ``--set``."""
     return load_config(env={}, overrides={
         "job": job, "broker.url": broker_url, "log_level": "INFO", "training.model_spec": MODEL,
         "training.dataset": DATASET, "training.sync_policy": POLICY, "training.batch_size": str(BATCH),
-        "training.lr": str(LR), "planner.batching": "uniform", "training.seed": str(seed), **COMMS[comm], **overrides})
+        "training.lr": str(LR), "planner.batching": "uniform", "training.seed": str(seed),  # eval_every counts
+        "ps.eval_every": str(steps + 1), **COMMS[comm], **overrides})  # from version -1: the first is ``steps``
 
 
 SETTINGS_RECORDED = (
@@ -357,7 +363,7 @@ def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: di
               comm: str = "fp32") -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-ddp-"))
     cfg = edgemesh_config(overrides, job=f"ddp-{uuid.uuid4().hex[:6]}", broker_url="mqtt://127.0.0.1:1883",
-                          seed=seed, comm=comm)
+                          seed=seed, steps=steps, comm=comm)
     t = cfg.training
     initial = models.build_model(t.model_spec, seed=t.seed)
     _, test = load_dataset(t.dataset, t.dataset_path or None, seed=t.seed)
@@ -482,7 +488,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     try:
         overrides = cli.overrides(args)
-        edgemesh_config(overrides, job="ddp", broker_url="mqtt://127.0.0.1:1883", seed=args.seed, comm=args.comm)
+        edgemesh_config(overrides, job="ddp", broker_url="mqtt://127.0.0.1:1883", seed=args.seed, steps=steps,
+                        comm=args.comm)
         result = run_bench(Path(args.report), steps=steps, warmup=warmup, seed=args.seed, overrides=overrides,
                            keep_logs=args.keep_logs, rounds=rounds, comm=args.comm,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
