@@ -484,6 +484,12 @@ class EmulatedLink:
             try:
                 data = await source.read(CHUNK_SIZE)
             except OSError:
+                # StreamReader.read raises the reset ahead of the bytes it had already read: they go first
+                buffered: bytearray = getattr(source, "_buffer", bytearray())  # only there
+                ahead = bytes(buffered)
+                buffered.clear()
+                if ahead:
+                    await queue.put(direction.clock.deliver_at(len(ahead), loop.time()), ahead)
                 data = None
             await queue.put(direction.clock.deliver_at(len(data or b""), loop.time()), data)
             if not data:
