@@ -48,12 +48,20 @@ def steps(*records: tuple[int, list[tuple[str, int, float]]], policy: str = "asy
                           for v, parts in records))
 
 
+REGISTRIES: dict[int, ServiceMetrics] = {}
+
+
 def follower(name: str) -> Follower:
-    return Follower(Clock(), WAIT_S, ServiceMetrics(name))
+    metrics = ServiceMetrics(name)
+    f = Follower(Clock(), WAIT_S, metrics)
+    REGISTRIES[id(f)] = metrics
+    return f
 
 
-def counted(f: Follower, name: str) -> float:
-    return f.m_missed._value.get() if name == "missed" else f.m_skipped._value.get()
+def counted(f: Follower, counter: str) -> float:
+    """``f``'s counter ``shard_parts_missed`` or ``shard_versions_skipped``, as Prometheus reads it."""
+    metrics = REGISTRIES[id(f)]
+    return metrics.value(f"edgemesh_{metrics.service}_{counter}_total")
 
 
 def at(now: float) -> Fleet:
@@ -108,7 +116,7 @@ def test_a_step_waits_for_an_update_this_shard_lacks_then_goes_without_it_and_an
     assert take(f, [], 1 + WAIT_S / 2).steps == []
     got = take(f, [], 1 + WAIT_S)
     assert [(s.version, [i.update.device for i in s.items], s.weights) for s in got.steps] == [(1, ["a"], (0.5,))]
-    assert counted(f, "missed") == 1 and f.timeout(at(1 + WAIT_S)) is None
+    assert counted(f, "shard_parts_missed") == 1 and f.timeout(at(1 + WAIT_S)) is None
     late = take(f, [candidate("b", 1)], 10)  # shard 0 took it: answered so, not applied here
     assert late.steps == [] and [(a.update.device, a.status) for a in late.acks] == [("b", "accepted")]
     # an update this shard refused itself (its rows were malformed here) is not waited for
@@ -131,7 +139,7 @@ def test_a_follower_too_far_behind_jumps_to_the_oldest_step_it_can_still_take() 
     f = follower("gap")
     f.follow(steps((5, [("a", 1, 1.0)])))
     got = take(f, [candidate("a", 1)], 0)
-    assert [s.version for s in got.steps] == [5] and counted(f, "skipped") == 4
+    assert [s.version for s in got.steps] == [5] and counted(f, "shard_versions_skipped") == 4
 
 
 def test_shard_0_keeps_its_latest_steps_through_a_checkpoint_and_its_log() -> None:
@@ -253,7 +261,7 @@ async def test_clip_on_shards_clips_each_update_by_the_norm_of_the_whole_of_it(
             for i, scale in enumerate((low, high)):
                 await box.publish(shard[i].grad(f"c-{device}", device), gradient(device, 1, n, scale=scale,
                                                                                  spans=spans[i]))
-            await until(f"version {n + 1} on both shards", lambda v=n + 1: [s.version for s in servers] == [v, v])
+            await until(f"version {n + 1} on both shards", lambda v=n + 1: [s.version for s in servers] == [v, v])  # type: ignore[misc]
         assert servers[0].metrics.value("edgemesh_ps_robust_clipped_total") == 1
         assert servers[0].metrics.value("edgemesh_ps_shard_norms_missing_total") == 0
         view = ShardedView(2)
