@@ -261,7 +261,12 @@ class Follower(Scheduler):
             device=update.device, incarnation=update.incarnation, seq=update.seq, squared=squared(grads)),))
         task = asyncio.create_task(self.bus.publish(self.topics.norms(), message, kind="norms"))
         self._sending.add(task)
-        task.add_done_callback(self._sending.discard)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[int]) -> None:
+        self._sending.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:  # shard 0 waits, then goes without
+            logger.warning("a norm for shard 0 not published: %s", exc)
 
     def answered(self, ack: Ack) -> None:
         """Every ack this shard sends: an update it discarded (its rows malformed or not finite here, say) is one
