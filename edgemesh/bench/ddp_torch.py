@@ -143,7 +143,7 @@ def run_ddp(job: DdpJob, progress: Callable[[str], None]) -> dict[str, Any]:
     read what they wrote."""
     import torch.multiprocessing as mp
 
-    failure = None
+    failure = exited = None
     context = mp.start_processes(ddp_rank, args=(job,), nprocs=WORKERS, join=False, start_method="spawn")
     limit_s = START_TIMEOUT_S + job.steps * SECONDS_PER_STEP_LIMIT
     deadline = time.monotonic() + limit_s
@@ -154,6 +154,11 @@ def run_ddp(job: DdpJob, progress: Callable[[str], None]) -> dict[str, Any]:
                 break
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
         failure = f"a DDP rank failed: {str(exc).strip().splitlines()[-1]}"
+        if isinstance(exc, mp.ProcessExitedException) and _written(job):
+            # gloo's threads sometimes abort a rank as it exits ("terminate called without an active
+            # exception"), after it wrote what it measured: the training is whole, the exit is noted
+            exited, failure = failure, None
+            progress(f"ddp: {exited}, after every rank wrote its figures; they are kept")
     finally:
         for proc in context.processes:
             if proc.is_alive():
@@ -176,8 +181,17 @@ def run_ddp(job: DdpJob, progress: Callable[[str], None]) -> dict[str, Any]:
         "cpu_s_per_step_total": round(sum(entry["cpu_s"] for entry in ranks), FIGURES_DIGITS),
         "backend": "gloo", "curve": [[s, round(loss, FIGURES_DIGITS), round(acc, FIGURES_DIGITS)]
                                      for s, loss, acc in curve],
-        "failure": None,
+        "failure": None, "rank_exit": exited,
     }
+
+
+def _written(job: DdpJob) -> bool:
+    """Every rank's figures are in its file, whole."""
+    try:
+        return all(isinstance(json.loads(Path(job.out_dir, f"rank{r}.json").read_text()), dict)
+                   for r in range(WORKERS))
+    except (OSError, ValueError):
+        return False
 
 
 def ddp_once(job: DdpJob, out_dir: Path, progress: Callable[[str], None]) -> dict[str, Any]:
