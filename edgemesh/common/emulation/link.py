@@ -483,12 +483,10 @@ class EmulatedLink:
             data: bytes | None
             try:
                 data = await source.read(CHUNK_SIZE)
-            except OSError:
-                # StreamReader.read raises the reset ahead of the bytes it had already read: they go first
-                buffered: bytearray = getattr(source, "_buffer", bytearray())  # only there
-                ahead = bytes(buffered)
-                buffered.clear()
-                if ahead:
+            except OSError:  # StreamReader.read raises a reset ahead of bytes it had read: they go first
+                buffered: bytearray = getattr(source, "_buffer", bytearray())
+                if ahead := bytes(buffered):
+                    buffered.clear()
                     await queue.put(direction.clock.deliver_at(len(ahead), loop.time()), ahead)
                 data = None
             await queue.put(direction.clock.deliver_at(len(data or b""), loop.time()), data)

@@ -176,7 +176,7 @@ class Recovery:
             "lr": optimizer.lr,
             "momentum": optimizer.momentum,
             "weight_decay": optimizer.weight_decay,
-            "aggregation": how.record(),
+            "aggregation": c.how.record(),
             # a model-parallel cluster's update is logged per member, each with the cluster's weight and
             # item: members' shards are disjoint, so replaying them as one contribution applies the same step
             "entries": [{
@@ -190,7 +190,7 @@ class Recovery:
                 "shards": [{"param": s.param, "start": s.start, "stop": s.stop, "codec": s.codec, "data": s.data}
                            for s in part.shards],
             } for i, (w, item) in enumerate(zip(step.weights, step.items, strict=True)) for part in item.updates],
-        } for step, c in zip(steps, combined, strict=True) for how in [c.how]]
+        } for step, c in zip(steps, combined, strict=True)]
         for record, c, summed in zip(records, combined, sums, strict=True):
             sent = sum(len(s["data"]) for entry in record["entries"] for s in entry["shards"])
             if sum(g.values.nbytes for g in summed) < sent:  # e.g. a sync round of dense updates: one sum, not N

@@ -155,7 +155,7 @@ class Leader:
         """``steps`` are in the log: the other shards take them next (``publish`` sends them). ``scales``: what
         ``clip`` multiplied each step's contributions by (empty for a step it did not judge)."""
         records = []
-        for step, clip in zip(steps, [*scales, *[()] * (len(steps) - len(scales))], strict=True):
+        for step, clip in zip(steps, scales or [()] * len(steps), strict=True):
             factors = list(clip) or [1.0] * len(step.items)
             records.append(record_of(step.version, [(u, w * f) for item, w, f in zip(
                 step.items, step.weights, factors, strict=True) for u in item.updates], clipped=bool(clip)))
