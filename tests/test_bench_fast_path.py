@@ -28,6 +28,8 @@ def test_bench_transport_sets_the_parameter_servers_ingest_beside_the_broker_alo
     data = json.loads(report.read_text())
     assert data["failure"] is None and data["replayed_gradients"] is True
     assert data["payloads"] == {"300KB": 300_000}
+    # ingest as the issue counts it: no held-out evaluation beside it, every update logged and fsynced
+    assert data["ps_settings"] == {"ps.eval_every": 0, "ps.fsync": True, "ps.checkpoint_every": 200}
     for kind in ("raw", "stream", "ps"):
         assert set(data[kind]) == {"300KB/1", "300KB/2"}, kind
         for entry in data[kind].values():

@@ -22,6 +22,7 @@ from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.parameter_server.ledger import read_ledger
+from edgemesh.services.parameter_server.robust import Aggregation, Combined
 from edgemesh.services.parameter_server.scheduler import Ack, Candidate, Clock, Decision, Fleet, Step
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.parameter_server.shard_steps import KEPT_STEPS, Follower, Leader
@@ -161,6 +162,34 @@ def test_shard_0_keeps_its_latest_steps_through_a_checkpoint_and_its_log() -> No
         StepDiscard(device="a", incarnation=1, seq=2, reason="stale", delay=3)]
 
 
+def test_a_follower_combines_with_shard_0s_rule_and_averages_what_its_krum_chose() -> None:
+    """A step record names shard 0's rule, which a follower uses whatever its own: ``clip`` as a sum of the scaled
+    weights, ``krum`` averaging the parts shard 0 did not exclude (counted in this shard's own items, where one it
+    missed is not), ``median`` per coordinate as it is."""
+    leader = Leader(Topics("j"), lambda: None, 2, WAIT_S, ServiceMetrics("lead"))
+    round_ = Step(tuple(candidate(d, 1) for d in "abcx"), 1, (0.25,) * 4)
+    leader.stepped([round_], [Combined([], how=Aggregation("krum", chosen=(0, 1, 2)))])
+    (record,) = leader.steps
+    assert record.rule == "krum" and [p.excluded for p in record.parts] == [False, False, False, True]
+    again = Leader(Topics("j"), lambda: None, 2, WAIT_S, ServiceMetrics("lead"))
+    again.resume(leader.kept(), [])
+    assert list(again.steps) == [record]
+    again.resume([[1, [["a", 1, 1, 0.5]], True]], [])  # a checkpoint of the version before: clipped or not
+    assert again.steps[-1].rule == "clip" and not again.steps[-1].parts[0].excluded
+    f = follower("rules")
+    take(f, [candidate("a", 1), candidate("c", 1), candidate("x", 1)], 0)  # b's part never came here
+    f.follow(ShardSteps(version=1, policy="sync", steps=(record,)))
+    assert take(f, [], 0).steps == []  # waits for b, then goes without it
+    (step,) = take(f, [], WAIT_S).steps
+    assert [i.update.device for i in step.items] == ["a", "c", "x"] and (step.rule, step.chosen) == ("krum", (0, 1))
+    take(f, [candidate(d, 2, 1) for d in "ac"], WAIT_S)
+    f.follow(ShardSteps(version=2, policy="sync", steps=(
+        StepRecord(version=2, rule="median", parts=tuple(StepPart(device=d, incarnation=1, seq=2, weight=0.5)
+                                                         for d in "ac")),)))
+    (step,) = take(f, [], WAIT_S).steps
+    assert (step.rule, step.chosen) == ("median", None)
+
+
 # --------------------------------------------------------------------------- shards on a broker
 
 
@@ -278,5 +307,48 @@ async def test_clip_on_shards_clips_each_update_by_the_norm_of_the_whole_of_it(
                               replace(parts[0], shards=parts[0].shards + parts[1].shards))
             await box.next(UpdateAck, lambda m, d=device: m.device == d)  # type: ignore[misc]
         assert one.metrics.value("edgemesh_ps_robust_clipped_total") == 1 and one.state is not None
+        for name, value in one.state.params.items():
+            np.testing.assert_allclose(two[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
+async def test_krum_on_shards_scores_updates_by_their_distances_over_the_whole_model(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """Under ``krum`` shard 1 tells shard 0 its part of the distance between every two updates it holds, and shard
+    0 scores them over the whole model: an update that looks the most central in shard 0's rows but is far off in
+    shard 1's is the one left out, on both shards, and the model is the one one server makes of the same round
+    (shard 0 judging its rows alone would leave out ``c`` instead, and shard 1 ``x``)."""
+    cfg = shard_config(mosquitto_broker, tmp_path, "sync", **{"ps.aggregation": "krum", "ps.krum_f": 1})
+    servers = shards_of(cfg)
+    shard = [Topics(cfg.job, i) for i in range(2)]
+    scales = {"a": (0.010, 0.010), "b": (0.011, 0.011), "c": (0.016, 0.016), "x": (0.0105, 1.0)}
+    async with running(*servers), inbox(cfg, *((t.ack_filter("+"), UpdateAck) for t in shard)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(list(scales)), retain=True)
+        await until("both shards' plan", lambda: all(s.plan is not None for s in servers))
+        spans = [[(s.param, s.start, s.stop) for s in ps.division.spans] for ps in servers]  # type: ignore[union-attr]
+        for device, (low, high) in scales.items():
+            for i, scale in enumerate((low, high)):
+                await box.publish(shard[i].grad(f"c-{device}", device), gradient(device, 1, 0, scale=scale,
+                                                                                 spans=spans[i]))
+        await until("version 1 on both shards", lambda: [s.version for s in servers] == [1, 1])
+        await box.until("every shard's acks", lambda: len(box.of(UpdateAck)) == 8)
+        assert {u.status for u in box.of(UpdateAck)} == {"accepted"}
+        for ps in servers:
+            assert ps.metrics.value("edgemesh_ps_robust_excluded_total", rule="krum") == 1
+        assert servers[0].metrics.value("edgemesh_ps_shard_norms_missing_total") == 0
+        view = ShardedView(2)
+        view.know({k: v.shape for k, v in models.get_params(models.build_model("digits-cnn", seed=5)).items()})
+        two = view.assemble([s.state.params for s in servers if s.state is not None])
+    assert ledgers(cfg)[0] == ledgers(cfg)[1]
+    one_cfg = replace(cfg, ps=replace(cfg.ps, shards=1, state_dir=str(tmp_path / "one")))
+    one = ParameterServer(one_cfg)
+    async with running(one), inbox(one_cfg, (Topics(cfg.job).ack_filter("+"), UpdateAck)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(list(scales)), retain=True)
+        await until("the plan", lambda: one.plan is not None)
+        for device, (low, high) in scales.items():
+            parts = [gradient(device, 1, 0, scale=s, spans=spans[i]) for i, s in enumerate((low, high))]
+            await box.publish(Topics(cfg.job).grad(f"c-{device}", device),
+                              replace(parts[0], shards=parts[0].shards + parts[1].shards))
+        await box.until("the round's acks", lambda: len(box.of(UpdateAck)) == 4)
+        assert one.state is not None and one.version == 1
         for name, value in one.state.params.items():
             np.testing.assert_allclose(two[name], value, rtol=0, atol=1e-6, err_msg=name)

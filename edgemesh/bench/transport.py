@@ -9,8 +9,10 @@ gradient, 2.48 MB for ``cifar-cnn``) and each number of messages in flight (``--
   and ack of a worker and the parameter server, with no work between;
 * **stream**: N aiomqtt clients publish at QoS 1 back to back (each waits only for the broker's PUBACK) to one
   subscriber that counts the bytes: what a plain publisher pushes through the broker;
-* **ps**: a real parameter server (its own process: ``async``, codec ``none``, its write-ahead log, checkpoints
-  and held-out evaluation as configured) and N load-generating devices on EdgeMesh's own bus. They *replay*
+* **ps**: a real parameter server (its own process: ``async``, codec ``none``, its write-ahead log and
+  checkpoints as configured, no held-out evaluation: ``ps.eval_every = 0``, as the evaluation is no part of
+  ingest and runs beside it on its own thread and budget; ``--set ps.eval_every=5`` puts it back) and N
+  load-generating devices on EdgeMesh's own bus. They *replay*
   one recorded gradient instead of computing one (small random values, rows of the model's largest
   parameters up to the payload size) and each waits for its ack before sending the next, computed on the
   version the last ack named. Receive, join the chunks, decode, validate, apply, log, ack. No plan is
@@ -228,7 +230,7 @@ def ps_config(broker_url: str, workdir: Path, overrides: dict[str, str], max_in_
         "job": job, "broker.url": broker_url, "log_level": "INFO", "training.model_spec": MODEL,
         "training.dataset": DATASET, "training.sync_policy": "async", "training.lr": "0.01",
         "training.staleness_bound": str(4 * max_in_flight), "ps.state_dir": str(workdir / job),
-        "ps.shards": str(shards), **overrides})
+        "ps.shards": str(shards), "ps.eval_every": "0", **overrides})
 
 
 async def _ps_trial(cfg: Config, parts: list[tuple[ShardUpdate, ...]], n: int, seconds: float, run: str) -> Trial:
@@ -356,6 +358,8 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
             for i in range(count):
                 cluster.spawn("ps", "ps" if count == 1 else f"ps-{i}", ["--shard", f"{i}/{count}"] if count > 1 else [])
             servers[count] = (cfg, cluster)
+            result["ps_settings"] = {"ps.eval_every": cfg.ps.eval_every, "ps.fsync": cfg.ps.fsync,
+                                     "ps.checkpoint_every": cfg.ps.checkpoint_every}
             if count > 1:
                 result["sharded"][str(count)] = {"ps": {}, "ps_cpu_s_per_update": {}, "ps_parts": {},
                                                  "speedup_vs_1": {}, "cpu_cores": {"ps": {}}}

@@ -6,7 +6,8 @@ Frozen dataclasses; ``wire`` encodes and decodes them and checks field types, an
 * ``devices``: DeviceHello, DeviceStatus, DeviceStats, LinkProbe
 * ``plan``: Plan and its PlanDevice, PlanCluster, LayerDivision
 * ``training``: CodecPolicy, ShardUpdate, GradientUpdate, UpdateAck, ModelSnapshot, ModelDelta, SyncState,
-  ShardSteps (shard 0's steps, for the other shards), ShardNorms (the others' part of updates' norms)
+  ShardSteps (shard 0's steps, for the other shards), ShardNorms (the others' part of updates' norms and
+  distances)
 * ``mesh``: MeshReady, MeshBegin, MeshSlice, SnapshotRequest
 * ``operations``: ControlCommand, ControlReply, Event
 * ``jobs``: JobSubmission, JobState, LocalEvaluation
@@ -23,6 +24,7 @@ from edgemesh.common.messages.training import (
     ModelDelta,
     ModelSnapshot,
     NormPart,
+    PairPart,
     ShardNorms,
     ShardSteps,
     ShardUpdate,
@@ -36,7 +38,7 @@ from edgemesh.common.messages.training import (
 __all__ = [
     "CodecPolicy", "ControlCommand", "ControlReply", "DeviceHello", "DeviceStats", "DeviceStatus", "Event",
     "GradientUpdate", "JobState", "JobSubmission", "LayerDivision", "LinkProbe", "LocalEvaluation", "MeshBegin",
-    "MeshReady", "MeshSlice", "ModelDelta", "ModelSnapshot", "NormPart", "Plan", "PlanCluster", "PlanDevice",
-    "Scalar", "ShardNorms", "ShardSteps", "ShardUpdate", "SnapshotRequest", "StepDiscard", "StepPart", "StepRecord",
-    "SyncState", "UpdateAck",
+    "MeshReady", "MeshSlice", "ModelDelta", "ModelSnapshot", "NormPart", "PairPart", "Plan", "PlanCluster",
+    "PlanDevice", "Scalar", "ShardNorms", "ShardSteps", "ShardUpdate", "SnapshotRequest", "StepDiscard", "StepPart",
+    "StepRecord", "SyncState", "UpdateAck",
 ]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from edgemesh.common.messages.checks import MAX_DEVICES, MAX_SHARDS, check_name, nonneg
 from edgemesh.common.tensor import Tensor
-from edgemesh.common.vocabulary import AckReason, AckStatus, CodecName, SyncPolicy
+from edgemesh.common.vocabulary import AckReason, AckStatus, AggregationRule, CodecName, SyncPolicy
 from edgemesh.common.wire import message
 
 
@@ -197,6 +197,9 @@ class StepPart:
     incarnation: int
     seq: int
     weight: float
+    excluded: bool = False
+    """Under ``krum``: the step left this update out of its average (it was still taken, and its weight counts in
+    the step's total)."""
 
     def validate(self) -> None:
         check_name("device", self.device)
@@ -225,9 +228,11 @@ class StepRecord:
 
     version: int
     parts: tuple[StepPart, ...]
-    clipped: bool = False
-    """Shard 0 applied ``clip``: the weights include each update's clip scale (from the norm of the whole update),
-    and the other shards sum with them as they are."""
+    rule: AggregationRule = "mean"
+    """The rule shard 0 combined the step's updates with, which the other shards combine with too. ``clip``: the
+    weights include each update's clip scale (from the norm of the whole update), and the others sum with them as
+    they are. ``krum``: shard 0 scored the updates by their distances over every shard's rows, and the others
+    average the parts it did not mark ``excluded``."""
 
     def validate(self) -> None:
         if self.version < 1:
@@ -266,23 +271,43 @@ class ShardSteps:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class NormPart:
+class PairPart:
+    """The squared distance between an update and another this shard holds, over this shard's rows."""
+
     device: str
     incarnation: int
     seq: int
     squared: float
-    """Squared L2 norm of the update's rows this shard holds."""
 
     def validate(self) -> None:
         check_name("device", self.device)
         nonneg("squared", self.squared)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NormPart:
+    device: str
+    incarnation: int
+    seq: int
+    squared: float
+    """Squared L2 norm of the update's rows this shard holds."""
+    pairs: tuple[PairPart, ...] = ()
+    """Under ``krum``: its squared distance to each update this shard received before it and has not stepped."""
+
+    def validate(self) -> None:
+        check_name("device", self.device)
+        nonneg("squared", self.squared)
+        if len(self.pairs) > MAX_DEVICES:
+            raise ValueError("too many pairs")
+        for pair in self.pairs:
+            pair.validate()
+
+
 @message("shard_norms")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardNorms:
     """A shard's part of updates' norms, on ``shard/{i}/norms``: under ``clip`` shard 0 clips each update by the
-    norm of the whole of it."""
+    norm of the whole of it; under ``krum`` it scores updates by their distances over the whole model."""
 
     shard: int
     parts: tuple[NormPart, ...]

@@ -130,10 +130,7 @@ class Recovery:
                 resumed.settings["norms"] = [*resumed.settings.get("norms", []),
                                              *self._replay(resumed.state, clock, record)]
                 resumed.replayed += 1
-                resumed.steps.append(StepRecord(version=int(record["version"]), parts=tuple(
-                    StepPart(device=e["device"], incarnation=int(e["incarnation"]), seq=int(e["seq"]),
-                             weight=float(e["weight"]) * float(e.get("scale", 1.0))) for e in record["entries"]),
-                    clipped=any("scale" in e for e in record["entries"])))
+                resumed.steps.append(_step_record(record))
         if resumed.replayed:
             logger.info("replayed %d logged steps; now at version %d", resumed.replayed, clock.version)
         self._wal = store.WriteAheadLog(self.state_dir, fsync=self._fsync)
@@ -214,3 +211,15 @@ class Recovery:
     def close(self) -> None:
         if self._wal is not None:
             self._wal.close()
+
+
+def _step_record(record: Mapping[str, Any]) -> StepRecord:
+    """A logged step as shard 0 of a sharded server publishes it (``shard_steps``): its weights with ``clip``'s
+    scales, and the updates ``krum`` left out."""
+    how = Aggregation.of_record(record.get("aggregation"))
+    chosen = None if how.chosen is None else set(how.chosen)
+    return StepRecord(version=int(record["version"]), rule=how.rule, parts=tuple(
+        StepPart(device=e["device"], incarnation=int(e["incarnation"]), seq=int(e["seq"]),
+                 weight=float(e["weight"]) * float(e.get("scale", 1.0)),
+                 excluded=chosen is not None and int(e.get("item", -1)) not in chosen)
+        for e in record["entries"]))

@@ -24,7 +24,7 @@ Median, trimmed mean and Krum need several contributions per step, which only th
 They also need dense gradients: under a sparsifying codec most coordinates of most contributions are
 zero, and so is their median.
 
-Every step logs the :class:`Aggregation` it used (with clip's threshold), so a replay of the
+Every step logs the :class:`Aggregation` it used (with clip's threshold and the updates Krum kept), so a replay of the
 write-ahead log combines its contributions exactly as the step did.
 """
 
@@ -34,7 +34,7 @@ import bisect
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -69,8 +69,13 @@ class Aggregation:
     trim_fraction: float = 0.2
     krum_f: int = 1
     elsewhere: tuple[float, ...] = ()
-    """``clip`` on shard 0 of a sharded server: each contribution's squared norm over the rows the other shards
-    hold (their ``ShardNorms``), so that its norm is the whole update's; empty: this process holds every row."""
+    """On shard 0 of a sharded server, what the other shards measured over their rows (their ``ShardNorms``);
+    empty: this process holds every row. ``clip``: each contribution's squared norm, so that its norm is the whole
+    update's. ``krum``: the squared distance of every pair of contributions ``(0, 1), (0, 2), ..., (1, 2), ...``,
+    so that Krum scores the whole updates."""
+    chosen: tuple[int, ...] | None = None
+    """``krum``: the contributions it averaged (on another shard: those shard 0's Krum chose); None: not decided
+    yet (``combine`` decides and sets it)."""
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,9 +86,10 @@ class Aggregation:
         if not record:
             return cls()
         rule: AggregationRule = next((r for r in AGGREGATION_RULES if r == record.get("rule")), "mean")
-        threshold = record.get("clip_threshold")
+        threshold, chosen = record.get("clip_threshold"), record.get("chosen")
         return cls(rule, None if threshold is None else float(threshold), float(record.get("trim_fraction", 0.2)),
-                   int(record.get("krum_f", 1)), tuple(float(v) for v in record.get("elsewhere", ())))
+                   int(record.get("krum_f", 1)), tuple(float(v) for v in record.get("elsewhere", ())),
+                   None if chosen is None else tuple(int(i) for i in chosen))
 
 
 @dataclass(slots=True)
@@ -119,6 +125,15 @@ def squared(shards: Iterable[ShardGrad]) -> float:
     return total
 
 
+def pair_squared(a: Iterable[ShardGrad], b: Iterable[ShardGrad]) -> float:
+    """Squared distance between two gradients over the rows both cover (what a shard tells shard 0 for ``krum``)."""
+    total = 0.0
+    for parts in segments([(1.0, list(a)), (1.0, list(b))]).values():
+        if len(parts) == 2:  # noqa: PLR2004 - both cover it
+            total += float(np.square(parts[0][1] - parts[1][1], dtype=np.float64).sum())
+    return total
+
+
 def combine(contributions: Sequence[Contribution], how: Aggregation) -> Combined:
     """The contributions ``ModelState.step`` sums for one step under ``how``."""
     if not contributions:  # a shard's step of none of its updates (``shard_steps``): nothing to judge
@@ -126,7 +141,9 @@ def combine(contributions: Sequence[Contribution], how: Aggregation) -> Combined
     elif how.rule == "clip":
         out = _clip(contributions, how.clip_threshold, how.elsewhere or (0.0,) * len(contributions))
     elif how.rule == "krum":
-        out = _krum(contributions, how.krum_f)
+        chosen = list(how.chosen) if how.chosen is not None else krum_choice(contributions, how.krum_f, how.elsewhere)
+        out = _krum(contributions, chosen)
+        how = replace(how, chosen=tuple(chosen))
     elif how.rule == "median":
         out = _by_segment(contributions, lambda values: np.median(values, axis=0), _norms(contributions))
     elif how.rule == "trimmed-mean":
@@ -164,16 +181,17 @@ class Aggregator:
                                           ["rule"])
 
     def combine(self, contributions: Sequence[Contribution], *, rule: AggregationRule | None = None,
-                elsewhere: Sequence[float] = ()) -> Combined:
+                elsewhere: Sequence[float] = (), chosen: Sequence[int] | None = None) -> Combined:
         """One step's contributions under the rule in force, or ``rule`` (``Combined.how`` is logged with the
-        step); ``elsewhere``: see :attr:`Aggregation.elsewhere`."""
+        step); ``elsewhere`` and ``chosen``: see :class:`Aggregation`."""
         rule = rule or self.rule
         threshold = None
         if rule == "clip":
             recent = [*self.norms, *(norm(shards, *elsewhere[i:i + 1]) for i, (_, shards) in enumerate(contributions))]
             threshold = self.clip_factor * float(np.median(recent)) if recent else None
-        combined = combine(contributions, Aggregation(rule, threshold, self.trim_fraction, self.krum_f,
-                                                      tuple(elsewhere) if rule == "clip" else ()))
+        combined = combine(contributions, Aggregation(
+            rule, threshold, self.trim_fraction, self.krum_f, tuple(elsewhere) if rule in ("clip", "krum") else (),
+            None if chosen is None or rule != "krum" else tuple(chosen)))
         self.norms.extend(combined.norms)
         self.m_clipped.inc(combined.clipped)
         self.m_excluded.labels(rule=rule).inc(combined.excluded)
@@ -253,14 +271,18 @@ def _trimmed(contributions: Sequence[Contribution], fraction: float) -> Combined
     return out
 
 
-def krum_choice(contributions: Sequence[Contribution], f: int) -> list[int]:
+def krum_choice(contributions: Sequence[Contribution], f: int, elsewhere: Sequence[float] = ()) -> list[int]:
     """Multi-Krum: the indices of the n - f contributions with the smallest sums of squared distances
-    to their n - f - 2 nearest others (at least one of each), on the rows both cover. All of them when
-    n <= 2: two cannot tell which one is wrong."""
+    to their n - f - 2 nearest others (at least one of each), on the rows both cover, plus ``elsewhere``
+    (:attr:`Aggregation.elsewhere`). All of them when n <= 2: two cannot tell which one is wrong."""
     n = len(contributions)
     if n <= 2:
         return list(range(n))
     distance = np.zeros((n, n))
+    if elsewhere:
+        upper = np.triu_indices(n, 1)
+        distance[upper] = elsewhere
+        distance += distance.T
     for parts in segments(contributions).values():
         for a, (i, x) in enumerate(parts):
             for j, y in parts[a + 1:]:
@@ -272,8 +294,7 @@ def krum_choice(contributions: Sequence[Contribution], f: int) -> list[int]:
     return sorted(sorted(range(n), key=lambda i: (scores[i], i))[:max(1, n - f)])
 
 
-def _krum(contributions: Sequence[Contribution], f: int) -> Combined:
-    chosen = krum_choice(contributions, f)
+def _krum(contributions: Sequence[Contribution], chosen: Sequence[int]) -> Combined:
     out = _by_segment(contributions, lambda values: values.mean(axis=0),
                       [norm(contributions[i][1]) for i in chosen], chosen)
     out.excluded = len(contributions) - len(chosen)

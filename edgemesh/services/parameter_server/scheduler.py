@@ -64,7 +64,9 @@ class Step:
     weights: tuple[float, ...] = ()
     rule: AggregationRule | None = None
     """The aggregation this step must use whatever the rule in force (a shard's step of shard 0's clipped one:
-    ``mean``, its weights already scaled)."""
+    ``mean``, its weights already scaled; of its Krum step: ``krum`` with shard 0's ``chosen``)."""
+    chosen: tuple[int, ...] | None = None
+    """Under ``rule = krum``: the items to average, as shard 0's Krum chose them."""
 
     def delay(self, item: Candidate) -> int:
         return self.version - 1 - item.update.base_version

@@ -284,8 +284,8 @@ class ParameterServer:
                     raise WireError("a sharded parameter server takes no model-parallel steps", "shape")
                 update = replace(update, shards=self.division.localize(update.shards))
             grads = await asyncio.to_thread(self.state.decode, update.shards)
-            if isinstance(self.scheduler, Follower):  # under clip shard 0 clips by the whole update's norm
-                self.scheduler.measured(update, grads, self.aggregator.rule)
+            if isinstance(self.scheduler, Follower):  # shard 0 judges the whole update (clip, krum)
+                await self.scheduler.measured(update, grads, self.aggregator.rule)
         except WireError as exc:
             self.metrics.reject(exc.reason, where, exc, route="grad")
             await self.acks.send(Ack(update, "discarded", payload_reason(exc.reason)), self.version)
@@ -353,8 +353,7 @@ class ParameterServer:
             if ack.status == "discarded" and ack.reason:
                 self.assembly.discarded(ack.update, ack.reason)
         steps = decision.steps
-        elsewhere = await self.leader.elsewhere(steps) if self.leader and steps and self.aggregator.rule == "clip" \
-            else []
+        elsewhere = await self.leader.elsewhere(steps, self.aggregator.rule) if self.leader and steps else []
         message = await asyncio.to_thread(self._apply, steps, elsewhere) if steps else None
         if self.leader is not None:  # the others take these steps once they are in the log
             self.leader.publish(self.version, self.policy)
@@ -384,14 +383,15 @@ class ParameterServer:
         assert self.state is not None
         t = self.cfg.training
         with self._state_lock:
-            combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far)  # the rule's
-                        for step, far in zip(steps, elsewhere or [[]] * len(steps), strict=True)]  # gradients
+            combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far,  # the rule's
+                                                chosen=step.chosen)  # gradients
+                        for step, far in zip(steps, elsewhere or [[]] * len(steps), strict=True)]
             sums = [self.state.step(c.contributions, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
                     for c in combined]
             self.m_wal.inc(self.recovery.log(steps, Optimizer(self.lr, t.momentum, t.weight_decay), combined, sums))
             self.ledger.record(steps)  # before any of their acks
-            if self.leader is not None:  # the other shards take them next, clipped as here
-                self.leader.stepped(steps, [c.scales if c.how.rule == "clip" else [] for c in combined])
+            if self.leader is not None:  # the other shards take them next, clipped or chosen as here
+                self.leader.stepped(steps, combined)
             self.clock.version = steps[-1].version
             self.m_version.set(self.version)
         if self.plan is None or not self.plan.devices:  # no one listens: nothing to encode

@@ -23,21 +23,31 @@ shard's acks go (after shard 0's step); under the others it is what makes the mo
 * Under ``clip`` every other shard tells shard 0 its part of each update's squared norm (:class:`ShardNorms` on
   ``shard/{i}/norms``, ``Follower.measured``); shard 0 waits for them (``Leader.elsewhere``), clips by the norm
   of the whole update, and its step records carry each weight times its clip factor, which the others sum with.
+* Under ``krum`` every other shard also tells shard 0, with each update, its part of the squared distance to
+  every update it received before and has not stepped (a step's updates are all held at once until the step);
+  shard 0 waits for every pair of a step's updates, scores them over the whole model, and marks the updates
+  Krum left out in its step record: the others average the rest, as it did.
+* A step record names shard 0's rule, and the others combine with it (``median`` and ``trimmed-mean`` work per
+  coordinate, so each shard's rows come out as one process's would), even while a ``set-aggregation`` has yet
+  to reach them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from edgemesh.common.bus import Bus
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import (
     GradientUpdate,
     NormPart,
+    PairPart,
     ShardNorms,
     ShardSteps,
     StepDiscard,
@@ -46,10 +56,10 @@ from edgemesh.common.messages import (
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
-from edgemesh.common.vocabulary import AggregationRule, SyncPolicy
+from edgemesh.common.vocabulary import AGGREGATION_RULES, AggregationRule, SyncPolicy
 from edgemesh.services.parameter_server.acks import Key, key_of
 from edgemesh.services.parameter_server.optimizer import ShardGrad
-from edgemesh.services.parameter_server.robust import squared
+from edgemesh.services.parameter_server.robust import Combined, pair_squared, squared
 from edgemesh.services.parameter_server.scheduler import (
     SCHEDULERS,
     Ack,
@@ -71,10 +81,18 @@ KEPT_DISCARDS = 256
 """Discards the retained message holds: a restarted follower still answers the recent ones."""
 REMEMBERED = 4096
 """Keys a follower remembers as discarded, missed or refused (a resend of one is answered at once)."""
+KEPT_PAIRS = 65536
+"""Pairs' distances shard 0 keeps under ``krum`` (a round of 256 updates has 32,640)."""
+MEASURED = 256
+"""Updates a follower keeps for ``krum``'s distances until a step takes them (a round of as many)."""
 
 
-def _key(part: StepPart | StepDiscard | NormPart) -> Key:
+def _key(part: StepPart | StepDiscard | NormPart | PairPart) -> Key:
     return part.device, part.incarnation, part.seq
+
+
+def _pair(a: Key, b: Key) -> tuple[Key, Key]:
+    return (a, b) if a <= b else (b, a)
 
 
 class Leader:
@@ -86,10 +104,12 @@ class Leader:
         self.steps: deque[StepRecord] = deque()
         self.partials: OrderedDict[Key, dict[int, float]] = OrderedDict()
         """Under ``clip``: each update's squared norm over the other shards' rows, by shard (``ShardNorms``)."""
+        self.pairs: OrderedDict[tuple[Key, Key], dict[int, float]] = OrderedDict()
+        """Under ``krum``: the squared distance of two updates over the other shards' rows, by shard."""
         self._arrived = asyncio.Event()
         self.m_unmeasured = metrics.counter(
-            "shard_norms_missing", "Updates clip judged without another shard's part of their norm (not in within "
-            "ps.shard_wait_s)")
+            "shard_norms_missing", "Updates clip judged without another shard's part of their norm, or pairs of "
+            "updates Krum judged without another shard's part of their distance (not in within ps.shard_wait_s)")
         self.discards: OrderedDict[Key, StepDiscard] = OrderedDict()
         self.owed = False
         """A discard or step not yet published."""
@@ -110,21 +130,40 @@ class Leader:
             for part in message.parts:
                 self.partials.setdefault(_key(part), {})[match.shard] = part.squared
                 self.partials.move_to_end(_key(part))
+                for pair in part.pairs:
+                    both = _pair(_key(part), _key(pair))
+                    self.pairs.setdefault(both, {})[match.shard] = pair.squared
+                    self.pairs.move_to_end(both)
             while len(self.partials) > REMEMBERED:
                 self.partials.popitem(last=False)
+            while len(self.pairs) > KEPT_PAIRS:
+                self.pairs.popitem(last=False)
             self._arrived.set()
 
         bus.on_connect(connected)
         bus.route(self.topics.norms_filter(), ShardNorms, measured)
 
-    async def elsewhere(self, steps: Sequence[Step]) -> list[list[float]]:
-        """Under ``clip``: each contribution's squared norm over the other shards' rows, once every shard told it
-        (waiting up to ``wait_s`` in all; a part still missing counts as 0, and is counted)."""
-        keys = [[[key_of(u) for u in item.updates] for item in step.items] for step in steps]
+    async def elsewhere(self, steps: Sequence[Step], rule: AggregationRule) -> list[list[float]]:
+        """What ``rule`` judges the whole updates by, over the other shards' rows, once every shard told it
+        (waiting up to ``wait_s`` in all; a part still missing counts as 0, and is counted): under ``clip`` each
+        contribution's squared norm, under ``krum`` the squared distance of every pair of a step's contributions
+        (``Aggregation.elsewhere``); nothing under the other rules."""
+        table: OrderedDict[Any, dict[int, float]]
+        keys: list[list[list[Any]]]  # per step, per contribution (clip) or pair (krum): the table's keys to sum
+        if rule == "clip":
+            table = self.partials
+            keys = [[[key_of(u) for u in item.updates] for item in step.items] for step in steps]
+        elif rule == "krum":  # with shards every item is one update (model-parallel clusters are refused)
+            table = self.pairs
+            keys = [[[_pair(key_of(a.updates[0]), key_of(b.updates[0]))]
+                     for a, b in itertools.combinations(step.items, 2)] if len(step.items) > 2 else []  # noqa: PLR2004
+                    for step in steps]  # Krum takes every one of two or fewer: no distance needed
+        else:
+            return []
         others = set(range(1, self.shards))
 
-        def missing() -> list[Key]:
-            return [k for step in keys for item in step for k in item if set(self.partials.get(k, ())) < others]
+        def missing() -> list[Any]:
+            return [k for step in keys for item in step for k in item if set(table.get(k, ())) < others]
 
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.wait_s):
@@ -132,33 +171,35 @@ class Leader:
                     self._arrived.clear()
                     await self._arrived.wait()
         if lacking := missing():
-            logger.warning("clip judged %d updates without every shard's part of their norm", len(lacking))
+            logger.warning("%s judged %d %s without every shard's part of them", rule, len(lacking),
+                           "updates' norms" if rule == "clip" else "pairs of updates' distances")
             self.m_unmeasured.inc(len(lacking))
-        return [[sum(sum(self.partials.get(k, {}).values()) for k in item) for item in step] for step in keys]
+        return [[sum((sum(table.get(k, {}).values(), 0.0) for k in item), 0.0) for item in step] for step in keys]
 
     def resume(self, kept: object, replayed: Sequence[StepRecord]) -> None:
         """The steps a checkpoint kept (``kept()``) and those replayed from the log after it: published again at
         the first chance, for a shard that missed them while this one was down."""
-        records = [StepRecord(version=int(v), parts=tuple(StepPart(device=str(d), incarnation=int(i), seq=int(q),
-                                                                   weight=float(w)) for d, i, q, w in parts),
-                              clipped=bool(clipped[:1] == [True]))
-                   for v, parts, *clipped in (kept if isinstance(kept, list) else [])]
+        records = [StepRecord(version=int(v), parts=tuple(
+            StepPart(device=str(d), incarnation=int(i), seq=int(q), weight=float(w), excluded=excluded == [True])
+            for d, i, q, w, *excluded in parts), rule=_rule(rule[0] if rule else "mean"))
+            for v, parts, *rule in (kept if isinstance(kept, list) else [])]
         self._keep([*records, *replayed])
         self.owed = True  # even none: the retained message may be an earlier run's, which the others must not take
 
     def kept(self) -> list[list[object]]:
         """The steps to keep in a checkpoint."""
-        return [[r.version, [[p.device, p.incarnation, p.seq, p.weight] for p in r.parts], r.clipped]
+        return [[r.version, [[p.device, p.incarnation, p.seq, p.weight, p.excluded] for p in r.parts], r.rule]
                 for r in self.steps]
 
-    def stepped(self, steps: Sequence[Step], scales: Sequence[Sequence[float]] = ()) -> None:
-        """``steps`` are in the log: the other shards take them next (``publish`` sends them). ``scales``: what
-        ``clip`` multiplied each step's contributions by (empty for a step it did not judge)."""
+    def stepped(self, steps: Sequence[Step], combined: Sequence[Combined] = ()) -> None:
+        """``steps`` are in the log: the other shards take them next (``publish`` sends them). ``combined``: what
+        the rule made of each (``clip``'s scales, ``krum``'s choice; none: each a ``mean``)."""
         records = []
-        for step, clip in zip(steps, scales or [()] * len(steps), strict=True):
-            factors = list(clip) or [1.0] * len(step.items)
-            records.append(record_of(step.version, [(u, w * f) for item, w, f in zip(
-                step.items, step.weights, factors, strict=True) for u in item.updates], clipped=bool(clip)))
+        for step, c in zip(steps, combined or [Combined([])] * len(steps), strict=True):
+            factors = c.scales or [1.0] * len(step.items)
+            chosen = range(len(step.items)) if c.how.chosen is None else c.how.chosen
+            records.append(record_of(step.version, [(u, w * f, i not in chosen) for i, (item, w, f) in enumerate(zip(
+                step.items, step.weights, factors, strict=True)) for u in item.updates], rule=c.how.rule))
         self._keep(records)
 
     def _keep(self, records: Sequence[StepRecord]) -> None:
@@ -221,6 +262,8 @@ class Follower(Scheduler):
         self._sending: set[asyncio.Task[int]] = set()
         self._waiting_since: float | None = None
         self._answers: list[Ack] = []
+        self._measured: OrderedDict[Key, Sequence[ShardGrad]] = OrderedDict()
+        """Under ``krum``: the updates measured and not yet stepped, whose distances a newcomer's message carries."""
         self.m_missed = metrics.counter("shard_parts_missed", "Updates shard 0 applied that this shard did not have "
                                         "in time (or refused): its steps took them without")
         self.m_skipped = metrics.counter("shard_versions_skipped", "Versions of shard 0 this shard could not take "
@@ -250,15 +293,30 @@ class Follower(Scheduler):
             held = self.held.pop(key, None)
             ack = Ack(held.update if held else _stand_in(d), "discarded", d.reason, d.delay, True)
             self._remember(key, ack)
+            self._measured.pop(key, None)
             if held is not None:
                 self._answers.append(ack)
 
-    def measured(self, update: GradientUpdate, grads: Sequence[ShardGrad], rule: AggregationRule) -> None:
-        """Under ``clip``, tell shard 0 this shard's part of ``update``'s norm (it clips by the whole's)."""
-        if rule != "clip" or self.bus is None or self.topics is None or self.topics.shard is None:
+    async def measured(self, update: GradientUpdate, grads: Sequence[ShardGrad], rule: AggregationRule) -> None:
+        """Under ``clip`` and ``krum``, tell shard 0 this shard's part of ``update``'s norm (it clips by the whole's)
+        and, under ``krum``, of its distance to every update measured before it and not yet stepped (it scores by
+        the whole's). The distances are worked out on a thread; the message goes out without waiting for it."""
+        if rule not in ("clip", "krum") or self.bus is None or self.topics is None or self.topics.shard is None:
             return
-        message = ShardNorms(shard=self.topics.shard, parts=(NormPart(
-            device=update.device, incarnation=update.incarnation, seq=update.seq, squared=squared(grads)),))
+        earlier: list[tuple[Key, Sequence[ShardGrad]]] = []
+        if rule == "krum":  # taken and joined at once on the event loop: of two at a time, the later has the pair
+            earlier = list(self._measured.items())
+            self._measured[key_of(update)] = grads
+            while len(self._measured) > MEASURED:
+                self._measured.popitem(last=False)
+
+        def part() -> NormPart:
+            return NormPart(device=update.device, incarnation=update.incarnation, seq=update.seq,
+                            squared=squared(grads), pairs=tuple(
+                                PairPart(device=k[0], incarnation=k[1], seq=k[2], squared=pair_squared(grads, other))
+                                for k, other in earlier))
+
+        message = ShardNorms(shard=self.topics.shard, parts=(await asyncio.to_thread(part),))
         task = asyncio.create_task(self.bus.publish(self.topics.norms(), message, kind="norms"))
         self._sending.add(task)
         task.add_done_callback(self._sent)
@@ -274,6 +332,7 @@ class Follower(Scheduler):
         if ack.status != "discarded":
             return
         self.refused[key_of(ack.update)] = None
+        self._measured.pop(key_of(ack.update), None)
         while len(self.refused) > REMEMBERED:
             self.refused.popitem(last=False)
 
@@ -291,6 +350,7 @@ class Follower(Scheduler):
         for key, item in list(self.held.items()):
             if self.clock.seen(item.update):  # its sender has moved on (a later update of it was applied)
                 del self.held[key]
+                self._measured.pop(key, None)
                 out.acks.append(Ack(item.update, "duplicate"))
         version = self.clock.version
         while (record := self._next(fleet.now, version)) is not None:
@@ -330,18 +390,25 @@ class Follower(Scheduler):
         return record
 
     def _take(self, record: StepRecord, out: Decision) -> None:
-        items, weights = [], []
+        items: list[Candidate] = []
+        weights: list[float] = []
+        chosen: list[int] = []
         for part in record.parts:
             key = _key(part)
             item = self.held.pop(key, None)
+            self._measured.pop(key, None)
             if item is None:  # missed or refused here: a late copy is answered as shard 0 answered it
                 self.m_missed.inc()
                 self._remember(key, Ack(_stand_in(part), "accepted", "", 0, self.resync))
                 continue
+            if not part.excluded:
+                chosen.append(len(items))
             items.append(item)
             weights.append(part.weight)
-        # nothing of it here: a step of no update, which moves the version on and leaves the rows as they are
-        step = Step(tuple(items), record.version, tuple(weights), "mean" if record.clipped else None)
+        # nothing of it here: a step of no update, which moves the version on and leaves the rows as they are;
+        # under clip the weights carry shard 0's scales, under krum shard 0's choice is kept
+        step = Step(tuple(items), record.version, tuple(weights), "mean" if record.rule == "clip" else record.rule,
+                    tuple(chosen) if record.rule == "krum" else None)
         self.clock.advance(step.items)
         out.steps.append(step)
         out.acks += [Ack(item.update, "accepted", "", step.delay(item), self.resync) for item in items]
@@ -352,10 +419,20 @@ class Follower(Scheduler):
             self.settled.popitem(last=False)
 
 
-def record_of(version: int, parts: Sequence[tuple[GradientUpdate, float]], *, clipped: bool = False) -> StepRecord:
-    """The step that made ``version`` of ``(update, weight)`` ``parts``, as shard 0 publishes it."""
-    return StepRecord(version=version, clipped=clipped, parts=tuple(
-        StepPart(device=u.device, incarnation=u.incarnation, seq=u.seq, weight=w) for u, w in parts))
+def record_of(version: int, parts: Sequence[tuple[GradientUpdate, float, bool]], *,
+              rule: AggregationRule = "mean") -> StepRecord:
+    """The step that made ``version`` of ``(update, weight, excluded)`` ``parts`` under ``rule``, as shard 0
+    publishes it."""
+    return StepRecord(version=version, rule=rule, parts=tuple(
+        StepPart(device=u.device, incarnation=u.incarnation, seq=u.seq, weight=w, excluded=excluded)
+        for u, w, excluded in parts))
+
+
+def _rule(kept: object) -> AggregationRule:
+    """A rule a checkpoint kept with a step (an earlier version kept whether ``clip`` scaled it)."""
+    if kept is True:
+        return "clip"
+    return next((r for r in AGGREGATION_RULES if r == kept), "mean")
 
 
 def _stand_in(part: StepPart | StepDiscard) -> GradientUpdate:
