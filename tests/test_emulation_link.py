@@ -20,7 +20,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiomqtt
 import pytest
 
-from edgemesh.common.emulation.link import EmulatedLink, LinkClock, LinkShape, _ChunkQueue, outage_schedule
+from edgemesh.common.emulation.link import EmulatedLink, _ChunkQueue
+from edgemesh.common.emulation.shape import LinkClock, LinkShape, outage_schedule
 from edgemesh.local.broker import BrokerProcess, free_port
 
 WAIT = 10.0

@@ -12,7 +12,8 @@ import pytest
 from helpers import Inbox, inbox, make_config, running, until
 
 from edgemesh.common.config import Config
-from edgemesh.common.emulation.link import EmulatedLink, LinkShape
+from edgemesh.common.emulation.link import EmulatedLink
+from edgemesh.common.emulation.shape import LinkShape
 from edgemesh.common.messages import DeviceStats, Plan
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.service import ParameterServer

@@ -11,7 +11,7 @@ from helpers import make_config
 
 from edgemesh.common import costs
 from edgemesh.common.emulation.dynamics import Timeline
-from edgemesh.common.emulation.link import EmulatedLink, LinkShape
+from edgemesh.common.emulation.link import EmulatedLink
 from edgemesh.common.emulation.profiles import get_profile, load_profiles
 from edgemesh.common.emulation.scenarios import (
     FIGURES,
@@ -21,6 +21,7 @@ from edgemesh.common.emulation.scenarios import (
     load_scenarios,
     parse_scenarios,
 )
+from edgemesh.common.emulation.shape import LinkShape
 from edgemesh.common.errors import ConfigError
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.worker.board import EmulatedBoard

@@ -11,7 +11,8 @@ from helpers import WAIT_S
 
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import BrokerConfig
-from edgemesh.common.emulation.link import EmulatedLink, LinkShape
+from edgemesh.common.emulation.link import EmulatedLink
+from edgemesh.common.emulation.shape import LinkShape
 from edgemesh.common.messages import LinkProbe, ModelSnapshot
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.tensor import Tensor

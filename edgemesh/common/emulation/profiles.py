@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from edgemesh.common.emulation.datafile import read, sourced
-from edgemesh.common.emulation.link import LinkShape
+from edgemesh.common.emulation.shape import LinkShape
 from edgemesh.common.errors import ConfigError
 
 BUILTIN = "profiles.toml"
