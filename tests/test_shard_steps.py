@@ -17,7 +17,7 @@ from edgemesh.common import models
 from edgemesh.common.config import Config
 from edgemesh.common.messages import GradientUpdate, ShardSteps, StepDiscard, StepPart, StepRecord, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.shards import ShardedView
+from edgemesh.common.shards import Division, ShardedView
 from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.compressor.service import Compressor
@@ -311,6 +311,36 @@ async def test_clip_on_shards_clips_each_update_by_the_norm_of_the_whole_of_it(
             np.testing.assert_allclose(two[name], value, rtol=0, atol=1e-6, err_msg=name)
 
 
+KRUM_ROUND = {"a": (0.010, 0.010), "b": (0.011, 0.011), "c": (0.016, 0.016), "x": (0.0105, 1.0)}
+"""Each device's gradient value in shard 0's rows and in shard 1's: ``x`` is the most central in shard 0's rows and
+far off in shard 1's; ``c`` is the farthest in shard 0's."""
+
+
+def assembled(servers: list[ParameterServer]) -> dict[str, np.ndarray]:
+    view = ShardedView(2)
+    view.know({k: v.shape for k, v in models.get_params(models.build_model("digits-cnn", seed=5)).items()})
+    return view.assemble([s.state.params for s in servers if s.state is not None])
+
+
+async def assert_one_servers_krum(cfg: Config, tmp_path: Path, spans: list[list[tuple[str, int, int]]],
+                                  two: dict[str, np.ndarray]) -> None:
+    """``two`` is the model one server makes of ``KRUM_ROUND``'s whole updates in one round."""
+    one_cfg = replace(cfg, ps=replace(cfg.ps, shards=1, state_dir=str(tmp_path / "one")))
+    one = ParameterServer(one_cfg)
+    async with running(one), inbox(one_cfg, (Topics(cfg.job).ack_filter("+"), UpdateAck)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(list(KRUM_ROUND)), retain=True)
+        await until("the plan", lambda: one.plan is not None)
+        for device, (low, high) in KRUM_ROUND.items():
+            parts = [gradient(device, 1, 0, scale=s, spans=spans[i]) for i, s in enumerate((low, high))]
+            await box.publish(Topics(cfg.job).grad(f"c-{device}", device),
+                              replace(parts[0], shards=parts[0].shards + parts[1].shards))
+        await box.until("the round's acks", lambda: len(box.of(UpdateAck)) == 4)
+        assert one.state is not None and one.version == 1
+        assert one.metrics.value("edgemesh_ps_robust_excluded_total", rule="krum") == 1
+        for name, value in one.state.params.items():
+            np.testing.assert_allclose(two[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
 async def test_krum_on_shards_scores_updates_by_their_distances_over_the_whole_model(
         mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
     """Under ``krum`` shard 1 tells shard 0 its part of the distance between every two updates it holds, and shard
@@ -320,12 +350,11 @@ async def test_krum_on_shards_scores_updates_by_their_distances_over_the_whole_m
     cfg = shard_config(mosquitto_broker, tmp_path, "sync", **{"ps.aggregation": "krum", "ps.krum_f": 1})
     servers = shards_of(cfg)
     shard = [Topics(cfg.job, i) for i in range(2)]
-    scales = {"a": (0.010, 0.010), "b": (0.011, 0.011), "c": (0.016, 0.016), "x": (0.0105, 1.0)}
     async with running(*servers), inbox(cfg, *((t.ack_filter("+"), UpdateAck) for t in shard)) as box:
-        await box.publish(Topics(cfg.job).plan(), plan_for(list(scales)), retain=True)
+        await box.publish(Topics(cfg.job).plan(), plan_for(list(KRUM_ROUND)), retain=True)
         await until("both shards' plan", lambda: all(s.plan is not None for s in servers))
         spans = [[(s.param, s.start, s.stop) for s in ps.division.spans] for ps in servers]  # type: ignore[union-attr]
-        for device, (low, high) in scales.items():
+        for device, (low, high) in KRUM_ROUND.items():
             for i, scale in enumerate((low, high)):
                 await box.publish(shard[i].grad(f"c-{device}", device), gradient(device, 1, 0, scale=scale,
                                                                                  spans=spans[i]))
@@ -335,20 +364,39 @@ async def test_krum_on_shards_scores_updates_by_their_distances_over_the_whole_m
         for ps in servers:
             assert ps.metrics.value("edgemesh_ps_robust_excluded_total", rule="krum") == 1
         assert servers[0].metrics.value("edgemesh_ps_shard_norms_missing_total") == 0
-        view = ShardedView(2)
-        view.know({k: v.shape for k, v in models.get_params(models.build_model("digits-cnn", seed=5)).items()})
-        two = view.assemble([s.state.params for s in servers if s.state is not None])
+        two = assembled(servers)
     assert ledgers(cfg)[0] == ledgers(cfg)[1]
-    one_cfg = replace(cfg, ps=replace(cfg.ps, shards=1, state_dir=str(tmp_path / "one")))
-    one = ParameterServer(one_cfg)
-    async with running(one), inbox(one_cfg, (Topics(cfg.job).ack_filter("+"), UpdateAck)) as box:
-        await box.publish(Topics(cfg.job).plan(), plan_for(list(scales)), retain=True)
-        await until("the plan", lambda: one.plan is not None)
-        for device, (low, high) in scales.items():
-            parts = [gradient(device, 1, 0, scale=s, spans=spans[i]) for i, s in enumerate((low, high))]
-            await box.publish(Topics(cfg.job).grad(f"c-{device}", device),
-                              replace(parts[0], shards=parts[0].shards + parts[1].shards))
-        await box.until("the round's acks", lambda: len(box.of(UpdateAck)) == 4)
-        assert one.state is not None and one.version == 1
-        for name, value in one.state.params.items():
-            np.testing.assert_allclose(two[name], value, rtol=0, atol=1e-6, err_msg=name)
+    await assert_one_servers_krum(cfg, tmp_path, spans, two)
+
+
+async def test_a_shard_tells_shard_0_again_what_it_measured_when_an_update_is_resent(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """Shard 1 takes a round's updates while shard 0 is down, and tells a shard 0 that is not there their
+    distances. Their senders, with no ack, send them again: shard 1 tells shard 0 again, so the shard 0 that is
+    now up scores the round over the whole model without waiting (``ps.shard_wait_s``) and without a part
+    missing, and the model is one server's."""
+    cfg = shard_config(mosquitto_broker, tmp_path, "sync", **{"ps.aggregation": "krum", "ps.krum_f": 1,
+                                                              "ps.shard_wait_s": 10})
+    servers = shards_of(cfg)
+    shard = [Topics(cfg.job, i) for i in range(2)]
+    updates = {}
+    async with running(servers[1]), inbox(cfg, *((t.ack_filter("+"), UpdateAck) for t in shard)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(list(KRUM_ROUND)), retain=True)
+        await until("shard 1's plan", lambda: servers[1].division is not None)
+        shapes = {k: v.shape for k, v in models.get_params(models.build_model("digits-cnn", seed=5)).items()}
+        spans = [[(s.param, s.start, s.stop) for s in Division.of(shapes, i, 2).spans] for i in range(2)]
+        updates = {(device, i): gradient(device, 1, 0, scale=scale, spans=spans[i])
+                   for device, scales in KRUM_ROUND.items() for i, scale in enumerate(scales)}
+        for device in KRUM_ROUND:
+            await box.publish(shard[1].grad(f"c-{device}", device), updates[device, 1])
+        await until("shard 1 holding the round", lambda: len(servers[1].scheduler.pending()) == 4)
+        async with running(servers[0]):
+            await until("shard 0's plan", lambda: servers[0].plan is not None)
+            for device in KRUM_ROUND:
+                await box.publish(shard[0].grad(f"c-{device}", device), updates[device, 0])
+                await box.publish(shard[1].grad(f"c-{device}", device), updates[device, 1])  # the resend
+            await until("version 1 on both shards", lambda: [s.version for s in servers] == [1, 1])
+            assert servers[0].metrics.value("edgemesh_ps_shard_norms_missing_total") == 0
+            assert servers[1].metrics.value("edgemesh_ps_rejected_total", reason="queued") == 4
+            two = assembled(servers)
+    await assert_one_servers_krum(cfg, tmp_path, spans, two)

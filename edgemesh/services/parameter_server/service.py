@@ -271,8 +271,9 @@ class ParameterServer:
         where = self.topics.grad(match.cluster, match.device)
         resent = self.assembly.taken(update, self.clock) if update.mesh_step else self.acks.owes(update)
         if resent:
-            self.metrics.reject("queued", where, f"{update.device} seq {update.seq} is queued already",
-                                route="grad")
+            self.metrics.reject("queued", where, f"{update.device} seq {update.seq} is queued already", route="grad")
+            if isinstance(self.scheduler, Follower):  # shard 0 may have lost what this shard told it of the update
+                await self.scheduler.remeasured(update, self.aggregator.rule)
             return  # the queued copy's ack answers this resend too
         if self.plan is not None and self.plan.device(update.device) is None:
             self.metrics.reject("unknown_device", where, update.device, route="grad")

@@ -26,7 +26,9 @@ shard's acks go (after shard 0's step); under the others it is what makes the mo
 * Under ``krum`` every other shard also tells shard 0, with each update, its part of the squared distance to
   every update it received before and has not stepped (a step's updates are all held at once until the step);
   shard 0 waits for every pair of a step's updates, scores them over the whole model, and marks the updates
-  Krum left out in its step record: the others average the rest, as it did.
+  Krum left out in its step record: the others average the rest, as it did. Shard 0 keeps none of these parts:
+  a resent update (its sender had no ack: shard 0 may have been down) has the others tell it again
+  (``Follower.remeasured``).
 * A step record names shard 0's rule, and the others combine with it (``median`` and ``trimmed-mean`` work per
   coordinate, so each shard's rows come out as one process's would), even while a ``set-aggregation`` has yet
   to reach them.
@@ -84,7 +86,7 @@ REMEMBERED = 4096
 KEPT_PAIRS = 65536
 """Pairs' distances shard 0 keeps under ``krum`` (a round of 256 updates has 32,640)."""
 MEASURED = 256
-"""Updates a follower keeps for ``krum``'s distances until a step takes them (a round of as many)."""
+"""Updates a follower keeps measured until a step takes them (``krum``'s distances: a round of as many)."""
 
 
 def _key(part: StepPart | StepDiscard | NormPart | PairPart) -> Key:
@@ -263,7 +265,8 @@ class Follower(Scheduler):
         self._waiting_since: float | None = None
         self._answers: list[Ack] = []
         self._measured: OrderedDict[Key, Sequence[ShardGrad]] = OrderedDict()
-        """Under ``krum``: the updates measured and not yet stepped, whose distances a newcomer's message carries."""
+        """Under ``clip`` and ``krum``: the updates measured and not yet stepped (under ``krum`` a newcomer's message
+        carries its distances to them; a resent one's are told again)."""
         self.m_missed = metrics.counter("shard_parts_missed", "Updates shard 0 applied that this shard did not have "
                                         "in time (or refused): its steps took them without")
         self.m_skipped = metrics.counter("shard_versions_skipped", "Versions of shard 0 this shard could not take "
@@ -301,20 +304,35 @@ class Follower(Scheduler):
         """Under ``clip`` and ``krum``, tell shard 0 this shard's part of ``update``'s norm (it clips by the whole's)
         and, under ``krum``, of its distance to every update measured before it and not yet stepped (it scores by
         the whole's). The distances are worked out on a thread; the message goes out without waiting for it."""
-        if rule not in ("clip", "krum") or self.bus is None or self.topics is None or self.topics.shard is None:
+        if rule not in ("clip", "krum"):
             return
-        earlier: list[tuple[Key, Sequence[ShardGrad]]] = []
-        if rule == "krum":  # taken and joined at once on the event loop: of two at a time, the later has the pair
-            earlier = list(self._measured.items())
-            self._measured[key_of(update)] = grads
-            while len(self._measured) > MEASURED:
-                self._measured.popitem(last=False)
+        earlier = list(self._measured.items()) if rule == "krum" else []
+        # taken and joined at once on the event loop: of two updates at a time, the later one carries the pair
+        self._measured[key_of(update)] = grads
+        while len(self._measured) > MEASURED:
+            self._measured.popitem(last=False)
+        await self._tell(update, grads, earlier)
+
+    async def remeasured(self, update: GradientUpdate, rule: AggregationRule) -> None:
+        """``update`` came again while held here (its sender had no ack in time: shard 0 may have been down, and
+        have lost what this shard told it): tell shard 0 its norm and, under ``krum``, its distance to every other
+        update held here, again."""
+        grads = self._measured.get(key_of(update))
+        if rule not in ("clip", "krum") or grads is None:
+            return
+        others = [(k, g) for k, g in self._measured.items() if k != key_of(update)] if rule == "krum" else []
+        await self._tell(update, grads, others)
+
+    async def _tell(self, update: GradientUpdate, grads: Sequence[ShardGrad],
+                    others: Sequence[tuple[Key, Sequence[ShardGrad]]]) -> None:
+        if self.bus is None or self.topics is None or self.topics.shard is None:
+            return
 
         def part() -> NormPart:
             return NormPart(device=update.device, incarnation=update.incarnation, seq=update.seq,
                             squared=squared(grads), pairs=tuple(
                                 PairPart(device=k[0], incarnation=k[1], seq=k[2], squared=pair_squared(grads, other))
-                                for k, other in earlier))
+                                for k, other in others))
 
         message = ShardNorms(shard=self.topics.shard, parts=(await asyncio.to_thread(part),))
         task = asyncio.create_task(self.bus.publish(self.topics.norms(), message, kind="norms"))
