@@ -382,7 +382,7 @@ async def test_a_shard_tells_shard_0_again_what_it_measured_when_an_update_is_re
     updates = {}
     async with running(servers[1]), inbox(cfg, *((t.ack_filter("+"), UpdateAck) for t in shard)) as box:
         await box.publish(Topics(cfg.job).plan(), plan_for(list(KRUM_ROUND)), retain=True)
-        await until("shard 1's plan", lambda: servers[1].division is not None)
+        await until("shard 1's plan", lambda: servers[1].plan is not None)
         shapes = {k: v.shape for k, v in models.get_params(models.build_model("digits-cnn", seed=5)).items()}
         spans = [[(s.param, s.start, s.stop) for s in Division.of(shapes, i, 2).spans] for i in range(2)]
         updates = {(device, i): gradient(device, 1, 0, scale=scale, spans=spans[i])
