@@ -41,6 +41,7 @@ from edgemesh.common.messages import (
     ModelDelta,
     ModelSnapshot,
     NormPart,
+    PairPart,
     Plan,
     PlanCluster,
     PlanDevice,
@@ -149,10 +150,12 @@ LOCAL_EVALUATION = LocalEvaluation(device="pi-01", version=40, samples=120, corr
 LEFT = DeviceStatus(device="pi-03", state="left", time=1.7e9, reason="image-folder: unknown class folder 'hexagon'")
 SHARD_STEPS = ShardSteps(version=421, policy="adaptive", steps=(
     StepRecord(version=420, parts=(StepPart(device="pi-a", incarnation=7, seq=12, weight=0.375),)),
-    StepRecord(version=421, parts=(StepPart(device="pi-a", incarnation=7, seq=13, weight=0.25),
-                                   StepPart(device="pi-b", incarnation=2, seq=40, weight=0.125)))),
+    StepRecord(version=421, rule="krum", parts=(StepPart(device="pi-a", incarnation=7, seq=13, weight=0.25),
+                                                StepPart(device="pi-b", incarnation=2, seq=40, weight=0.125,
+                                                         excluded=True)))),
     discards=(StepDiscard(device="pi-c", incarnation=1, seq=9, reason="stale", delay=5),))
-SHARD_NORMS = ShardNorms(shard=1, parts=(NormPart(device="pi-a", incarnation=7, seq=13, squared=0.0425),))
+SHARD_NORMS = ShardNorms(shard=1, parts=(NormPart(device="pi-a", incarnation=7, seq=13, squared=0.0425, pairs=(
+    PairPart(device="pi-b", incarnation=2, seq=40, squared=0.0031),)),))
 EXAMPLES = [HELLO, STATUS, STATS, PLAN, CODEC, GRADIENT, MODEL, DELTA, ACK, CONTROL, REPLY, EVENT, CHUNK, SYNC,
             REFUSAL, MESH_PLAN, MESH_BEGIN, MESH_READY, MESH_SLICE, MESH_STATS, MESH_GRADIENT, JOB, JOB_STATE,
             LOCAL_EVALUATION, LEFT, SNAPSHOT_REQUEST, PROBE, SHARD_STEPS, SHARD_NORMS]
@@ -424,9 +427,13 @@ def test_gradient_field_errors(msg: GradientUpdate) -> None:
     dataclasses.replace(REPLY, result={"x": {"nested": 1}}),
     dataclasses.replace(CHUNK, index=3),
     dataclasses.replace(CHUNK, id=""),
+    dataclasses.replace(SHARD_NORMS, parts=(dataclasses.replace(SHARD_NORMS.parts[0], pairs=(
+        PairPart(device="pi-b", incarnation=2, seq=40, squared=-1.0),)),)),
+    dataclasses.replace(SHARD_NORMS, parts=(dataclasses.replace(SHARD_NORMS.parts[0], pairs=(
+        PairPart(device="pi-b", incarnation=2, seq=40, squared=0.5),) * 10_001),)),
 ], ids=["status-state", "zero-density", "big-density", "device-twice", "undeclared-cluster", "shard-index",
         "empty-cluster", "drained-name", "empty-model", "empty-command", "bad-requester", "list-value",
-        "nested-result", "chunk-index", "chunk-id"])
+        "nested-result", "chunk-index", "chunk-id", "negative-distance", "too-many-distances"])
 def test_other_field_errors(msg: object) -> None:
     assert _reason(wire.encode(msg), type(msg)) == "field"
 

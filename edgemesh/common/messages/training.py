@@ -297,8 +297,6 @@ class NormPart:
     def validate(self) -> None:
         check_name("device", self.device)
         nonneg("squared", self.squared)
-        if len(self.pairs) > MAX_DEVICES:
-            raise ValueError("too many pairs")
         for pair in self.pairs:
             pair.validate()
 
@@ -316,6 +314,8 @@ class ShardNorms:
         nonneg("shard", self.shard)
         if not 0 < len(self.parts) <= MAX_DEVICES:
             raise ValueError("1 to 10,000 norms")
+        if sum(len(part.pairs) for part in self.parts) > MAX_DEVICES:
+            raise ValueError("at most 10,000 distances")
         for part in self.parts:
             part.validate()
 
