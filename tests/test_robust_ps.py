@@ -104,7 +104,7 @@ def test_bench_robust_report_layout(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.loads(report.read_text())
-    assert data["workers"] == 3 and data["versions"] == 30
+    assert data["workers"] == 3 and data["versions"] == 30 and data["settings"]["ps_shards"] == 1
     assert data["attackers"] == [{"device": "pi5-0", "attack": "sign-flip", "scale": 10.0}]
     assert set(data["attacked"]) == {"mean", "median"}
     for entry in [data["clean"], *data["attacked"].values()]:

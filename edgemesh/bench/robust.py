@@ -202,7 +202,7 @@ def _settings(cfg: Config) -> dict[str, Any]:
     t, p = cfg.training, cfg.ps
     return {"model": t.model_spec, "dataset": t.dataset, "lr": t.lr, "momentum": t.momentum,
             "batch_size": t.batch_size, "clip_factor": p.clip_factor, "trim_fraction": p.trim_fraction,
-            "krum_f": p.krum_f, "planner_batching": cfg.planner.batching}
+            "krum_f": p.krum_f, "planner_batching": cfg.planner.batching, "ps_shards": p.shards}
 
 
 def _plot(result: dict[str, Any], path: Path) -> bool:
