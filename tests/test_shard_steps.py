@@ -397,6 +397,7 @@ async def test_a_shard_tells_shard_0_again_what_it_measured_when_an_update_is_re
                 await box.publish(shard[1].grad(f"c-{device}", device), updates[device, 1])  # the resend
             await until("version 1 on both shards", lambda: [s.version for s in servers] == [1, 1])
             assert servers[0].metrics.value("edgemesh_ps_shard_norms_missing_total") == 0
-            assert servers[1].metrics.value("edgemesh_ps_rejected_total", reason="queued") == 4
+            await until("shard 1 answering every resend", lambda: servers[1].metrics.value(
+                "edgemesh_ps_rejected_total", reason="queued") == 4)
             two = assembled(servers)
     await assert_one_servers_krum(cfg, tmp_path, spans, two)
