@@ -432,7 +432,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", default=",".join(map(str, DEFAULT_SHARDS)),
                         help="parameter server shard counts to measure, comma-separated (1 always)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a parameter server setting (repeatable), e.g. ps.fsync=false")
+                        help="a setting of the parameter server and the devices (repeatable), e.g. ps.fsync=false, "
+                             "ps.eval_every=5 (evaluation is off by default), broker.chunk_bytes=4194304")
     parser.add_argument("--keep-logs", action="store_true", help="keep the parameter server's log")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING or ERROR")
     parser.set_defaults(func=main)
