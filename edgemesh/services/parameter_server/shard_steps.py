@@ -199,7 +199,7 @@ class Leader:
         records = []
         for step, c in zip(steps, combined or [Combined([])] * len(steps), strict=True):
             factors = c.scales or [1.0] * len(step.items)
-            chosen = range(len(step.items)) if c.how.chosen is None else c.how.chosen
+            chosen = set(range(len(step.items)) if c.how.chosen is None else c.how.chosen)
             records.append(record_of(step.version, [(u, w * f, i not in chosen) for i, (item, w, f) in enumerate(zip(
                 step.items, step.weights, factors, strict=True)) for u in item.updates], rule=c.how.rule))
         self._keep(records)
