@@ -358,11 +358,12 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
             for i in range(count):
                 cluster.spawn("ps", "ps" if count == 1 else f"ps-{i}", ["--shard", f"{i}/{count}"] if count > 1 else [])
             servers[count] = (cfg, cluster)
-            result["ps_settings"] = {"ps.eval_every": cfg.ps.eval_every, "ps.fsync": cfg.ps.fsync,
-                                     "ps.checkpoint_every": cfg.ps.checkpoint_every}
             if count > 1:
                 result["sharded"][str(count)] = {"ps": {}, "ps_cpu_s_per_update": {}, "ps_parts": {},
                                                  "speedup_vs_1": {}, "cpu_cores": {"ps": {}}}
+        ps = servers[1][0].ps  # every shard count's server is configured alike
+        result["ps_settings"] = {"ps.eval_every": ps.eval_every, "ps.fsync": ps.fsync,
+                                 "ps.checkpoint_every": ps.checkpoint_every}
         try:
             # each pair back to back (broker alone, streamed, then the PS): a busy host moves all alike
             for spec, size in sizes.items():
