@@ -42,6 +42,7 @@ from edgemesh.common.messages import (
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.tasks import cancel_all
 from edgemesh.common.topics import Filter, TopicMatch, Topics
 from edgemesh.common.vocabulary import CodecName
 from edgemesh.local.broker import BrokerProcess
@@ -94,8 +95,11 @@ async def running(*services: Any) -> AsyncIterator[None]:
     finally:
         for s in services:
             s.stop.set()
-        results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT_S)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        _, stuck = await asyncio.wait(tasks, timeout=WAIT_S)
+        await cancel_all(stuck)  # not left behind to hang the next test: a stop that hangs fails this one
+        hung = [type(s).__name__ for s, t in zip(services, tasks, strict=True) if t in stuck]
+        assert not hung, f"did not stop within {WAIT_S:g}s: {hung}"
+        errors = [t.exception() for t in tasks if not t.cancelled() and t.exception() is not None]
         assert not errors, errors
 
 

@@ -43,6 +43,7 @@ from edgemesh.common.bus_taps import Taps
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.tasks import cancel_all
 from edgemesh.common.topics import CHUNK_SEGMENT, Filter, TopicError, TopicMatch, match
 
 logger = logging.getLogger(__name__)
@@ -188,10 +189,9 @@ class Bus:
                                f"within {self.config.connect_timeout_s:g}s")
             yield self
         finally:
-            waiter.cancel()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_all([waiter, task])
+            if not task.cancelled():
+                task.result()  # it failed on its own (a refused login): raise its error
 
     async def run(self) -> None:
         """Connect, read and dispatch until cancelled; BusError when the broker refuses the login."""

@@ -39,6 +39,7 @@ from edgemesh.common.health import HealthSources
 from edgemesh.common.jobs import JobSpec, job_config, parse_job, run_name
 from edgemesh.common.messages import DeviceStatus, Event, JobState, JobSubmission
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.tasks import cancel_all
 from edgemesh.common.topics import TopicMatch, Topics, all_job_states_filter, all_jobs_filter
 from edgemesh.services.runtime import Service, client_id, install_stop_signals, serve, supervise
 
@@ -258,11 +259,11 @@ class JobHost:
                 await asyncio.shield(task)
         except TimeoutError:
             logger.warning("%s: the job's service did not stop within %.0fs; cancelling it", self.role, STOP_TIMEOUT_S)
-            task.cancel()
+            await cancel_all([task])
         except Exception as exc:  # noqa: BLE001 - it failed on its way out: said, and the host goes on
             logger.error("%s: the job's service failed while stopping: %s", self.role, exc)
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        if task.done() and not task.cancelled():
+            task.exception()  # read: a failure on the way out was said above
 
     async def _refused(self, name: str, error: EdgeMeshError) -> None:
         """Say why this host takes no part in job ``name``: an event, and a worker's retained ``left`` status."""

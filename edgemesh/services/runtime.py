@@ -35,6 +35,7 @@ from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.health import DeviceHealth, HealthSources
 from edgemesh.common.messages import ControlCommand, ControlReply, Event, Scalar
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.tasks import cancel_all
 from edgemesh.common.topics import TopicMatch, Topics
 
 logger = logging.getLogger(__name__)
@@ -42,8 +43,6 @@ logger = logging.getLogger(__name__)
 ControlResult = tuple[bool, str, dict[str, Scalar]]
 """(ok, message, result) of one control command."""
 Job = Coroutine[Any, Any, None]
-CANCEL_RETRY_S = 0.1
-"""How often ``supervise`` repeats the cancellation of a job that has not ended yet."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,11 +191,12 @@ async def supervise(stop: asyncio.Event, *jobs: Job, transport: Job | None = Non
                 await asyncio.wait([stopper, finished], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 systemd.notify("STOPPING=1", "STATUS=stopping")
-                stopper.cancel()
-                await _cancel_all(tasks)  # not ``finished.cancel()``: that would end the transport too
-                if close is not None:
-                    await close()
-                await _cancel_all(carrier)
+                try:
+                    await cancel_all([stopper, *tasks])  # not ``finished.cancel()``: that would end the transport too
+                    if close is not None:
+                        await close()
+                finally:  # a way out that is itself cancelled still leaves nothing running for the group to wait on
+                    await cancel_all([stopper, *tasks, *carrier])
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await finished
     except* EdgeMeshError as failed:
@@ -209,19 +209,6 @@ def _first(group: BaseExceptionGroup[EdgeMeshError]) -> EdgeMeshError:
         error = error.exceptions[0]
     assert isinstance(error, EdgeMeshError)
     return error
-
-
-async def _cancel_all(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel ``tasks`` and wait until all have ended, cancelling again any that swallowed it.
-
-    Python 3.11's ``asyncio.wait_for`` (under aiomqtt's publish) drops a cancellation that
-    arrives just as its future completes, so one ``cancel()`` may leave a job running.
-    """
-    pending = {task for task in tasks if not task.done()}
-    while pending:
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=CANCEL_RETRY_S)
 
 
 def client_id(service: str, config: Config, name: str = "") -> str:
