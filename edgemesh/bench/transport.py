@@ -57,7 +57,7 @@ from edgemesh import cli
 from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import names
 from edgemesh.common import models, paho_decode
-from edgemesh.common.bus import Bus
+from edgemesh.common.bus import CHUNK_HEADROOM, Bus
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.messages import GradientUpdate, ModelSnapshot, ShardUpdate, UpdateAck
@@ -76,6 +76,8 @@ DEFAULT_IN_FLIGHT = (1, 8)
 DEFAULT_SHARDS = (1, 2)
 DEFAULT_SECONDS = 10.0
 MB = 1_000_000
+MAX_PACKET_BYTES = 16 * 1024 * 1024 + CHUNK_HEADROOM
+"""The broker's ``max_packet_size``: raw's model-sized packets pass, and the services' chunks grow to 16 MiB."""
 ACK_TIMEOUT_S = 30.0
 """Longest wait for one answer; a trial whose answer does not come fails."""
 PS_START_TIMEOUT_S = 120.0
@@ -339,9 +341,10 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
     sizes = {spec: payload_bytes(spec, whole) for spec in payloads}
     paho_decode.install()  # raw's subscriber decodes as EdgeMesh's bus does, from the first trial on
     workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-transport-"))
-    broker = BrokerProcess.default()
+    broker = BrokerProcess.default(max_packet_size=MAX_PACKET_BYTES)
     broker.start()
-    result: dict[str, Any] = {"model": MODEL, "gradient_bytes": whole, "broker": broker.kind, "seconds": seconds,
+    result: dict[str, Any] = {"model": MODEL, "gradient_bytes": whole, "broker": broker.kind,
+                              "broker_max_packet_size": broker.max_packet_size, "seconds": seconds,
                               "payloads": sizes, "in_flight": in_flight, "replayed_gradients": True,
                               "raw": {}, "stream": {}, "ps": {}, "ps_cpu_s_per_update": {}, "ps_parts": {},
                               "sharded": {}, "cpu_cores": {"raw": {}, "stream": {}, "ps": {}},

@@ -72,6 +72,10 @@ PENDING_CALLS_WARNING = 1024
 and a few acks)."""
 SUBSCRIBE_FAILURE = 0x80
 """A SUBACK code at or above this refuses the subscription (3.1.1's 0x80 and v5's reason codes)."""
+CHUNK_HEADROOM = 64 * 1024
+"""Bytes of a packet left for the envelope, the topic and the properties when chunks grow to the broker's limit."""
+UPLOAD_SMOOTHING = 0.3
+"""Weight of a new sample in the moving average of the upload rate chunks grow with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +113,10 @@ class Bus:
         self._receiver = chunks.Receiver(max_bytes=config.max_message_bytes,
                                          budget_bytes=config.reassembly_budget_bytes,
                                          timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped,
-                                         on_joined=self._joined)
+                                         on_joined=self._joined, sample_bytes=config.chunk_bytes)
+        self._upload_bps = 0.0
+        """This connection's upload rate, a moving average over the large messages it published (0: unknown)."""
+        metrics.chunk_bytes.set_function(lambda: self.chunk_bytes)
         self._taps = Taps(self._refused)
         """What the paho client under aiomqtt tells: PUBACK codes, publishes handed over, arrival times."""
         self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
@@ -169,6 +176,25 @@ class Bus:
     @property
     def protocol(self) -> str:
         return "5" if self._protocol == aiomqtt.ProtocolVersion.V5 else "3.1.1"
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The chunk size of the next large message published that is not retained: ``broker.chunk_bytes``, or what
+        the measured upload rate carries in ``broker.chunk_seconds``, up to ``broker.chunk_max_bytes`` and the largest
+        packet the broker says it takes (less ``CHUNK_HEADROOM``). A broker that says nothing keeps it fixed."""
+        c = self.config
+        if not self._taps.max_packet or self._protocol != aiomqtt.ProtocolVersion.V5:
+            return c.chunk_bytes
+        most = min(c.chunk_max_bytes, self._taps.max_packet - CHUNK_HEADROOM)
+        return max(c.chunk_bytes, min(most, int(self._upload_bps * c.chunk_seconds)))
+
+    def _uploaded(self, nbytes: int, seconds: float) -> None:
+        """A large message's publish, from its first piece to the broker's last PUBACK: an upload rate sample."""
+        if nbytes < self.config.chunk_bytes or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self._upload_bps = rate if not self._upload_bps else \
+            (1 - UPLOAD_SMOOTHING) * self._upload_bps + UPLOAD_SMOOTHING * rate
 
     async def wait_connected(self, timeout_s: float | None = None) -> None:
         async with asyncio.timeout(timeout_s if timeout_s is not None else self.config.connect_timeout_s):
@@ -398,7 +424,9 @@ class Bus:
         published after that goes to the broker after this message, on the same connection. Waits up to
         ``publish_timeout_s`` for a connection; raises BusError after that.
         """
-        encoded_kind, pieces = chunks.frames(msg, self.config.chunk_bytes)
+        # retained messages keep one chunk size: a later one of other chunks would leave the earlier's last ones behind
+        encoded_kind, pieces = chunks.frames(msg, self.config.chunk_bytes if retain else self.chunk_bytes)
+        started = time.perf_counter()
         if len(pieces) == 1:
             targets = [topic]
         elif retain:
@@ -422,6 +450,8 @@ class Bus:
             except ExceptionGroup as failed:  # the first chunk that failed says why (a BusError), as one piece would
                 raise failed.exceptions[0] from None
         sent = sum(len(piece) for piece in pieces)
+        if not retain:
+            self._uploaded(sent, time.perf_counter() - started)
         self.metrics.published_messages.labels(kind=kind or encoded_kind).inc()
         self.metrics.published_bytes.inc(sent)
         return sent

@@ -9,7 +9,10 @@
 * **Arrival times.** aiomqtt queues every message it parses for the connection loop, which takes them out only
   after the ``on_connect`` hooks and whenever the event loop gets round to it: that is not when they arrived.
   paho's message callback, called as each message is parsed, notes the time and the payload bytes read so far
-  (a ``chunks.Arrival``), in the order aiomqtt queues the messages.
+  (a ``chunks.Arrival``), in the order aiomqtt queues the messages; and paho's socket reads, when a packet's
+  first byte was read (``Arrival.began``): a large message is a downlink sample even when it came whole.
+* **The broker's packet limit.** An MQTT 5 broker's CONNACK may say the largest packet it takes (Maximum Packet
+  Size, which Mosquitto sends when ``max_packet_size`` is set): ``max_packet`` (0 when it said nothing).
 """
 
 from __future__ import annotations
@@ -41,11 +44,14 @@ class Taps:
         self._arrivals: deque[tuple[str, chunks.Arrival]] = deque()
         """When the messages the current client parsed were read, in the order it queues them."""
         self._clients = 0
+        self.max_packet = 0
+        """The largest packet the broker of the current connection takes, by its CONNACK; 0 if it did not say."""
 
     def attach(self, client: aiomqtt.Client) -> None:
         """Wrap ``client``'s paho client (before it connects)."""
         self._watch_publishes(client)
         self._stamp_arrivals(client)
+        self._read_connack(client)
 
     def arrival(self, topic: str) -> chunks.Arrival | None:
         """When the message on ``topic`` the connection loop took out was read (None if that is not known)."""
@@ -84,12 +90,31 @@ class Taps:
         on_message = typing.cast(Callable[..., None], paho.on_message)
         arrivals: deque[tuple[str, chunks.Arrival]] = deque()
         self._arrivals, self._clients = arrivals, self._clients + 1
-        connection, received = self._clients, 0
+        connection, received, began = self._clients, 0, 0.0
+        sock_recv = paho._sock_recv  # noqa: SLF001 - a packet's first read is only seen here
+
+        def reading(bufsize: int) -> bytes:
+            nonlocal began
+            if paho._in_packet["command"] == 0:  # noqa: SLF001 - paho is reading a packet's first byte
+                began = time.monotonic()
+            return sock_recv(bufsize)
 
         def stamped(c: Any, userdata: Any, message: Any) -> None:
             nonlocal received
             received += len(message.payload)
-            arrivals.append((message.topic, chunks.Arrival(time.monotonic(), received, connection)))
+            arrivals.append((message.topic, chunks.Arrival(time.monotonic(), received, connection, began)))
             on_message(c, userdata, message)
 
+        paho._sock_recv = reading  # type: ignore[method-assign]  # noqa: SLF001
         paho.on_message = stamped
+
+    def _read_connack(self, client: aiomqtt.Client) -> None:
+        paho = client._client  # noqa: SLF001 - the CONNACK's properties are only seen here
+        on_connect = typing.cast(Callable[..., None], paho.on_connect)
+        self.max_packet = 0
+
+        def connected(c: Any, userdata: Any, flags: Any, reason_code: Any, properties: Any = None) -> None:
+            self.max_packet = int(getattr(properties, "MaximumPacketSize", 0) or 0)
+            on_connect(c, userdata, flags, reason_code, properties)
+
+        paho.on_connect = connected

@@ -7,7 +7,9 @@ message: ``frames`` on the way out, ``Receiver.take`` on the way in (which decod
 A message of several chunks is also a sample of the receiver's downlink: given each payload's ``Arrival``, the
 reassembler tells ``on_joined`` how many bytes the connection received from the first chunk's arrival to the
 last's, and in how many seconds (every byte in that window counts, whatever message it belonged to: a link
-shared with other traffic is measured as busy, not slow).
+shared with other traffic is measured as busy, not slow). So is a message that came whole though it is at
+least ``sample_bytes`` (one the sender's chunks grew to hold, ``Bus.chunk_bytes``): its bytes over the time from
+its packet's first byte to its last.
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class Arrival:
     received: int
     connection: int = 0
     """Which connection: bytes are counted per connection, and a message joined across two is no sample."""
+    began: float = 0.0
+    """When the first byte of its packet was read (``time.monotonic()``; 0 if not known)."""
 
 
 Joined = Callable[[str, int, float], None]
@@ -214,8 +218,12 @@ class Receiver:
     times out (checked at every ``take`` and ``expire``)."""
 
     def __init__(self, *, max_bytes: int, budget_bytes: int, timeout_s: float,
-                 on_drop: Callable[[str, str], None] | None = None, on_joined: Joined | None = None) -> None:
+                 on_drop: Callable[[str, str], None] | None = None, on_joined: Joined | None = None,
+                 sample_bytes: int = 0) -> None:
         self.max_bytes = max_bytes
+        self.sample_bytes = sample_bytes
+        """A message that came whole is a downlink sample from this size up (0: none is)."""
+        self._on_joined = on_joined
         self._reassembler = Reassembler(max_bytes=budget_bytes, timeout=timeout_s, on_drop=on_drop,
                                         on_joined=on_joined)
         self.dropped = self._reassembler.dropped
@@ -250,6 +258,7 @@ class Receiver:
                 raise
             return unpack_json(payload, json_kind, max_bytes=self.max_bytes)
         if envelope.kind != CHUNK_KIND:
+            self._whole(topic, len(payload), arrival)
             return envelope
         chunk = decode_envelope(envelope, Chunk)
         if chunk.id in self._refused:
@@ -266,3 +275,10 @@ class Receiver:
         if inner.kind == CHUNK_KIND:
             raise WireError("a chunk inside a chunk", "chunk")
         return inner
+
+    def _whole(self, topic: str, nbytes: int, arrival: Arrival | None) -> None:
+        """Report a large message that came in one packet as a downlink sample (see ``on_joined``)."""
+        if self._on_joined is None or arrival is None or not self.sample_bytes or nbytes < self.sample_bytes:
+            return
+        if 0 < arrival.began < arrival.at:
+            self._on_joined(topic, nbytes, arrival.at - arrival.began)

@@ -50,6 +50,8 @@ class ServiceMetrics:
         self.connects = self.counter("broker_connects", "Successful broker connections")
         self.connected = self.gauge("broker_connected", "1 while connected to the broker")
         self.inbox = self.gauge("inbox_messages", "Messages received and waiting for the router")
+        self.chunk_bytes = self.gauge("chunk_bytes", "Chunk size of the next large message published that is not "
+                                      "retained (grows with the measured upload rate, up to the broker's limit)")
         self.up = self.gauge("up", "1 while the service runs")
         self.health: DeviceHealth | None = None
         """The host's temperature and throttling (``edgemesh_device_*``): exported on this registry by

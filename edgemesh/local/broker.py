@@ -43,6 +43,9 @@ RESTART_BACKOFF = 0.1
 """Seconds between two spawn attempts while the old socket still holds the port."""
 KEPT_LOG_BYTES = 64 * 1024
 """How much of an exited child's log :meth:`BrokerProcess.log_text` keeps (its end)."""
+MAX_PACKET_SIZE = 1024 * 1024
+"""The ``max_packet_size`` of the Mosquitto a local cluster runs on (``default``: the demo, the benchmarks),
+the shipped ``production.conf``'s: the services' chunks grow up to it on loopback."""
 READY_LINE = "edgemesh broker listening on"
 """Printed to stdout by ``python -m edgemesh.local.embedded``, then the URL, once clients can connect."""
 
@@ -133,8 +136,11 @@ class BrokerProcess:
         *,
         extra_config: str = "",
         workdir: Path | None = None,
+        max_packet_size: int = 0,
     ) -> None:
         self.kind: BrokerKind = kind
+        self.max_packet_size = max_packet_size
+        """Mosquitto's ``max_packet_size`` (0: left out)."""
         self.host = LOCALHOST
         self.port = port or free_port(self.host)
         self._extra_config = extra_config
@@ -151,16 +157,19 @@ class BrokerProcess:
 
     @classmethod
     def mosquitto(
-        cls, port: int | None = None, extra_config: str = "", workdir: Path | None = None
+        cls, port: int | None = None, extra_config: str = "", workdir: Path | None = None,
+        max_packet_size: int = 0,
     ) -> BrokerProcess:
-        """Mosquitto: ``listener PORT 127.0.0.1``, anonymous clients, no persistence, then ``extra_config``.
+        """Mosquitto: ``listener PORT 127.0.0.1``, anonymous clients, no persistence, ``max_packet_size`` (unless
+        ``extra_config`` sets its own; 0: none, Mosquitto's default, which takes any size and says no limit), then
+        ``extra_config``.
 
         ``mosquitto.conf`` is written to ``workdir`` (a temporary directory by default).
         When this process is root, Mosquitto stays root (``user root``) so that it dies
         with its parent; if ``extra_config`` sets ``user``, files it names must be
         readable by that user.
         """
-        return cls("mosquitto", port, extra_config=extra_config, workdir=workdir)
+        return cls("mosquitto", port, extra_config=extra_config, workdir=workdir, max_packet_size=max_packet_size)
 
     @classmethod
     def embedded(cls, port: int | None = None) -> BrokerProcess:
@@ -168,10 +177,11 @@ class BrokerProcess:
         return cls("amqtt", port)
 
     @classmethod
-    def default(cls, port: int | None = None) -> BrokerProcess:
-        """Mosquitto when it is installed, else the embedded broker."""
+    def default(cls, port: int | None = None, max_packet_size: int = MAX_PACKET_SIZE) -> BrokerProcess:
+        """Mosquitto when it is installed (with ``production.conf``'s ``max_packet_size`` unless told another),
+        else the embedded broker."""
         if find_mosquitto() is not None:
-            return cls.mosquitto(port)
+            return cls.mosquitto(port, max_packet_size=max_packet_size)
         return cls.embedded(port)
 
     # -- properties ---------------------------------------------------------------------------
@@ -315,6 +325,9 @@ class BrokerProcess:
             "set_tcp_nodelay true",
             "log_dest stderr",
             *(["user root"] if keep_root else []),
+            # production.conf's limit, said in every MQTT 5 CONNACK: chunks grow up to it on a fast link
+            *([f"max_packet_size {self.max_packet_size}"] if self.max_packet_size and not re.search(
+                r"^\s*max_packet_size\s", self._extra_config, re.MULTILINE) else []),
             self._extra_config,
         ]
         conf.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -48,7 +48,18 @@ class BrokerConfig:
     backoff_max_s: float = 10.0
     """Largest reconnect delay."""
     chunk_bytes: int = 256 * 1024
-    """Payloads larger than this are split into chunks."""
+    """Payloads larger than this are split into chunks of this size, or larger ones on a fast link to a broker
+    that says its packet limit (``chunk_max_bytes``)."""
+    chunk_max_bytes: int = 16 * 1024 * 1024
+    """The most a chunk of a message that is not retained grows to: what this connection's measured upload rate
+    carries in ``chunk_seconds``, within the largest packet the broker says it takes (MQTT 5's Maximum Packet
+    Size, less 64 KiB for the envelope and topic; Mosquitto says it when ``max_packet_size`` is set). A broker
+    that says nothing (MQTT 3.1.1, or no limit set) keeps chunks at ``chunk_bytes``, as does this at
+    ``chunk_bytes``."""
+    chunk_seconds: float = 0.05
+    """How long one chunk may hold the connection at its measured upload rate: on Wi-Fi chunks stay at
+    ``chunk_bytes``, with other messages and a downlink measurement between them; on a LAN a gradient goes in
+    as few packets as the broker allows."""
     chunk_window: int = 8
     """Chunks of one message published at once (each QoS 1 publish waits for its PUBACK: one at a time, a 2.5 MB
     model would wait out ten round trips to the broker)."""
@@ -76,6 +87,9 @@ class BrokerConfig:
         _require(0 < self.backoff_initial_s <= self.backoff_max_s, "broker.backoff_initial_s",
                  "must be > 0 and <= backoff_max_s")
         _require(1024 <= self.chunk_bytes <= 16 << 20, "broker.chunk_bytes", "must be in [1 KiB, 16 MiB]")
+        _require(self.chunk_bytes <= self.chunk_max_bytes <= 16 << 20, "broker.chunk_max_bytes",
+                 "must be in [chunk_bytes, 16 MiB]")
+        _require(self.chunk_seconds > 0, "broker.chunk_seconds", "must be > 0")
         _require(self.chunk_window >= 1, "broker.chunk_window", "must be >= 1")
         _require(self.max_message_bytes >= self.chunk_bytes, "broker.max_message_bytes", "must be >= chunk_bytes")
         _require(self.reassembly_timeout_s > 0, "broker.reassembly_timeout_s", "must be > 0")

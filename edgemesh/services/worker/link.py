@@ -9,9 +9,11 @@
   (above ``broker.chunk_bytes``) is a sample: the bytes read off the connection from its first chunk's arrival to
   its last's (other messages in between included: the link carried them too), over the time between them
   (``Bus.on_joined``). It measures the link at the pace the parameter server and the broker kept, so it is a
-  lower bound when they were slower than the link. Mesh slices are left out: they come at their sender's pace,
-  a slow member's uplink, which says nothing of this device's downlink. A model too small to be chunked gives
-  no sample: the downlink stays unknown (the planner takes it as the uplink).
+  lower bound when they were slower than the link. So is one of at least ``broker.chunk_bytes`` that came whole
+  (the sender's chunks grew to the broker's limit on its fast link): its bytes over the time from its packet's
+  first byte to its last. Mesh slices are left out: they come at their sender's pace, a slow member's uplink,
+  which says nothing of this device's downlink. A model smaller than ``broker.chunk_bytes`` gives no sample:
+  the downlink stays unknown (the planner takes it as the uplink).
 * **Latency** (``LatencyMeter``): a few bytes published at QoS 1 on the device's own ``probe`` topic, timed to
   the broker's PUBACK (``probe_round_trip``), every stats interval; the one-way latency is half the round trip.
 
