@@ -142,3 +142,14 @@ def test_chunk_max_bytes_below_chunk_bytes_is_refused() -> None:
         load_config(env={}, overrides={"broker.chunk_bytes": "1048576", "broker.chunk_max_bytes": "65536"})
     with pytest.raises(ConfigError, match="chunk_seconds"):
         load_config(env={}, overrides={"broker.chunk_seconds": "0"})
+
+
+async def test_a_broker_whose_limit_is_below_chunk_bytes_is_named_at_connect(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with BrokerProcess.mosquitto(max_packet_size=100 * 1024) as broker:
+        bus = Bus(config(broker.url).broker, client_id="small-limit", metrics=ServiceMetrics("sender"))
+        with caplog.at_level("WARNING", logger="edgemesh.common.bus"):
+            async with bus.running():
+                pass
+    assert any("takes packets of at most 102400 bytes" in r.getMessage() and "lower broker.chunk_bytes below 36864"
+               in r.getMessage() for r in caplog.records), caplog.text

@@ -309,6 +309,11 @@ class Bus:
                 self._connected.set()
                 delay = self.config.backoff_initial_s
                 logger.info("%s: connected to %s (MQTT %s)", self.client_id, self.config.url, self.protocol)
+                if 0 < self._taps.max_packet < self.config.chunk_bytes + CHUNK_HEADROOM:
+                    logger.warning("%s: %s takes packets of at most %d bytes, less than broker.chunk_bytes (%d) and "
+                                   "its envelope: it will refuse every chunk; lower broker.chunk_bytes below %d",
+                                   self.client_id, self.config.url, self._taps.max_packet, self.config.chunk_bytes,
+                                   self._taps.max_packet - CHUNK_HEADROOM)
                 for hook in self._hooks:
                     await hook()
                 async for msg in client.messages:  # ends only when the client disconnects
