@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import hypothesis  # noqa: F401
 import pytest
 
+from edgemesh.common.bus import forget_protocols
 from edgemesh.local.broker import BrokerProcess
 
 # --- brokers ---------------------------------------------------------------------------------
@@ -74,6 +75,13 @@ def broker(request: pytest.FixtureRequest) -> Iterator[BrokerProcess]:
 HANG_REPORT_S = 10.0
 """How long before pytest-timeout ends a test its asyncio tasks' stacks are printed: pytest-timeout shows only
 threads, and a hung async test is one thread waiting in its selector."""
+
+
+@pytest.fixture(autouse=True)
+def _protocols_probed_afresh() -> None:
+    """Each test's buses find out their broker's MQTT version themselves: a port an amqtt broker used in an earlier
+    test may be a Mosquitto's now."""
+    forget_protocols()
 
 
 @pytest.fixture(autouse=True)

@@ -231,3 +231,21 @@ async def test_what_is_published_once_a_message_is_handed_arrives_after_all_of_i
             await publishing
         await until("every message handled", lambda: len(seen.seen) == 6, changed=seen.changed)
         assert [type(m).__name__ for _, m in seen.seen] == ["Event", "DeviceHello"] * 3
+
+
+async def test_a_process_probes_a_3_1_1_broker_for_mqtt_5_once(amqtt_broker: BrokerProcess,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """amqtt never answers a v5 CONNECT that carries a will: the first bus waits out the probe and falls back; a
+    later bus of the same process (a job host's next job) starts with 3.1.1."""
+    cfg = config(amqtt_broker)
+    will = (T.status("pi-1"), b"offline")
+    first = Bus(cfg.broker, client_id="first", metrics=ServiceMetrics("test"), will=will)
+    with caplog.at_level("INFO", logger="edgemesh.common.bus"):
+        async with first.running():
+            assert first.protocol == "3.1.1"
+        later = Bus(cfg.broker, client_id="later", metrics=ServiceMetrics("test"), will=will)
+        assert later.protocol == "3.1.1"
+        async with later.running():
+            assert later.is_connected
+    probed = [r.getMessage().split(":")[0] for r in caplog.records if "did not take MQTT 5" in r.getMessage()]
+    assert probed == ["first"]

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from helpers import until
 
-from edgemesh.common.bus import CHUNK_HEADROOM, Bus
+from edgemesh.common.bus import Bus
+from edgemesh.common.chunks import CHUNK_HEADROOM
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.link import EmulatedLink
 from edgemesh.common.emulation.shape import LinkShape

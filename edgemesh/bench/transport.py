@@ -57,7 +57,8 @@ from edgemesh import cli
 from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import names
 from edgemesh.common import models, paho_decode
-from edgemesh.common.bus import CHUNK_HEADROOM, Bus
+from edgemesh.common.bus import Bus
+from edgemesh.common.chunks import CHUNK_HEADROOM
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.messages import GradientUpdate, ModelSnapshot, ShardUpdate, UpdateAck

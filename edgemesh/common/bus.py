@@ -60,6 +60,8 @@ UNROUTED = "none"
 """Route label of a message no route takes."""
 V5_PROBE_TIMEOUT_S = 3.0
 """How long an ``auto`` connection waits for a v5 CONNACK before trying 3.1.1."""
+_SPEAK_3_1_1: set[str] = set()
+"""Broker URLs an ``auto`` bus of this process found speaking MQTT 3.1.1 only: later buses start there."""
 UNSUPPORTED_PROTOCOL_CODES = (1, 132)
 """CONNACK codes for "unsupported protocol version": 3.1.1's 1, which paho maps to v5's 0x84."""
 REFUSED_LOGIN_CODES = (2, 4, 5, 133, 134, 135, 138, 140)
@@ -72,10 +74,6 @@ PENDING_CALLS_WARNING = 1024
 and a few acks)."""
 SUBSCRIBE_FAILURE = 0x80
 """A SUBACK code at or above this refuses the subscription (3.1.1's 0x80 and v5's reason codes)."""
-CHUNK_HEADROOM = 64 * 1024
-"""Bytes of a packet left for the envelope, the topic and the properties when chunks grow to the broker's limit."""
-UPLOAD_SMOOTHING = 0.3
-"""Weight of a new sample in the moving average of the upload rate chunks grow with."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +112,12 @@ class Bus:
                                          budget_bytes=config.reassembly_budget_bytes,
                                          timeout_s=config.reassembly_timeout_s, on_drop=self._partial_dropped,
                                          on_joined=self._joined, sample_bytes=config.chunk_bytes)
-        self._upload_bps = 0.0
-        """This connection's upload rate, a moving average over the large messages it published (0: unknown)."""
+        self._chunk_size = chunks.ChunkSize(config.chunk_bytes, config.chunk_max_bytes, config.chunk_seconds)
         metrics.chunk_bytes.set_function(lambda: self.chunk_bytes)
         self._taps = Taps(self._refused)
         """What the paho client under aiomqtt tells: PUBACK codes, publishes handed over, arrival times."""
-        self._protocol = aiomqtt.ProtocolVersion.V311 if config.protocol == "3.1.1" else aiomqtt.ProtocolVersion.V5
+        v311 = config.protocol == "3.1.1" or (config.protocol == "auto" and config.url in _SPEAK_3_1_1)
+        self._protocol = aiomqtt.ProtocolVersion.V311 if v311 else aiomqtt.ProtocolVersion.V5
         self._closing = False
         self._refusals_logged: set[tuple[str, str]] = set()
         self.connections = 0
@@ -179,22 +177,8 @@ class Bus:
 
     @property
     def chunk_bytes(self) -> int:
-        """The chunk size of the next large message published that is not retained: ``broker.chunk_bytes``, or what
-        the measured upload rate carries in ``broker.chunk_seconds``, up to ``broker.chunk_max_bytes`` and the largest
-        packet the broker says it takes (less ``CHUNK_HEADROOM``). A broker that says nothing keeps it fixed."""
-        c = self.config
-        if not self._taps.max_packet or self._protocol != aiomqtt.ProtocolVersion.V5:
-            return c.chunk_bytes
-        most = min(c.chunk_max_bytes, self._taps.max_packet - CHUNK_HEADROOM)
-        return max(c.chunk_bytes, min(most, int(self._upload_bps * c.chunk_seconds)))
-
-    def _uploaded(self, nbytes: int, seconds: float) -> None:
-        """A large message's publish, from its first piece to the broker's last PUBACK: an upload rate sample."""
-        if nbytes < self.config.chunk_bytes or seconds <= 0:
-            return
-        rate = nbytes / seconds
-        self._upload_bps = rate if not self._upload_bps else \
-            (1 - UPLOAD_SMOOTHING) * self._upload_bps + UPLOAD_SMOOTHING * rate
+        """The chunk size of the next large message published that is not retained (``chunks.ChunkSize``)."""
+        return self._chunk_size.now(self._taps.max_packet if self._protocol == aiomqtt.ProtocolVersion.V5 else 0)
 
     async def wait_connected(self, timeout_s: float | None = None) -> None:
         async with asyncio.timeout(timeout_s if timeout_s is not None else self.config.connect_timeout_s):
@@ -283,6 +267,7 @@ class Bus:
             client = self._make_client(aiomqtt.ProtocolVersion.V311)
             await client.__aenter__()
             self._protocol = aiomqtt.ProtocolVersion.V311
+            _SPEAK_3_1_1.add(self.config.url)  # this process's later buses (a job host's jobs) skip the probe
         client.timeout = self.config.operation_timeout_s  # connected: answers may queue behind retained data
         return client
 
@@ -309,11 +294,11 @@ class Bus:
                 self._connected.set()
                 delay = self.config.backoff_initial_s
                 logger.info("%s: connected to %s (MQTT %s)", self.client_id, self.config.url, self.protocol)
-                if 0 < self._taps.max_packet < self.config.chunk_bytes + CHUNK_HEADROOM:
+                if 0 < self._taps.max_packet < self.config.chunk_bytes + chunks.CHUNK_HEADROOM:
                     logger.warning("%s: %s takes packets of at most %d bytes, less than broker.chunk_bytes (%d) and "
                                    "its envelope: it will refuse every chunk; lower broker.chunk_bytes below %d",
                                    self.client_id, self.config.url, self._taps.max_packet, self.config.chunk_bytes,
-                                   self._taps.max_packet - CHUNK_HEADROOM)
+                                   self._taps.max_packet - chunks.CHUNK_HEADROOM)
                 for hook in self._hooks:
                     await hook()
                 async for msg in client.messages:  # ends only when the client disconnects
@@ -456,7 +441,7 @@ class Bus:
                 raise failed.exceptions[0] from None
         sent = sum(len(piece) for piece in pieces)
         if not retain:
-            self._uploaded(sent, time.perf_counter() - started)
+            self._chunk_size.uploaded(sent, time.perf_counter() - started)
         self.metrics.published_messages.labels(kind=kind or encoded_kind).inc()
         self.metrics.published_bytes.inc(sent)
         return sent
@@ -482,6 +467,12 @@ class Bus:
                         self._taps.handing = None  # taken by then, unless the client never got that far
         except TimeoutError:
             raise BusError(f"could not publish on {topic} within {self.config.publish_timeout_s}s") from None
+
+
+def forget_protocols() -> None:
+    """Forget which brokers this process found speaking MQTT 3.1.1 only (another broker now at the same address:
+    the tests start many on reused ports)."""
+    _SPEAK_3_1_1.clear()
 
 
 def _code_in(exc: aiomqtt.MqttError, codes: tuple[int, ...]) -> bool:

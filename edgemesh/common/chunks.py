@@ -37,6 +37,10 @@ T = TypeVar("T")
 
 REFUSED_IDS_KEPT = 256
 """Ids of refused chunked messages remembered, so their other chunks are dropped silently."""
+CHUNK_HEADROOM = 64 * 1024
+"""Bytes of a packet left for the envelope, the topic and the properties when chunks grow to the broker's limit."""
+UPLOAD_SMOOTHING = 0.3
+"""Weight of a new sample in the moving average of the upload rate chunks grow with."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,6 +104,32 @@ class Arrival:
 Joined = Callable[[str, int, float], None]
 """Hears of a message joined from several chunks: ``(topic, bytes, seconds)``, the payload bytes the connection
 received after the first chunk's arrival up to the last's, and the seconds between the two."""
+
+
+class ChunkSize:
+    """The chunk size of a connection's next large message that is not retained (docs/wire.md): ``chunk_bytes``,
+    or what the measured upload rate carries in ``seconds``, up to ``most`` and the largest packet the broker says
+    it takes (less ``CHUNK_HEADROOM``). Where the broker says nothing it stays at ``chunk_bytes``."""
+
+    def __init__(self, chunk_bytes: int, most: int, seconds: float) -> None:
+        self.chunk_bytes, self.most, self.seconds = chunk_bytes, most, seconds
+        self.upload_bps = 0.0
+        """A moving average over the large messages the connection published (0: none yet)."""
+
+    def now(self, broker_limit: int) -> int:
+        """The size, given the broker's packet limit (0: it said none)."""
+        if not broker_limit:
+            return self.chunk_bytes
+        most = min(self.most, broker_limit - CHUNK_HEADROOM)
+        return max(self.chunk_bytes, min(most, int(self.upload_bps * self.seconds)))
+
+    def uploaded(self, nbytes: int, seconds: float) -> None:
+        """A message's publish, from its first piece to the broker's last PUBACK: a sample if it is large."""
+        if nbytes < self.chunk_bytes or seconds <= 0:
+            return
+        rate = nbytes / seconds
+        self.upload_bps = rate if not self.upload_bps else \
+            (1 - UPLOAD_SMOOTHING) * self.upload_bps + UPLOAD_SMOOTHING * rate
 
 
 @dataclasses.dataclass(slots=True)
