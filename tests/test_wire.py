@@ -733,6 +733,12 @@ def test_a_message_of_several_chunks_reports_the_bytes_and_seconds_between_its_f
         for chunk, arrival in zip(_chunks(split(b"k" * 1000, 400)), arrivals, strict=True):
             r.add("t", chunk, arrival)
     assert joined == [("t", 1250, 1.0)]
+    # where the first chunk's first byte was read is known, its own bytes and read time count too (a few large
+    # chunks would otherwise leave out a large share)
+    for chunk, arrival in zip(_chunks(split(b"m" * 1000, 400)), [Arrival(20.0, 2200, began=19.5), Arrival(20.5, 2600),
+                                                                 Arrival(21.0, 2800)], strict=True):
+        r.add("t", chunk, arrival)
+    assert joined[-1] == ("t", 600 + 400, 1.5)
 
 
 def test_a_duplicate_chunk_is_held_once() -> None:

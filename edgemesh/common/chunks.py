@@ -7,7 +7,8 @@ message: ``frames`` on the way out, ``Receiver.take`` on the way in (which decod
 A message of several chunks is also a sample of the receiver's downlink: given each payload's ``Arrival``, the
 reassembler tells ``on_joined`` how many bytes the connection received from the first chunk's arrival to the
 last's, and in how many seconds (every byte in that window counts, whatever message it belonged to: a link
-shared with other traffic is measured as busy, not slow). So is a message that came whole though it is at
+shared with other traffic is measured as busy, not slow); from the first chunk's first byte instead, its own
+bytes included, where ``Arrival.began`` says when that was read. So is a message that came whole though it is at
 least ``sample_bytes`` (one the sender's chunks grew to hold, ``Bus.chunk_bytes``): its bytes over the time from
 its packet's first byte to its last.
 """
@@ -140,6 +141,8 @@ class _Partial:
     parts: dict[int, bytes]
     held: int = 0
     first: Arrival | None = None
+    first_bytes: int = 0
+    """Data bytes of the chunk that arrived first."""
 
 
 class Reassembler:
@@ -194,7 +197,8 @@ class Reassembler:
         key = (topic, chunk.id)
         partial = self._partials.get(key)
         if partial is None:
-            partial = _Partial(count=chunk.count, size=chunk.size, started=self._clock(), parts={}, first=arrival)
+            partial = _Partial(count=chunk.count, size=chunk.size, started=self._clock(), parts={}, first=arrival,
+                               first_bytes=len(chunk.data))
             self._partials[key] = partial
         elif partial.count != chunk.count or partial.size != chunk.size:
             self._drop(key, "chunk_inconsistent")
@@ -217,16 +221,19 @@ class Reassembler:
         payload = b"".join(partial.parts[i] for i in range(partial.count))
         if len(payload) != partial.size:
             raise WireError(f"reassembled {len(payload)} bytes, header said {partial.size}", "chunk")
-        self._joined(topic, partial.first, arrival)
+        self._joined(topic, partial.first, arrival, partial.first_bytes)
         return payload
 
-    def _joined(self, topic: str, first: Arrival | None, last: Arrival | None) -> None:
-        """Report a joined message's spread over the connection, if it is a sample (see ``on_joined``)."""
+    def _joined(self, topic: str, first: Arrival | None, last: Arrival | None, first_bytes: int) -> None:
+        """Report a joined message's spread over the connection, if it is a sample (see ``on_joined``): from the
+        first chunk's arrival, or from its first byte when that is known (its own bytes then count too)."""
         if self._on_joined is None or first is None or last is None or first.connection != last.connection:
             return
-        seconds = last.at - first.at
+        began = 0 < first.began < first.at
+        seconds = last.at - (first.began if began else first.at)
+        nbytes = last.received - first.received + (first_bytes if began else 0)
         if seconds > 0 and last.received > first.received:
-            self._on_joined(topic, last.received - first.received, seconds)
+            self._on_joined(topic, nbytes, seconds)
 
 
 # --------------------------------------------------------------------------- one call per message
