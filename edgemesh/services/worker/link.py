@@ -6,8 +6,9 @@
   alone, which is what the device's codec can change; the time to the PS's ack would add the PS's queueing and,
   under ``sync``, the wait for the slowest cluster.
 * **Downlink** (``DownlinkMeter``): from what the device receives. A model snapshot or delta of several chunks
-  (above ``broker.chunk_bytes``) is a sample: the bytes read off the connection from its first chunk's arrival to
-  its last's (other messages in between included: the link carried them too), over the time between them
+  (above ``broker.chunk_bytes``) is a sample: the bytes read off the connection from its first chunk's first byte
+  (or its arrival, where that is not known) to its last chunk's arrival (other messages in between included: the
+  link carried them too), over the time between them
   (``Bus.on_joined``). It measures the link at the pace the parameter server and the broker kept, so it is a
   lower bound when they were slower than the link. So is one of at least ``broker.chunk_bytes`` that came whole
   (the sender's chunks grew to the broker's limit on its fast link): its bytes over the time from its packet's
