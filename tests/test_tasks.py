@@ -5,6 +5,7 @@ is itself cancelled."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -18,11 +19,9 @@ async def stubborn(cancels_dropped: int, started: asyncio.Event | None = None) -
     """Runs until cancelled ``cancels_dropped + 1`` times."""
     if started is not None:
         started.set()
-    for _ in range(cancels_dropped):
-        try:
+    for _ in range(cancels_dropped):  # what wait_for's race does: the cancellation is gone
+        with contextlib.suppress(asyncio.CancelledError):
             await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            pass  # what wait_for's race does: the cancellation is gone
     await asyncio.Event().wait()
 
 

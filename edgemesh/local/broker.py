@@ -160,9 +160,8 @@ class BrokerProcess:
         cls, port: int | None = None, extra_config: str = "", workdir: Path | None = None,
         max_packet_size: int = 0,
     ) -> BrokerProcess:
-        """Mosquitto: ``listener PORT 127.0.0.1``, anonymous clients, no persistence, ``max_packet_size`` (unless
-        ``extra_config`` sets its own; 0: none, Mosquitto's default, which takes any size and says no limit), then
-        ``extra_config``.
+        """Mosquitto: ``listener PORT 127.0.0.1``, anonymous clients, no persistence, ``max_packet_size`` (0: none,
+        Mosquitto's default, which takes any size and says no limit), then ``extra_config``.
 
         ``mosquitto.conf`` is written to ``workdir`` (a temporary directory by default).
         When this process is root, Mosquitto stays root (``user root``) so that it dies
@@ -325,9 +324,8 @@ class BrokerProcess:
             "set_tcp_nodelay true",
             "log_dest stderr",
             *(["user root"] if keep_root else []),
-            # production.conf's limit, said in every MQTT 5 CONNACK: chunks grow up to it on a fast link
-            *([f"max_packet_size {self.max_packet_size}"] if self.max_packet_size and not re.search(
-                r"^\s*max_packet_size\s", self._extra_config, re.MULTILINE) else []),
+            # said in every MQTT 5 CONNACK: the services' chunks grow up to it on a fast link
+            *([f"max_packet_size {self.max_packet_size}"] if self.max_packet_size else []),
             self._extra_config,
         ]
         conf.write_text("\n".join(lines) + "\n", encoding="utf-8")

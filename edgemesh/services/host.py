@@ -262,7 +262,7 @@ class JobHost:
             await cancel_all([task])
         except Exception as exc:  # noqa: BLE001 - it failed on its way out: said, and the host goes on
             logger.error("%s: the job's service failed while stopping: %s", self.role, exc)
-        if task.done() and not task.cancelled():
+        if not task.cancelled():
             task.exception()  # read: a failure on the way out was said above
 
     async def _refused(self, name: str, error: EdgeMeshError) -> None:
