@@ -3,9 +3,14 @@ and refuses what it refuses; a real broker's messages come through it."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
 import struct
 
 import aiomqtt
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from paho.mqtt import _packet
@@ -89,3 +94,86 @@ async def test_messages_from_a_real_broker_come_through_it(broker: BrokerProcess
                 if len(got) == 2:
                     break
         assert got == [("edgemesh/v1/paho-decode/a", payload, 1), ("edgemesh/v1/paho-decode/b", b"", 1)], protocol
+
+
+# --------------------------------------------------------------------------- reading into buffers
+
+
+def _publish_packet(topic: bytes, payload: bytes, *, v5: bool) -> bytes:
+    """A whole QoS 0 PUBLISH packet, fixed header included."""
+    body = struct.pack("!H", len(topic)) + topic + (b"\x00" if v5 else b"") + payload  # v5: no properties
+    length, encoded = len(body), bytearray()
+    while True:
+        byte, length = length % 128, length // 128
+        encoded.append(byte | (0x80 if length else 0))
+        if not length:
+            break
+    return bytes([0x30]) + bytes(encoded) + body
+
+
+def _reading_client(v5: bool) -> tuple[mqtt.Client, socket.socket, list[mqtt.MQTTMessage]]:
+    """A paho client reading with ``read_packet`` from one end of a socket pair; the test writes the other."""
+    paho_decode.install()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    client._sock = ours  # noqa: SLF001 - as if connected
+    paho_decode.read_into_buffers(client)
+    got: list[mqtt.MQTTMessage] = []
+    client.on_message = lambda _c, _u, message: got.append(message)
+    return client, theirs, got
+
+
+@pytest.mark.parametrize("v5", [False, True])
+def test_a_packet_read_in_pieces_is_handled_once_whole_its_payload_the_buffer_read_into(v5: bool) -> None:
+    client, theirs, got = _reading_client(v5)
+    payload = bytes(range(256)) * 600  # 150 KiB: a three-byte remaining length; it fits the pair's buffers
+    packet = _publish_packet(b"edgemesh/v1/j/grad/c/d", payload, v5=v5)
+    try:
+        sent = 0
+        for cut in (1, 3, 100, 70_000, len(packet)):  # the command byte alone, the length cut, the body cut
+            theirs.sendall(packet[sent:cut])
+            sent = cut
+            rc = client._packet_read()  # noqa: SLF001 - what one readable event reads, as paho's loop_read calls it
+            if cut < len(packet):
+                assert (rc, got) == (mqtt.MQTT_ERR_AGAIN, []), cut
+        assert rc == mqtt.MQTT_ERR_SUCCESS and len(got) == 1
+        message = got[0]
+        assert (message.topic, message.payload) == ("edgemesh/v1/j/grad/c/d", payload)
+        assert isinstance(message.payload, paho_decode.Body)  # no copy: the buffer the kernel wrote
+        assert client._in_packet["command"] == 0  # noqa: SLF001 - ready for the next packet
+    finally:
+        theirs.close()
+        client._sock.close()  # type: ignore[union-attr]  # noqa: SLF001
+
+
+def test_a_closed_socket_or_an_overlong_length_ends_the_read_as_paho_does() -> None:
+    client, theirs, _ = _reading_client(True)
+    theirs.sendall(b"\x30\xff\xff\xff\xff\x01")  # a remaining length of five bytes
+    assert client._packet_read() == mqtt.MQTT_ERR_PROTOCOL  # noqa: SLF001
+    client, theirs, _ = _reading_client(True)
+    theirs.sendall(_publish_packet(b"t", b"x" * 1000, v5=True)[:500])
+    assert client._packet_read() == mqtt.MQTT_ERR_AGAIN  # noqa: SLF001
+    theirs.close()  # the peer went away mid-packet
+    assert client._packet_read() == mqtt.MQTT_ERR_CONN_LOST  # noqa: SLF001
+    client._sock.close()  # type: ignore[union-attr]  # noqa: SLF001
+
+
+async def test_a_bus_client_reads_large_and_small_messages_from_a_real_broker(broker: BrokerProcess) -> None:
+    payload = np.random.default_rng(0).bytes(3_000_000)  # many reads off the socket into one buffer
+    v311, v5 = aiomqtt.ProtocolVersion.V311, aiomqtt.ProtocolVersion.V5
+    for protocol in [v311] if broker.kind == "amqtt" else [v311, v5]:
+        client = aiomqtt.Client(broker.host, broker.port, protocol=protocol)
+        paho_decode.read_into_buffers(client._client)  # noqa: SLF001 - as the bus does
+        async with client:
+            await client.subscribe("edgemesh/v1/paho-read/#", qos=1)
+            for topic, body in (("a", payload), ("b", b""), ("c", b"ok")):
+                await client.publish(f"edgemesh/v1/paho-read/{topic}", body, qos=1)
+            got = []
+            async with asyncio.timeout(20):
+                async for msg in client.messages:
+                    got.append((str(msg.topic), bytes(msg.payload)))  # type: ignore[arg-type]
+                    if len(got) == 3:
+                        break
+        assert got == [("edgemesh/v1/paho-read/a", payload), ("edgemesh/v1/paho-read/b", b""),
+                       ("edgemesh/v1/paho-read/c", b"ok")], protocol

@@ -55,6 +55,34 @@ def test_step_is_sgd_with_momentum_on_the_weighted_gradient_sum() -> None:
     assert state.params["w"].dtype == np.float32 and state.momentum["w"].dtype == np.float32
 
 
+def test_a_lone_update_steps_on_its_decoded_buffer_without_changing_it() -> None:
+    """An ``async`` update (one contribution, weight 1) is stepped on as decoded: a read-only view of the payload
+    bytes, left as it was, and the step is the same as on a copy."""
+    grad = np.arange(12, dtype=np.float32).reshape(4, 3) / 7
+    payload = grad.tobytes()
+    decoded = np.frombuffer(payload, dtype=np.float32).reshape(4, 3)  # as codec ``none`` decodes: read-only
+    lone, copied = ModelState(_params()), ModelState(_params())
+    for _ in range(3):  # momentum carries over, through the scratch room of ``lr * buf``
+        summed = lone.step([(1.0, [ShardGrad("w", 0, 4, decoded)])], lr=0.1, momentum=0.9, weight_decay=0.01)
+        copied.step([(1.0, [ShardGrad("w", 0, 4, grad.copy())])], lr=0.1, momentum=0.9, weight_decay=0.01)
+    assert payload == grad.tobytes()
+    assert np.array_equal(lone.params["w"], copied.params["w"])  # bit for bit
+    assert np.array_equal(lone.momentum["w"], copied.momentum["w"])
+    assert [(s.param, s.start, s.stop) for s in summed] == [("w", 0, 4)]
+
+
+def test_a_lone_update_naming_rows_twice_adds_both_without_writing_to_its_buffer() -> None:
+    whole = np.frombuffer(np.ones(12, dtype=np.float32).tobytes(), dtype=np.float32).reshape(4, 3)
+    rows = np.full((2, 3), 2.0, dtype=np.float32)
+    state = ModelState(_params())
+    summed = state.step([(1.0, [ShardGrad("w", 0, 4, whole), ShardGrad("w", 1, 3, rows)])], lr=1.0, momentum=0.0)
+    expected = np.ones((4, 3), dtype=np.float32)
+    expected[1:3] += 2.0
+    np.testing.assert_allclose(summed[0].values, expected)
+    np.testing.assert_allclose(state.params["w"], _params()["w"] - expected, rtol=1e-6)
+    assert np.array_equal(whole, np.ones((4, 3), dtype=np.float32))
+
+
 def test_step_resumes_from_restored_momentum() -> None:
     params = _params()
     restored = {"w": np.ones((4, 3), dtype=np.float32), "b": np.ones(3, dtype=np.float32)}  # b: wrong shape

@@ -92,6 +92,14 @@ class Broadcaster:
         """A version no one listens to goes out as nothing; the next message is then a snapshot."""
         self._view, self.skipped = None, True
 
+    def to_plan(self, params: Mapping[str, np.ndarray], version: int, policy: SyncPolicy,
+                plan: Plan | None) -> ModelMessage | None:
+        """``after_step``, if ``plan`` names a device; otherwise nothing, as no one listens (``skip``)."""
+        if plan is None or not plan.devices:
+            self.skip()
+            return None
+        return self.after_step(params, version, policy, plan)
+
     def after_step(self, params: Mapping[str, np.ndarray], version: int, policy: SyncPolicy,
                    plan: Plan | None) -> ModelMessage:
         """The message for ``version``: a delta, or a snapshot when one is due (or in snapshot mode)."""

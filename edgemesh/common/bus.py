@@ -233,7 +233,8 @@ class Bus:
         )
         # chunks in flight, and the PS's acks to a batch of devices, are many publishes at once by design
         client.pending_calls_threshold = PENDING_CALLS_WARNING
-        paho_decode.install()  # a received payload copied once, not four times
+        paho_decode.install()  # a received payload read into its buffer by the kernel, then not copied again
+        paho_decode.read_into_buffers(client._client)  # noqa: SLF001 - paho's reader, under aiomqtt
         self._taps.attach(client)
         return client
 
@@ -308,7 +309,7 @@ class Bus:
                     if not payload and msg.retain:
                         continue  # a cleared retained topic
                     self.metrics.received_bytes.inc(len(payload))
-                    await self._inbox.put((msg.topic.value, bytes(payload), arrival))
+                    await self._inbox.put((msg.topic.value, payload, arrival))  # a bytearray stays one: no copy
             except aiomqtt.MqttError as exc:
                 if not self._closing:
                     logger.warning("%s: connection to %s lost: %s", self.client_id, self.config.url, exc)

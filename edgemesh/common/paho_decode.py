@@ -1,21 +1,35 @@
-"""paho's PUBLISH decoding, with the payload copied once instead of four to six times.
+"""paho's reading and decoding of a PUBLISH, with its payload copied by the kernel alone.
 
-paho-mqtt 2.x splits an incoming PUBLISH with ``struct.unpack(f"!H{n}s", packet)`` three times (the topic's
-length, the topic, the packet id) and then slices off the MQTT 5 properties, and ``Properties.unpack`` slices its
-buffer again for every field: each step copies the rest of the packet, payload included. For a 256 KiB chunk
-that is 0.2 ms with the GIL held (against 0.006 ms for one copy, both on a cached packet), up to 2 ms of every
-2.48 MB gradient the parameter server takes in. ``decode_publish`` reads the same fields from a memoryview and
-copies the payload once; it returns what paho's does and raises ``MalformedPacket`` where paho's does (paho's
-own ``convert_exception`` wraps it). ``install`` puts it in paho's place, once, for every client of the
-process; the bus calls it.
+paho-mqtt 2.x reads a packet's body with ``sock.recv(remaining)`` calls, each into a new ``bytes``, appended to a
+growing ``bytearray``; then it splits the PUBLISH with ``struct.unpack(f"!H{n}s", packet)`` three times (the
+topic's length, the topic, the packet id), slices off the MQTT 5 properties, and ``Properties.unpack`` slices its
+buffer again for every field: each step copies the rest of the packet, payload included, with the GIL held. For
+a 2.48 MB gradient that is four to six copies, a third of the time the parameter server's event loop holds the
+GIL while it takes gradients in.
+
+* ``read_into_buffers(client)`` gives one paho client a packet reader that reads each packet's body with
+  ``recv_into`` straight into a buffer of its size (a ``Body``; the GIL is released while the kernel copies).
+  It reads the fixed header as paho does, through ``_sock_recv`` (what ``bus_taps`` wraps to note when a
+  packet's first byte was read), and answers as paho's ``_packet_read`` does (``MQTT_ERR_AGAIN`` while a
+  packet is incomplete, ``MQTT_ERR_CONN_LOST`` on a closed or failed socket). The bus gives it to its clients.
+* ``decode_publish`` reads the PUBLISH fields from a memoryview; the payload of a ``Body`` is that buffer itself,
+  its header dropped from the front in place (O(1) for a ``bytearray``), so a payload costs no copy at all; any
+  other buffer's payload is copied once. It returns what paho's does and raises ``MalformedPacket`` where
+  paho's does (paho's own ``convert_exception`` wraps it). ``install`` puts it in paho's place, once, for
+  every client of the process; the bus calls it.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
+import types
+from typing import Any, cast
 
 from paho.mqtt import _packet
-from paho.mqtt.enums import MQTTProtocolVersion
+from paho.mqtt import client as paho_client
+from paho.mqtt.enums import MQTTErrorCode, MQTTProtocolVersion
 from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties, VariableByteIntegers
@@ -26,10 +40,17 @@ _VBI_MAX = 4
 """A Variable Byte Integer is at most four bytes long."""
 PAHO_DECODE = getattr(_packet, "decode_publish", None)
 """paho's own, as this module found it."""
+READS_PER_CALL = 100
+"""Socket reads one call may make before it lets the event loop run again, as paho's own reader."""
+
+
+class Body(bytearray):
+    """A packet's body as ``read_into_buffers`` read it: a PUBLISH's payload is this buffer itself."""
 
 
 def decode_publish(header: int, packet: bytes | bytearray, protocol: MQTTProtocolVersion) -> _packet.PublishPacket:
-    """A PUBLISH packet after its fixed header, as paho's ``_packet.decode_publish`` decodes it."""
+    """A PUBLISH packet after its fixed header, as paho's ``_packet.decode_publish`` decodes it; the payload of a
+    ``Body`` is the body itself, its header dropped."""
     dup = ((header & 0x08) >> 3) != 0
     qos = (header & 0x06) >> 1
     retain = (header & 0x01) != 0
@@ -55,7 +76,10 @@ def decode_publish(header: int, packet: bytes | bytearray, protocol: MQTTProtoco
             length, width = VariableByteIntegers.decode(bytes(view[pos:pos + _VBI_MAX]))
             _, used = properties.unpack(bytes(view[pos:pos + width + length]))  # the properties alone
             pos += used
-        payload = bytes(view[pos:])
+        payload: bytes | bytearray = b"" if isinstance(packet, Body) else bytes(view[pos:])
+    if isinstance(packet, Body):  # the view released: the header goes from the front, the rest is not moved
+        del packet[:pos]
+        payload = packet
     return _packet.PublishPacket(dup=dup, qos=qos, retain=retain, topic=topic, mid=mid, properties=properties,
                                  payload=payload)
 
@@ -73,3 +97,88 @@ def install() -> None:
         return
     _packet.decode_publish = _packet.convert_exception(decode_publish)
     _installed = True
+
+
+def read_into_buffers(client: paho_client.Client) -> None:
+    """Read ``client``'s packets with ``read_packet`` (before it connects)."""
+    client._packet_read = types.MethodType(read_packet, client)  # type: ignore[method-assign]  # noqa: SLF001
+
+
+def read_packet(self: paho_client.Client) -> MQTTErrorCode:
+    """paho's ``Client._packet_read``, the body read into a ``Body`` of its size: read what the socket has of
+    the packet under way; once it is whole, hand it to paho's ``_packet_handle`` and start the next."""
+    packet = cast(dict[str, Any], self._in_packet)  # noqa: SLF001 - paho's reading state, kept in paho's shape
+    if packet["command"] == 0 or packet["have_remaining"] == 0:
+        rc = _read_header(self, packet)
+        if rc is not None:
+            return rc
+        packet["packet"], packet["filled"] = Body(packet["remaining_length"]), 0
+    body: Body = packet["packet"]
+    reads = READS_PER_CALL
+    while packet["to_process"] > 0:
+        sock = cast(socket.socket | None, self._sock)  # noqa: SLF001 - TCP or TLS: both read into a buffer
+        if sock is None:
+            return MQTTErrorCode.MQTT_ERR_CONN_LOST
+        try:
+            with memoryview(body) as view:
+                n = sock.recv_into(view[packet["filled"]:])
+        except (BlockingIOError, ssl.SSLWantReadError):
+            return MQTTErrorCode.MQTT_ERR_AGAIN
+        except ssl.SSLWantWriteError:
+            self._call_socket_register_write()  # noqa: SLF001
+            return MQTTErrorCode.MQTT_ERR_AGAIN
+        except OSError as exc:
+            self._easy_log(paho_client.MQTT_LOG_ERR, "failed to receive on socket: %s", exc)  # noqa: SLF001
+            return MQTTErrorCode.MQTT_ERR_CONN_LOST
+        if n == 0:
+            return MQTTErrorCode.MQTT_ERR_CONN_LOST
+        packet["filled"] += n
+        packet["to_process"] -= n
+        _received(self)
+        reads -= 1
+        if reads == 0:
+            return MQTTErrorCode.MQTT_ERR_AGAIN
+    packet["pos"] = 0
+    try:
+        rc = self._packet_handle()  # noqa: SLF001
+    except MalformedPacket as exc:
+        self._easy_log(paho_client.MQTT_LOG_DEBUG, "Received malformed packet: %s", exc)  # noqa: SLF001
+        rc = MQTTErrorCode.MQTT_ERR_PROTOCOL
+    self._in_packet = {"command": 0, "have_remaining": 0, "remaining_count": [], "remaining_mult": 1,  # noqa: SLF001
+                       "remaining_length": 0, "packet": bytearray(b""), "to_process": 0, "pos": 0}
+    _received(self)
+    return rc
+
+
+def _read_header(self: paho_client.Client, packet: dict[str, Any]) -> MQTTErrorCode | None:
+    """The command byte and the remaining length, a byte at a time as paho reads them (None once both are in)."""
+    try:
+        if packet["command"] == 0:
+            command = self._sock_recv(1)  # noqa: SLF001
+            if not command:
+                return MQTTErrorCode.MQTT_ERR_CONN_LOST
+            packet["command"] = command[0]
+        while True:
+            byte = self._sock_recv(1)  # noqa: SLF001
+            if not byte:
+                return MQTTErrorCode.MQTT_ERR_CONN_LOST
+            packet["remaining_count"].append(byte[0])
+            if len(packet["remaining_count"]) > _VBI_MAX:  # a broken or hostile peer
+                return MQTTErrorCode.MQTT_ERR_PROTOCOL
+            packet["remaining_length"] += (byte[0] & 127) * packet["remaining_mult"]
+            packet["remaining_mult"] *= 128
+            if byte[0] & 128 == 0:
+                break
+    except BlockingIOError:
+        return MQTTErrorCode.MQTT_ERR_AGAIN
+    except OSError as exc:  # paho's _sock_recv raises ConnectionError when the socket is gone
+        self._easy_log(paho_client.MQTT_LOG_ERR, "failed to receive on socket: %s", exc)  # noqa: SLF001
+        return MQTTErrorCode.MQTT_ERR_CONN_LOST
+    packet["have_remaining"] = 1
+    packet["to_process"] = packet["remaining_length"]
+    return None
+
+
+def _received(self: paho_client.Client) -> None:
+    with self._msgtime_mutex:  # noqa: SLF001 - what paho's keepalive reads
+        self._last_bytes_received = paho_client.time_func()  # noqa: SLF001

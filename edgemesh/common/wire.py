@@ -317,5 +317,5 @@ def from_json_body(kind_cls: type[T], body: Any) -> T:
 
 def truncate(payload: bytes, limit: int = 64) -> str:
     """A payload for a log line."""
-    head = payload[:limit]
+    head = bytes(payload[:limit])  # a bytearray's shows as bytes too
     return repr(head) + (f"... ({len(payload)} bytes)" if len(payload) > limit else "")

@@ -33,6 +33,8 @@ class ModelState:
     def __init__(self, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray] | None = None) -> None:
         self.params = {k: np.array(v, dtype=np.float32, copy=True) for k, v in params.items()}
         self.momentum = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self._scratch: dict[str, np.ndarray] = {}
+        """Per parameter, room for ``lr * buf``: a step allocates no model-sized temporaries."""
         for k, v in (momentum or {}).items():
             if k in self.momentum and v.shape == self.momentum[k].shape:
                 self.momentum[k] = np.array(v, dtype=np.float32, copy=True)
@@ -82,44 +84,59 @@ class ModelState:
         of the contributions).
 
         Each contribution is ``(weight, shards)``; weights of one step should sum to 1.
-        Only the slices some contribution covers are touched.
+        Only the slices some contribution covers are touched. A lone contribution of weight 1 (an ``async``
+        update) is stepped on as it was decoded, not copied first.
         """
+        given = [(np.float32(weight), shards) for weight, shards in contributions]
+        alone = len(given) == 1 and given[0][0] == 1
         acc: dict[str, np.ndarray] = {}
         rows: dict[str, np.ndarray] = {}
-        for weight, shards in contributions:
-            w = np.float32(weight)
+        borrowed: set[str] = set()
+        """Sums that are a decoded gradient itself (read-only, perhaps): copied before anything is added."""
+        for w, shards in given:
             for g in shards:
                 if g.param not in acc:
                     target = self.params[g.param]
                     if g.start == 0 and g.stop == target.shape[0]:  # a whole tensor first: its product is the sum
-                        acc[g.param] = (g.values * w).reshape(target.shape)  # so far (one pass, not zeros and +=)
+                        if alone and g.values.dtype == np.float32:  # so far (one pass, not zeros and +=)
+                            acc[g.param] = g.values.reshape(target.shape)
+                            borrowed.add(g.param)
+                        else:
+                            acc[g.param] = (g.values * w).reshape(target.shape)
                         rows[g.param] = np.ones(target.shape[0], dtype=bool)
                         continue
                     acc[g.param] = np.zeros_like(target)
                     rows[g.param] = np.zeros(target.shape[0], dtype=bool)
+                if g.param in borrowed:
+                    acc[g.param] = acc[g.param].copy()
+                    borrowed.discard(g.param)
                 acc[g.param][g.start:g.stop] += g.values * w
                 rows[g.param][g.start:g.stop] = True
         lr32, mom32, wd32 = np.float32(lr), np.float32(momentum), np.float32(weight_decay)
         for param, grad in acc.items():
             touched = rows[param]
             if touched.all():
-                self._update(self.params[param], self.momentum[param], grad, lr32, mom32, wd32)
+                scratch = self._scratch.get(param)
+                if scratch is None:
+                    scratch = self._scratch[param] = np.empty_like(self.params[param])
+                self._update(self.params[param], self.momentum[param], grad, lr32, mom32, wd32, scratch)
                 continue
             p, buf = self.params[param][touched], self.momentum[param][touched]
-            self._update(p, buf, grad[touched], lr32, mom32, wd32)
+            self._update(p, buf, grad[touched], lr32, mom32, wd32, np.empty_like(p))
             self.params[param][touched], self.momentum[param][touched] = p, buf
         return [ShardGrad(param, start, stop, acc[param][start:stop])
                 for param, touched in rows.items() for start, stop in _runs(touched)]
 
     @staticmethod
     def _update(p: np.ndarray, buf: np.ndarray, grad: np.ndarray, lr: np.float32, mom: np.float32,
-                wd: np.float32) -> None:
-        """In place: ``buf = mom * buf + grad (+ wd * p)``; ``p -= lr * buf``."""
+                wd: np.float32, scratch: np.ndarray) -> None:
+        """In place: ``buf = mom * buf + grad (+ wd * p)``; ``p -= lr * buf`` (``lr * buf`` into ``scratch``)."""
         if wd:
             grad = grad + wd * p
         buf *= mom
         buf += grad
-        p -= lr * buf
+        np.multiply(buf, lr, out=scratch)
+        p -= scratch
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

@@ -15,10 +15,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,6 +30,8 @@ from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
 from edgemesh.services.parameter_server.robust import Aggregation, Combined, combine
 from edgemesh.services.parameter_server.scheduler import Clock, Step
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,8 @@ class Recovery:
         self.state_dir = state_dir
         self._fsync = fsync
         self._wal: store.WriteAheadLog | None = None
+        self._writer: ThreadPoolExecutor | None = None
+        """The log's own thread, for ``log(beside=...)``."""
 
     def resume(self, model_spec: str, initial: Mapping[str, np.ndarray], clock: Clock) -> Resumed:
         """The state to start from: ``initial`` weights, or the checkpoint and the log after it; ``clock``
@@ -167,7 +172,31 @@ class Recovery:
             sums: Sequence[list[ShardGrad]]) -> int:
         """Append ``steps`` durably (each with its items' weights and the aggregation it used, or the weighted sum
         it stepped on, ``ModelState.step``'s, whichever is smaller, so that a replay is exact); bytes written."""
+        return self._wal_of().append(self._records(steps, optimizer, combined, sums))
+
+    def log_beside(self, steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
+                   sums: Sequence[list[ShardGrad]], beside: Callable[[], T]) -> tuple[int, T]:
+        """``log``, written in the log's own thread while ``beside()`` runs in this one (the model's broadcast
+        is encoded while the step is made durable: ``fdatasync`` and the write release the GIL); returns once
+        both are done: the bytes written and what ``beside`` returned (either's exception, the log's first)."""
+        wal = self._wal_of()
+        records = self._records(steps, optimizer, combined, sums)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wal")
+        writing = self._writer.submit(wal.append, records)
+        try:
+            out = beside()
+        finally:
+            written = writing.result()  # the log's error, if any, over beside's
+        return written, out
+
+    def _wal_of(self) -> store.WriteAheadLog:
         assert self._wal is not None, "resume() first"
+        return self._wal
+
+    @staticmethod
+    def _records(steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
+                 sums: Sequence[list[ShardGrad]]) -> list[dict[str, Any]]:
         records: list[dict[str, Any]] = [{
             "version": step.version,
             "lr": optimizer.lr,
@@ -196,7 +225,7 @@ class Recovery:
                 record["norms"] = list(c.norms)
                 for entry in record["entries"]:
                     del entry["shards"]
-        return self._wal.append(records)
+        return records
 
     def checkpoint(self, model_spec: str, state: ModelState, clock: Clock, settings: dict[str, Any]) -> None:
         """Write a checkpoint and start a fresh log."""
@@ -209,6 +238,8 @@ class Recovery:
         logger.debug("checkpoint at version %d", clock.version)
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown()
         if self._wal is not None:
             self._wal.close()
 

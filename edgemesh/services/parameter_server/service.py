@@ -380,25 +380,25 @@ class ParameterServer:
         return bool(steps)
 
     def _apply(self, steps: list[Step], elsewhere: list[list[float]]) -> ModelMessage | None:
-        """Apply and log ``steps``, then encode the model to broadcast, if anyone listens (one thread hop for all)."""
+        """Apply ``steps``; log them while the model is encoded for whoever listens (one thread hop for all)."""
         assert self.state is not None
-        t = self.cfg.training
+        t, state, version = self.cfg.training, self.state, steps[-1].version
         with self._state_lock:
             combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far,  # the rule's
                                                 chosen=step.chosen)  # gradients
                         for step, far in zip(steps, elsewhere or [[]] * len(steps), strict=True)]
             sums = [self.state.step(c.contributions, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
                     for c in combined]
-            self.m_wal.inc(self.recovery.log(steps, Optimizer(self.lr, t.momentum, t.weight_decay), combined, sums))
+            written, message = self.recovery.log_beside(steps, Optimizer(self.lr, t.momentum, t.weight_decay),
+                                                        combined, sums, lambda: self.broadcast.to_plan(
+                                                            state.params, version, self.policy, self.plan))
+            self.m_wal.inc(written)
             self.ledger.record(steps)  # before any of their acks
             if self.leader is not None:  # the other shards take them next, clipped or chosen as here
                 self.leader.stepped(steps, combined)
-            self.clock.version = steps[-1].version
+            self.clock.version = version
             self.m_version.set(self.version)
-        if self.plan is None or not self.plan.devices:  # no one listens: nothing to encode
-            self.broadcast.skip()
-            return None
-        return self.broadcast.after_step(self.state.params, self.version, self.policy, self.plan)
+        return message
 
     def _checkpoint(self) -> None:
         """Write a checkpoint and start a fresh log (in a thread, never during a step)."""
