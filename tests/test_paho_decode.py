@@ -1,5 +1,6 @@
 """``edgemesh.common.paho_decode``: the PUBLISH decoding the bus puts in paho's place decodes what paho's own does,
-and refuses what it refuses; a real broker's messages come through it."""
+and refuses what it refuses; its packet reader reads a packet in pieces into one buffer and ends as paho's does; its
+writer sends a long packet from views of it; a real broker's messages come through them."""
 
 from __future__ import annotations
 
@@ -159,12 +160,37 @@ def test_a_closed_socket_or_an_overlong_length_ends_the_read_as_paho_does() -> N
     client._sock.close()  # type: ignore[union-attr]  # noqa: SLF001
 
 
+def test_a_long_packet_is_sent_from_views_of_itself_whole_through_partial_sends() -> None:
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)  # the packet goes in many sends
+    ours.setblocking(False)
+    client._sock = ours  # noqa: SLF001 - as if connected
+    paho_decode.write_from_buffers(client)
+    packet = bytearray(_publish_packet(b"edgemesh/v1/j/model/delta", np.random.default_rng(1).bytes(400_000), v5=True))
+    got = bytearray()
+    try:
+        client._packet_queue(mqtt.PUBLISH, packet, 0, 1)  # noqa: SLF001 - as _send_publish queues it (QoS 1)
+        queued = client._out_packet[0]["packet"]  # noqa: SLF001
+        assert isinstance(queued, paho_decode.Unsliced) and isinstance(queued[10:], memoryview)
+        while len(got) < len(packet):
+            client.loop_write()
+            got += theirs.recv(1 << 20)
+        assert got == packet and not client._out_packet  # noqa: SLF001
+        client._packet_queue(mqtt.PUBLISH, bytearray(b"\x30\x03\x00\x01t"), 0, 1)  # noqa: SLF001 - a short one: as it was
+        assert theirs.recv(100) == b"\x30\x03\x00\x01t"
+    finally:
+        theirs.close()
+        ours.close()
+
+
 async def test_a_bus_client_reads_large_and_small_messages_from_a_real_broker(broker: BrokerProcess) -> None:
     payload = np.random.default_rng(0).bytes(3_000_000)  # many reads off the socket into one buffer
     v311, v5 = aiomqtt.ProtocolVersion.V311, aiomqtt.ProtocolVersion.V5
     for protocol in [v311] if broker.kind == "amqtt" else [v311, v5]:
         client = aiomqtt.Client(broker.host, broker.port, protocol=protocol)
         paho_decode.read_into_buffers(client._client)  # noqa: SLF001 - as the bus does
+        paho_decode.write_from_buffers(client._client)  # noqa: SLF001 - its 3 MB publish sent from views
         async with client:
             await client.subscribe("edgemesh/v1/paho-read/#", qos=1)
             for topic, body in (("a", payload), ("b", b""), ("c", b"ok")):

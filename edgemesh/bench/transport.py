@@ -142,7 +142,8 @@ def _client(host: str, port: int, identifier: str) -> aiomqtt.Client:
     and the broker's delayed ACK, ~40 ms), packets read into buffers of their size."""
     client = aiomqtt.Client(host, port, identifier=identifier, protocol=aiomqtt.ProtocolVersion.V5,
                             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    paho_decode.read_into_buffers(client._client)  # noqa: SLF001 - as the bus reads
+    paho_decode.read_into_buffers(client._client)  # noqa: SLF001 - as the bus reads and writes
+    paho_decode.write_from_buffers(client._client)  # noqa: SLF001
     return client
 
 

@@ -234,7 +234,8 @@ class Bus:
         # chunks in flight, and the PS's acks to a batch of devices, are many publishes at once by design
         client.pending_calls_threshold = PENDING_CALLS_WARNING
         paho_decode.install()  # a received payload read into its buffer by the kernel, then not copied again
-        paho_decode.read_into_buffers(client._client)  # noqa: SLF001 - paho's reader, under aiomqtt
+        paho_decode.read_into_buffers(client._client)  # noqa: SLF001 - paho's reader and writer, under aiomqtt
+        paho_decode.write_from_buffers(client._client)  # noqa: SLF001
         self._taps.attach(client)
         return client
 
