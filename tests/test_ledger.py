@@ -1,11 +1,13 @@
 """The parameter server's ledger of applied updates: appended with every step, caught up with the write-ahead
-log after a crash between the two, readable past a torn last line."""
+log after a crash between the two, readable past a torn last line; and the log written beside the broadcast's
+encoding, durable when the step returns."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from edgemesh.common.messages import GradientUpdate
 from edgemesh.services.parameter_server.ledger import FILE, Entry, Ledger, read_ledger
@@ -59,3 +61,25 @@ def test_a_torn_last_line_is_not_an_entry(tmp_path: Path) -> None:
     ledger.record([step(2, ("a", 1, 2))])
     ledger.close()
     assert read_ledger(tmp_path / FILE) == [Entry(1, "a", 1, 1), Entry(2, "a", 1, 2)]
+
+
+def test_steps_logged_beside_the_encoding_are_durable_when_it_returns_even_if_the_encoding_fails(
+        tmp_path: Path) -> None:
+    """``log_beside``: the step is written in the log's own thread while the caller encodes the broadcast; both
+    are done when it returns, and an encoding that raised still leaves its step logged (its acks may go)."""
+    recovery = Recovery(tmp_path, fsync=True)
+    recovery.resume("digits-cnn", {"w": np.zeros((1,), np.float32)}, Clock())
+    combined = [Combined([], how=Aggregation())]
+    written, encoded = recovery.log_beside([step(1, ("a", 1, 1))], Optimizer(0.1, 0.0), combined, [[]],
+                                           lambda: "encoded")
+    assert written > 0 and encoded == "encoded"
+
+    def failing() -> None:
+        raise RuntimeError("encoding failed")
+
+    with pytest.raises(RuntimeError, match="encoding failed"):
+        recovery.log_beside([step(2, ("a", 1, 2))], Optimizer(0.1, 0.0), combined, [[]], failing)
+    recovery.close()
+    clock = Clock()
+    resumed = Recovery(tmp_path, fsync=False).resume("digits-cnn", {"w": np.zeros((1,), np.float32)}, clock)
+    assert (resumed.replayed, clock.version) == (2, 2)

@@ -71,6 +71,24 @@ def test_a_lone_update_steps_on_its_decoded_buffer_without_changing_it() -> None
     assert [(s.param, s.start, s.stop) for s in summed] == [("w", 0, 4)]
 
 
+def test_a_sum_logged_while_it_is_applied_is_the_step_it_makes() -> None:
+    """The parameter server sums a step's contributions, hands the sum to the log, and applies it meanwhile: the
+    sum does not move the model, and applying it is ``step``, bit for bit, the sum unchanged by it."""
+    g1 = np.arange(12, dtype=np.float32).reshape(4, 3) / 3
+    g2 = np.full((2, 3), 0.5, dtype=np.float32)
+    contributions = [(0.5, [ShardGrad("w", 0, 4, g1)]),
+                     (0.5, [ShardGrad("w", 1, 3, g2), ShardGrad("b", 0, 2, g2[0, :2])])]
+    split, whole = ModelState(_params()), ModelState(_params())
+    summed = split.sum(contributions)
+    assert all(np.array_equal(split.params[k], v) for k, v in _params().items())
+    logged = [(g.param, g.start, g.stop, g.values.copy()) for g in summed.grads]
+    split.apply(summed, lr=0.1, momentum=0.9, weight_decay=0.01)
+    returned = whole.step(contributions, lr=0.1, momentum=0.9, weight_decay=0.01)
+    assert all(np.array_equal(split.params[k], whole.params[k]) for k in split.params)
+    assert [(g.param, g.start, g.stop) for g in returned] == [(p, a, b) for p, a, b, _ in logged]
+    assert all(np.array_equal(g.values, v) for g, (_, _, _, v) in zip(summed.grads, logged, strict=True))
+
+
 def test_a_lone_update_naming_rows_twice_adds_both_without_writing_to_its_buffer() -> None:
     whole = np.frombuffer(np.ones(12, dtype=np.float32).tobytes(), dtype=np.float32).reshape(4, 3)
     rows = np.full((2, 3), 2.0, dtype=np.float32)

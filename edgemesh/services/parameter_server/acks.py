@@ -1,4 +1,5 @@
-"""The parameter server's answers to updates: which are still owed one, and publishing them.
+"""The parameter server's answers to updates: which are still owed one, and publishing them, after the model
+they name (``publish_model``).
 
 A step's acks go out once its log is durable, all at once, and the step loop takes the next batch while the
 broker's PUBACKs come back. A step that moved the model broadcasts it first, and its acks follow as soon as the
@@ -15,6 +16,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from edgemesh.common.broadcast import ModelMessage
 from edgemesh.common.bus import Bus
 from edgemesh.common.messages import GradientUpdate, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
@@ -93,6 +95,18 @@ class Acks:
             waiting.cancel()
             self.send_batch(acks, version)
         await publishing
+
+    async def publish_model(self, message: ModelMessage, handed: asyncio.Event) -> None:
+        """The broadcast; ``handed`` set once it is handed to the client (with per-device parts: once sent)."""
+        assert self.bus is not None
+        if message.snapshot:
+            await self.bus.publish(self.topics.model(), message.payload, retain=True, kind="model", handed=handed)
+            return
+        await asyncio.gather(self.bus.publish(self.topics.model_delta(), message.payload, kind="model_delta",
+                                              handed=None if message.parts else handed),
+                             *(self.bus.publish(self.topics.model_delta_for(device), part, kind="model_delta")
+                               for device, part in message.parts.items()))
+        handed.set()
 
     async def _in_turn(self, before: asyncio.Task[None] | None, acks: list[Ack], version: int) -> None:
         if before is not None:

@@ -27,6 +27,20 @@ class ShardGrad:
     values: np.ndarray
 
 
+@dataclass(frozen=True, slots=True)
+class Summed:
+    """A step's weighted gradient sum (``ModelState.sum``): by parameter, and the rows of each it covers."""
+
+    acc: dict[str, np.ndarray]
+    rows: dict[str, np.ndarray]
+
+    @property
+    def grads(self) -> list[ShardGrad]:
+        """The sum as the runs of rows it covers."""
+        return [ShardGrad(param, start, stop, self.acc[param][start:stop])
+                for param, touched in self.rows.items() for start, stop in _runs(touched)]
+
+
 class ModelState:
     """Parameters, momentum buffers and the update rule."""
 
@@ -81,7 +95,14 @@ class ModelState:
     ) -> list[ShardGrad]:
         """One SGD step on the weighted sum of the contributions' gradients; returns that sum, as the runs of rows
         it touched (stepping on it alone, with weight 1, is the same step: the write-ahead log may keep it instead
-        of the contributions).
+        of the contributions). ``sum`` then ``apply``."""
+        summed = self.sum(contributions)
+        self.apply(summed, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        return summed.grads
+
+    def sum(self, contributions: Iterable[tuple[float, Iterable[ShardGrad]]]) -> Summed:
+        """The weighted sum of the contributions' gradients, by parameter, and the rows it covers; the model is
+        not read (so a step's sum can be logged while it is applied).
 
         Each contribution is ``(weight, shards)``; weights of one step should sum to 1.
         Only the slices some contribution covers are touched. A lone contribution of weight 1 (an ``async``
@@ -112,9 +133,14 @@ class ModelState:
                     borrowed.discard(g.param)
                 acc[g.param][g.start:g.stop] += g.values * w
                 rows[g.param][g.start:g.stop] = True
+        return Summed(acc, rows)
+
+    def apply(self, summed: Summed, *, lr: float, momentum: float, weight_decay: float = 0.0) -> None:
+        """SGD with momentum on ``summed`` (which it does not change), in place; the rows it lacks stay as they
+        are."""
         lr32, mom32, wd32 = np.float32(lr), np.float32(momentum), np.float32(weight_decay)
-        for param, grad in acc.items():
-            touched = rows[param]
+        for param, grad in summed.acc.items():
+            touched = summed.rows[param]
             if touched.all():
                 scratch = self._scratch.get(param)
                 if scratch is None:
@@ -124,8 +150,6 @@ class ModelState:
             p, buf = self.params[param][touched], self.momentum[param][touched]
             self._update(p, buf, grad[touched], lr32, mom32, wd32, np.empty_like(p))
             self.params[param][touched], self.momentum[param][touched] = p, buf
-        return [ShardGrad(param, start, stop, acc[param][start:stop])
-                for param, touched in rows.items() for start, stop in _runs(touched)]
 
     @staticmethod
     def _update(p: np.ndarray, buf: np.ndarray, grad: np.ndarray, lr: np.float32, mom: np.float32,

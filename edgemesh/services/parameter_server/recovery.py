@@ -111,7 +111,7 @@ class Recovery:
         self._fsync = fsync
         self._wal: store.WriteAheadLog | None = None
         self._writer: ThreadPoolExecutor | None = None
-        """The log's own thread, for ``log(beside=...)``."""
+        """The log's own thread, for ``log_beside``."""
 
     def resume(self, model_spec: str, initial: Mapping[str, np.ndarray], clock: Clock) -> Resumed:
         """The state to start from: ``initial`` weights, or the checkpoint and the log after it; ``clock``
@@ -176,9 +176,10 @@ class Recovery:
 
     def log_beside(self, steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
                    sums: Sequence[list[ShardGrad]], beside: Callable[[], T]) -> tuple[int, T]:
-        """``log``, written in the log's own thread while ``beside()`` runs in this one (the model's broadcast
-        is encoded while the step is made durable: ``fdatasync`` and the write release the GIL); returns once
-        both are done: the bytes written and what ``beside`` returned (either's exception, the log's first)."""
+        """``log``, written in the log's own thread while ``beside()`` runs in this one (the step is applied and
+        the model's broadcast encoded while the step is made durable: ``fdatasync`` and the write release the
+        GIL); returns once both are done: the bytes written and what ``beside`` returned (either's exception,
+        the log's first)."""
         wal = self._wal_of()
         records = self._records(steps, optimizer, combined, sums)
         if self._writer is None:

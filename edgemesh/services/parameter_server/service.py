@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -366,7 +367,7 @@ class ParameterServer:
             await self._publish_sync_state()
         self._count_pending()
         if message is not None:  # the model goes out before the acks, so a worker acked for version v usually has v
-            await self.acks.send_after(lambda out: self._publish_model(message, out), decision.acks, self.version)
+            await self.acks.send_after(functools.partial(self.acks.publish_model, message), decision.acks, self.version)
             self.scheduler.model_published(time.monotonic())
         else:  # acks go to different devices: out at once, the next batch taken while their PUBACKs come back
             self.acks.send_batch(decision.acks, self.version)
@@ -380,18 +381,23 @@ class ParameterServer:
         return bool(steps)
 
     def _apply(self, steps: list[Step], elsewhere: list[list[float]]) -> ModelMessage | None:
-        """Apply ``steps``; log them while the model is encoded for whoever listens (one thread hop for all)."""
+        """Sum ``steps``' gradients; log the sums while they are applied and the model is encoded for whoever
+        listens (one thread hop for all)."""
         assert self.state is not None
         t, state, version = self.cfg.training, self.state, steps[-1].version
         with self._state_lock:
             combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far,  # the rule's
                                                 chosen=step.chosen)  # gradients
                         for step, far in zip(steps, elsewhere or [[]] * len(steps), strict=True)]
-            sums = [self.state.step(c.contributions, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-                    for c in combined]
+            sums = [state.sum(c.contributions) for c in combined]
+
+            def apply_and_encode() -> ModelMessage | None:
+                for summed in sums:
+                    state.apply(summed, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+                return self.broadcast.to_plan(state.params, version, self.policy, self.plan)
+
             written, message = self.recovery.log_beside(steps, Optimizer(self.lr, t.momentum, t.weight_decay),
-                                                        combined, sums, lambda: self.broadcast.to_plan(
-                                                            state.params, version, self.policy, self.plan))
+                                                        combined, [s.grads for s in sums], apply_and_encode)
             self.m_wal.inc(written)
             self.ledger.record(steps)  # before any of their acks
             if self.leader is not None:  # the other shards take them next, clipped or chosen as here
@@ -424,18 +430,6 @@ class ParameterServer:
         state = self.state
         payload = await asyncio.to_thread(self.broadcast.snapshot, state.params, self.version, self.policy)
         await self.bus.publish(self.topics.model(), payload, retain=True, kind="model")
-
-    async def _publish_model(self, message: ModelMessage, handed: asyncio.Event) -> None:
-        """The broadcast; ``handed`` set once it is handed to the client (with per-device parts: once sent)."""
-        assert self.bus is not None
-        if message.snapshot:
-            await self.bus.publish(self.topics.model(), message.payload, retain=True, kind="model", handed=handed)
-            return
-        await asyncio.gather(self.bus.publish(self.topics.model_delta(), message.payload, kind="model_delta",
-                                              handed=None if message.parts else handed),
-                             *(self.bus.publish(self.topics.model_delta_for(device), part, kind="model_delta")
-                               for device, part in message.parts.items()))
-        handed.set()
 
     async def whole_model(self) -> tuple[int, dict[str, np.ndarray]] | None:
         """The version and a copy of the whole model as it stands (a job's end); a sharded server's shard 0 adds
