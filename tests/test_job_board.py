@@ -123,3 +123,47 @@ async def test_a_job_whose_held_out_set_is_missing_fails_naming_it(mosquitto_bro
         failed = await box.next(JobState, lambda s: s.name == "blind" and s.ended)
     assert failed.state == "failed"
     assert str(tmp_path / "no-such-eval") in failed.reason
+
+
+async def test_a_resume_is_not_undone_by_the_board_while_the_parameter_server_writes_its_checkpoint(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """A resumed PS writes a checkpoint before the job's state says "running"; a board tick in between used to
+    see a paused job and a running PS, and pause the PS again ("a restarted PS resumes paused"): the job said
+    running and never moved. A slow disk makes the window wide here."""
+    config = make_config(mosquitto_broker, job="", **{"ps.state_dir": tmp_path})
+    client = dataclasses.replace(config, job="client")
+    host = JobHost("ps", config, ps_jobs.for_job)
+    task = asyncio.create_task(host.run(extra=JobBoard(host, progress_interval_s=0.05).attach))
+    try:
+        async with inbox(client, (all_job_states_filter(), JobState),
+                         (Topics("client").reply_filter("op"), ControlReply)) as box:
+            job = digits_job("steered")
+            await box.publish(Topics("steered").job_file(), job, retain=True)
+            await box.until("the PS serving the job", lambda: host.current == ("steered", job.sha256)
+                            and host.service is not None and host.service.state is not None)
+            ps = host.service
+            assert isinstance(ps, ps_jobs.ParameterServer)
+            checkpoint = ps._checkpoint
+
+            def slow_checkpoint() -> None:  # a slow disk: the board ticks 20 times meanwhile
+                time.sleep(1.0)
+                checkpoint()
+
+            ps._checkpoint = slow_checkpoint  # type: ignore[method-assign]
+
+            async def command(what: str) -> ControlReply:
+                request = f"r-{what}-{time.monotonic_ns()}"
+                await box.publish(Topics("steered").control("job"), ControlCommand(
+                    command=what, requester="op", request_id=request, reply_to=Topics("client").control_reply("op")))
+                return await box.next(ControlReply, lambda r: r.request_id == request)
+
+            assert (await command("pause")).ok
+            await box.until("the PS paused", lambda: ps.paused)
+            assert (await command("resume")).ok
+            resumed = await box.next(JobState, lambda s: s.name == "steered" and s.state == "running")
+            # ten intervals on, the board publishes its progress again: ticks ran after the resume
+            await box.next(JobState, lambda s: s.name == "steered" and s.updated_at >= resumed.updated_at + 0.5)
+            assert not ps.paused
+    finally:
+        host.stop.set()
+        await asyncio.wait_for(task, 30)

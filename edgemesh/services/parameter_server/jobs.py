@@ -123,7 +123,7 @@ class JobBoard:
             return
         if not isinstance(ps, ParameterServer) or ps.state is None:
             return
-        if state.state == "paused" and not ps.paused:
+        if self.host.states.get(state.name, state).state == "paused" and not ps.paused:
             await ps.control(ControlCommand(command="pause", requester="jobs"))  # a restarted PS resumes paused
         progress = self._progress(state, ps)
         reason = _stop_reason(progress, now)
@@ -232,6 +232,8 @@ class JobBoard:
                 want: JobPhase = "paused" if command == "pause" else "running"
                 if not state.active:
                     return False, f"job {job} is {state.state}, not running"
+                # the board's phase first: a tick while the PS writes its checkpoint must not undo the command
+                self.host.states[job] = replace(state, state=want)
                 if isinstance(ps, ParameterServer):
                     await ps.control(ControlCommand(command=command, requester="jobs"))
                     state = self._progress(state, ps)
