@@ -41,7 +41,7 @@ def test_a_step_logged_but_not_in_the_ledger_is_added_on_open(tmp_path: Path) ->
     ledger.open()
     first, second = step(1, ("a", 1, 1)), step(2, ("a", 1, 2), ("b", 1, 1))
     for s in (first, second):
-        recovery.log([s], Optimizer(0.1, 0.0), [Combined([], how=Aggregation())], [[]])
+        recovery.log_beside([s], Optimizer(0.1, 0.0), [Combined([], how=Aggregation())], [[]], lambda: None)
     ledger.record([first])  # the crash: second never reached the ledger
     ledger.close()
     recovery.close()

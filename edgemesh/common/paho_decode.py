@@ -45,8 +45,6 @@ PAHO_DECODE = getattr(_packet, "decode_publish", None)
 """paho's own, as this module found it."""
 READS_PER_CALL = 100
 """Socket reads one call may make before it lets the event loop run again, as paho's own reader."""
-
-
 UNSLICED_FROM = 64 * 1024
 """Packets this long and longer are sent from views of themselves (``write_from_buffers``)."""
 

@@ -3,7 +3,7 @@
 * ``resume``: the checkpoint (weights, momentum, clock, settings) if there is one and it is for this
   model, then every logged step newer than it replayed through the same SGD step, so the PS comes
   back exactly where its last acked step left it.
-* ``log``: before any update of a step is acked, the step goes to the write-ahead log (fsynced):
+* ``log_beside``: before any update of a step is acked, the step goes to the write-ahead log (fsynced):
   its version, the optimizer settings, the aggregation it used (``robust``: the rule, clip's threshold)
   and, per member update, device, cluster, incarnation, seq, the step's item it belongs to, weight and
   the encoded shards; or, when it is smaller than all of those shards (a ``sync`` round of many dense
@@ -168,20 +168,15 @@ class Recovery:
         clock.version = int(record["version"])
         return norms
 
-    def log(self, steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
-            sums: Sequence[list[ShardGrad]]) -> int:
-        """Append ``steps`` durably (each with its items' weights and the aggregation it used, or the weighted sum
-        it stepped on, ``ModelState.step``'s, whichever is smaller, so that a replay is exact); bytes written."""
-        return self._wal_of().append(self._records(steps, optimizer, combined, sums))
-
     def log_beside(self, steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
                    sums: Sequence[list[ShardGrad]], beside: Callable[[], T]) -> tuple[int, T]:
-        """``log``, written in the log's own thread while ``beside()`` runs in this one (the step is applied and
-        the model's broadcast encoded while the step is made durable: ``fdatasync`` and the write release the
-        GIL); returns once both are done: the bytes written and what ``beside`` returned (either's exception,
-        the log's first)."""
-        wal = self._wal_of()
-        records = self._records(steps, optimizer, combined, sums)
+        """Append ``steps`` durably (each with its items' weights and the aggregation it used, or the weighted sum
+        it stepped on, ``ModelState.sum``'s, whichever is smaller, so that a replay is exact), in the log's own
+        thread while ``beside()`` runs in this one (the step is applied and the model's broadcast encoded while
+        the step is made durable: ``fdatasync`` and the write release the GIL); returns once both are done: the
+        bytes written and what ``beside`` returned (either's exception, the log's first)."""
+        assert self._wal is not None, "resume() first"
+        wal, records = self._wal, self._records(steps, optimizer, combined, sums)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wal")
         writing = self._writer.submit(wal.append, records)
@@ -190,10 +185,6 @@ class Recovery:
         finally:
             written = writing.result()  # the log's error, if any, over beside's
         return written, out
-
-    def _wal_of(self) -> store.WriteAheadLog:
-        assert self._wal is not None, "resume() first"
-        return self._wal
 
     @staticmethod
     def _records(steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
