@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import signal
 import subprocess
 import uuid
 from collections.abc import AsyncIterator
@@ -159,6 +161,25 @@ async def test_every_route_goes_out_in_one_subscribe_and_again_on_reconnect(tmp_
             await until("a reconnect", lambda: bus.connections >= 2 and bus.is_connected)
             await until("the subscription again", lambda: "Received SUBSCRIBE from one-subscribe" in broker.log_text())
             assert len(re.findall(r"Received SUBSCRIBE from one-subscribe\b", broker.log_text())) == 1
+
+
+async def test_a_publish_the_crashed_broker_never_acked_goes_out_again_on_the_next_connection(
+        tmp_path: Path) -> None:
+    """A gradient in flight when the broker died waited out ``operation_timeout_s`` (10 s) for a PUBACK the old
+    connection would never carry, and training stood still that long after the broker came back."""
+    with BrokerProcess.mosquitto(workdir=tmp_path) as broker:
+        cfg = config(broker, **{"broker.operation_timeout_s": str(3 * WAIT_S), "broker.publish_timeout_s":
+                                str(3 * WAIT_S)})
+        async with routed(cfg, "sender") as (sender, _), routed(cfg) as (_, seen):
+            os.killpg(broker.pid or 0, signal.SIGSTOP)  # alive to TCP, answering nothing
+            handed = asyncio.Event()
+            publish = asyncio.create_task(sender.publish(T.hello("pi-1"), hello("pi-1"), retain=True, handed=handed))
+            await asyncio.wait_for(handed.wait(), WAIT_S)
+            broker.kill()
+            broker.start()
+            async with asyncio.timeout(WAIT_S):  # well before operation_timeout_s
+                await publish
+            await until("the hello through the new broker", lambda: [m for _, m in seen.seen] == [hello("pi-1")])
 
 
 async def test_a_chunked_publish_that_finds_no_broker_fails_as_a_single_one_does() -> None:

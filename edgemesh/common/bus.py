@@ -39,7 +39,7 @@ import aiomqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edgemesh.common import chunks, paho_decode, wire
-from edgemesh.common.bus_taps import Taps
+from edgemesh.common.bus_taps import Answers, Taps
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.metrics import ServiceMetrics
@@ -106,6 +106,7 @@ class Bus:
         self._joined_hooks: list[chunks.Joined] = []
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
+        self._answers = Answers()
         self._inbox: asyncio.Queue[tuple[str, bytes, chunks.Arrival | None]] = asyncio.Queue(maxsize=INBOX_MESSAGES)
         metrics.inbox.set_function(self._inbox.qsize)
         self._receiver = chunks.Receiver(max_bytes=config.max_message_bytes,
@@ -144,7 +145,7 @@ class Bus:
         patterns = [p for r in gone for p in r.filter.patterns]
         if client is not None and self._connected.is_set() and patterns:
             with contextlib.suppress(aiomqtt.MqttError):  # a lost connection re-subscribes what is left
-                await client.unsubscribe(patterns)
+                await self._answers.of(client.unsubscribe(patterns))
 
     @property
     def filters(self) -> tuple[Filter, ...]:
@@ -321,6 +322,7 @@ class Bus:
                 self._connected.clear()
                 self.metrics.connected.set(0)
                 self._client = None
+                self._answers.lost()  # what waits for the old broker's answer is retried on the next connection
             if not self._closing:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter
                 delay = min(delay * 2, self.config.backoff_max_s)
@@ -338,10 +340,10 @@ class Bus:
         if client is None or not patterns:
             return
         try:
-            granted = await client.subscribe([(p, QOS_STATE) for p in patterns])
+            granted = await self._answers.of(client.subscribe([(p, QOS_STATE) for p in patterns]))
         except aiomqtt.MqttError:
-            if self._connected.is_set():
-                return  # the connection is going: the next connect subscribes everything again
+            if self._connected.is_set() or client is not self._client:
+                return  # the connection is going or gone: the next connect subscribes everything again
             raise
         codes: list[int | ReasonCode] = list(granted)
         for pattern, code in zip(patterns, codes, strict=False):
@@ -460,7 +462,7 @@ class Bus:
                         continue
                     self._taps.handing = handed  # set by the paho client's publish (``Taps``), called at once
                     try:
-                        await client.publish(topic, payload, qos=qos, retain=retain)
+                        await self._answers.of(client.publish(topic, payload, qos=qos, retain=retain))
                         return
                     except aiomqtt.MqttError as exc:
                         logger.debug("%s: publish on %s failed (%s); retrying", self.client_id, topic, exc)

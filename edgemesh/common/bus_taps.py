@@ -11,6 +11,9 @@
   paho's message callback, called as each message is parsed, notes the time and the payload bytes read so far
   (a ``chunks.Arrival``), in the order aiomqtt queues the messages; and paho's socket reads, when a packet's
   first byte was read (``Arrival.began``): a large message is a downlink sample even when it came whole.
+* **Answers that will not come.** aiomqtt waits ``operation_timeout_s`` for a PUBACK or SUBACK even when the
+  connection that would carry it is gone (a broker that crashed with a gradient in flight). ``Answers`` ends
+  those waits with an MqttError when the bus loses the connection, so the publish is retried on the next one.
 * **The broker's packet limit.** An MQTT 5 broker's CONNACK may say the largest packet it takes (Maximum Packet
   Size, which Mosquitto sends when ``max_packet_size`` is set): ``max_packet`` (0 when it said nothing).
 """
@@ -21,14 +24,16 @@ import asyncio
 import time
 import typing
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiomqtt
 from paho.mqtt.enums import MQTTErrorCode
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edgemesh.common import chunks
+
+T = TypeVar("T")
 
 Refused = Callable[[str, str, int | ReasonCode], None]
 """``(operation, topic, code)``: a publish or subscription the broker refused."""
@@ -118,3 +123,30 @@ class Taps:
             on_connect(c, userdata, flags, reason_code, properties)
 
         paho.on_connect = connected
+
+
+class Answers:
+    """The broker's answers (PUBACK, SUBACK, UNSUBACK) awaited on the current connection."""
+
+    def __init__(self) -> None:
+        self._waits: set[asyncio.Timeout] = set()
+
+    async def of(self, call: Awaitable[T]) -> T:
+        """Await ``call``, a request to the broker; MqttError at once if the connection is lost first."""
+        try:
+            async with asyncio.timeout(None) as wait:
+                self._waits.add(wait)
+                try:
+                    return await call
+                finally:
+                    self._waits.discard(wait)
+        except TimeoutError:
+            if wait.expired():
+                raise aiomqtt.MqttError("the connection was lost before the broker answered") from None
+            raise
+
+    def lost(self) -> None:
+        """The connection is gone: every wait ends now."""
+        now = asyncio.get_running_loop().time()
+        for wait in self._waits:
+            wait.reschedule(now)
