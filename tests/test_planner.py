@@ -7,10 +7,13 @@ drive it with a test client that plays the devices and the operator (``planner_d
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 from helpers import (
@@ -26,8 +29,10 @@ from helpers import (
 )
 
 from edgemesh.common import wire
-from edgemesh.common.config import TrainingConfig
+from edgemesh.common.bus import Bus
+from edgemesh.common.config import Config, TrainingConfig
 from edgemesh.common.messages import ControlReply, DeviceHello, DeviceStatus, Event, Plan
+from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.planner.layout import plan_data_parallel
@@ -194,6 +199,61 @@ async def test_a_will_drops_the_device_from_the_plan_and_the_last_leaving_emptie
                           retain=True)
         empty = await next_plan(bus)
         assert empty.devices == () and empty.clusters == () and empty.version == after.version + 1
+
+
+async def test_min_devices_holds_only_the_first_plan_not_a_return_after_everyone_left(
+        broker: BrokerProcess) -> None:
+    """A stopping broker sends every device's will: with min_devices held again after the empty plan, training
+    stayed stopped for good when fewer devices than that came back (the fault-injection run did this)."""
+    config = planner_config(broker, job=JOB, **{"planner.min_devices": 2})
+    async with planner_devices(config) as bus, running(Planner(config)):
+        await join(bus, "pi-a")
+        await join(bus, "pi-b")
+        assert device_names(await next_plan(bus)) == ["pi-a", "pi-b"]
+        for name in ("pi-a", "pi-b"):
+            await bus.publish(TOPICS.status(name), DeviceStatus(device=name, state="offline", incarnation=1),
+                              retain=True)
+        while (await next_plan(bus)).devices:
+            pass  # one will at a time, or both at once
+        await join(bus, "pi-a")
+        back = await next_plan(bus)
+        assert (device_names(back), back.reason) == (["pi-a"], "join")
+
+
+async def test_wills_a_stopping_broker_sends_do_not_empty_the_plan_when_the_devices_come_back(
+        mosquitto_broker: BrokerProcess) -> None:
+    """Mosquitto sends every connected client's will when it is stopped; the devices announce themselves again
+    on the restarted broker, within the longest backoff, and the planner waits that long after its own reconnect
+    before it plans. Here the devices come back after the planner's debounce: it used to plan without them."""
+    config = planner_config(mosquitto_broker, job=JOB, **{"broker.backoff_max_s": 3.0})
+    slow = dataclasses.replace(config, broker=dataclasses.replace(config.broker, backoff_initial_s=1.0))
+    async with planner_devices(config) as bus, running(Planner(config)), device("pi-a", slow), \
+            device("pi-b", slow):
+        first = await next_plan(bus)
+        assert device_names(first) == ["pi-a", "pi-b"]
+        mosquitto_broker.stop()
+        mosquitto_broker.start()
+        await join(bus, "pi-c")  # a plan is due now: it must not take pi-a and pi-b out
+        while (plan := await next_plan(bus)).version == first.version:
+            pass  # the planner restores its retained plan on the restarted broker
+        assert (plan.version, device_names(plan), plan.reason) == (first.version + 1, ["pi-a", "pi-b", "pi-c"], "join")
+
+
+@contextlib.asynccontextmanager
+async def device(name: str, config: Config) -> AsyncIterator[Bus]:
+    """A device as a worker is one on the bus: an ``offline`` will, and on every connect its ``online`` status
+    and hello (retained)."""
+    will = wire.encode(DeviceStatus(device=name, state="offline", incarnation=1))
+    dev = Bus(config.broker, client_id=f"device-{name}", metrics=ServiceMetrics("device"),
+              will=(TOPICS.status(name), will))
+
+    async def announce() -> None:
+        await dev.publish(TOPICS.status(name), DeviceStatus(device=name, state="online", incarnation=1), retain=True)
+        await dev.publish(TOPICS.hello(name), device_hello(name), retain=True)
+
+    dev.on_connect(announce)
+    async with dev.running():
+        yield dev
 
 
 async def test_a_restarted_planner_continues_the_plan_version(broker: BrokerProcess) -> None:

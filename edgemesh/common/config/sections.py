@@ -42,11 +42,13 @@ class BrokerConfig:
     operation_timeout_s: float = 10.0
     """How long a subscribe or a QoS 1 publish of a connected client may wait for the broker's answer. On a
     slow link it queues behind the retained model the broker sends first: raise it when a device's downlink
-    needs longer than this for the model (2.5 MB of cifar-cnn takes 10 s at 2 Mbit/s)."""
+    needs longer than this for the model (2.5 MB of cifar-cnn takes 10 s at 2 Mbit/s). A lost connection ends
+    the wait at once: the publish goes out again on the next connection."""
     backoff_initial_s: float = 0.2
     """First reconnect delay; doubles up to ``backoff_max_s``, with jitter."""
     backoff_max_s: float = 10.0
-    """Largest reconnect delay."""
+    """Largest reconnect delay. After a reconnect the planner waits this long for the devices to announce
+    themselves again before it plans (a stopping broker sends every device's will)."""
     chunk_bytes: int = 256 * 1024
     """Payloads larger than this are split into chunks of this size, or larger ones on a fast link to a broker
     that says its packet limit (``chunk_max_bytes``)."""
@@ -179,7 +181,8 @@ class PlannerConfig:
     replan_debounce_s: float = 0.3
     """Joins and leaves within this window produce one re-plan."""
     min_devices: int = 1
-    """No plan is published before this many devices are online."""
+    """No plan is published before this many devices are online (the job's first plan only: once a plan has
+    named devices, plans follow whoever is live, so training goes on after a broker restart with fewer)."""
     batching: Literal["auto", "uniform", "balanced"] = "auto"
     """Batch sizes: uniform (training.batch_size for all), balanced (sized to each device's speed so
     all finish an iteration together), or auto (balanced under the adaptive policy, else uniform)."""

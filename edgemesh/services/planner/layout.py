@@ -11,6 +11,7 @@ data-parallel replica whose members divide the model's filters by ``mesh.divide_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from edgemesh.common.config import TrainingConfig
@@ -112,3 +113,20 @@ def plan_mesh(
                                     predicted_iteration_s=round(c.predicted_s, 6)))
     return _plan(training, version=version, created=created, sync_policy=sync_policy, devices=tuple(devices),
                  clusters=tuple(clusters), reason=reason, round_time_s=round(grid.predicted_iteration_s, 6))
+
+
+def same_members(a: Plan, b: Plan) -> bool:
+    return [d.device for d in a.devices] == [d.device for d in b.devices]
+
+
+def batch_sizes(plan: Plan) -> dict[str, int]:
+    return {d.device: d.batch_size for d in plan.devices}
+
+
+def same_layout(new: Plan, old: Plan | None) -> bool:
+    """Whether two plans say the same thing, ignoring version, timestamp and reason."""
+    if old is None:
+        return False
+    return dataclasses.replace(new, version=0, created=0.0, reason="") == dataclasses.replace(
+        old, version=0, created=0.0, reason=""
+    )

@@ -20,10 +20,11 @@ In mesh parallelism the grid plans with each device's hello, its speed and links
 (``_mesh_infos``), and is laid out again when the measured speeds make a better layout worth it, or the measured
 links move the current one's predicted iteration past ``planner.replan_threshold`` (``mesh.links_moved``).
 
-``planner.min_devices`` gates the first plan (and the first after everyone left): no plan is
-published before that many devices are live. Once a plan names devices, every change is
-published, down to an empty plan when all devices have left, so the parameter server never
-waits for a device that is gone.
+``planner.min_devices`` gates the job's first plan: no plan goes out before that many devices are live. Once
+a plan has named devices, every change is published, down to an empty plan when all devices have left (the
+parameter server never waits for a device that is gone) and up again from any number: a stopping broker sends
+every device's will, and training must go on after it even if fewer devices come back. After a reconnect the
+planner waits ``broker.backoff_max_s`` for devices to announce themselves again before it plans (``_settled``).
 
 This module must not import torch: the planner runs on small hosts.
 """
@@ -49,7 +50,7 @@ from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics, valid_name
 from edgemesh.common.vocabulary import Batching, SyncPolicy
 from edgemesh.services.planner import batching, mesh
-from edgemesh.services.planner.layout import plan_data_parallel, plan_mesh
+from edgemesh.services.planner.layout import batch_sizes, plan_data_parallel, plan_mesh, same_layout, same_members
 from edgemesh.services.planner.mesh import DeviceInfo, wire_for
 from edgemesh.services.planner.registry import Registry
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
@@ -57,8 +58,8 @@ from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serv
 logger = logging.getLogger(__name__)
 
 RETAINED_SETTLE_S = 0.2
-"""After connecting, wait at least this long (or the debounce, if longer) for retained hellos,
-statuses and the previous plan before planning for the first time."""
+"""After connecting, wait at least this long (or the debounce, if longer) for retained hellos, statuses and
+the previous plan, and for what devices announce on reconnecting, before planning."""
 UNKNOWN_INCARNATION = -1
 """Incarnation of a device named by a plan adopted from the broker (its incarnation is not in the plan)."""
 REPLAN_REASONS = ("join", "leave", "control", "start", "rebalance", "slowdown", "links")
@@ -85,6 +86,8 @@ class Planner:
         self.plan: Plan | None = None
         """The current plan: the last one published, or the retained one adopted at start."""
         self.version = 0
+        self._began = False  # a plan has named devices: min_devices holds nothing back any more
+        self._settle_until = 0.0
         self._planned: dict[str, int] = {}
         """Device -> incarnation of the live set the current plan was made for."""
         self.ready = asyncio.Event()
@@ -143,9 +146,11 @@ class Planner:
             self._rebalance_timer.cancel()
 
     async def _on_connect(self) -> None:
-        """First connect: let the replan loop start. Reconnects: restore the retained plan
-        (a broker restarted without persistence has lost it)."""
+        """First connect: let the replan loop start. Reconnects: restore the retained plan (a broker restarted
+        without persistence has lost it). Both: plans wait until what devices retain or announce is in."""
         assert self.bus is not None
+        wait = self.cfg.broker.backoff_max_s if self._online.is_set() else 0.0  # devices' longest: back by then
+        self._settle_until = time.monotonic() + max(self.cfg.planner.replan_debounce_s, RETAINED_SETTLE_S, wait)
         if self._online.is_set() and self.plan is not None and self.ready.is_set():
             with contextlib.suppress(BusError):
                 await self.bus.publish(self.topics.plan(), self.plan, retain=True)
@@ -195,6 +200,7 @@ class Planner:
         logger.info("continuing from plan version %d (%d devices)", plan.version, len(plan.devices))
         self.version = plan.version
         self.plan = plan
+        self._began = self._began or bool(plan.devices)
         self.registry.drained = set(plan.drained)
         self._planned = {d.device: UNKNOWN_INCARNATION for d in plan.devices}
         self.m_version.set(self.version)
@@ -273,15 +279,26 @@ class Planner:
     # ------------------------------------------------------------------ planning
     async def _replan_loop(self) -> None:
         await self._online.wait()
-        await asyncio.sleep(max(self.cfg.planner.replan_debounce_s, RETAINED_SETTLE_S))
+        await self._settled()
         self._dirty.clear()
         await self._replan("start")
         self.ready.set()
         while True:
             await self._dirty.wait()
             await asyncio.sleep(self.cfg.planner.replan_debounce_s)
+            await self._settled()
             self._dirty.clear()
             await self._replan(None)
+
+    async def _settled(self) -> None:
+        """Return once connected and settled: what devices retained, or announced again after a reconnect, has
+        come in (a stopping broker sends every device's will before it closes our connection)."""
+        assert self.bus is not None
+        while True:
+            wait = self._settle_until - time.monotonic() if self.bus.is_connected else RETAINED_SETTLE_S
+            if wait <= 0:
+                return
+            await asyncio.sleep(wait)
 
     async def _replan(self, cause: str | None, *, force: bool = False) -> tuple[Plan | None, str]:
         """Publish a new plan if the plannable set or the layout changed (or ``force``).
@@ -300,8 +317,7 @@ class Planner:
                 if name not in self._planned or self._planned[name] not in (UNKNOWN_INCARNATION, inc)
             )
             left = sorted(name for name in self._planned if name not in current)
-            active = self.plan is not None and bool(self.plan.devices)
-            if not active and len(current) < self.cfg.planner.min_devices:
+            if not self._began and len(current) < self.cfg.planner.min_devices:
                 if current:
                     logger.info("%d device(s) live; waiting for %d before planning", len(current),
                                 self.cfg.planner.min_devices)
@@ -312,17 +328,18 @@ class Planner:
             else:
                 plan = self._plan_data(devices, bool(joined or left))
             plan = dataclasses.replace(plan, drained=tuple(sorted(self.registry.drained)))
-            if not (force or joined or left or not _same_layout(plan, self.plan)):
+            if not (force or joined or left or not same_layout(plan, self.plan)):
                 self._planned = current  # learn incarnations of a plan adopted from the broker
                 return None, f"plan version {self.version} is current"
-            rebalanced = self.plan is not None and not (joined or left) and _same_members(plan, self.plan) \
-                and _batch_sizes(plan) != _batch_sizes(self.plan)
+            rebalanced = self.plan is not None and not (joined or left) and same_members(plan, self.plan) \
+                and batch_sizes(plan) != batch_sizes(self.plan)
             reason = cause or ("join" if joined else "leave" if left else regrid or ("rebalance" if rebalanced
                                                                                      else "start"))
             plan = dataclasses.replace(plan, reason=reason)
             if rebalanced:
                 self._last_rebalance = time.monotonic()
             self.plan, self.version, self._planned = plan, plan.version, current
+            self._began = self._began or bool(plan.devices)
             self.m_round.set(plan.round_time_s)
             self.m_version.set(plan.version)
             self.m_replans.labels(reason=reason).inc()
@@ -469,23 +486,6 @@ class Planner:
             "plan_version": self.version,
             "plan_devices": len(self.plan.devices) if self.plan is not None else 0,
         }
-
-
-def _same_members(a: Plan, b: Plan) -> bool:
-    return [d.device for d in a.devices] == [d.device for d in b.devices]
-
-
-def _batch_sizes(plan: Plan) -> dict[str, int]:
-    return {d.device: d.batch_size for d in plan.devices}
-
-
-def _same_layout(new: Plan, old: Plan | None) -> bool:
-    """Whether two plans say the same thing, ignoring version, timestamp and reason."""
-    if old is None:
-        return False
-    return dataclasses.replace(new, version=0, created=0.0, reason="") == dataclasses.replace(
-        old, version=0, created=0.0, reason=""
-    )
 
 
 def register(parser: argparse.ArgumentParser) -> None:
