@@ -86,8 +86,7 @@ class Planner:
         self.plan: Plan | None = None
         """The current plan: the last one published, or the retained one adopted at start."""
         self.version = 0
-        self._began = False  # a plan has named devices: min_devices holds nothing back any more
-        self._settle_until = 0.0
+        self._began, self._settle_until = False, 0.0  # a plan named devices (min_devices is done); see _settled
         self._planned: dict[str, int] = {}
         """Device -> incarnation of the live set the current plan was made for."""
         self.ready = asyncio.Event()
@@ -147,9 +146,11 @@ class Planner:
 
     async def _on_connect(self) -> None:
         """First connect: let the replan loop start. Reconnects: restore the retained plan (a broker restarted
-        without persistence has lost it). Both: plans wait until what devices retain or announce is in."""
+        without persistence has lost it). Both: plans wait for what devices retain or announce (``_settled``)."""
         assert self.bus is not None
         wait = self.cfg.broker.backoff_max_s if self._online.is_set() else 0.0  # devices' longest: back by then
+        if wait:
+            logger.info("reconnected: plans wait %.1fs for the devices to announce themselves again", wait)
         self._settle_until = time.monotonic() + max(self.cfg.planner.replan_debounce_s, RETAINED_SETTLE_S, wait)
         if self._online.is_set() and self.plan is not None and self.ready.is_set():
             with contextlib.suppress(BusError):
@@ -291,8 +292,7 @@ class Planner:
             await self._replan(None)
 
     async def _settled(self) -> None:
-        """Return once connected and settled: what devices retained, or announced again after a reconnect, has
-        come in (a stopping broker sends every device's will before it closes our connection)."""
+        """Return once connected and settled: what devices retained, or announced again after a reconnect, is in."""
         assert self.bus is not None
         while True:
             wait = self._settle_until - time.monotonic() if self.bus.is_connected else RETAINED_SETTLE_S
