@@ -258,3 +258,26 @@ async def test_a_job_submitted_to_a_fleet_with_a_sharded_parameter_server_trains
     # while the other was leaving the ended job
     upto = [[e for e in ledger if e.version <= snapshot.version] for ledger in ledgers]
     assert upto[0] == upto[1] and {e.version for e in upto[0]} == set(range(1, snapshot.version + 1))
+
+
+async def test_a_running_job_trains_on_after_the_broker_restarts_empty(fleet: tuple[LocalCluster, Config],
+                                                                     mosquitto_broker: BrokerProcess,
+                                                                     tmp_path: Path) -> None:
+    """A broker restarted without persistence has lost every retained job spec, plan and model, and a stopping
+    Mosquitto sends every device's will: the fleet's services put the job back and train on."""
+    cluster, config = fleet
+    job_file = tmp_path / "long.toml"
+    job_file.write_text(SHAPES_JOB.replace("target_accuracy = 0.9", "target_accuracy = 1.0")
+                        .replace("max_versions = 3000", "max_versions = 100000").replace('"shapes"\n', '"long"\n', 1))
+    assert edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60").returncode == 0
+    await wait_for_job(config, "long", ("running",), JOB_WAIT_S)
+    for restart in (mosquitto_broker.stop, mosquitto_broker.kill):
+        restart()
+        mosquitto_broker.start()
+        async with inbox(dataclasses.replace(config, job="long"), (all_job_states_filter(), JobState)) as box:
+            back = await box.next(JobState, lambda s: s.name == "long", 60)  # published since: the broker was empty
+            assert back.state == "running", back
+            after = await box.next(JobState, lambda s, since=back.version: s.name == "long" and s.state == "running"
+                                   and s.version > since + 5, 60)
+    assert set(after.devices) == set(DEVICES)
+    assert all(c.proc.poll() is None for c in cluster.children)
