@@ -51,6 +51,7 @@ def test_bench_transport_sets_the_parameter_servers_ingest_beside_the_broker_alo
 DDP_KEYS = {"edgemesh_seconds_per_version", "ddp_seconds_per_step", "step_time_ratio", "initial_loss",
             "edgemesh_final_loss", "ddp_final_loss", "final_loss_ratio", "edgemesh_final_accuracy",
             "ddp_final_accuracy", "edgemesh_worker_step_seconds", "edgemesh_worker_ack_seconds", "steps",
+            "edgemesh_final_loss_mean", "ddp_final_loss_mean", "final_loss_ratio_of_means", "rounds_with_losses",
             "warmup_steps", "batch_per_worker", "lr", "momentum", "torch_threads", "settings", "edgemesh", "ddp"}
 
 
@@ -88,6 +89,16 @@ def test_bench_ddp_quick_sets_edgemesh_sync_beside_torch_ddp(tmp_path: Path) -> 
     for side, key in (("edgemesh", "edgemesh_seconds_per_version"), ("ddp", "ddp_seconds_per_step")):
         assert data[key] == pytest.approx(sum(r[key] for r in data["rounds"]) / 2, abs=1e-3), side
     assert data["final_loss_ratio"] == pytest.approx(data["edgemesh_final_loss"] / data["ddp_final_loss"], abs=1e-3)
+    # each round at a seed of its own, its final losses, and their means over the rounds (all at version 30)
+    assert [r["seed"] for r in data["rounds"]] == [data["settings"]["training.seed"] + i for i in range(2)]
+    assert data["rounds"][0]["edgemesh_final_loss"] == data["edgemesh_final_loss"]
+    assert data["rounds_with_losses"] == 2 and all(r["final_version"] == 30 for r in data["rounds"])
+    assert data["rounds"][1]["ddp_final_loss"] != data["rounds"][0]["ddp_final_loss"]  # another seed, another run
+    for side in ("edgemesh", "ddp"):
+        losses = [r[f"{side}_final_loss"] for r in data["rounds"]]
+        assert data[f"{side}_final_loss_mean"] == pytest.approx(sum(losses) / 2, abs=1e-3), side
+    assert data["final_loss_ratio_of_means"] == pytest.approx(
+        data["edgemesh_final_loss_mean"] / data["ddp_final_loss_mean"], abs=1e-3)
     for side in ("edgemesh", "ddp"):
         assert data[f"{side}_final_loss"] < data["initial_loss"], side  # both learned
     assert data["edgemesh_worker_step_seconds"] > 0 and data["edgemesh_worker_ack_seconds"] > 0

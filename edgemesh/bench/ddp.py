@@ -27,7 +27,12 @@ is one step of the same SGD over the same samples (each worker's gradient weight
 averages them). With ``--rounds`` n (2; 1 with ``--quick``) each side trains n times, EdgeMesh first in odd
 rounds and DDP first in even ones (ABBA: on a shared host whose load drifts, one pair run once has swung the
 ratio by a quarter); both seconds are the means over the rounds, each round's under ``rounds``. The losses,
-curves and breakdown are the first round's.
+curves and breakdown are the first round's. Round i trains both sides at seed ``--seed`` + i (the model's
+initial weights, the data and its order): on one host each side repeats its run to the last digit, yet the two
+trainings, the same SGD summed in another order (numpy at the parameter server, gloo's all-reduce), part ways
+within a few hundred steps, and where one stands at a single held-out point is a draw between seeds (4 % apart
+one way on one host, 8 % the other way on the next). ``final_loss_ratio_of_means`` compares each side's final
+held-out loss averaged over the rounds' seeds (``*_final_loss_mean``).
 
 Both final models are evaluated the same way, ``models.evaluate`` on the data set's test split: EdgeMesh's by
 the parameter server itself (its evaluation event, float32 weights) at its first evaluation at or after
@@ -51,7 +56,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -72,6 +76,7 @@ from edgemesh.bench.ddp_torch import (
     mean_per_version,
 )
 from edgemesh.bench.reporting import finish, pyplot, save
+from edgemesh.bench.rounds import alternate, mean, ratio
 from edgemesh.bench.runs import Timeline, cluster_flags, drive, observe
 from edgemesh.common import models
 from edgemesh.common.bus import Route
@@ -309,10 +314,6 @@ def run_edgemesh(cfg: Config, workdir: Path, broker_pid: int | None, *, steps: i
 
 
 # ------------------------------------------------------------------ the benchmark
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
 def _edgemesh_once(cfg: Config, workdir: Path, *, steps: int, warmup: int,
                    progress: Callable[[str], None]) -> tuple[dict[str, Any], EdgeMeshRun, str]:
     """One EdgeMesh training on a broker of its own (a job of its own, in a directory of its own); the broker's
@@ -331,31 +332,6 @@ def _edgemesh_once(cfg: Config, workdir: Path, *, steps: int, warmup: int,
     progress(f"edgemesh: {entry['seconds_per_version']} s per version, held-out loss {entry['final_loss']} at "
              f"version {entry['final_version']}{failed}")
     return entry, run, broker.kind
-
-
-def _rounds(first: tuple[dict[str, Any], dict[str, Any]], more: int, again: Callable[[int, bool], tuple[
-        dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Each round's seconds: the first (EdgeMesh, then DDP), then ``more`` rounds alternating which side goes
-    first (DDP first in the second), so that a host growing busier or quieter over the run weighs on both."""
-    rounds = []
-    for i in range(1 + more):
-        ddp_first = i % 2 == 1
-        edgemesh, ddp = first if i == 0 else again(i, ddp_first)
-        rounds.append({"first": "ddp" if ddp_first else "edgemesh",
-                       "edgemesh_seconds_per_version": edgemesh["seconds_per_version"],
-                       "ddp_seconds_per_step": ddp.get("seconds_per_step"),
-                       "step_time_ratio": _ratio(edgemesh["seconds_per_version"], ddp.get("seconds_per_step")),
-                       "failure": edgemesh["failure"] or ddp.get("failure")})
-        if rounds[-1]["failure"]:
-            break
-    return rounds
-
-
-def _mean(values: Iterable[float | None]) -> float | None:
-    """The mean, or None if any is missing."""
-    given = list(values)
-    kept = [v for v in given if v is not None]
-    return round(statistics.fmean(kept), FIGURES_DIGITS) if kept and len(kept) == len(given) else None
 
 
 def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: dict[str, str],
@@ -380,14 +356,21 @@ def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: di
     ddp = ddp_once(job, workdir / "ddp-0", progress)
 
     def again(i: int, ddp_first: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-        progress(f"round {i + 1} of {rounds}: {'DDP' if ddp_first else 'EdgeMesh'} first")
-        other = ddp_once(job, workdir / f"ddp-{i}", progress) if ddp_first else None
-        mine, _, _ = _edgemesh_once(cfg, workdir / f"edgemesh-{i}", steps=steps, warmup=warmup, progress=progress)
-        return mine, other if other is not None else ddp_once(job, workdir / f"ddp-{i}", progress)
+        progress(f"round {i + 1} of {rounds}: {'DDP' if ddp_first else 'EdgeMesh'} first, seed {t.seed + i}")
+        mine_cfg = dataclasses.replace(cfg, training=dataclasses.replace(t, seed=t.seed + i))
+        theirs = dataclasses.replace(job, seed=t.seed + i)
+        other = ddp_once(theirs, workdir / f"ddp-{i}", progress) if ddp_first else None
+        mine, _, _ = _edgemesh_once(mine_cfg, workdir / f"edgemesh-{i}", steps=steps, warmup=warmup,
+                                    progress=progress)
+        return mine, other if other is not None else ddp_once(theirs, workdir / f"ddp-{i}", progress)
 
-    timed = _rounds((edgemesh, ddp), rounds - 1 if not (edgemesh["failure"] or ddp["failure"]) else 0, again)
-    per_version = _mean(r["edgemesh_seconds_per_version"] for r in timed)
-    per_step = _mean(r["ddp_seconds_per_step"] for r in timed)
+    timed = alternate((edgemesh, ddp), rounds - 1 if not (edgemesh["failure"] or ddp["failure"]) else 0, again)
+    per_version = mean(r["edgemesh_seconds_per_version"] for r in timed)
+    per_step = mean(r["ddp_seconds_per_step"] for r in timed)
+    alike = [r for r in timed if r["final_version"] == final]  # rounds whose final evaluations share the version
+    losses = mean(r["edgemesh_final_loss"] for r in alike), mean(r["ddp_final_loss"] for r in alike)
+    for i, r in enumerate(timed):
+        r["seed"] = t.seed + i
     parts = edgemesh["breakdown"]
     failure = next((r["failure"] for r in timed if r["failure"]), None)
     result: dict[str, Any] = {
@@ -395,11 +378,13 @@ def run_bench(report: Path, *, steps: int, warmup: int, seed: int, overrides: di
         "steps": steps, "warmup_steps": warmup, "final_version": final, "lr": t.lr, "momentum": t.momentum,
         "weight_decay": t.weight_decay, "torch_threads": cfg.worker.threads, "comm": comm,
         "edgemesh_seconds_per_version": per_version, "ddp_seconds_per_step": per_step,
-        "step_time_ratio": _ratio(per_version, per_step), "rounds": timed,
+        "step_time_ratio": ratio(per_version, per_step), "rounds": timed,
         "initial_loss": round(initial_loss, FIGURES_DIGITS),
         "initial_accuracy": round(initial_accuracy, FIGURES_DIGITS),
         "edgemesh_final_loss": edgemesh["final_loss"], "ddp_final_loss": ddp.get("final_loss"),
-        "final_loss_ratio": _ratio(edgemesh["final_loss"], ddp.get("final_loss")),
+        "final_loss_ratio": ratio(edgemesh["final_loss"], ddp.get("final_loss")),
+        "edgemesh_final_loss_mean": losses[0], "ddp_final_loss_mean": losses[1],
+        "final_loss_ratio_of_means": ratio(*losses), "rounds_with_losses": len(alike),
         "edgemesh_final_accuracy": edgemesh["final_accuracy"], "ddp_final_accuracy": ddp.get("final_accuracy"),
         "edgemesh_worker_step_seconds": parts.get("worker_step_seconds"),
         "edgemesh_worker_ack_seconds": parts.get("worker_ack_seconds"),
