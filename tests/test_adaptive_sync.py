@@ -15,6 +15,7 @@ from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, quantile, round_weights
+from edgemesh.services.parameter_server.recovery import OperatorSettings
 from edgemesh.services.parameter_server.service import ParameterServer
 
 
@@ -232,6 +233,17 @@ def test_round_weights_are_shares_of_the_planned_samples_damped_by_delay() -> No
     assert round_weights([8], [0], planned=0) == [1.0]  # no plan: the round is all there is
 
 
+def test_a_checkpoints_cycles_are_taken_only_as_seconds_and_only_for_clusters_not_yet_timed() -> None:
+    kept = OperatorSettings.of({"cycles": {"c-a": [0.2, "x", -1, float("nan"), True, 0.4], "c-b": "no", "c-c": [0.1]}})
+    assert kept.cycles == {"c-a": [0.2, 0.4], "c-c": [0.1]}
+    assert OperatorSettings.of({"cycles": [0.2]}).cycles == {}
+    rule = AdaptiveDelay(AdaptiveConfig(window=2, slack=1.0, min_deadline_s=0.01))
+    rule.observe_arrival("c-c", 0.05)
+    rule.restore_arrivals({**kept.cycles, "c-d": [0.3, 0.5, 0.7]})
+    assert {c: list(a) for c, a in rule.arrivals.items()} == {"c-c": [0.05], "c-a": [0.2, 0.4], "c-d": [0.5, 0.7]}
+    assert rule.deadline(["c-a"]) == pytest.approx(0.3)
+
+
 async def test_the_ps_publishes_its_sync_state_and_keeps_delay_indices_across_a_restart(
         broker: BrokerProcess, tmp_path: Path) -> None:
     devices = ["a", "b", "c"]
@@ -262,11 +274,17 @@ async def test_the_ps_publishes_its_sync_state_and_keeps_delay_indices_across_a_
             assert state.delay_indices["b"] > 1 >= state.delay_indices["a"] == state.delay_indices["c"]
             assert state.version == ps.version and state.deadline_s > 0 and 1 <= state.bound <= 4
             indices = dict(ps.rule.indices)
+            cycles = {c: list(a) for c, a in ps.rule.arrivals.items()}
         # a restarted PS has the indices of its checkpoint, and says so
         again = ParameterServer(ps_config(broker, tmp_path, **{"training.sync_policy": "adaptive",
                                                                "ps.sync_state_interval_s": "0"}))
         async with running(again):
             await until("the restored indices", lambda: again.rule.indices == indices)
+            # and the clusters' cycles its round deadline is learned from: with a device gone it waits that long,
+            # not ps.adaptive.max_deadline_s (30 s) for every round until it has learned them again
+            kept = {c: list(a) for c, a in again.rule.arrivals.items()}
+            assert kept.keys() == cycles.keys() and all(kept[c] == cycles[c][:len(kept[c])] for c in kept)
+            assert again.rule.deadline() < again.rule.settings.max_deadline_s
             await watch.until("them published", lambda: states()[-1].policy == "adaptive"
                               and states()[-1].delay_indices.get("b") == round(indices["b"], 3))
             # b leaves the plan: its index goes with it (it was kept forever before)

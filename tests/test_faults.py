@@ -127,10 +127,11 @@ class Watch:
     def accepted_since(self, t: float, device: str = "") -> list[UpdateAck]:
         return [a for at, a in self.acks if at >= t and a.status == "accepted" and (not device or a.device == device)]
 
-    def first_accepted(self, t: float, device: str = "") -> float:
-        """When the first ack ``accepted`` at or after ``t`` came (of ``device``, if given)."""
-        return min(at for at, a in self.acks
-                   if at >= t and a.status == "accepted" and (not device or a.device == device))
+    def first_accepted(self, t: float, device: str = "", above: int = -1) -> float:
+        """When the first ack ``accepted`` at or after ``t`` came (of ``device``, if given; naming a version above
+        ``above``); 0 if none has."""
+        return min((at for at, a in self.acks if at >= t and a.status == "accepted" and a.version > above
+                    and (not device or a.device == device)), default=0.0)
 
     def will_after(self, t: float, device: str) -> float | None:
         return next((at for at, s in self.statuses if at >= t and s.device == device and s.state == "offline"),
@@ -243,7 +244,9 @@ async def run_faults(cluster: LocalCluster, broker: BrokerProcess, ns: Namespace
     await until("training after the PS restart", lambda: training(crashed) or alive(), PHASE_S)
     assert alive() is None, alive()
     assert min(a.version for a in watch.accepted_since(crashed)) >= before  # it went on where it was
-    figures["training_after_ps_kill_s"] = round(watch.first_accepted(crashed) - crashed, 3)
+    # the new process's: the old one may have applied one more version before it died, acked as it died
+    await until("an ack of the restarted PS", lambda: watch.first_accepted(crashed, above=before + 1), PHASE_S)
+    figures["training_after_ps_kill_s"] = round(watch.first_accepted(crashed, above=before + 1) - crashed, 3)
 
     # the partitioned worker's will (keepalive expiry): a plan without it within 5 s
     await until("the partitioned worker's will", lambda: watch.will_after(cut, PARTITIONED), 3 * KEEPALIVE_S)

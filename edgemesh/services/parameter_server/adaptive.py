@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edgemesh.common.config import AdaptiveConfig
@@ -100,6 +100,12 @@ class AdaptiveDelay:
         """Remember that an update of ``cluster`` arrived ``seconds`` after the model it was computed on went out."""
         window = self.arrivals.setdefault(cluster, deque(maxlen=self.settings.window))
         window.append(max(0.0, seconds))
+
+    def restore_arrivals(self, kept: Mapping[str, Sequence[float]]) -> None:
+        """Arrival times a checkpoint kept (the last ``window`` of each cluster), for the clusters with none yet:
+        a restarted parameter server's rounds wait as long as they did, not ``max_deadline_s`` until it relearns."""
+        for cluster, seconds in kept.items():
+            self.arrivals.setdefault(cluster, deque((max(0.0, s) for s in seconds), maxlen=self.settings.window))
 
     def retain(self, devices: Iterable[str], clusters: Iterable[str]) -> None:
         """Keep only the delay indices of ``devices`` and the arrival times of ``clusters`` (a new plan's):

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ class OperatorSettings:
     paused: bool | None = None
     aggregation: AggregationRule | None = None
     delay_indices: dict[str, float] = field(default_factory=dict)
+    cycles: dict[str, list[float]] = field(default_factory=dict)
+    """``adaptive``: each cluster's last cycles (what the round deadline is learned from)."""
     norms: list[float] = field(default_factory=list)
     """Norms of the last contributions applied (what ``clip`` compares with)."""
 
@@ -79,6 +82,7 @@ class OperatorSettings:
             paused=paused if isinstance(paused, bool) else None,
             aggregation=next((r for r in AGGREGATION_RULES if r == settings.get("aggregation")), None),
             delay_indices={str(k): float(v) for k, v in indices.items()} if isinstance(indices, dict) else {},
+            cycles=_cycles(settings.get("cycles")),
             norms=[float(v) for v in norms if isinstance(v, float | int)] if isinstance(norms, list) else [])
 
     @classmethod
@@ -246,3 +250,12 @@ def _step_record(record: Mapping[str, Any]) -> StepRecord:
                  weight=float(e["weight"]) * float(e.get("scale", 1.0)),
                  excluded=chosen is not None and int(e.get("item", -1)) not in chosen)
         for e in record["entries"]))
+
+
+def _cycles(kept: Any) -> dict[str, list[float]]:
+    """A checkpoint's cycles per cluster, each a finite, non-negative number of seconds (others are dropped)."""
+    if not isinstance(kept, dict):
+        return {}
+    return {str(c): [float(v) for v in seconds
+                     if isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) and v >= 0]
+            for c, seconds in kept.items() if isinstance(seconds, list)}

@@ -195,8 +195,10 @@ class ParameterServer:
 
     def _restore(self, kept: OperatorSettings) -> None:
         """Settings the checkpoint kept (a restart keeps what ``pause`` and the ``set-...`` commands set, the
-        delay indices and clip's norms), or one an operator's command sets; a None setting stays as it is."""
+        delay indices, the clusters' cycles and clip's norms), or one an operator's command sets; a None setting
+        stays as it is."""
         self.rule.indices.update(kept.delay_indices)
+        self.rule.restore_arrivals(kept.cycles)  # the round deadline as it was learned, not max_deadline_s at once
         self.aggregator.norms.extend(kept.norms)
         if kept.policy is not None and kept.policy != self.policy:
             self.policy = kept.policy
@@ -414,7 +416,8 @@ class ParameterServer:
             self.ledger.sync()  # the log about to be emptied is what backs its entries up to now
             self.recovery.checkpoint(self._label, self.state, self.clock, {
                 "policy": self.policy, "bound": self.bound, "lr": self.lr, "paused": self.paused,
-                "delay_indices": dict(self.rule.indices), **self.aggregator.kept(),
+                "delay_indices": dict(self.rule.indices), "cycles": {c: list(a) for c, a in self.rule.arrivals.items()},
+                **self.aggregator.kept(),
                 **({"shard_steps": self.leader.kept()} if self.leader else {})})
         self._since_checkpoint = 0
         self.m_checkpoints.inc()
