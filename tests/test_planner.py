@@ -225,7 +225,7 @@ async def test_wills_a_stopping_broker_sends_do_not_empty_the_plan_when_the_devi
     """Mosquitto sends every connected client's will when it is stopped; the devices announce themselves again
     on the restarted broker, within the longest backoff, and the planner waits that long after its own reconnect
     before it plans. Here the devices come back after the planner's debounce: it used to plan without them."""
-    config = planner_config(mosquitto_broker, job=JOB, **{"broker.backoff_max_s": 3.0})
+    config = planner_config(mosquitto_broker, job=JOB, **{"broker.backoff_max_s": 5.0})
     slow = dataclasses.replace(config, broker=dataclasses.replace(config.broker, backoff_initial_s=1.0))
     async with planner_devices(config) as bus, running(Planner(config)), device("pi-a", slow), \
             device("pi-b", slow):
