@@ -39,7 +39,7 @@ INT_RANGE = (-(2**63), 2**64 - 1)
 T = TypeVar("T")
 
 _KINDS: dict[str, type] = {}
-_HINTS: dict[type, dict[str, Any]] = {}
+_FIELDS: dict[type, tuple[tuple[str, Any, bool], ...]] = {}
 
 
 def message(kind: str) -> Callable[[type[T]], type[T]]:
@@ -75,7 +75,7 @@ def _to_plain(value: Any) -> Any:
     if isinstance(value, Tensor):
         return {"dtype": value.dtype, "shape": list(value.shape), "data": value.data}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {name: _to_plain(getattr(value, name)) for name, _, _ in _fields(type(value))}
     if isinstance(value, (list, tuple)):
         return [_to_plain(v) for v in value]
     if isinstance(value, dict):
@@ -85,12 +85,16 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINTS.get(cls)
-    if hints is None:
+def _fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """``(name, type, required)`` of every field of the dataclass ``cls``, worked out once per class (a message of
+    many small parts, as shard 0's steps, decodes a class's fields thousands of times)."""
+    spec = _FIELDS.get(cls)
+    if spec is None:
         hints = typing.get_type_hints(cls)
-        _HINTS[cls] = hints
-    return hints
+        spec = _FIELDS[cls] = tuple(
+            (f.name, hints[f.name], f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+            for f in dataclasses.fields(cls))
+    return spec
 
 
 def _fail(path: str, message: str, reason: str = "field") -> typing.NoReturn:
@@ -98,9 +102,11 @@ def _fail(path: str, message: str, reason: str = "field") -> typing.NoReturn:
 
 
 def _from_plain(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 - one switch over type shapes
-    origin = get_origin(tp)
+    if tp in _SCALARS:  # the plain types first, by identity: most values are one
+        return _SCALARS[tp](value, path)
     if tp is Any:
         return value
+    origin = get_origin(tp)
     if origin is Literal:
         if value not in get_args(tp):
             _fail(path, f"{value!r} is not one of {get_args(tp)}")
@@ -121,34 +127,6 @@ def _from_plain(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 - one swit
         if nan is not None:
             raise nan
         _fail(path, f"{type(value).__name__} does not fit {tp}")
-    if tp is bool:
-        if not isinstance(value, bool):
-            _fail(path, f"expected bool, got {type(value).__name__}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            _fail(path, f"expected int, got {type(value).__name__}")
-        if not INT_RANGE[0] <= value <= INT_RANGE[1]:
-            _fail(path, "integer out of the 64-bit range")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(path, f"expected number, got {type(value).__name__}")
-        if isinstance(value, int) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
-            _fail(path, "number out of the 64-bit range")  # float() of a larger int may overflow
-        if not math.isfinite(value):
-            _fail(path, "NaN or Inf", "nan")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            _fail(path, f"expected str, got {type(value).__name__}")
-        if len(value) > MAX_STR:
-            _fail(path, f"string longer than {MAX_STR}")
-        return value
-    if tp is bytes:
-        if not isinstance(value, (bytes, bytearray)):
-            _fail(path, f"expected bytes, got {type(value).__name__}")
-        return bytes(value)
     if tp is Tensor:
         if not isinstance(value, dict):
             _fail(path, "expected a tensor map")
@@ -191,6 +169,48 @@ def _from_plain(tp: Any, value: Any, path: str) -> Any:  # noqa: C901 - one swit
     raise TypeError(f"{path}: wire cannot decode type {tp!r}")
 
 
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        _fail(path, f"expected bool, got {type(value).__name__}")
+    return value
+
+
+def _int(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        _fail(path, f"expected int, got {type(value).__name__}")
+    if not INT_RANGE[0] <= value <= INT_RANGE[1]:
+        _fail(path, "integer out of the 64-bit range")
+    return value
+
+
+def _float(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        _fail(path, f"expected number, got {type(value).__name__}")
+    if isinstance(value, int) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
+        _fail(path, "number out of the 64-bit range")  # float() of a larger int may overflow
+    if not math.isfinite(value):
+        _fail(path, "NaN or Inf", "nan")
+    return float(value)
+
+
+def _str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        _fail(path, f"expected str, got {type(value).__name__}")
+    if len(value) > MAX_STR:
+        _fail(path, f"string longer than {MAX_STR}")
+    return value
+
+
+def _bytes(value: Any, path: str) -> bytes:
+    if not isinstance(value, (bytes, bytearray)):
+        _fail(path, f"expected bytes, got {type(value).__name__}")
+    return bytes(value)
+
+
+_SCALARS: dict[Any, Callable[[Any, str], Any]] = {bool: _bool, int: _int, float: _float, str: _str, bytes: _bytes}
+"""The plain field types and their checks."""
+
+
 def _as_list(value: Any, path: str) -> list[Any]:
     if not isinstance(value, (list, tuple)):
         _fail(path, f"expected list, got {type(value).__name__}")
@@ -204,13 +224,12 @@ def _dataclass_from_plain(cls: type[T], value: Any, path: str, *, top: bool = Tr
     validates the parts it is made of) turns its ValueError into a ``field`` WireError."""
     if not isinstance(value, dict):
         _fail(path, f"expected map, got {type(value).__name__}")
-    hints = _hints(cls)
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if f.name in value:
-            kwargs[f.name] = _from_plain(hints[f.name], value[f.name], f"{path}.{f.name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            _fail(path, f"missing field {f.name!r}")
+    for name, tp, required in _fields(cls):
+        if name in value:
+            kwargs[name] = _from_plain(tp, value[name], f"{path}.{name}")
+        elif required:
+            _fail(path, f"missing field {name!r}")
     # unknown keys are ignored: a newer sender may add fields with defaults
     try:
         obj = cls(**kwargs)
