@@ -229,8 +229,8 @@ async def test_wills_a_stopping_broker_sends_do_not_empty_the_plan_when_the_devi
     slow = dataclasses.replace(config, broker=dataclasses.replace(config.broker, backoff_initial_s=1.0))
     async with planner_devices(config) as bus, running(Planner(config)), device("pi-a", slow), \
             device("pi-b", slow):
-        first = await next_plan(bus)
-        assert device_names(first) == ["pi-a", "pi-b"]
+        while device_names(first := await next_plan(bus)) != ["pi-a", "pi-b"]:
+            pass  # pi-b may come a debounce after pi-a on a busy host
         mosquitto_broker.stop()
         mosquitto_broker.start()
         await join(bus, "pi-c")  # a plan is due now: it must not take pi-a and pi-b out
