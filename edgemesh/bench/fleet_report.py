@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from edgemesh.bench.reporting import pyplot, save
+from edgemesh.bench.rounds import ratio
 from edgemesh.common.emulation.dynamics import Timeline
 from edgemesh.common.emulation.scenarios import Scenario
 
@@ -32,10 +33,6 @@ def scenario_events(scenario: Scenario, fleet: list[tuple[str, str]], seed: int,
     return {"totals": {k: round(v, 3) for k, v in totals.items()}, "devices": per_device}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 3) if a and b else None
-
-
 def ratios(policies: dict[str, dict[str, Any]], budget_s: float) -> dict[str, Any]:
     """How much sooner ``adaptive`` reaches the target than each other policy (time ratios); for a policy that
     never reached it, at least ``budget_s`` over adaptive's time (``..._at_least``)."""
@@ -45,9 +42,9 @@ def ratios(policies: dict[str, dict[str, Any]], budget_s: float) -> dict[str, An
         if other == "adaptive":
             continue
         theirs = policies[other].get("time_to_target_s")
-        out[f"{other}_over_adaptive_time_to_target"] = _ratio(theirs, ours)
+        out[f"{other}_over_adaptive_time_to_target"] = ratio(theirs, ours)
         if theirs is None and ours:
-            out[f"{other}_over_adaptive_time_to_target_at_least"] = _ratio(budget_s, ours)
+            out[f"{other}_over_adaptive_time_to_target_at_least"] = ratio(budget_s, ours)
     return out
 
 
@@ -60,7 +57,7 @@ def acceptance(scenario: str, policies: dict[str, dict[str, Any]], budget_s: flo
     def time_ratio(other: str) -> float | None:  # a policy that never reached the target: at least the budget
         if other not in policies or not a["time_to_target_s"]:
             return None
-        return _ratio(policies[other]["time_to_target_s"] or budget_s, a["time_to_target_s"])
+        return ratio(policies[other]["time_to_target_s"] or budget_s, a["time_to_target_s"])
     if scenario == "steady" and "sync" in policies:
         r = time_ratio("sync")
         out["adaptive_within_10pct_of_sync"] = None if r is None else 1 / r <= 1.1
