@@ -182,6 +182,50 @@ async def test_a_publish_the_crashed_broker_never_acked_goes_out_again_on_the_ne
             await until("the hello through the new broker", lambda: [m for _, m in seen.seen] == [hello("pi-1")])
 
 
+async def test_a_connection_lost_while_a_hook_runs_is_seen_and_the_hook_runs_again_on_the_next(
+        tmp_path: Path) -> None:
+    """A device's announce hook waited on a broker that had died: the loss went unseen while the hook ran, and
+    the hook's publish failed after publish_timeout_s, ending the bus and its process."""
+    with BrokerProcess.mosquitto(workdir=tmp_path) as broker:
+        cfg = config(broker)
+        calls: list[int] = []
+        gate = asyncio.Event()  # the first call waits here for good: an answer that never comes
+
+        async def announce() -> None:
+            calls.append(len(calls) + 1)
+            if len(calls) == 1:
+                await gate.wait()
+            await bus.publish(T.hello(f"pi-{len(calls)}"), hello(f"pi-{len(calls)}"), retain=True)
+
+        bus = Bus(cfg.broker, client_id="hooked", metrics=ServiceMetrics("test"))
+        bus.on_connect(announce)
+        async with bus.running(), routed(cfg) as (_, seen):
+            await until("the first hook running", lambda: calls == [1])
+            broker.kill()
+            broker.start()
+            await until("the hook again on the next connection", lambda: bus.connections == 2 and calls == [1, 2])
+            await until("its hello", lambda: [m for _, m in seen.seen] == [hello("pi-2")])
+            assert not gate.is_set()
+
+
+async def test_a_hook_that_fails_is_logged_and_the_bus_goes_on(broker: BrokerProcess,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    async def fails() -> None:
+        raise BusError("could not publish on x within 30.0s")
+
+    cfg = config(broker)
+    bus = Bus(cfg.broker, client_id="failing-hook", metrics=ServiceMetrics("test"))
+    seen = Recorder()
+    bus.route(T.hello_filter(), DeviceHello, seen)
+    bus.on_connect(fails)
+    async with bus.running(), routed(cfg, "sender") as (sender, _):
+        await until("the hook's failure logged", lambda: "fails after connecting failed: could not publish"
+                    in caplog.text)
+        await sender.publish(T.hello("pi-1"), hello("pi-1"))
+        await until("a message routed after it", lambda: [m for _, m in seen.seen] == [hello("pi-1")])
+        assert bus.is_connected
+
+
 async def test_a_chunked_publish_that_finds_no_broker_fails_as_a_single_one_does() -> None:
     """Chunks go out several at once; when none can, the caller sees the one BusError a single publish gives."""
     cfg = BrokerConfig(url=f"mqtt://127.0.0.1:{free_port()}", chunk_bytes=1024, publish_timeout_s=0.2)

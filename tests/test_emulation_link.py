@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiomqtt
 import pytest
 
+from edgemesh.common.emulation import streams
 from edgemesh.common.emulation.link import EmulatedLink, _ChunkQueue
 from edgemesh.common.emulation.shape import LinkClock, LinkShape, outage_schedule
 from edgemesh.local.broker import BrokerProcess, free_port
@@ -348,6 +349,33 @@ async def test_a_peer_s_end_arrives_after_the_bytes_it_sent_before_it(how: str) 
                 writer.write_eof()
             assert await ending == (how, last_words)
             writer.close()
+
+
+async def test_a_reset_a_write_runs_into_still_gives_the_bytes_sent_before_it() -> None:
+    # The relay's end of a connection whose peer sent its last words and reset while the relay was not reading
+    # (a busy loop, or reading paused under back-pressure): the relay's next write fails on the reset. asyncio
+    # would then close the socket unread; the relay must still read the last words, then the reset.
+    last_words = bytes(range(256)) * 80
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = loop.create_future()
+    server = await loop.create_server(
+        lambda: streams.LastWords(asyncio.StreamReader(), lambda r, w: accepted.set_result((r, w))), "127.0.0.1", 0)
+    async with server, asyncio.timeout(WAIT):
+        _, peer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        reader, writer = await accepted
+        writer.transport.pause_reading()
+        peer.write(last_words)
+        await streams.flush(peer)  # in the relay's kernel, unread
+        streams.reset(peer.transport)
+        await peer.wait_closed()
+        while not writer.transport.is_closing():  # the reset reaches the relay's kernel: a write runs into it
+            writer.write(b"x")
+            await asyncio.sleep(0.01)
+        received = bytearray()
+        while data := await streams.read(reader, WRITE_CHUNK):
+            received += data
+        assert (bytes(received), data) == (last_words, None)  # every byte, then the reset
+        writer.close()
 
 
 async def test_an_unreachable_upstream_closes_the_device_side() -> None:

@@ -212,8 +212,12 @@ async def run_faults(cluster: LocalCluster, broker: BrokerProcess, ns: Namespace
     def training(since: float, device: str = "", n: int = 3) -> bool:
         return len(watch.accepted_since(since, device)) >= n
 
-    def alive() -> str | None:
+    def alive() -> str | None:  # a service that exited, or the broker when no step of the test stopped it
+        if not broker.running and not stopping:
+            return f"the broker exited with code {broker.returncode}:\n{broker.log_text()[-2000:]}"
         return cluster.failure()
+
+    stopping = False
 
     start = time.monotonic()
     await until("every worker training", lambda: all(training(start, d) for d in DEVICES) or alive(), PHASE_S)
@@ -260,8 +264,10 @@ async def run_faults(cluster: LocalCluster, broker: BrokerProcess, ns: Namespace
 
     # 4. the broker: SIGTERM then back, SIGKILL then back; training goes on within 10 s each time
     for stop in (broker.stop, broker.kill):
+        stopping = True
         await asyncio.to_thread(stop)
         await asyncio.to_thread(broker.start)
+        stopping = False
         returned = time.monotonic()
         await until("training after the broker's return",
                     lambda returned=returned: training(returned, n=1) or alive(), PHASE_S)

@@ -153,7 +153,8 @@ class Bus:
         return tuple(r.filter for r in self._routes)
 
     def on_connect(self, hook: Callable[[], Awaitable[None]]) -> None:
-        """Await ``hook()`` after every (re)connect, once the subscriptions are in place."""
+        """Await ``hook()`` after every (re)connect, once the subscriptions are in place, while messages are read
+        (a task cancelled if the connection is lost meanwhile). A hook that raises is logged, not fatal."""
         self._hooks.append(hook)
 
     def on_joined(self, hook: chunks.Joined) -> None:
@@ -289,6 +290,7 @@ class Bus:
                 delay = min(delay * 2, self.config.backoff_max_s)
                 continue
             self._client = client
+            hooks: asyncio.Task[None] | None = None
             try:
                 await self._subscribe_now([p for r in self._routes for p in r.filter.patterns])
                 self.connections += 1
@@ -302,8 +304,8 @@ class Bus:
                                    "its envelope: it will refuse every chunk; lower broker.chunk_bytes below %d",
                                    self.client_id, self.config.url, self._taps.max_packet, self.config.chunk_bytes,
                                    self._taps.max_packet - chunks.CHUNK_HEADROOM)
-                for hook in self._hooks:
-                    await hook()
+                hooks = asyncio.create_task(self._after_connect(), name=f"hooks-{self.client_id}")
+                await asyncio.sleep(0)  # the hooks begin before the first message of this connection is routed
                 async for msg in client.messages:  # ends only when the client disconnects
                     arrival = self._taps.arrival(msg.topic.value)
                     payload = msg.payload if isinstance(msg.payload, (bytes, bytearray)) else \
@@ -323,9 +325,23 @@ class Bus:
                 self.metrics.connected.set(0)
                 self._client = None
                 self._answers.lost()  # what waits for the old broker's answer is retried on the next connection
+                if hooks is not None:
+                    await cancel_all([hooks])  # a hook cut short runs again, whole, on the next connection
             if not self._closing:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter
                 delay = min(delay * 2, self.config.backoff_max_s)
+
+    async def _after_connect(self) -> None:
+        """The ``on_connect`` hooks, in order, beside the reading of messages: a connection lost while one waits on
+        the broker is seen at once (and the hook cancelled). A hook that fails is logged; the next connect runs
+        them all again."""
+        for hook in self._hooks:
+            try:
+                await hook()
+            except (BusError, aiomqtt.MqttError) as exc:
+                logger.warning("%s: %s after connecting failed: %s", self.client_id, _name(hook), exc)
+            except Exception:
+                logger.exception("%s: %s after connecting failed", self.client_id, _name(hook))
 
     async def _disconnect(self, client: aiomqtt.Client) -> None:
         """Leave cleanly (a DISCONNECT: the broker does not publish the will)."""
@@ -477,6 +493,10 @@ def forget_protocols() -> None:
     """Forget which brokers this process found speaking MQTT 3.1.1 only (another broker now at the same address:
     the tests start many on reused ports)."""
     _SPEAK_3_1_1.clear()
+
+
+def _name(hook: Callable[..., object]) -> str:
+    return getattr(hook, "__qualname__", repr(hook))
 
 
 def _code_in(exc: aiomqtt.MqttError, codes: tuple[int, ...]) -> bool:

@@ -35,11 +35,10 @@ import collections
 import contextlib
 import logging
 import math
-import socket
-import struct
 from types import TracebackType
 from typing import Self
 
+from edgemesh.common.emulation import streams
 from edgemesh.common.emulation.shape import LinkClock, LinkShape, outage_schedule
 
 logger = logging.getLogger(__name__)
@@ -52,19 +51,6 @@ UPSTREAM_CONNECT_TIMEOUT_S = 10.0
 """Seconds to open the upstream connection of an accepted connection before giving up on it."""
 CLOSE_TIMEOUT_S = 5.0
 """Seconds to wait for the relay tasks of cut or closed connections to finish."""
-_LINGER_RESET = struct.pack("ii", 1, 0)
-"""``SO_LINGER`` on with a zero timeout: closing the socket sends a TCP RST and drops unsent bytes."""
-
-
-def _reset(transport: asyncio.WriteTransport | None) -> None:
-    """Close ``transport`` at once with a TCP RST: its unsent bytes are dropped, no FIN is sent."""
-    if transport is None:
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):  # already closed
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-    transport.abort()
 
 
 class _Direction:
@@ -124,8 +110,8 @@ class _Connection:
 
     def reset(self) -> None:
         """Reset both sockets now, dropping whatever they still had to send."""
-        _reset(self.client)
-        _reset(self.upstream)
+        streams.reset(self.client)
+        streams.reset(self.upstream)
 
 
 class EmulatedLink:
@@ -207,7 +193,8 @@ class EmulatedLink:
         await self._up.wait()
 
     async def __aenter__(self) -> Self:
-        self._server = await asyncio.start_server(self._accept, self.host, 0)
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: streams.LastWords(asyncio.StreamReader(), self._accept), self.host, 0)
         self.host, self.port = self._server.sockets[0].getsockname()[:2]
         if self.shape.disconnects_per_hour > 0:
             self._dropper = asyncio.create_task(self._drop_spontaneously(), name=f"{self.name}:drops")
@@ -322,7 +309,7 @@ class EmulatedLink:
         """A device connected: reset it while down, else start relaying it (called by the server)."""
         if self._closing or self.is_down:
             self.refused += 1
-            _reset(writer.transport)
+            streams.reset(writer.transport)
             logger.debug("%s: connection refused while down", self.name)
             return
         self.connections += 1
@@ -344,7 +331,7 @@ class EmulatedLink:
         try:
             try:
                 async with asyncio.timeout(UPSTREAM_CONNECT_TIMEOUT_S):
-                    upstream_reader, upstream_writer = await asyncio.open_connection(
+                    upstream_reader, upstream_writer = await streams.open_connection(
                         self.upstream_host, self.upstream_port
                     )
             except (OSError, TimeoutError) as exc:
@@ -392,15 +379,7 @@ class EmulatedLink:
         loop = asyncio.get_running_loop()
         while True:
             await queue.wait_room()
-            data: bytes | None
-            try:
-                data = await source.read(CHUNK_SIZE)
-            except OSError:  # StreamReader.read raises a reset ahead of bytes it had read: they go first
-                buffered: bytearray = getattr(source, "_buffer", bytearray())
-                if ahead := bytes(buffered):
-                    buffered.clear()
-                    await queue.put(direction.clock.deliver_at(len(ahead), loop.time()), ahead)
-                data = None
+            data = await streams.read(source, CHUNK_SIZE)
             await queue.put(direction.clock.deliver_at(len(data or b""), loop.time()), data)
             if not data:
                 return
@@ -417,7 +396,8 @@ class EmulatedLink:
             if (stalled := direction.clock.stalled_until - loop.time()) > 0:
                 await asyncio.sleep(stalled)  # a stall that began after the chunk was timed holds it too
             if data is None:
-                _reset(sink.transport)
+                await streams.flush(sink)
+                streams.reset(sink.transport)
                 return "reset"
             try:
                 if not data:
