@@ -12,7 +12,7 @@ import pytest
 
 from edgemesh.common.errors import CheckpointError, WireError
 from edgemesh.services.parameter_server import store
-from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
+from edgemesh.services.parameter_server.optimizer import MAX_RUNS, ModelState, ShardGrad
 
 # --------------------------------------------------------------------------- optimizer
 
@@ -120,6 +120,25 @@ def test_a_slice_step_touches_only_its_rows() -> None:
     assert np.array_equal(state.params["w"][[0, 3]], params["w"][[0, 3]])
     assert np.array_equal(state.momentum["w"][[0, 3]], np.zeros((2, 3)))
     assert np.array_equal(state.params["b"], params["b"]) and not state.momentum["b"].any()
+
+
+@pytest.mark.parametrize("every", [40, 2])  # a few runs of rows (stepped as slices), or scattered ones (gathered)
+def test_a_step_on_some_rows_is_the_step_on_those_rows_alone(every: int) -> None:
+    rows = 200
+    rng = np.random.default_rng(every)
+    params = {"w": rng.standard_normal((rows, 3)).astype(np.float32)}
+    state = ModelState({k: v.copy() for k, v in params.items()})
+    starts = range(0, rows, every)
+    assert (len(starts) > MAX_RUNS) == (every == 2)
+    grads = [ShardGrad("w", a, a + 1, rng.standard_normal((1, 3)).astype(np.float32)) for a in starts]
+    buf = np.zeros((rows, 3), dtype=np.float32)
+    for _ in range(2):  # momentum carries over
+        state.step([(1.0, grads)], lr=0.1, momentum=0.9, weight_decay=0.01)
+        for g in grads:  # the same arithmetic, row by row
+            row = slice(g.start, g.stop)
+            buf[row] = np.float32(0.9) * buf[row] + (g.values + np.float32(0.01) * params["w"][row])
+            params["w"][row] -= np.float32(0.1) * buf[row]
+    assert np.array_equal(state.params["w"], params["w"]) and np.array_equal(state.momentum["w"], buf)
 
 
 def test_model_parallel_slices_of_one_step_equal_the_whole_tensor_step() -> None:

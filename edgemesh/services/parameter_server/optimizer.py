@@ -16,6 +16,10 @@ from edgemesh.common.codecs import get_codec
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import ShardUpdate
 
+MAX_RUNS = 64
+"""Most runs of rows a parameter's step takes as slices, in place; more (rows scattered by a sparse codec) are
+gathered, stepped and scattered back at once."""
+
 
 @dataclass(frozen=True, slots=True)
 class ShardGrad:
@@ -126,13 +130,18 @@ class ModelState:
                             acc[g.param] = (g.values * w).reshape(target.shape)
                         rows[g.param] = np.ones(target.shape[0], dtype=bool)
                         continue
-                    acc[g.param] = np.zeros_like(target)
+                    acc[g.param] = np.empty_like(target)  # rows are written before they are read
                     rows[g.param] = np.zeros(target.shape[0], dtype=bool)
                 if g.param in borrowed:
                     acc[g.param] = acc[g.param].copy()
                     borrowed.discard(g.param)
-                acc[g.param][g.start:g.stop] += g.values * w
-                rows[g.param][g.start:g.stop] = True
+                into, covered = acc[g.param][g.start:g.stop], rows[g.param][g.start:g.stop]
+                if not covered.any():  # first rows here: the product is the sum so far
+                    np.multiply(g.values.reshape(into.shape), w, out=into)
+                else:
+                    into[~covered] = 0
+                    into += g.values * w
+                covered[:] = True
         return Summed(acc, rows)
 
     def apply(self, summed: Summed, *, lr: float, momentum: float, weight_decay: float = 0.0) -> None:
@@ -141,11 +150,17 @@ class ModelState:
         lr32, mom32, wd32 = np.float32(lr), np.float32(momentum), np.float32(weight_decay)
         for param, grad in summed.acc.items():
             touched = summed.rows[param]
+            scratch = self._scratch.get(param)
+            if scratch is None:
+                scratch = self._scratch[param] = np.empty_like(self.params[param])
             if touched.all():
-                scratch = self._scratch.get(param)
-                if scratch is None:
-                    scratch = self._scratch[param] = np.empty_like(self.params[param])
                 self._update(self.params[param], self.momentum[param], grad, lr32, mom32, wd32, scratch)
+                continue
+            runs = _runs(touched)
+            if len(runs) <= MAX_RUNS:  # runs of rows are views: stepped in place, nothing gathered or scattered
+                p, buf = self.params[param], self.momentum[param]
+                for a, b in runs:
+                    self._update(p[a:b], buf[a:b], grad[a:b], lr32, mom32, wd32, scratch[a:b])
                 continue
             p, buf = self.params[param][touched], self.momentum[param][touched]
             self._update(p, buf, grad[touched], lr32, mom32, wd32, np.empty_like(p))
