@@ -16,13 +16,13 @@ pytestmark = pytest.mark.timeout(400)
 
 
 def test_bench_transport_sets_the_parameter_servers_ingest_beside_the_broker_alone(tmp_path: Path) -> None:
-    """Two short trials each: the broker alone (answered and streamed) and a real PS acking every replayed
+    """Two short rounds of trials: the broker alone (answered and streamed) and a real PS acking every replayed
     gradient it applied, as one process and as two shards; the ratio is the PS's MB/s over the broker's at the
     same payload and number in flight."""
     report = tmp_path / "transport.json"
     result = subprocess.run(
         [sys.executable, "-m", "edgemesh", "bench", "transport", "--report", str(report), "--payloads", "300KB",
-         "--in-flight", "1,2", "--seconds", "1.5"],
+         "--in-flight", "1,2", "--seconds", "1", "--rounds", "2"],
         capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(report.read_text())
@@ -45,6 +45,13 @@ def test_bench_transport_sets_the_parameter_servers_ingest_beside_the_broker_alo
         assert ps["messages"] > 0
         assert sharded["speedup_vs_1"][key] == pytest.approx(ps["mb_per_s"] / data["ps"][key]["mb_per_s"], abs=1e-3)
         assert sharded["ps_parts"][key]["wal_bytes_per_update"] >= 300_000
+    # each side twice, first and last in turn; what the report says of a side pools its rounds
+    assert data["rounds_per_key"] == 2
+    for key, rounds in data["rounds"].items():
+        assert [r["first"] for r in rounds] == ["raw", "ps/2"]
+        assert all(r[side] > 0 for r in rounds for side in ("raw", "stream", "ps/1", "ps/2"))
+        for side, entry in (("raw", data["raw"][key]), ("ps/1", data["ps"][key]), ("ps/2", sharded["ps"][key])):
+            assert min(r[side] for r in rounds) - 0.1 <= entry["mb_per_s"] <= max(r[side] for r in rounds) + 0.1
     assert report.with_suffix(".png").stat().st_size > 1000
 
 

@@ -14,6 +14,7 @@ import pytest
 from helpers import gradient, inbox, make_config, plan_for, running, until
 
 from edgemesh.common import models
+from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.messages import GradientUpdate, ShardSteps, StepDiscard, StepPart, StepRecord, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
@@ -25,7 +26,7 @@ from edgemesh.services.parameter_server.ledger import read_ledger
 from edgemesh.services.parameter_server.robust import Aggregation, Combined
 from edgemesh.services.parameter_server.scheduler import Ack, Candidate, Clock, Decision, Fleet, Step
 from edgemesh.services.parameter_server.service import ParameterServer
-from edgemesh.services.parameter_server.shard_steps import KEPT_STEPS, Follower, Leader
+from edgemesh.services.parameter_server.shard_steps import KEPT_STEPS, WHOLE_EVERY_S, Follower, Leader
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.service import Worker
 
@@ -141,6 +142,44 @@ def test_a_follower_too_far_behind_jumps_to_the_oldest_step_it_can_still_take() 
     f.follow(steps((5, [("a", 1, 1.0)])))
     got = take(f, [candidate("a", 1)], 0)
     assert [s.version for s in got.steps] == [5] and counted(f, "shard_versions_skipped") == 4
+
+
+def test_news_add_to_the_steps_and_a_gap_in_them_waits_for_shard_0s_whole_message() -> None:
+    f = follower("news")
+    f.follow(steps((1, [("a", 1, 1.0)])))  # the retained whole: shard 0 keeps from version 1
+    f.follow(replace(steps((2, [("b", 1, 1.0)])), whole=False))
+    assert [s.version for s in take(f, [candidate("a", 1), candidate("b", 1)], 0).steps] == [1, 2]
+    # this shard was away while 3 and 4 went out: news of 5 alone is held, not jumped to
+    f.follow(replace(steps((5, [("a", 4, 1.0)])), whole=False))
+    assert take(f, [candidate("a", 2, 2), candidate("a", 3, 3), candidate("a", 4, 4)], 1).steps == []
+    assert counted(f, "shard_versions_skipped") == 0
+    f.follow(steps(*((v, [("a", v - 1, 1.0)]) for v in range(1, 6))))  # the next whole fills the gap
+    assert [s.version for s in take(f, [], 1).steps] == [3, 4, 5] and f.pending() == []
+
+
+async def test_shard_0_sends_news_and_the_whole_retained_within_whole_every_s(
+        mosquitto_broker: BrokerProcess) -> None:
+    cfg = make_config(mosquitto_broker, job=f"news-{uuid.uuid4().hex[:6]}")
+    topics = Topics(cfg.job)
+    woken: list[int] = []
+    leader = Leader(topics, lambda: woken.append(1), 2, WAIT_S, ServiceMetrics("lead-news"))
+    bus = Bus(cfg.broker, client_id=f"shard-0-{uuid.uuid4().hex[:6]}", metrics=ServiceMetrics("lead-bus"))
+    leader.attach(bus)
+    async with bus.running(), inbox(cfg, (topics.steps_filter(), ShardSteps), name="follower") as box:
+        await until("the connect owing the whole", lambda: leader.owed and leader.whole_owed)
+        leader.publish(0, "async")
+        assert (await box.next(ShardSteps)) == ShardSteps(version=0, policy="async")  # whole, nothing kept yet
+        for v in (1, 2):
+            leader.stepped([Step((candidate("a", v),), v, (1.0,))])
+            leader.publish(v, "async")
+            news = await box.next(ShardSteps)
+            assert (news.whole, [r.version for r in news.steps]) == (False, [v])  # the new step alone
+        await until("the whole due", lambda: bool(woken) and leader.whole_owed, timeout_s=WHOLE_EVERY_S + WAIT_S)
+        leader.publish(2, "async")
+        whole = await box.next(ShardSteps)
+        assert (whole.whole, [r.version for r in whole.steps]) == (True, [1, 2])
+        async with inbox(cfg, (topics.steps_filter(), ShardSteps), name="restarted") as later:
+            assert (await later.next(ShardSteps)) == whole  # what a shard that (re)subscribes gets
 
 
 def test_shard_0_keeps_its_latest_steps_through_a_checkpoint_and_its_log() -> None:

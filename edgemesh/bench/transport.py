@@ -23,7 +23,9 @@ gradient, 2.48 MB for ``cifar-cnn``) and each number of messages in flight (``--
   (``edgemesh ps --shard i/n``); each device sends every shard its rows of the replayed gradient (an equal
   part of the payload from each shard's rows) and waits for every shard's ack.
 
-Per trial: MB/s of payload acked (stream: received), messages/s, and publish-to-ack p50/p99 (ms).
+Each side runs ``--rounds`` times (3) at each payload and number in flight, in the order above and then in the
+reverse one, in turn; its figures pool its rounds (``trials.Pooled``), and ``rounds`` keeps each round's MB/s.
+Per side: MB/s of payload acked (stream: received), messages/s, and publish-to-ack p50/p99 (ms).
 ``ps_ingest_ratio`` is the parameter server's MB/s over raw's at the same payload and number in flight, for
 each pair, and ``ps_ingest_ratio_vs_stream`` the same over stream's; the PS's CPU seconds per update and its
 step, decode and log figures from its metrics are its parts. ``cpu_cores`` says, per trial, how many of the
@@ -38,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
@@ -56,6 +57,7 @@ import numpy as np
 from edgemesh import cli
 from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import names
+from edgemesh.bench.trials import MB, Pooled, Trial, cpu_now
 from edgemesh.common import models, paho_decode
 from edgemesh.common.bus import Bus
 from edgemesh.common.chunks import CHUNK_HEADROOM
@@ -66,7 +68,7 @@ from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.shards import divide
 from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
-from edgemesh.local.processes import LocalCluster, cpu_seconds
+from edgemesh.local.processes import LocalCluster
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ DEFAULT_PAYLOADS = ("1MB", "model")
 DEFAULT_IN_FLIGHT = (1, 8)
 DEFAULT_SHARDS = (1, 2)
 DEFAULT_SECONDS = 10.0
-MB = 1_000_000
+DEFAULT_ROUNDS = 3
 MAX_PACKET_BYTES = 16 * 1024 * 1024 + CHUNK_HEADROOM
 """The broker's ``max_packet_size``: raw's model-sized packets pass, and the services' chunks grow to 16 MiB."""
 ACK_TIMEOUT_S = 30.0
@@ -87,42 +89,6 @@ GRADIENT_SCALE = 1e-4
 """Size of the replayed gradient's values: the model moves, and stays finite, for a whole run."""
 JOB = "transport"
 RAW_TOPIC = "bench/raw"
-
-
-@dataclasses.dataclass(slots=True)
-class Trial:
-    """What one trial measured."""
-
-    messages: int = 0
-    payload_bytes: int = 0
-    seconds: float = 0.0
-    latencies: list[float] = dataclasses.field(default_factory=list)
-
-    def summary(self) -> dict[str, Any]:
-        lat = sorted(self.latencies)
-        def pct(q: float) -> float | None:
-            return round(lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3, 2) if lat else None
-        return {"messages": self.messages, "seconds": round(self.seconds, 3),
-                "mb_per_s": round(self.payload_bytes / MB / self.seconds, 1) if self.seconds else None,
-                "messages_per_s": round(self.messages / self.seconds, 1) if self.seconds else None,
-                "p50_ms": pct(0.5), "p99_ms": pct(0.99)}
-
-
-def cpu_now(broker_pid: int | None, ps_pids: list[int]) -> dict[str, float]:
-    """CPU seconds so far: the host's busy time (all cores), the broker's, this process's (the devices) and the
-    parameter server's processes'."""
-    import psutil
-
-    host = psutil.cpu_times()
-    me = psutil.Process().cpu_times()
-    return {"host": host.user + host.nice + host.system + getattr(host, "irq", 0.0) + getattr(host, "softirq", 0.0),
-            "broker": cpu_seconds(broker_pid), "devices": me.user + me.system,
-            "ps": sum(cpu_seconds(pid) for pid in ps_pids)}
-
-
-def cores(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
-    """Cores busy on average between two ``cpu_now`` readings ``seconds`` apart."""
-    return {k: round((after[k] - before[k]) / seconds, 2) for k in before if seconds > 0 and (k != "ps" or after[k])}
 
 
 def payload_bytes(spec: str, gradient_bytes: int) -> int:
@@ -302,45 +268,26 @@ async def _ps_trial(cfg: Config, parts: list[tuple[ShardUpdate, ...]], n: int, s
     return trial
 
 
-def _measure(into: dict[str, Any], key: str, cfg: Config, cluster: LocalCluster,
-             parts: list[tuple[ShardUpdate, ...]], n: int, seconds: float, broker_pid: int | None) -> None:
-    """One parameter server trial (every shard of it), its figures under ``key`` of ``into``."""
+def _measure(pool: Pooled, cfg: Config, cluster: LocalCluster, parts: list[tuple[ShardUpdate, ...]], n: int,
+             seconds: float, broker_pid: int | None) -> Trial:
+    """One parameter server trial (every shard of it), pooled into ``pool``."""
     cluster.scrape_all()
     before = [dict(c.samples) for c in cluster.children]
     pids = [c.proc.pid for c in cluster.children]
     busy = cpu_now(broker_pid, pids)
     trial = asyncio.run(_ps_trial(cfg, parts, n, seconds, uuid.uuid4().hex[:4]))
     after = cpu_now(broker_pid, pids)
-    cpu = after["ps"] - busy["ps"]
     cluster.scrape_all()
-    into["ps"][key] = trial.summary()
-    into.setdefault("cpu_cores", {}).setdefault("ps", {})[key] = cores(busy, after, trial.seconds)
-    into["ps_cpu_s_per_update"][key] = round(cpu / trial.messages, 4) if trial.messages else None
-    merged_before: dict[Any, float] = {}
-    merged_after: dict[Any, float] = {}
+    moved: dict[Any, float] = {}
     for child, was in zip(cluster.children, before, strict=True):
-        for k, v in was.items():
-            merged_before[k] = merged_before.get(k, 0.0) + v
         for k, v in child.samples.items():
-            merged_after[k] = merged_after.get(k, 0.0) + v
-    into["ps_parts"][key] = _ps_figures(merged_before, merged_after, trial.messages)
-
-
-def _ps_figures(before: dict[Any, float], after: dict[Any, float], updates: int) -> dict[str, Any]:
-    """Per accepted update, what the PS's metrics say its time went to (seconds, from histogram sums)."""
-    def delta(name: str) -> float:
-        return sum(v for (n, _), v in after.items() if n == name) - sum(v for (n, _), v in before.items() if n == name)
-    out: dict[str, Any] = {}
-    if updates:
-        out["step_ms_per_update"] = round(delta("edgemesh_ps_step_seconds_sum") / updates * 1e3, 3)
-        out["handler_ms_per_update"] = round(delta("edgemesh_ps_handler_seconds_sum") / updates * 1e3, 3)
-        out["wal_bytes_per_update"] = round(delta("edgemesh_ps_wal_bytes_total") / updates)
-    return out
+            moved[k] = moved.get(k, 0.0) + v - was.get(k, 0.0)
+    return pool.add(trial, busy, after, moved)
 
 
 def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], seconds: float, overrides: dict[str, str],
               progress: Callable[[str], None], keep_logs: bool = False,
-              shard_counts: list[int] | None = None) -> dict[str, Any]:
+              shard_counts: list[int] | None = None, rounds: int = DEFAULT_ROUNDS) -> dict[str, Any]:
     whole = gradient_bytes()
     sizes = {spec: payload_bytes(spec, whole) for spec in payloads}
     paho_decode.install()  # raw's subscriber decodes as EdgeMesh's bus does, from the first trial on
@@ -352,7 +299,7 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
                               "payloads": sizes, "in_flight": in_flight, "replayed_gradients": True,
                               "raw": {}, "stream": {}, "ps": {}, "ps_cpu_s_per_update": {}, "ps_parts": {},
                               "sharded": {}, "cpu_cores": {"raw": {}, "stream": {}, "ps": {}},
-                              "host_cores": os.cpu_count()}
+                              "host_cores": os.cpu_count(), "rounds_per_key": rounds, "rounds": {}}
     counts = sorted({1, *(shard_counts or DEFAULT_SHARDS)})
     failure = None
     try:
@@ -372,18 +319,38 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
         result["ps_settings"] = {"ps.eval_every": ps.eval_every, "ps.fsync": ps.fsync,
                                  "ps.checkpoint_every": ps.checkpoint_every}
         try:
-            # each pair back to back (broker alone, streamed, then the PS): a busy host moves all alike
+            # the sides back to back (broker alone, streamed, the PS in each shard count), then again in the other
+            # order, ``rounds`` times: a host growing busier or quieter weighs on every side alike
+            sides = ["raw", "stream", *(f"ps/{count}" for count in servers)]
             for spec, size in sizes.items():
+                gradients = {count: recorded_gradient(size, count) for count in servers}
                 for n in in_flight:
                     key = f"{spec}/{n}"
-                    for kind in ("raw", "stream"):
-                        before = cpu_now(broker.pid, [])
-                        trial = asyncio.run(_raw(host, port, size, n, seconds, stream=kind == "stream"))
-                        result[kind][key] = trial.summary()
-                        result["cpu_cores"][kind][key] = cores(before, cpu_now(broker.pid, []), trial.seconds)
-                    for count, (cfg, cluster) in servers.items():
-                        into = result if count == 1 else result["sharded"][str(count)]
-                        _measure(into, key, cfg, cluster, recorded_gradient(size, count), n, seconds, broker.pid)
+                    pooled = {side: Pooled() for side in sides}
+                    result["rounds"][key] = []
+                    for r in range(rounds):
+                        order = sides if r % 2 == 0 else sides[::-1]
+                        got: dict[str, Any] = {"first": order[0]}
+                        for side in order:
+                            if side in ("raw", "stream"):
+                                before = cpu_now(broker.pid, [])
+                                trial = asyncio.run(_raw(host, port, size, n, seconds, stream=side == "stream"))
+                                pooled[side].add(trial, before, cpu_now(broker.pid, []))
+                            else:
+                                count = int(side.split("/")[1])
+                                cfg, cluster = servers[count]
+                                trial = _measure(pooled[side], cfg, cluster, gradients[count], n, seconds, broker.pid)
+                            got[side] = trial.summary()["mb_per_s"]
+                        result["rounds"][key].append(got)
+                    for side in ("raw", "stream"):
+                        result[side][key] = pooled[side].trial.summary()
+                        result["cpu_cores"][side][key] = pooled[side].cores()
+                    for count in servers:
+                        into, pool = (result if count == 1 else result["sharded"][str(count)]), pooled[f"ps/{count}"]
+                        into["ps"][key] = pool.trial.summary()
+                        into.setdefault("cpu_cores", {}).setdefault("ps", {})[key] = pool.cores()
+                        into["ps_cpu_s_per_update"][key] = pool.cpu_per_message()
+                        into["ps_parts"][key] = pool.per_update()
                     raw, ours = result["raw"][key], result["ps"][key]
                     shown = ", ".join(f"{c} shards {e['ps'][key]['mb_per_s']} MB/s"
                                       for c, e in result["sharded"].items())
@@ -437,6 +404,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-flight", default=",".join(map(str, DEFAULT_IN_FLIGHT)),
                         help="messages in flight (devices each waiting for its answer), comma-separated")
     parser.add_argument("--seconds", type=float, default=DEFAULT_SECONDS, help="length of each trial")
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                        help="times each side runs at each payload and number in flight, first and last in turn; "
+                             "the report pools them")
     parser.add_argument("--shards", default=",".join(map(str, DEFAULT_SHARDS)),
                         help="parameter server shard counts to measure, comma-separated (1 always)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -459,13 +429,15 @@ def main(args: argparse.Namespace) -> int:
         print("edgemesh bench transport: --in-flight takes whole numbers, --payloads sizes such as 1MB or model",
               file=sys.stderr)
         return 2
-    if not in_flight or min(in_flight) < 1 or args.seconds <= 0 or not payloads or min(shard_counts, default=1) < 1:
-        print("edgemesh bench transport: --in-flight >= 1, --shards >= 1, --seconds > 0, at least one payload",
-              file=sys.stderr)
+    if not in_flight or min(in_flight) < 1 or args.seconds <= 0 or not payloads or min(shard_counts, default=1) < 1 \
+            or args.rounds < 1:
+        print("edgemesh bench transport: --in-flight >= 1, --shards >= 1, --seconds > 0, --rounds >= 1, at least one "
+              "payload", file=sys.stderr)
         return 2
     try:
         result = run_bench(Path(args.report), payloads=payloads, in_flight=in_flight, seconds=args.seconds,
                            overrides=cli.overrides(args), keep_logs=args.keep_logs, shard_counts=shard_counts,
+                           rounds=args.rounds,
                            progress=lambda line: print(line, file=sys.stderr, flush=True))
     except EdgeMeshError as exc:
         print(f"edgemesh bench transport: {exc}", file=sys.stderr)

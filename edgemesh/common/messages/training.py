@@ -246,15 +246,17 @@ class StepRecord:
 @message("shard_steps")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ShardSteps:
-    """What shard 0 of a sharded parameter server decided, retained on ``shard/0/steps``: its latest steps
-    (oldest first) and the updates it discarded since the last such message. The other shards apply exactly
-    these steps, with these weights, and answer these discards."""
+    """What shard 0 of a sharded parameter server decided, on ``shard/0/steps``: the steps (oldest first) and the
+    discards new since its last message, or (``whole``, retained) every step and discard it keeps. The other
+    shards apply exactly these steps, with these weights, and answer these discards."""
 
     version: int
     """Shard 0's version when this went out."""
     policy: SyncPolicy
     steps: tuple[StepRecord, ...] = ()
     discards: tuple[StepDiscard, ...] = ()
+    whole: bool = True
+    """True: every step and discard shard 0 keeps (retained); False: news, what is new since its last message."""
 
     def validate(self) -> None:
         nonneg("version", self.version)

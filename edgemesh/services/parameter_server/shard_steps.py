@@ -4,22 +4,27 @@ exact when the model's rows are split among processes (docs/scale.md#a-sharded-p
 Were each shard to run the policy on its own, the same updates reaching two shards in another order would be
 judged differently: under ``async`` and ``ssp`` one shard would apply A then B and the other B then A, with other
 delays, weights and verdicts; under ``adaptive`` a round's deadline would close on other updates at each shard.
-So shard 0 (the :class:`Leader`) runs the policy, and once a step is in its log it publishes, retained on
-``shard/0/steps`` (:class:`ShardSteps`), its latest steps (the version each made, the updates it took and their
-weights) and its latest discards. Every other shard (:class:`Follower`, its scheduler whatever the policy) holds
-the updates it receives until a step of shard 0 names them, then takes that step with those weights, making the
-same version, and answers shard 0's discards as shard 0 did. Under ``sync`` this changes nothing but when a
+So shard 0 (the :class:`Leader`) runs the policy, and once a step is in its log it publishes on ``shard/0/steps``
+(:class:`ShardSteps`) what is new: the steps (the version each made, the updates it took and their weights) and
+the discards since its last message. At most :data:`WHOLE_EVERY_S` after news, and whenever it (re)connects or a
+message failed, it publishes the whole of what it keeps instead, retained: its latest steps and discards (news
+cost only what is new to encode and decode; the whole, 64 steps, cost 3 ms at every step). Every other shard
+(:class:`Follower`, its scheduler whatever the policy) holds the updates it receives until a step of shard 0
+names them, then takes that step with those weights, making the same version, and answers shard 0's discards as
+shard 0 did. Under ``sync`` this changes nothing but when a
 shard's acks go (after shard 0's step); under the others it is what makes the model one model.
 
-* A follower that restarts finds the retained message and takes the steps past what its own log recovered.
+* A follower that restarts (or reconnects) finds the retained message and takes the steps past what its own log
+  recovered. News that leave a gap behind what it has (sent while it was away, after the retained message) are
+  held until the next whole message fills it, within :data:`WHOLE_EVERY_S`.
   Shard 0 keeps its latest steps in its checkpoint (and its log has those since), and publishes them again
   when it starts: a step logged just before a crash is not lost to the others with the message it never sent.
 * A step naming an update the follower never got (its sender died between one shard's publish and the next's)
   waits ``ps.shard_wait_s``, then is taken without it; so is a step naming an update the follower refused (its
   rows were malformed or not finite here). Either part is counted (``shard_parts_missed``); the update, arriving
   later, is answered as shard 0 answered it and not applied.
-* A follower further behind than the retained steps reach takes the oldest it can, its version jumping over
-  the ones it cannot have (counted: ``shard_versions_skipped``, and logged).
+* A follower further behind than the whole message's steps reach takes the oldest it can, its version jumping
+  over the ones it cannot have (counted: ``shard_versions_skipped``, and logged).
 * Under ``clip`` every other shard tells shard 0 its part of each update's squared norm (:class:`ShardNorms` on
   ``shard/{i}/norms``, ``Follower.measured``); shard 0 waits for them (``Leader.elsewhere``), clips by the norm
   of the whole update, and its step records carry each weight times its clip factor, which the others sum with.
@@ -77,6 +82,9 @@ logger = logging.getLogger(__name__)
 
 KEPT_STEPS = 64
 """Steps the retained message holds: a follower that many versions behind still catches up exactly."""
+WHOLE_EVERY_S = 0.5
+"""Longest time shard 0's retained message (the whole of its kept steps) lags its news: a follower that
+reconnected, or started, waits at most this long for the steps sent while it was away."""
 KEPT_PARTS = 2048
 """Most updates those steps name in all (64 clusters' rounds would otherwise make every message 250 kB)."""
 KEPT_DISCARDS = 256
@@ -115,7 +123,12 @@ class Leader:
         self.discards: OrderedDict[Key, StepDiscard] = OrderedDict()
         self.owed = False
         """A discard or step not yet published."""
+        self.whole_owed = True
+        """The next message is the whole of what is kept, retained (the first, after a connect, news lost)."""
         self.bus: Bus | None = None
+        self._news: list[StepRecord] = []
+        self._news_discards: list[StepDiscard] = []
+        self._whole_timer: asyncio.TimerHandle | None = None
         self._sending: set[asyncio.Task[int]] = set()
 
     def attach(self, bus: Bus) -> None:
@@ -124,7 +137,7 @@ class Leader:
         self.bus = bus
 
         async def connected() -> None:
-            self.owed = True
+            self.owed = self.whole_owed = True
 
         async def measured(message: ShardNorms, match: TopicMatch) -> None:
             if not 0 < match.shard < self.shards or message.shard != match.shard:
@@ -206,6 +219,7 @@ class Leader:
 
     def _keep(self, records: Sequence[StepRecord]) -> None:
         self.steps.extend(records)
+        self._news.extend(records)
         while len(self.steps) > KEPT_STEPS or (len(self.steps) > 1 and
                                                 sum(len(s.parts) for s in self.steps) > KEPT_PARTS):
             self.steps.popleft()
@@ -221,26 +235,44 @@ class Leader:
         self.discards.move_to_end(key_of(u))
         while len(self.discards) > KEPT_DISCARDS:
             self.discards.popitem(last=False)
+        self._news_discards.append(self.discards[key_of(u)])
         self.owed = True
         self.wake()
 
     def publish(self, version: int, policy: SyncPolicy) -> None:
-        """Send the steps kept and the discards, retained, if anything is new; in order behind the previous send
-        (one connection keeps it), without waiting here for the broker."""
+        """Send what is new since the last message, or the whole of what is kept (retained) when that is owed; in
+        order behind the previous send (one connection keeps it), without waiting here for the broker."""
         if not self.owed or self.bus is None:
             return
         self.owed = False
-        message = ShardSteps(version=version, policy=policy, steps=tuple(self.steps),
-                             discards=tuple(self.discards.values()))
-        task = asyncio.create_task(self.bus.publish(self.topics.steps(), message, retain=True, kind="steps"))
+        whole = self.whole_owed
+        if whole:
+            message = ShardSteps(version=version, policy=policy, steps=tuple(self.steps),
+                                 discards=tuple(self.discards.values()))
+            self.whole_owed = False
+            if self._whole_timer is not None:
+                self._whole_timer.cancel()
+                self._whole_timer = None
+        else:  # the retained message follows within WHOLE_EVERY_S, for a shard that (re)subscribes meanwhile
+            message = ShardSteps(version=version, policy=policy, steps=tuple(self._news),
+                                 discards=tuple(self._news_discards), whole=False)
+            if self._whole_timer is None:
+                self._whole_timer = asyncio.get_running_loop().call_later(WHOLE_EVERY_S, self._whole_due)
+        self._news, self._news_discards = [], []
+        task = asyncio.create_task(self.bus.publish(self.topics.steps(), message, retain=whole, kind="steps"))
         self._sending.add(task)
         task.add_done_callback(self._sent)
+
+    def _whole_due(self) -> None:
+        self._whole_timer = None
+        self.owed = self.whole_owed = True
+        self.wake()
 
     def _sent(self, task: asyncio.Task[int]) -> None:
         self._sending.discard(task)
         if not task.cancelled() and (exc := task.exception()) is not None:
             logger.warning("shard 0's steps not published: %s", exc)
-            self.owed = True  # the next step or discard sends them all again
+            self.owed = self.whole_owed = True  # the next step or discard sends everything kept
 
 
 class Follower(Scheduler):
@@ -254,6 +286,8 @@ class Follower(Scheduler):
         self.held: dict[Key, Candidate] = {}
         self.records: dict[int, StepRecord] = {}
         """Shard 0's steps past this shard's version, by version."""
+        self.kept_from: int | None = None
+        """The oldest version shard 0 still keeps, from its last whole message (None: none yet)."""
         self.settled: OrderedDict[Key, Ack] = OrderedDict()
         """Updates shard 0 discarded, or that this shard missed or refused: how a late or resent one is answered."""
         self.refused: OrderedDict[Key, None] = OrderedDict()
@@ -284,11 +318,15 @@ class Follower(Scheduler):
         bus.route(topics.steps_filter(), ShardSteps, steps)
 
     def follow(self, message: ShardSteps) -> None:
-        """Shard 0's latest steps and discards."""
+        """Shard 0's news, or the whole of its latest steps and discards."""
         self.resync = SCHEDULERS[message.policy].resyncs
-        # each message holds every step shard 0 keeps: it replaces the last (a retained one of an earlier run
-        # of the job, say, whose steps this run's shard 0 does not have)
-        self.records = {r.version: r for r in message.steps if r.version > self.clock.version}
+        steps = {r.version: r for r in message.steps if r.version > self.clock.version}
+        if message.whole:  # every step shard 0 keeps: it replaces what came before (a retained message of an
+            # earlier run of the job, say, whose steps this run's shard 0 does not have)
+            self.records = steps
+            self.kept_from = message.steps[0].version if message.steps else message.version + 1
+        else:
+            self.records.update(steps)
         for d in message.discards:
             key = _key(d)
             if key in self.settled:
@@ -391,6 +429,8 @@ class Follower(Scheduler):
         if not self.records:
             return None
         version = min(self.records)
+        if version > at + 1 and (self.kept_from is None or self.kept_from <= at + 1):
+            return None  # the steps between were sent while this shard was away: the next whole message has them
         if version > at + 1:
             logger.error("versions %d to %d of shard 0 are not in its retained steps any more: this shard's rows "
                          "go without them", at + 1, version - 1)
