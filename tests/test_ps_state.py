@@ -252,13 +252,33 @@ def test_wal_append_and_read(tmp_path: Path) -> None:
     wal = store.WriteAheadLog(tmp_path, fsync=True)
     try:
         assert wal.append([]) == 0
-        empty = (tmp_path / store.WAL_NAME).stat().st_size
+        empty = wal.end
         written = wal.append(_records(3))
-        assert written == (tmp_path / store.WAL_NAME).stat().st_size - empty
+        assert written == wal.end - empty
         wal.append(_records(2, start=3))
     finally:
         wal.close()
     assert store.read_wal(tmp_path) == _records(5)
+
+
+def test_a_syncing_log_is_written_ahead_with_zeros_that_no_read_takes_for_records(tmp_path: Path) -> None:
+    """Records go where the file is already written (cheap to sync); the zeros past them end every read, and a
+    reopened log appends after its last record, not after the zeros."""
+    wal = store.WriteAheadLog(tmp_path, fsync=True)
+    wal.append(_records(3))
+    end = wal.end
+    wal.close()
+    path = tmp_path / store.WAL_NAME
+    assert path.stat().st_size >= end + store.AHEAD_MIN_BYTES // 2
+    assert path.read_bytes()[end:] == bytes(path.stat().st_size - end)
+    assert store.read_wal(tmp_path) == _records(3)
+    wal = store.WriteAheadLog(tmp_path, fsync=True)
+    assert wal.end == end
+    big = [{"version": 9, "grad": bytes(range(256)) * 8_000}]  # past the zeros: more are written first
+    wal.append(big)
+    wal.close()
+    assert store.read_wal(tmp_path) == [*_records(3), *big]
+    assert path.stat().st_size >= end + len(big[0]["grad"]) * store.AHEAD_RECORDS
 
 
 def test_wal_of_a_fresh_directory_is_empty(tmp_path: Path) -> None:
