@@ -252,7 +252,7 @@ class _Ahead:
                     self._thread = threading.Thread(target=self._run, name="wal-ahead", daemon=True)
                     self._thread.start()
                 self._changed.notify_all()
-            while self.written < end and not self._failed:
+            while self.written < end and not (self._failed or self._closing):
                 self._changed.wait()
 
     def close(self) -> None:
