@@ -39,6 +39,7 @@ import aiomqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edgemesh.common import chunks, paho_decode, wire
+from edgemesh.common.bus_hooks import ConnectHooks
 from edgemesh.common.bus_taps import Answers, Taps
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import BusError, WireError
@@ -102,7 +103,7 @@ class Bus:
         self.metrics = metrics
         self._routes: list[Route[Any]] = []
         self._will = will
-        self._hooks: list[Callable[[], Awaitable[None]]] = []
+        self._hooks = ConnectHooks(client_id)
         self._joined_hooks: list[chunks.Joined] = []
         self._client: aiomqtt.Client | None = None
         self._connected = asyncio.Event()
@@ -155,7 +156,7 @@ class Bus:
     def on_connect(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Await ``hook()`` after every (re)connect, once the subscriptions are in place, while messages are read
         (a task cancelled if the connection is lost meanwhile). A hook that raises is logged, not fatal."""
-        self._hooks.append(hook)
+        self._hooks.add(hook)
 
     def on_joined(self, hook: chunks.Joined) -> None:
         """Call ``hook(topic, bytes, seconds)`` for every message received in several chunks: the payload bytes
@@ -304,7 +305,7 @@ class Bus:
                                    "its envelope: it will refuse every chunk; lower broker.chunk_bytes below %d",
                                    self.client_id, self.config.url, self._taps.max_packet, self.config.chunk_bytes,
                                    self._taps.max_packet - chunks.CHUNK_HEADROOM)
-                hooks = asyncio.create_task(self._after_connect(), name=f"hooks-{self.client_id}")
+                hooks = asyncio.create_task(self._hooks.run(), name=f"hooks-{self.client_id}")
                 await asyncio.sleep(0)  # the hooks begin before the first message of this connection is routed
                 async for msg in client.messages:  # ends only when the client disconnects
                     arrival = self._taps.arrival(msg.topic.value)
@@ -330,18 +331,6 @@ class Bus:
             if not self._closing:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))  # noqa: S311 - jitter
                 delay = min(delay * 2, self.config.backoff_max_s)
-
-    async def _after_connect(self) -> None:
-        """The ``on_connect`` hooks, in order, beside the reading of messages: a connection lost while one waits on
-        the broker is seen at once (and the hook cancelled). A hook that fails is logged; the next connect runs
-        them all again."""
-        for hook in self._hooks:
-            try:
-                await hook()
-            except (BusError, aiomqtt.MqttError) as exc:
-                logger.warning("%s: %s after connecting failed: %s", self.client_id, _name(hook), exc)
-            except Exception:
-                logger.exception("%s: %s after connecting failed", self.client_id, _name(hook))
 
     async def _disconnect(self, client: aiomqtt.Client) -> None:
         """Leave cleanly (a DISCONNECT: the broker does not publish the will)."""
@@ -493,10 +482,6 @@ def forget_protocols() -> None:
     """Forget which brokers this process found speaking MQTT 3.1.1 only (another broker now at the same address:
     the tests start many on reused ports)."""
     _SPEAK_3_1_1.clear()
-
-
-def _name(hook: Callable[..., object]) -> str:
-    return getattr(hook, "__qualname__", repr(hook))
 
 
 def _code_in(exc: aiomqtt.MqttError, codes: tuple[int, ...]) -> bool:

@@ -6,8 +6,8 @@
   publish without a word: nothing can tell.)
 * **Handed publishes.** The same wrapper sets the ``handing`` event of the publish being handed over (the bus
   sets it just before it calls aiomqtt's publish): what ``Bus.publish(handed=...)`` waits for.
-* **Arrival times.** aiomqtt queues every message it parses for the connection loop, which takes them out only
-  after the ``on_connect`` hooks and whenever the event loop gets round to it: that is not when they arrived.
+* **Arrival times.** aiomqtt queues every message it parses for the connection loop, which takes them out
+  whenever the event loop gets round to it: that is not when they arrived.
   paho's message callback, called as each message is parsed, notes the time and the payload bytes read so far
   (a ``chunks.Arrival``), in the order aiomqtt queues the messages; and paho's socket reads, when a packet's
   first byte was read (``Arrival.began``): a large message is a downlink sample even when it came whole.
