@@ -362,6 +362,8 @@ class Bus:
                 async with asyncio.timeout(self.config.reassembly_timeout_s if self._receiver.partials else None):
                     topic, payload, arrival = await self._inbox.get()
             except TimeoutError:
+                if (task := asyncio.current_task()) is not None and task.cancelling():
+                    raise asyncio.CancelledError from None  # a cancel as the timeout expired (Python 3.11 drops it)
                 self._receiver.expire()
                 continue
             await self._dispatch(topic, payload, arrival)
