@@ -39,7 +39,7 @@ from edgemesh.common.messages import ModelSnapshot
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
-from edgemesh.local.broker import free_port
+from edgemesh.local.broker import MOSQUITTO_MALLOC, free_port
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.host import JobHost
 from edgemesh.services.parameter_server.service import ParameterServer
@@ -311,6 +311,12 @@ def test_every_service_has_a_unit() -> None:
     names = {p.name for p in UNIT_FILES}
     for service in SERVICES:
         assert f"edgemesh-{service}.service" in names or f"edgemesh-{service}@.service" in names, service
+
+
+def test_the_mosquitto_drop_in_gives_the_system_broker_the_local_brokers_malloc_settings() -> None:
+    unit = parse_unit(DEPLOY / "systemd" / "mosquitto.service.d" / "edgemesh.conf")
+    assert set(unit.sections) == {"Service"}
+    assert unit.value("Service", "Environment") == f"GLIBC_TUNABLES={MOSQUITTO_MALLOC}"
 
 
 @pytest.mark.parametrize("path", UNIT_FILES, ids=lambda p: p.name)
