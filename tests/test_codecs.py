@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from edgemesh.common.codecs import ErrorFeedback, available_codecs, get_codec
+from edgemesh.common.codecs import ErrorFeedback, available_codecs, get_codec, quick_to_decode
 from edgemesh.common.codecs import grid as grid_mod
 from edgemesh.common.codecs import sparse as sparse_mod
 from edgemesh.common.codecs.bitpack import PayloadReader, pack_uint, pack_unary, packed_size, unpack_uint
@@ -21,7 +21,7 @@ from edgemesh.common.codecs.indices import decode_indices, encode_indices
 from edgemesh.common.codecs.qsgd import HEADER as QSGD_HEADER
 from edgemesh.common.codecs.qsgd import QSGDCodec
 from edgemesh.common.errors import CodecError, WireError
-from edgemesh.common.messages import CodecPolicy
+from edgemesh.common.messages import CodecPolicy, ShardUpdate
 from edgemesh.common.vocabulary import CODECS, CodecName
 
 FP16_MAX = float(np.finfo(np.float16).max)
@@ -661,3 +661,13 @@ def test_a_density_outside_zero_one_is_a_codec_error(name: str, density: float) 
     with pytest.raises(CodecError) as exc:
         get_codec(name).encode(np.ones(10, dtype=np.float32), policy(name, density))
     assert exc.value.reason == "policy"
+
+
+def test_only_float32_payloads_of_a_few_megabytes_are_decoded_where_they_arrive() -> None:
+    def shard(codec: str, size: int) -> ShardUpdate:
+        return ShardUpdate(param="w", start=0, stop=1, codec=codec, data=bytes(size))
+
+    assert quick_to_decode([shard("none", 1 << 20), shard("none", 2 << 20)])
+    assert not quick_to_decode([shard("none", 1 << 20), shard("fp16", 1024)])  # a conversion: in a thread
+    assert not quick_to_decode([shard("none", (4 << 20) + 4)])  # too long to hold the event loop for
+    assert quick_to_decode([])

@@ -5,6 +5,7 @@ writer sends a long packet from views of it; a real broker's messages come throu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 
@@ -182,6 +183,41 @@ def test_a_long_packet_is_sent_from_views_of_itself_whole_through_partial_sends(
     finally:
         theirs.close()
         ours.close()
+
+
+@pytest.mark.parametrize("protocol", [mqtt.MQTTv311, mqtt.MQTTv5])
+@pytest.mark.parametrize("qos", [0, 1])
+def test_a_long_publish_goes_as_its_header_and_its_payload_the_bytes_paho_would_send(protocol: int, qos: int) -> None:
+    payload = np.random.default_rng(2).bytes(300_000)
+    sent = {}
+    for ours_too in (False, True):
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=protocol)
+        mine, theirs = socket.socketpair()
+        mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)  # many sends, one across the header's end
+        mine.setblocking(False)
+        client._sock = mine  # noqa: SLF001 - as if connected
+        if ours_too:
+            paho_decode.write_from_buffers(client)
+        got = bytearray()
+        try:
+            info = mqtt.MQTTMessageInfo(7)
+            client._send_publish(7, b"edgemesh/v1/j/grad/c/d", payload, qos, False, False, info, None)  # noqa: SLF001
+            if ours_too:
+                assert isinstance(client._out_packet[0]["packet"], paho_decode.Pieces)  # noqa: SLF001 - not joined
+            while client._out_packet or not got:  # noqa: SLF001
+                client.loop_write()
+                with contextlib.suppress(BlockingIOError):
+                    got += theirs.recv(1 << 20, socket.MSG_DONTWAIT)
+            while True:
+                try:
+                    got += theirs.recv(1 << 20, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+        finally:
+            theirs.close()
+            mine.close()
+        sent[ours_too] = bytes(got)
+    assert sent[True] == sent[False] and sent[True].endswith(payload)
 
 
 async def test_a_bus_client_reads_large_and_small_messages_from_a_real_broker(broker: BrokerProcess) -> None:

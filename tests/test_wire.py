@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from edgemesh.common import wire
-from edgemesh.common.chunks import Arrival, Chunk, Reassembler, Receiver, split
+from edgemesh.common.chunks import Arrival, Chunk, Reassembler, Receiver, in_place, split
 from edgemesh.common.costs import LayerCost
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import (
@@ -604,6 +604,43 @@ def test_split_and_reassemble_in_any_order_with_duplicates(payload: bytes, chunk
         assert r.held_bytes <= r.max_bytes
     assert results == [(len(chunks), payload)]
     assert r.held_bytes == 0 and len(r) == 0 and r.dropped == {}
+
+
+def test_a_received_chunk_is_read_in_place_its_data_a_view_of_the_packet() -> None:
+    payload = wire.encode(MODEL)
+    packets = [bytearray(p) for p in split(payload, 1024)]  # as paho reads them: each into a buffer of its own
+    chunks = [in_place(p) for p in packets]
+    assert all(c is not None for c in chunks)
+    assert [dataclasses.replace(c, data=bytes(c.data)) for c in chunks] == _chunks([bytes(p) for p in packets])
+    for chunk, packet in zip(chunks, packets, strict=True):
+        assert isinstance(chunk.data, memoryview) and chunk.data.obj is packet  # no copy of the data
+        assert packet.endswith(chunk.data)
+    r = Receiver(max_bytes=1 << 20, budget_bytes=1 << 20, timeout_s=60.0)
+    taken = [r.take("t", p, ModelSnapshot) for p in packets]
+    assert taken[:-1] == [None] * (len(packets) - 1) and taken[-1] == MODEL
+
+
+@pytest.mark.parametrize("body", [
+    {"id": "a", "index": "0", "count": 2, "size": 10, "data": b"x"},  # a field of the wrong type
+    {"id": "a", "index": 0, "count": 2, "size": 10, "data": "x"},  # data that is no bin
+    {"id": "a", "index": 3, "count": 2, "size": 10, "data": b"x"},  # an index past the count
+    {"index": 0, "id": "a", "count": 2, "size": 10, "data": b"x"},  # fields in another order
+    {"id": "a", "index": 0, "count": 2, "size": 10, "data": b"x", "more": 1},  # a newer sender's field
+])
+def test_a_chunk_not_laid_out_as_split_lays_it_out_is_read_whole_and_judged_as_before(body: dict) -> None:
+    payload = msgpack.packb({"v": wire.WIRE_VERSION, "kind": wire.CHUNK_KIND, "body": body}, use_bin_type=True)
+    assert in_place(bytearray(payload)) is None
+    r = Receiver(max_bytes=1 << 20, budget_bytes=1 << 20, timeout_s=60.0)
+    try:
+        out = r.take("t", bytearray(payload), ModelSnapshot)
+    except WireError as exc:  # what the whole envelope's checks say of it
+        assert exc.reason in {"field", "malformed"}
+    else:
+        assert out is None and r.partials == 1  # a good chunk, held for the rest of its message
+    truncated = split(wire.encode(MODEL), 1024)[0][:40]  # cut within its fields
+    assert in_place(bytearray(truncated)) is None
+    with pytest.raises(WireError):
+        r.take("t", truncated, ModelSnapshot)
 
 
 def test_interleaved_messages_and_topics_reassemble_separately() -> None:

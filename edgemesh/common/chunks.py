@@ -22,9 +22,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import msgpack
+
 from edgemesh.common.errors import WireError
 from edgemesh.common.wire import (
     CHUNK_KIND,
+    WIRE_VERSION,
     Envelope,
     decode_envelope,
     encode,
@@ -36,6 +39,8 @@ from edgemesh.common.wire import (
 
 T = TypeVar("T")
 
+CHUNK_FIELDS_BYTES = 256
+"""Bytes of a chunk envelope ``in_place`` reads its fields from: more than they take before the data."""
 REFUSED_IDS_KEPT = 256
 """Ids of refused chunked messages remembered, so their other chunks are dropped silently."""
 CHUNK_HEADROOM = 64 * 1024
@@ -53,6 +58,7 @@ class Chunk:
     count: int
     size: int
     data: bytes
+    """On the way out a view of the payload, on the way in a view of the packet (``split``, ``in_place``)."""
 
     def validate(self) -> None:
         if not 0 < len(self.id) <= 64:
@@ -69,23 +75,63 @@ message(CHUNK_KIND)(Chunk)
 
 
 def split(payload: bytes, chunk_size: int) -> list[bytes]:
-    """``payload`` as one envelope, or as chunk envelopes of at most ``chunk_size`` data bytes."""
+    """``payload`` as one envelope, or as chunk envelopes of at most ``chunk_size`` data bytes (each packed from a
+    view of ``payload``: its data is copied once, into its envelope; the data comes last, see ``in_place``)."""
     if len(payload) <= chunk_size:
         return [payload]
     msg_id = uuid.uuid4().hex[:16]
     count = -(-len(payload) // chunk_size)
-    return [
-        encode(
-            Chunk(
-                id=msg_id,
-                index=i,
-                count=count,
-                size=len(payload),
-                data=payload[i * chunk_size : (i + 1) * chunk_size],
-            )
-        )
-        for i in range(count)
-    ]
+    with memoryview(payload) as view:
+        return [encode(Chunk(id=msg_id, index=i, count=count, size=len(payload),
+                             data=view[i * chunk_size:(i + 1) * chunk_size]))  # type: ignore[arg-type]
+                for i in range(count)]
+
+
+_BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+"""MessagePack's bin 8, 16 and 32 headers: the bytes of the length after the type byte."""
+_FIELD_ORDER = ("id", "index", "count", "size")
+_CHUNK_START = b"\x83" + b"".join(msgpack.packb(v) for v in ("v", WIRE_VERSION, "kind", CHUNK_KIND))
+"""How a chunk envelope begins: a map of three (0x83), then its version and its kind."""
+
+
+def in_place(payload: bytes | bytearray) -> Chunk | None:
+    """A chunk envelope laid out as ``split`` packs it (the envelope's body last, the chunk's data last in it),
+    read without copying its data: the fields unpacked from the first ``CHUNK_FIELDS_BYTES``, the data a view
+    of ``payload``. None for any other payload, and for a chunk that does not hold together (``unpack`` then
+    reads it whole, and says what is wrong)."""
+    if not payload.startswith(_CHUNK_START):  # most messages are no chunk: they go to ``unpack`` at once
+        return None
+    reader = msgpack.Unpacker(raw=False, strict_map_key=True)
+    reader.feed(payload[:CHUNK_FIELDS_BYTES])
+    try:
+        if reader.read_map_header() != 3 or [reader.unpack() for _ in range(4)] != ["v", WIRE_VERSION, "kind",
+                                                                                     CHUNK_KIND]:
+            return None
+        if reader.unpack() != "body" or reader.read_map_header() != len(_FIELD_ORDER) + 1:
+            return None
+        fields: dict[str, Any] = {}
+        for name in _FIELD_ORDER:
+            if reader.unpack() != name:
+                return None
+            fields[name] = reader.unpack()
+        if reader.unpack() != "data":
+            return None
+        at = reader.tell()
+    except (msgpack.OutOfData, msgpack.ExtraData, ValueError, TypeError):  # msgpack's FormatError is a ValueError
+        return None
+    width = _BIN_LENGTH_BYTES.get(payload[at]) if at < len(payload) else None
+    if width is None or type(fields["id"]) is not str or \
+            any(type(fields[name]) is not int for name in _FIELD_ORDER[1:]):
+        return None
+    start = at + 1 + width
+    if start + int.from_bytes(payload[at + 1:start], "big") != len(payload):
+        return None
+    chunk = Chunk(**fields, data=memoryview(payload)[start:])  # type: ignore[arg-type]
+    try:
+        chunk.validate()
+    except ValueError:
+        return None
+    return chunk
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -288,16 +334,18 @@ class Receiver:
         return None if envelope is None else decode_envelope(envelope, expected)
 
     def _envelope(self, topic: str, payload: bytes, json_kind: str, arrival: Arrival | None) -> Envelope | None:
-        try:
-            envelope = unpack(payload, max_bytes=self.max_bytes)
-        except WireError as exc:
-            if exc.reason != "malformed" or not json_kind:
-                raise
-            return unpack_json(payload, json_kind, max_bytes=self.max_bytes)
-        if envelope.kind != CHUNK_KIND:
-            self._whole(topic, len(payload), arrival)
-            return envelope
-        chunk = decode_envelope(envelope, Chunk)
+        chunk = in_place(payload) if len(payload) <= self.max_bytes else None
+        if chunk is None:
+            try:
+                envelope = unpack(payload, max_bytes=self.max_bytes)
+            except WireError as exc:
+                if exc.reason != "malformed" or not json_kind:
+                    raise
+                return unpack_json(payload, json_kind, max_bytes=self.max_bytes)
+            if envelope.kind != CHUNK_KIND:
+                self._whole(topic, len(payload), arrival)
+                return envelope
+            chunk = decode_envelope(envelope, Chunk)
         if chunk.id in self._refused:
             return None  # the rest of a message already counted as rejected
         if chunk.size > self.max_bytes:

@@ -14,7 +14,9 @@ a quarter of the samples in which a thread held the GIL.
   packet is incomplete, ``MQTT_ERR_CONN_LOST`` on a closed or failed socket). The bus gives it to its clients.
 * ``write_from_buffers(client)`` makes the packets one paho client queues of ``UNSLICED_FROM`` bytes and more
   hand out views of themselves: paho sends ``packet[pos:]`` of a queued packet, a copy of what is left of it at
-  every send (the whole packet at least once), where a view costs nothing. The bus gives it to its clients too.
+  every send (the whole packet at least once), where a view costs nothing. A PUBLISH whose payload is that long
+  is not even joined: paho builds it by appending the payload to its header (a copy of the payload), where it is
+  queued here as the two (``Pieces``), sent one after the other. The bus gives it to its clients too.
 * ``decode_publish`` reads the PUBLISH fields from a memoryview; the payload of a ``Body`` is that buffer itself,
   its header dropped from the front in place (O(1) for a ``bytearray``), so a payload costs no copy at all; any
   other buffer's payload is copied once. It returns what paho's does and raises ``MalformedPacket`` where
@@ -66,6 +68,25 @@ class Unsliced:
 
     def __getitem__(self, key: slice) -> memoryview:
         return self._view[key]
+
+
+class Pieces:
+    """A PUBLISH queued as its header and its payload, never joined (``write_from_buffers``): ``packet[pos:]`` is a
+    view of what is left of the piece ``pos`` falls in, so one send takes at most the rest of that piece."""
+
+    __slots__ = ("_body", "_head")
+
+    def __init__(self, head: bytes, body: bytes | bytearray) -> None:
+        self._head, self._body = memoryview(head), memoryview(body)
+
+    def __len__(self) -> int:
+        return len(self._head) + len(self._body)
+
+    def __getitem__(self, key: slice) -> memoryview:
+        start = key.start or 0
+        if start < len(self._head):
+            return self._head[start:]
+        return self._body[start - len(self._head):]
 
 
 def decode_publish(header: int, packet: bytes | bytearray, protocol: MQTTProtocolVersion) -> _packet.PublishPacket:
@@ -120,14 +141,34 @@ def install() -> None:
 
 
 def write_from_buffers(client: paho_client.Client) -> None:
-    """Queue ``client``'s long packets as ``Unsliced`` (before it connects)."""
-    queue = client._packet_queue  # noqa: SLF001 - where every packet paho sends is queued
+    """Queue ``client``'s long packets as ``Unsliced``, and its PUBLISHes of long payloads as ``Pieces`` (before it
+    connects)."""
+    queue, send_publish = client._packet_queue, client._send_publish  # noqa: SLF001 - where paho queues packets
 
     def queued(command: int, packet: bytes | bytearray, mid: int, qos: int, info: Any = None) -> MQTTErrorCode:
-        return queue(command, Unsliced(packet) if len(packet) >= UNSLICED_FROM else packet,  # type: ignore[arg-type]
-                     mid, qos, info)
+        long = len(packet) >= UNSLICED_FROM and not isinstance(packet, Pieces)
+        return queue(command, Unsliced(packet) if long else packet, mid, qos, info)  # type: ignore[arg-type]
+
+    def publish(mid: int, topic: bytes, payload: bytes | bytearray = b"", qos: int = 0, retain: bool = False,
+                dup: bool = False, info: Any = None, properties: Properties | None = None) -> MQTTErrorCode:
+        """paho's ``_send_publish``, the header built as paho builds it and the payload queued beside it."""
+        if len(payload) < UNSLICED_FROM or not isinstance(topic, bytes) or \
+                not isinstance(payload, (bytes, bytearray)) or client._sock is None:  # noqa: SLF001
+            return send_publish(mid, topic, payload, qos, retain, dup, info, properties)  # paho's answer
+        v5 = client._protocol == MQTTProtocolVersion.MQTTv5  # noqa: SLF001
+        packed = (b"\x00" if properties is None else properties.pack()) if v5 else b""
+        head = bytearray([paho_client.PUBLISH | ((dup & 0x1) << 3) | (qos << 1) | retain])
+        remaining = 2 + len(topic) + (2 if qos > 0 else 0) + len(packed) + len(payload)
+        client._pack_remaining_length(head, remaining)  # noqa: SLF001
+        client._pack_str16(head, topic)  # noqa: SLF001
+        if qos > 0:
+            head += mid.to_bytes(2, "big")
+        head += packed
+        pieces = Pieces(bytes(head), payload)
+        return client._packet_queue(paho_client.PUBLISH, pieces, mid, qos, info)  # type: ignore[arg-type]  # noqa: SLF001
 
     client._packet_queue = queued  # type: ignore[method-assign]  # noqa: SLF001
+    client._send_publish = publish  # type: ignore[method-assign]  # noqa: SLF001
 
 
 def read_into_buffers(client: paho_client.Client) -> None:

@@ -28,7 +28,8 @@ from edgemesh.common.codecs.base import (
     bytes_per_value,
     codec_for,
     get_codec,
+    quick_to_decode,
 )
 
 __all__ = ["SMALL_TENSOR", "Codec", "ErrorFeedback", "ResidualCodec", "available_codecs", "bytes_per_value",
-           "codec_for", "get_codec"]
+           "codec_for", "get_codec", "quick_to_decode"]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
 
 from edgemesh.common.errors import CodecError
-from edgemesh.common.messages import CodecPolicy
+from edgemesh.common.messages import CodecPolicy, ShardUpdate
 from edgemesh.common.vocabulary import CodecName
 
 
@@ -47,6 +48,22 @@ def get_codec(name: str) -> Codec:
     except KeyError:
         raise CodecError(f"codec {name!r} is not available (have: {', '.join(sorted(_REGISTRY))})",
                          "codec_unknown") from None
+
+
+QUICK_DECODE_BYTES = 4 << 20
+"""The most payload ``quick_to_decode`` decodes where it arrives."""
+
+
+def quick_to_decode(shards: Iterable[ShardUpdate]) -> bool:
+    """Whether decoding ``shards`` costs less than handing it to a thread: all ``none`` (the decoded values are a
+    view of the payload, checked finite) and no more than ``QUICK_DECODE_BYTES`` of them (2.48 MB: 0.15 ms, where
+    a thread hop took 0.2-1.5 ms on a busy host)."""
+    total = 0
+    for shard in shards:
+        if shard.codec != "none":
+            return False
+        total += len(shard.data)
+    return total <= QUICK_DECODE_BYTES
 
 
 SMALL_TENSOR = 1024

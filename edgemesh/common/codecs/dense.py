@@ -23,7 +23,7 @@ class _Dense:
         flat = np.asarray(grad, dtype=np.float32).reshape(-1)
         if self._dtype.itemsize == 2:  # fast whatever the values (``half``), clipped to float16's range
             return to_half(np.clip(flat, -FP16_MAX, FP16_MAX)).astype(self._dtype, copy=False).tobytes()
-        return flat.astype(self._dtype).tobytes()
+        return flat.astype(self._dtype, copy=False).tobytes()  # one copy: float32 is little-endian here
 
     def decode(self, data: bytes, numel: int) -> np.ndarray:
         expected = numel * self._dtype.itemsize

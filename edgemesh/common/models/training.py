@@ -54,7 +54,9 @@ def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
             raise ModelError(
                 f"parameter {name!r} has shape {array.shape}, model expects {tuple(target.shape)}"
             )
-        converted[name] = torch.tensor(array, dtype=target.dtype)
+        # a view where the array allows one (the copy into the model is then the only pass over it)
+        converted[name] = torch.from_numpy(array) if array.flags.writeable and array.dtype == np.float32 \
+            else torch.tensor(array, dtype=target.dtype)
     with torch.no_grad():
         for name, target in own.items():
             target.copy_(converted[name])

@@ -36,6 +36,7 @@ import numpy as np
 
 from edgemesh.common.broadcast import Broadcaster, ModelMessage
 from edgemesh.common.bus import Bus
+from edgemesh.common.codecs import quick_to_decode
 from edgemesh.common.config import Config
 from edgemesh.common.errors import WireError
 from edgemesh.common.jobs import JobSpec
@@ -287,7 +288,9 @@ class ParameterServer:
                 if update.mesh_step:
                     raise WireError("a sharded parameter server takes no model-parallel steps", "shape")
                 update = replace(update, shards=self.division.localize(update.shards))
-            grads = await asyncio.to_thread(self.state.decode, update.shards)
+            shards = update.shards
+            grads = self.state.decode(shards) if quick_to_decode(shards) else \
+                await asyncio.to_thread(self.state.decode, shards)
             if isinstance(self.scheduler, Follower):  # shard 0 judges the whole update (clip, krum)
                 await self.scheduler.measured(update, grads, self.aggregator.rule)
         except WireError as exc:
