@@ -124,7 +124,10 @@ class Broadcaster:
                 view = self._view[name][start:stop]
                 change = np.subtract(param[start:stop], view)
                 codec = codec_for(self.cfg.delta_codec, change.size)
-                data = codec.encode(change.reshape(-1), policy)
+                if codec.name == "none":  # float32 as is: a view of the change, packed into the message at once
+                    data: bytes = memoryview(change).cast("B")  # type: ignore[assignment]  # bytes-like, not copied
+                else:
+                    data = codec.encode(change.reshape(-1), policy)
                 # the view takes what a worker decodes: the change itself where the codec loses nothing
                 view += change if codec.lossless else codec.decode(data, change.size).reshape(view.shape)
                 shards.append(ShardUpdate(param=name, start=start, stop=stop, codec=codec.name, data=data))

@@ -96,9 +96,9 @@ def compute_gradients(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[f
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(_forward(model, x_t, y_t), y_t)
     loss.backward()
-    grads = {
+    grads = {  # views of the gradients: the next step's ``zero_grad`` drops them, it does not write into them
         name: (
-            p.grad.detach().cpu().numpy().astype(np.float32, copy=True)
+            p.grad.detach().cpu().numpy().astype(np.float32, copy=False)
             if p.grad is not None
             else np.zeros(tuple(p.shape), dtype=np.float32)
         )
