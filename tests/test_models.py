@@ -112,6 +112,15 @@ def test_get_params_returns_copies_and_set_params_round_trips() -> None:
     # float64 input is converted, not rejected
     set_params(target, {n: v.astype(np.float64) * 0 for n, v in params.items()})
     assert all(not v.any() for v in get_params(target).values())
+    # read-only buffers (a decoded payload), reversed views and plain arrays are all copied in, never shared
+    given = {n: np.frombuffer(v.tobytes(), np.float32).reshape(v.shape) if i % 3 == 0 else
+             (v[::-1].copy()[::-1] if i % 3 == 1 else v.copy()) for i, (n, v) in enumerate(params.items())}
+    set_params(target, given)
+    assert all(np.array_equal(v, params[n]) for n, v in get_params(target).items())
+    for v in given.values():
+        if v.flags.writeable:
+            v[...] = 7.0
+    assert all(np.array_equal(v, params[n]) for n, v in get_params(target).items())
 
 
 @pytest.mark.parametrize(

@@ -55,8 +55,9 @@ def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
                 f"parameter {name!r} has shape {array.shape}, model expects {tuple(target.shape)}"
             )
         # a view where the array allows one (the copy into the model is then the only pass over it)
-        converted[name] = torch.from_numpy(array) if array.flags.writeable and array.dtype == np.float32 \
-            else torch.tensor(array, dtype=target.dtype)
+        viewable = array.flags.writeable and array.flags.c_contiguous and array.dtype == np.float32
+        converted[name] = torch.from_numpy(array) if viewable else \
+            torch.tensor(np.ascontiguousarray(array), dtype=target.dtype)
     with torch.no_grad():
         for name, target in own.items():
             target.copy_(converted[name])
