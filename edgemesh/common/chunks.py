@@ -120,16 +120,17 @@ def in_place(payload: bytes | bytearray) -> Chunk | None:
     except (msgpack.OutOfData, msgpack.ExtraData, ValueError, TypeError):  # msgpack's FormatError is a ValueError
         return None
     width = _BIN_LENGTH_BYTES.get(payload[at]) if at < len(payload) else None
-    if width is None or type(fields["id"]) is not str or \
-            any(type(fields[name]) is not int for name in _FIELD_ORDER[1:]):
+    if width is None:
         return None
     start = at + 1 + width
     if start + int.from_bytes(payload[at + 1:start], "big") != len(payload):
         return None
-    chunk = Chunk(**fields, data=memoryview(payload)[start:])  # type: ignore[arg-type]
-    try:
+    try:  # the fields checked as any envelope's are, then the data put in
+        fields_only = decode_envelope(Envelope(kind=CHUNK_KIND, body={**fields, "data": b""}, size=len(payload)),
+                                      Chunk)
+        chunk = dataclasses.replace(fields_only, data=memoryview(payload)[start:])  # type: ignore[arg-type]
         chunk.validate()
-    except ValueError:
+    except (WireError, ValueError):
         return None
     return chunk
 
