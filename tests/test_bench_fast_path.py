@@ -34,6 +34,9 @@ def test_bench_transport_sets_the_parameter_servers_ingest_beside_the_broker_alo
         assert set(data[kind]) == {"300KB/1", "300KB/2"}, kind
         for entry in data[kind].values():
             assert entry["messages"] > 0 and entry["mb_per_s"] > 0, kind
+    for kind in ("raw", "stream"):  # the broker alone is answered by a process of its own, as the PS is one
+        for key, cores in data["cpu_cores"][kind].items():
+            assert cores["subscriber"] > 0 and cores["devices"] > 0, (kind, key)
     for key, ps in data["ps"].items():
         assert ps["p50_ms"] <= ps["p99_ms"]
         assert data["ps_ingest_ratio"][key] == pytest.approx(ps["mb_per_s"] / data["raw"][key]["mb_per_s"], abs=1e-3)

@@ -6,9 +6,12 @@ gradient, 2.48 MB for ``cifar-cnn``) and each number of messages in flight (``--
 
 * **raw** (the broker and the client library alone): N aiomqtt clients each publish the payload at QoS 1 and
   wait for a small QoS 1 answer from one subscriber that does nothing else, then publish the next: the request
-  and ack of a worker and the parameter server, with no work between;
+  and ack of a worker and the parameter server, with no work between. The subscriber runs in a process of its
+  own, as the parameter server does (sharing the devices' process and event loop, it took their wake-ups for
+  free and, streamed to, fell behind them);
 * **stream**: N aiomqtt clients publish at QoS 1 back to back (each waits only for the broker's PUBACK) to one
-  subscriber that counts the bytes: what a plain publisher pushes through the broker;
+  subscriber (its own process) that counts the bytes until it has the last: what a plain publisher pushes
+  through the broker;
 * **ps**: a real parameter server (its own process: ``async``, codec ``none``, its write-ahead log and
   checkpoints as configured, no held-out evaluation: ``ps.eval_every = 0``, as the evaluation is no part of
   ingest and runs beside it on its own thread and budget; ``--set ps.eval_every=5`` puts it back) and N
@@ -29,18 +32,18 @@ Per side: MB/s of payload acked (stream: received), messages/s, and publish-to-a
 ``ps_ingest_ratio`` is the parameter server's MB/s over raw's at the same payload and number in flight, for
 each pair, and ``ps_ingest_ratio_vs_stream`` the same over stream's; the PS's CPU seconds per update and its
 step, decode and log figures from its metrics are its parts. ``cpu_cores`` says, per trial, how many of the
-host's cores were busy (``host``, of ``host_cores``) and how many the broker, the devices (this process) and
-the parameter server's processes took: a host near all its cores busy limits every side alike, whatever the
-parameter server does. Under ``sharded``, per shard count, the same
-figures (CPU summed over the shards) and ``speedup_vs_1``: its MB/s over one process's in the same pair.
+host's cores were busy (``host``, of ``host_cores``) and how many the broker, the devices (this process), the
+raw side's ``subscriber`` and the parameter server's processes took: a host near all its cores busy limits
+every side alike, whatever the parameter server does. Under ``sharded``, per shard count, the same figures (CPU
+summed over the shards) and ``speedup_vs_1``: its MB/s over one process's in the same pair.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
+import multiprocessing
 import os
 import socket
 import sys
@@ -48,6 +51,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +87,8 @@ MAX_PACKET_BYTES = 16 * 1024 * 1024 + CHUNK_HEADROOM
 """The broker's ``max_packet_size``: raw's model-sized packets pass, and the services' chunks grow to 16 MiB."""
 ACK_TIMEOUT_S = 30.0
 """Longest wait for one answer; a trial whose answer does not come fails."""
+SUBSCRIBER_START_S = 60.0
+"""Longest wait for the raw side's subscriber process to subscribe."""
 PS_START_TIMEOUT_S = 120.0
 """Longest wait for the parameter server's first model."""
 GRADIENT_SCALE = 1e-4
@@ -113,37 +119,82 @@ def _client(host: str, port: int, identifier: str) -> aiomqtt.Client:
     return client
 
 
-async def _raw(host: str, port: int, size: int, n: int, seconds: float, *, stream: bool) -> Trial:
+def _raw(host: str, port: int, size: int, n: int, seconds: float, *, stream: bool, pool: Pooled,
+         broker_pid: int | None) -> Trial:
+    """One trial of the broker alone: the subscriber in a process of its own, as the parameter server is one,
+    so that neither side's receiving shares the devices' process (and its core)."""
+    run = uuid.uuid4().hex[:6]
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    subscriber = multiprocessing.get_context("spawn").Process(
+        target=_subscriber_main, args=(host, port, run, stream, child), name="bench-subscriber", daemon=True)
+    subscriber.start()
+    try:
+        if _heard(parent, SUBSCRIBER_START_S) != "ready":
+            raise TimeoutError(f"the raw subscriber did not subscribe (it failed, or took over "
+                               f"{SUBSCRIBER_START_S:.0f} s)")
+        before, start = {**cpu_now(broker_pid, []), "subscriber": 0.0}, time.perf_counter()
+        trial = asyncio.run(_raw_devices(host, port, run, size, n, seconds, stream=stream))
+        report = _heard(parent, ACK_TIMEOUT_S)
+        if not isinstance(report, tuple):
+            raise TimeoutError("the raw subscriber did not report what it received")
+        messages, payload, cpu = report
+        after = {**cpu_now(broker_pid, []), "subscriber": cpu}
+        if stream:  # what the subscriber received (what the broker carried through), until it had the last
+            trial.messages, trial.payload_bytes, trial.seconds = messages, payload, time.perf_counter() - start
+    finally:
+        subscriber.join(ACK_TIMEOUT_S)
+        if subscriber.is_alive():
+            subscriber.kill()
+    return pool.add(trial, before, after)
+
+
+def _heard(conn: Connection, timeout_s: float) -> object:
+    """What the subscriber process sent within ``timeout_s`` (None: nothing, or it died)."""
+    try:
+        return conn.recv() if conn.poll(timeout_s) else None
+    except EOFError:
+        return None
+
+
+def _subscriber_main(host: str, port: int, run: str, stream: bool, conn: Connection) -> None:
+    """The raw side's subscriber (its own process): answers each payload (raw), or counts them (stream), until
+    the devices say stop; then reports the messages and payload bytes received, and its CPU seconds since it
+    subscribed."""
+    paho_decode.install()  # it decodes as EdgeMesh's bus does
+
+    async def subscribe() -> tuple[int, int, float]:
+        messages = payload = 0
+        cpu = 0.0
+        async with _client(host, port, f"bench-sub-{run}") as sub, asyncio.TaskGroup() as answers:
+            await sub.subscribe(f"{RAW_TOPIC}/{run}/+", qos=1)
+            await sub.subscribe(f"{RAW_TOPIC}-stop/{run}", qos=1)
+            conn.send("ready")
+            cpu = time.process_time()
+            async for msg in sub.messages:
+                if str(msg.topic).startswith(f"{RAW_TOPIC}-stop/"):
+                    return messages, payload, time.process_time() - cpu
+                if stream:
+                    messages += 1
+                    payload += len(msg.payload) if isinstance(msg.payload, (bytes, bytearray)) else 0
+                    continue
+                device = str(msg.topic).rsplit("/", 1)[1]
+                answers.create_task(sub.publish(f"{RAW_TOPIC}-ack/{run}/{device}", b"ok", qos=1))
+        return messages, payload, time.process_time() - cpu
+
+    conn.send(asyncio.run(subscribe()))
+
+
+async def _raw_devices(host: str, port: int, run: str, size: int, n: int, seconds: float, *,
+                       stream: bool) -> Trial:
     trial = Trial()
     payload = np.random.default_rng(0).bytes(size)
-    run = uuid.uuid4().hex[:6]
-    received = asyncio.Event()
-    async with _client(host, port, f"bench-sub-{run}") as sub:
-        await sub.subscribe(f"{RAW_TOPIC}/{run}/+", qos=1)
-
-        async def answer() -> None:
-            async with asyncio.TaskGroup() as answers:
-                async for msg in sub.messages:
-                    received.set()
-                    if stream:
-                        trial.payload_bytes += len(msg.payload) if isinstance(msg.payload, (bytes, bytearray)) else 0
-                        trial.messages += 1
-                        continue
-                    device = str(msg.topic).rsplit("/", 1)[1]
-                    answers.create_task(sub.publish(f"{RAW_TOPIC}-ack/{run}/{device}", b"ok", qos=1))
-
-        answering = asyncio.create_task(answer())
-        try:
-            start = time.perf_counter()
-            async with asyncio.TaskGroup() as devices:
-                for i in range(n):
-                    devices.create_task(_raw_device(host, port, run, i, payload, start + seconds, trial,
-                                                    stream=stream))
-            trial.seconds = time.perf_counter() - start
-        finally:
-            answering.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await answering
+    start = time.perf_counter()
+    async with asyncio.TaskGroup() as devices:
+        for i in range(n):
+            devices.create_task(_raw_device(host, port, run, i, payload, start + seconds, trial, stream=stream))
+    trial.seconds = time.perf_counter() - start
+    async with _client(host, port, f"bench-stop-{run}") as stopper:  # after every payload, on its way
+        await stopper.publish(f"{RAW_TOPIC}-stop/{run}", b"stop", qos=1)
     return trial
 
 
@@ -333,9 +384,8 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
                         got: dict[str, Any] = {"first": order[0]}
                         for side in order:
                             if side in ("raw", "stream"):
-                                before = cpu_now(broker.pid, [])
-                                trial = asyncio.run(_raw(host, port, size, n, seconds, stream=side == "stream"))
-                                pooled[side].add(trial, before, cpu_now(broker.pid, []))
+                                trial = _raw(host, port, size, n, seconds, stream=side == "stream",
+                                             pool=pooled[side], broker_pid=broker.pid)
                             else:
                                 count = int(side.split("/")[1])
                                 cfg, cluster = servers[count]
