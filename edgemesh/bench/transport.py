@@ -341,7 +341,7 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
               shard_counts: list[int] | None = None, rounds: int = DEFAULT_ROUNDS) -> dict[str, Any]:
     whole = gradient_bytes()
     sizes = {spec: payload_bytes(spec, whole) for spec in payloads}
-    paho_decode.install()  # raw's subscriber decodes as EdgeMesh's bus does, from the first trial on
+    paho_decode.install()  # the devices read as EdgeMesh's bus does (the raw subscriber's process installs it too)
     workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-transport-"))
     broker = BrokerProcess.default(max_packet_size=MAX_PACKET_BYTES)
     broker.start()
