@@ -124,8 +124,9 @@ def _raw(host: str, port: int, size: int, n: int, seconds: float, *, stream: boo
     """One trial of the broker alone: the subscriber in a process of its own, as the parameter server is one,
     so that neither side's receiving shares the devices' process (and its core)."""
     run = uuid.uuid4().hex[:6]
-    parent, child = multiprocessing.get_context("spawn").Pipe()
-    subscriber = multiprocessing.get_context("spawn").Process(
+    spawn = multiprocessing.get_context("spawn")
+    parent, child = spawn.Pipe()
+    subscriber = spawn.Process(
         target=_subscriber_main, args=(host, port, run, stream, child), name="bench-subscriber", daemon=True)
     subscriber.start()
     try:
