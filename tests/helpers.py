@@ -399,7 +399,7 @@ UNEVEN = {
                   "fc2": (3, 3, 4)},
 }
 """Filter divisions of three uneven members; member 1 has no unit of digits' last layer."""
-SPLIT = {"conv1": (10, 6), "conv2": (12, 20), "fc1": (40, 24), "fc2": (4, 6)}
+SPLIT: dict[str, tuple[int, ...]] = {"conv1": (10, 6), "conv2": (12, 20), "fc1": (40, 24), "fc2": (4, 6)}
 """A filter division of ``digits-cnn`` between two members."""
 
 

@@ -1,6 +1,7 @@
 """The model broadcast (``edgemesh/common/broadcast.py``): the worker's ``ModelView`` and the parameter
 server's ``Broadcaster`` (pure), then workers following the model from a snapshot plus encoded deltas,
-exactly as the PS sees them, on a real broker."""
+exactly as the PS sees them, on a real broker, and a worker asking for the model when a version it waits
+for does not come."""
 
 from __future__ import annotations
 
@@ -33,13 +34,23 @@ from edgemesh.common.bus import Bus
 from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config, ParameterServerConfig
 from edgemesh.common.errors import WireError
-from edgemesh.common.messages import CodecPolicy, ControlCommand, ModelDelta, ModelSnapshot, ShardUpdate
+from edgemesh.common.messages import (
+    CodecPolicy,
+    ControlCommand,
+    GradientUpdate,
+    ModelDelta,
+    ModelSnapshot,
+    ShardUpdate,
+    SnapshotRequest,
+    UpdateAck,
+)
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.worker.mesh.member import MeshMember
+from edgemesh.services.worker.service import Worker
 
 JOB = "pstest"
 RUN_S = 30.0
@@ -195,6 +206,36 @@ def test_a_members_view_keeps_only_its_rows_and_follows_deltas_on_them() -> None
     assert view.ready
     assert not view.restrict(None)
     assert not view.ready
+
+
+def test_a_whole_view_takes_no_members_part_nor_loses_sight_of_a_delta_it_missed_while_empty() -> None:
+    """Leaving a model-parallel cluster: a member's part of a delta (its route not yet let go) changes some
+    rows only, and a delta that comes while the emptied view waits for its snapshot must not go unnoticed: the
+    retained snapshot the view gets may be older, and a synchronous server waits for this device's update."""
+    none = get_codec("none")
+    part = ModelDelta(version=4, base_version=3, model_spec="m", shards=(ShardUpdate(
+        param="w", start=0, stop=2, codec="none", data=none.encode(np.full(4, 0.5, np.float32), None)),))
+    view = ModelView()
+    view.load(snapshot(3))
+    assert not view.apply(part) and view.gap and view.version == 3
+    assert view.params is not None and np.all(view.params["w"] == 1.0)  # nothing half-applied
+
+    def emptied(version: int) -> ModelView:
+        """A member's view at ``version``, emptied by a plan that gives it the whole model."""
+        view = ModelView()
+        view.restrict({"w": (0, 2)})
+        view.load(snapshot(version))
+        assert not view.restrict(None) and not view.ready
+        return view
+
+    view = emptied(5)
+    assert not view.apply(delta(6, 5, 0.5)) and not view.gap  # nothing to apply it to: noted
+    assert view.load(snapshot(5)) and view.gap  # older than what it missed: the worker asks for another
+    assert view.load(snapshot(6)) and not view.gap
+    view = emptied(5)
+    assert view.load(snapshot(4)) and view.gap  # older than what it held
+    view = emptied(5)
+    assert view.load(snapshot(5)) and not view.gap
 
 
 # --------------------------------------------------------------------------- the parameter server's half (pure)
@@ -433,6 +474,31 @@ async def test_a_parameter_server_publishes_a_snapshot_on_request(mosquitto_brok
             assert (await c.version_at_least(1)).version == 1
 
     await asyncio.wait_for(run(), RUN_S)
+
+
+async def test_a_worker_asks_for_the_model_when_the_version_its_ack_named_does_not_come(
+        mosquitto_broker: BrokerProcess) -> None:
+    """The version an ack names may never reach a worker (a delta sent only to the members of a cluster it was
+    leaving): every ``worker.ack_timeout_s`` it asks for a snapshot, and trains on from the one that comes. The
+    test plays the parameter server."""
+    cfg = make_config(mosquitto_broker, job=JOB, **{"worker.device": "a", "worker.ack_timeout_s": "0.5",
+                                                    "worker.codec_wait_s": "0.1"})
+    topics = Topics(cfg.job)
+    params = models.get_params(models.build_model("digits-cnn"))
+    worker = Worker(cfg)
+    async with inbox(cfg, (topics.grad_filter(), GradientUpdate), (topics.snapshot_request_filter(), SnapshotRequest),
+                     name="ps") as ps, running(worker):
+        await ps.publish(topics.plan(), plan_for(["a"]), retain=True)
+        await ps.publish(topics.model(), digits_snapshot(params, 3), retain=True)
+        first = await ps.next(GradientUpdate)
+        assert first.base_version == 3 and not ps.of(SnapshotRequest)
+        await ps.publish(topics.ack("a"), UpdateAck(device="a", incarnation=first.incarnation, seq=first.seq,
+                                                    status="accepted", version=4, delay=0, resync=True))
+        request = await ps.next(SnapshotRequest)
+        assert (request.device, request.version) == ("a", 3)
+        await ps.publish(topics.model(), digits_snapshot(params, 4), retain=True)
+        second = await ps.next(GradientUpdate, lambda u: u.seq > first.seq)
+        assert second.base_version == 4 and worker.accepted == 1
 
 
 def test_a_version_no_one_listens_to_is_skipped_and_the_next_message_is_a_snapshot() -> None:

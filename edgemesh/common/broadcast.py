@@ -192,8 +192,10 @@ class ModelView:
     deltas applied since.
 
     ``params`` is replaced, never changed in place, so a training step running in a thread
-    keeps a consistent copy. A delta that does not start where the view is marks a ``gap``:
-    the worker then asks for a snapshot (``GradientUpdate.need_snapshot``).
+    keeps a consistent copy. A delta that does not start where the view is, or lacks rows the view
+    holds, marks a ``gap``: the worker then asks for a snapshot (``GradientUpdate.need_snapshot``).
+    So does a snapshot older than a delta that came while the view held no model (emptied by a new
+    division, waiting for the snapshot it asked for).
 
     A model-parallel member keeps only its rows (``restrict``): ``params`` then holds
     ``param[start:stop]`` of every parameter, and snapshots and deltas update just those rows; it
@@ -209,6 +211,9 @@ class ModelView:
         """Rows ``[start, stop)`` along dim 0 kept of each parameter; None = whole parameters."""
         self.lengths: dict[str, int] = {}
         """Length along dim 0 of every whole parameter, from the last snapshot."""
+        self._heard = -1
+        """The newest version this view heard of while it held no model (a delta it could not take, or the
+        version it held when a new division emptied it): a snapshot older than that leaves a gap."""
 
     @property
     def ready(self) -> bool:
@@ -230,6 +235,7 @@ class ModelView:
             if all(base[k][0] <= a <= b <= base[k][1] for k, (a, b) in new.items()):
                 self.params = {k: self.params[k][a - base[k][0]:b - base[k][0]].copy() for k, (a, b) in new.items()}
                 return True
+        self._heard = max(self._heard, self.version)
         self.params, self.version, self.gap = None, -1, False
         return False
 
@@ -245,7 +251,7 @@ class ModelView:
         whole = {k: (slice(None) if rows is None else slice(*rows[k])) for k in snap.tensors}
         self.params = {k: _float32(t.to_numpy()[whole[k]]) for k, t in snap.tensors.items()}
         self.version = snap.version
-        self.gap = False
+        self.gap, self._heard = snap.version < self._heard, -1
         return True
 
     def apply(self, delta: ModelDelta) -> bool:
@@ -271,8 +277,6 @@ class ModelView:
         for shard in delta.shards:
             if shard.param not in params or not 0 <= shard.start < shard.stop <= self.lengths.get(shard.param, 0):
                 raise WireError(f"delta shard {shard.param}[{shard.start}:{shard.stop}] does not fit", "shape")
-        if rows is not None and not _covers(delta, rows):
-            return None  # a member's part cut for other rows (the PS had another plan)
         out = dict(params)
         for shard in delta.shards:
             base = out[shard.param]
@@ -288,6 +292,8 @@ class ModelView:
             updated = base.copy()
             updated[a - first:b - first] += change[a - shard.start:b - shard.start]
             out[shard.param] = updated
+        if not _covers(delta, rows if rows is not None else {k: (0, n) for k, n in self.lengths.items()}):
+            return None  # a member's part cut for other rows (the PS had another plan), or one for a whole view
         return Decoded(out, delta.version, version, rows)
 
     def commit(self, decoded: Decoded | None, delta: ModelDelta) -> bool:
@@ -297,7 +303,9 @@ class ModelView:
                 and self.params is not None:
             self.params, self.version = decoded.params, decoded.version
             return True
-        if self.params is not None and delta.version > self.version:
+        if self.params is None:
+            self._heard = max(self._heard, delta.version)
+        elif delta.version > self.version:
             self.gap = True
         return False
 

@@ -354,14 +354,14 @@ class ParameterServer:
     async def _process(self, batch: list[Candidate]) -> bool:
         """Judge, apply, log, publish, ack; True if the model moved. Acks go out only after the log is durable."""
         started = time.perf_counter()
-        fleet = self._fleet()
+        fleet, plan = self._fleet(), self.plan  # a plan arriving while the steps apply: theirs reach its members
         decision = self.scheduler.take(batch, fleet)
         for ack in decision.acks:
             if ack.status == "discarded" and ack.reason:
                 self.assembly.discarded(ack.update, ack.reason)
         steps = decision.steps
         elsewhere = await self.leader.elsewhere(steps, self.aggregator.rule) if self.leader and steps else []
-        message = await asyncio.to_thread(self._apply, steps, elsewhere) if steps else None
+        message = await asyncio.to_thread(self._apply, steps, elsewhere, plan) if steps else None
         if self.leader is not None:  # the others take these steps once they are in the log
             self.leader.publish(self.version, self.policy)
         for step in steps:
@@ -385,9 +385,9 @@ class ParameterServer:
                 await asyncio.to_thread(self._checkpoint)
         return bool(steps)
 
-    def _apply(self, steps: list[Step], elsewhere: list[list[float]]) -> ModelMessage | None:
+    def _apply(self, steps: list[Step], elsewhere: list[list[float]], plan: Plan | None) -> ModelMessage | None:
         """Sum ``steps``' gradients; log the sums while they are applied and the model is encoded for whoever
-        listens (one thread hop for all)."""
+        listens under ``plan``, the one they were judged under (one thread hop for all)."""
         assert self.state is not None
         t, state, version = self.cfg.training, self.state, steps[-1].version
         with self._state_lock:
@@ -399,7 +399,7 @@ class ParameterServer:
             def apply_and_encode() -> ModelMessage | None:
                 for summed in sums:
                     state.apply(summed, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
-                return self.broadcast.to_plan(state.params, version, self.policy, self.plan)
+                return self.broadcast.to_plan(state.params, version, self.policy, plan)
 
             written, message = self.recovery.log_beside(steps, Optimizer(self.lr, t.momentum, t.weight_decay),
                                                         combined, [s.grads for s in sums], apply_and_encode)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import platform
 import time
@@ -24,6 +25,14 @@ class Profile:
     memory_bytes: int
     cores: int
     platform: str
+
+
+def software() -> str:
+    """This build, as a hello names it."""
+    try:
+        return "edgemesh " + importlib.metadata.version("edgemesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "edgemesh"
 
 
 def measure_flops(seconds: float, n: int = MATMUL_N) -> float:

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from edgemesh.common import wire
 from edgemesh.common.broadcast import ModelView
@@ -59,6 +58,7 @@ from edgemesh.common.messages import (
     PlanDevice,
     Scalar,
     ShardUpdate,
+    SnapshotRequest,
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
@@ -84,13 +84,6 @@ QUIET_DISCARDS = ("stale", "round_full", "future", "replanned")
 """Discards that are part of training (a late or superseded update), not worth a warning."""
 PROBES_PER_INTERVAL = 2
 """Link probes timed every ``worker.stats_interval_s`` (the latency is the shortest recent round trip)."""
-
-
-def _software() -> str:
-    try:
-        return "edgemesh " + importlib.metadata.version("edgemesh")
-    except importlib.metadata.PackageNotFoundError:
-        return "edgemesh"
 
 
 class Worker:
@@ -200,7 +193,7 @@ class Worker:
         await self.bus.publish(self.topics.hello(self.device), DeviceHello(
             device=self.device, incarnation=self.incarnation, flops=self.profile.flops,
             memory_bytes=self.profile.memory_bytes, cores=self.profile.cores, platform=self.profile.platform,
-            software=_software(), can_encode=self.cfg.worker.can_encode, link_rate_bps=self.link.declared_bps,
+            software=prof.software(), can_encode=self.cfg.worker.can_encode, link_rate_bps=self.link.declared_bps,
             profile=b.profile_name, downlink_rate_bps=b.downlink_bps, latency_s=b.latency_s), retain=True)
 
     async def _publish_status(self) -> None:
@@ -292,15 +285,25 @@ class Worker:
         async with self._changed:
             self._changed.notify_all()
 
-    async def _wait_for(self, what: str, predicate: Callable[[], bool]) -> None:
-        """Wait until ``predicate()`` holds, saying so every WAIT_LOG_INTERVAL_S."""
-        async with self._changed:
-            while not predicate():
-                try:
-                    async with asyncio.timeout(WAIT_LOG_INTERVAL_S):
-                        await self._changed.wait()
-                except TimeoutError:
-                    logger.info("%s: waiting for %s", self.device, what)
+    async def _wait_for(self, what: str, predicate: Callable[[], bool], *, every: float = WAIT_LOG_INTERVAL_S,
+                        stalled: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Wait until ``predicate()`` holds, saying so (and calling ``stalled``) every ``every`` seconds."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with self._changed, asyncio.timeout(every):
+                    await self._changed.wait_for(predicate)
+                    return
+            logger.info("%s: waiting for %s", self.device, what)
+            if stalled is not None:
+                await stalled()
+
+    async def _ask_for_snapshot(self) -> None:
+        """The version the last ack named has not come (a delta this device could not take, e.g. one sent
+        only to the members of a cluster it was leaving): ask the parameter server for the model."""
+        assert self.bus is not None
+        with contextlib.suppress(BusError):
+            await self.bus.publish(self.topics.snapshot_request(self.device),
+                                   SnapshotRequest(device=self.device, version=self.view.version))
 
     # ------------------------------------------------------------------ training
     async def _train(self) -> None:
@@ -314,7 +317,6 @@ class Worker:
         min_version = 0
         while True:
             await self._wait_for("a plan naming this device", self._has_share)
-            assert self.plan is not None
             assert self.plan is not None and self.me is not None and self.profile is not None
             refusal = prof.share_refusal(self.plan, self.me, self.profile.memory_bytes)
             if refusal:
@@ -326,12 +328,13 @@ class Worker:
                     await self._refuse(SHARDED_REFUSAL)
                     continue
                 await self._wait_for("every parameter server shard's model", self.sharded.holds)
-            else:
-                await self._wait_for(f"model version {min_version}", self._holds_model(min_version))
-            computed = await self._compute()
-            if computed is None:
+            else:  # the version its last ack named: asked for again every ack timeout until it comes
+                await self._wait_for(f"model version {min_version}", self._holds_model(min_version),
+                                     every=self.cfg.worker.ack_timeout_s,
+                                     stalled=self._ask_for_snapshot if min_version else None)
+            update = await self._compute()
+            if update is None:
                 continue  # abandoned (a member left or lags; the planner re-plans), or left a mesh
-            update = computed
             for s in update.shards:
                 self.m_grad_bytes.labels(codec=s.codec).inc(len(s.data))
             ack = await self._send(update)
