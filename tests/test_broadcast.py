@@ -45,6 +45,7 @@ from edgemesh.common.messages import (
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.shards import Division
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
@@ -476,29 +477,37 @@ async def test_a_parameter_server_publishes_a_snapshot_on_request(mosquitto_brok
     await asyncio.wait_for(run(), RUN_S)
 
 
+@pytest.mark.parametrize("shards", [1, 2])
 async def test_a_worker_asks_for_the_model_when_the_version_its_ack_named_does_not_come(
-        mosquitto_broker: BrokerProcess) -> None:
+        mosquitto_broker: BrokerProcess, shards: int) -> None:
     """The version an ack names may never reach a worker (a delta sent only to the members of a cluster it was
-    leaving): every ``worker.ack_timeout_s`` it asks for a snapshot, and trains on from the one that comes. The
-    test plays the parameter server."""
+    leaving, or lost in a reconnect): every ``worker.ack_timeout_s`` it asks for a snapshot, and trains on from the
+    one that comes. The test plays the parameter server (each of its shards: the last asks for version 4)."""
     cfg = make_config(mosquitto_broker, job=JOB, **{"worker.device": "a", "worker.ack_timeout_s": "0.5",
-                                                    "worker.codec_wait_s": "0.1"})
+                                                    "worker.codec_wait_s": "0.1", "ps.shards": shards})
     topics = Topics(cfg.job)
     params = models.get_params(models.build_model("digits-cnn"))
+    shapes = {name: p.shape for name, p in params.items()}
+    parts = [Division.of(shapes, i, shards).take(params) if shards > 1 else params for i in range(shards)]
     worker = Worker(cfg)
-    async with inbox(cfg, (topics.grad_filter(), GradientUpdate), (topics.snapshot_request_filter(), SnapshotRequest),
-                     name="ps") as ps, running(worker):
+    grads = [(topics.for_shard(i if shards > 1 else None).grad_filter(), GradientUpdate) for i in range(shards)]
+    async with inbox(cfg, *grads, (topics.snapshot_request_filter(), SnapshotRequest), name="ps") as ps, \
+            running(worker):
         await ps.publish(topics.plan(), plan_for(["a"]), retain=True)
-        await ps.publish(topics.model(), digits_snapshot(params, 3), retain=True)
-        first = await ps.next(GradientUpdate)
-        assert first.base_version == 3 and not ps.of(SnapshotRequest)
-        await ps.publish(topics.ack("a"), UpdateAck(device="a", incarnation=first.incarnation, seq=first.seq,
-                                                    status="accepted", version=4, delay=0, resync=True))
+        for i, part in enumerate(parts):
+            await ps.publish(topics.for_shard(i if shards > 1 else None).model(), digits_snapshot(part, 3), retain=True)
+        first = [await ps.next(GradientUpdate) for _ in range(shards)]
+        assert all(u.base_version == 3 for u in first) and not ps.of(SnapshotRequest)
+        for i, u in enumerate(first):
+            await ps.publish(topics.for_shard(i if shards > 1 else None).ack("a"), UpdateAck(
+                device="a", incarnation=u.incarnation, seq=u.seq, status="accepted", version=4 if i == shards - 1
+                else 3, delay=0, resync=True))
         request = await ps.next(SnapshotRequest)
         assert (request.device, request.version) == ("a", 3)
-        await ps.publish(topics.model(), digits_snapshot(params, 4), retain=True)
-        second = await ps.next(GradientUpdate, lambda u: u.seq > first.seq)
-        assert second.base_version == 4 and worker.accepted == 1
+        last = topics.for_shard(shards - 1 if shards > 1 else None)
+        await ps.publish(last.model(), digits_snapshot(parts[-1], 4), retain=True)
+        second = await ps.next(GradientUpdate, lambda u: u.seq > first[0].seq and u.base_version == 4)
+        assert second.seq == first[0].seq + 1 and worker.accepted == 1
 
 
 def test_a_version_no_one_listens_to_is_skipped_and_the_next_message_is_a_snapshot() -> None:

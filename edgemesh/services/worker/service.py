@@ -298,12 +298,12 @@ class Worker:
                 await stalled()
 
     async def _ask_for_snapshot(self) -> None:
-        """The version the last ack named has not come (a delta this device could not take, e.g. one sent
-        only to the members of a cluster it was leaving): ask the parameter server for the model."""
+        """A version the last ack named has not come (a delta this device could not take): ask for the model."""
         assert self.bus is not None
-        with contextlib.suppress(BusError):
+        held = self.view.version if self.sharded is None else self.sharded.view.version
+        with contextlib.suppress(BusError):  # every shard of a sharded parameter server hears it
             await self.bus.publish(self.topics.snapshot_request(self.device),
-                                   SnapshotRequest(device=self.device, version=self.view.version))
+                                   SnapshotRequest(device=self.device, version=held))
 
     # ------------------------------------------------------------------ training
     async def _train(self) -> None:
@@ -327,11 +327,11 @@ class Worker:
                 if cluster is not None and len(cluster.members) > 1:
                     await self._refuse(SHARDED_REFUSAL)
                     continue
-                await self._wait_for("every parameter server shard's model", self.sharded.holds)
-            else:  # the version its last ack named: asked for again every ack timeout until it comes
-                await self._wait_for(f"model version {min_version}", self._holds_model(min_version),
-                                     every=self.cfg.worker.ack_timeout_s,
-                                     stalled=self._ask_for_snapshot if min_version else None)
+                what, holds, behind = "every parameter server shard's model", self.sharded.holds, self.sharded.resyncing
+            else:
+                what, holds, behind = f"model version {min_version}", self._holds_model(min_version), min_version > 0
+            await self._wait_for(what, holds, every=self.cfg.worker.ack_timeout_s,  # behind: ask, every ack timeout
+                                 stalled=self._ask_for_snapshot if behind else None)
             update = await self._compute()
             if update is None:
                 continue  # abandoned (a member left or lags; the planner re-plans), or left a mesh

@@ -48,6 +48,11 @@ class ShardedModel:
     async def receive(self, delta: ModelDelta, shard: int) -> None:
         await self.view.views[shard].receive(delta)
 
+    @property
+    def resyncing(self) -> bool:
+        """Some shard's last ack named a version for this worker to wait for."""
+        return bool(self._min_versions)
+
     def holds(self) -> bool:
         """Every shard's view holds the model at the version its last ack asked for, or knows it missed a delta."""
         views = self.view.views
