@@ -125,7 +125,7 @@ class Worker:
                              metrics=m)
         self.mesh = MeshSession(topics=self.topics, device=self.device, config=config.worker, view=self.view,
                                 board=self.board, trainer=self.trainer, metrics=m, current_plan=lambda: self.plan,
-                                wait=self._wait_for, on_delta=self._on_delta)
+                                wait=self._wait_for, on_delta=self._on_delta, ask_for_model=self._ask_for_snapshot)
         self._changed = asyncio.Condition()
         self._refused = 0
         """Version of the last plan whose share did not fit this device's memory (0 = none)."""
@@ -298,7 +298,7 @@ class Worker:
                 await stalled()
 
     async def _ask_for_snapshot(self) -> None:
-        """A version the last ack named has not come (a delta this device could not take): ask for the model."""
+        """Ask for the model: a version an ack named has not come, or a new division needs rows the view lacks."""
         assert self.bus is not None
         held = self.view.version if self.sharded is None else self.sharded.view.version
         with contextlib.suppress(BusError):  # every shard of a sharded parameter server hears it

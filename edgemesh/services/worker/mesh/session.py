@@ -29,7 +29,7 @@ from edgemesh.common.broadcast import ModelView
 from edgemesh.common.bus import Bus, Route
 from edgemesh.common.config import WorkerConfig
 from edgemesh.common.data import batch_at
-from edgemesh.common.errors import BusError, ModelError
+from edgemesh.common.errors import ModelError
 from edgemesh.common.messages import (
     CodecPolicy,
     MeshBegin,
@@ -40,7 +40,6 @@ from edgemesh.common.messages import (
     PlanCluster,
     PlanDevice,
     ShardUpdate,
-    SnapshotRequest,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
@@ -82,10 +81,13 @@ class MeshSession:
 
     def __init__(self, *, topics: Topics, device: str, config: WorkerConfig, view: ModelView, board: Board,
                  trainer: Trainer, metrics: ServiceMetrics, current_plan: Callable[[], Plan | None], wait: Wait,
-                 on_delta: Callable[[ModelDelta, TopicMatch], Awaitable[None]]) -> None:
+                 on_delta: Callable[[ModelDelta, TopicMatch], Awaitable[None]],
+                 ask_for_model: Callable[[], Awaitable[None]]) -> None:
         self.topics, self.device, self.cfg = topics, device, config
         self.view, self.board, self.trainer = view, board, trainer
         self._current_plan, self._wait, self._on_delta = current_plan, wait, on_delta
+        self._ask_for_model = ask_for_model
+        """Asks the parameter server for a snapshot (the worker's ``SnapshotRequest``)."""
         self._bus: Bus | None = None
         self._model_route: Route[Any] | None = None
         self._broadcast_route: Route[Any] | None = None
@@ -209,9 +211,7 @@ class MeshSession:
         assert self._model_route is not None
         await self.bus.unsubscribe(self._model_route.filter)
         await self.bus.subscribe(self._model_route)
-        with contextlib.suppress(BusError):
-            await self.bus.publish(self.topics.snapshot_request(self.device),
-                                   SnapshotRequest(device=self.device, version=self.view.version))
+        await self._ask_for_model()
 
     # ------------------------------------------------------------------ one step
     async def step(self, plan: Plan, me: PlanDevice, cluster: PlanCluster, policy: CodecPolicy | None,
