@@ -269,6 +269,31 @@ async def test_cancelling_run_leaves_no_task_behind(broker: BrokerProcess) -> No
     assert not bus.is_connected
 
 
+async def test_a_bus_ends_when_a_handler_drops_the_cancellation(broker: BrokerProcess) -> None:
+    """Python 3.11's ``asyncio.wait_for`` (under aiomqtt's publish) returns the answer that lands with a
+    cancel and drops the cancel: a handler publishing then must not leave the router, and so the stopping
+    service, running for ever (CI: a planner that did not stop within 100 s)."""
+    cfg = config(broker)
+    handling = asyncio.Event()
+
+    async def answered_as_cancelled(msg: DeviceHello, _: TopicMatch) -> None:
+        handling.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(3600)  # the publish's PUBACK, landing with the cancel
+
+    bus = Bus(cfg.broker, client_id=f"drops-{uuid.uuid4().hex[:6]}", metrics=ServiceMetrics("test"))
+    bus.route(T.hello_filter(), DeviceHello, answered_as_cancelled)
+    run = asyncio.create_task(bus.run())
+    async with routed(cfg, "sender") as (sender, _):
+        await bus.wait_connected(WAIT_S)
+        await sender.publish(T.hello("pi-1"), hello("pi-1"))
+        async with asyncio.timeout(WAIT_S):
+            await handling.wait()
+    run.cancel()
+    done, _ = await asyncio.wait({run}, timeout=WAIT_S)
+    assert run in done and run.cancelled(), "the bus went on after its cancellation"
+
+
 def test_a_message_is_one_call_into_wire_each_way() -> None:
     """The bus hands the wire a message once on the way out and once on the way in (chunks included)."""
     receiver = chunks.Receiver(max_bytes=1 << 20, budget_bytes=1 << 20, timeout_s=5)

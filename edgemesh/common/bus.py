@@ -71,8 +71,7 @@ authorized, banned, bad authentication method (3.1.1's 2, 4, 5 and their v5 equi
 REFUSALS_LOGGED = 1000
 """Distinct refused topics logged at ERROR (later ones, and repeats, at DEBUG; all are counted)."""
 PENDING_CALLS_WARNING = 1024
-"""aiomqtt warns when more calls than this wait on the broker (its default, 10, is less than a window of chunks
-and a few acks)."""
+"""aiomqtt warns past this many calls waiting on the broker (its 10 is less than a window of chunks and acks)."""
 SUBSCRIBE_FAILURE = 0x80
 """A SUBACK code at or above this refuses the subscription (3.1.1's 0x80 and v5's reason codes)."""
 
@@ -207,13 +206,16 @@ class Bus:
                 task.result()  # it failed on its own (a refused login): raise its error
 
     async def run(self) -> None:
-        """Connect, read and dispatch until cancelled; BusError when the broker refuses the login."""
+        """Connect, read and dispatch until cancelled; BusError when the broker refuses the login. Not in a
+        TaskGroup, which cancels the router once: a handler's publish can drop that cancel (``tasks``)."""
+        tasks = [asyncio.create_task(self._connection_loop(), name=f"connection-{self.client_id}"),
+                 asyncio.create_task(self._dispatch_loop(), name=f"router-{self.client_id}")]
         try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._dispatch_loop(), name=f"router-{self.client_id}")
-                await self._connection_loop()
-        except* BusError as failed:
-            raise failed.exceptions[0] from None
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_all(tasks)
+        for task in (t for t in tasks if not t.cancelled()):
+            task.result()  # raises the refused login's BusError, or a router's bug
 
     # --- connecting --------------------------------------------------------------------------
     def _make_client(self, protocol: aiomqtt.ProtocolVersion) -> aiomqtt.Client:

@@ -31,6 +31,7 @@ from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.jobs import parse_job, render_job
 from edgemesh.common.messages import Event, JobState
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.tasks import cancel_all
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
@@ -217,9 +218,8 @@ class Demo:
         wall = time.monotonic() - started
         assert self.cluster is not None
         await asyncio.to_thread(self.cluster.scrape_all)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(tasks)
+        await asyncio.gather(*tasks, return_exceptions=True)  # their errors read, not left "never retrieved"
         return wall
 
     # ------------------------------------------------------------------ report

@@ -20,6 +20,7 @@ from edgemesh.common.broadcast import ModelMessage
 from edgemesh.common.bus import Bus
 from edgemesh.common.messages import GradientUpdate, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.tasks import cancel_all
 from edgemesh.common.topics import Topics
 from edgemesh.services.parameter_server.scheduler import Ack
 
@@ -121,7 +122,4 @@ class Acks:
         if not self.in_flight:
             return
         _, late = await asyncio.wait(self.in_flight, timeout=DRAIN_S)
-        for task in late:
-            task.cancel()
-        if late:
-            await asyncio.wait(late)
+        await cancel_all(late)
