@@ -46,7 +46,7 @@ def told(acks: list[Ack]) -> list[tuple[str, str, str, bool]]:
 
 def nothing(out: Outcome) -> bool:
     """Whether a call settled nothing: no joined update, no ack."""
-    return out.joined is None and not out.acks and not out.rejected
+    return not out.joined and not out.acks and not out.rejected
 
 
 def test_a_step_is_joined_once_its_members_shards_tile_the_model() -> None:
@@ -56,8 +56,8 @@ def test_a_step_is_joined_once_its_members_shards_tile_the_model() -> None:
     assert len(assembly) == 1 and assembly.timeout(1.0) == 4.0  # half a model waits
     assert nothing(assembly.add(part("a", A, step=2), clock, 1, 0.0))  # another step is another step
     out = assembly.add(part("a", A, base=2, need_snapshot=True, received=1.0), clock, 1, 1.0)
-    joined = out.joined
-    assert joined is not None and not out.acks and not out.rejected
+    [joined] = out.joined
+    assert not out.acks and not out.rejected
     assert len(assembly) == 1  # step 2 still waits
     # one update for the cluster: the members' shards, the oldest base, a snapshot if any member missed a delta
     assert [u.device for u in joined.updates] == ["a", "b"]
@@ -80,7 +80,7 @@ def test_overlapping_shards_reject_the_step_as_shape() -> None:
     assembly, clock = Assembly(ROWS, timeout_s=5.0), Clock()
     assert nothing(assembly.add(part("a", A), clock, 1, 0.0))
     out = assembly.add(part("b", {"w": (3, 6), "v": (1, 3)}), clock, 1, 0.0)  # w[3] twice
-    assert out.joined is None and not out.acks
+    assert not out.joined and not out.acks
     # both members told, as rejections the service counts
     assert told(out.rejected) == [("a", "discarded", "shape", True), ("b", "discarded", "shape", True)]
     assert len(assembly) == 0
@@ -116,18 +116,40 @@ def test_a_new_plan_discards_the_steps_of_older_plans_at_once() -> None:
     assert told(assembly.add(part("b", B, step=7), clock, 2, 1.0).acks) == [("b", "discarded", "replanned", True)]
     assert told(assembly.add(part("b", B, step=8), clock, 2, 1.0).acks) == [("b", "discarded", "replanned", True)]
     assert len(assembly) == 1
-    joined = assembly.add(part("b", B, seq=2, plan_version=2), clock, 2, 1.0).joined
-    assert joined is not None and len(assembly) == 0
+    assert len(assembly.add(part("b", B, seq=2, plan_version=2), clock, 2, 1.0).joined) == 1
+    assert len(assembly) == 0
 
 
 def test_a_resend_of_a_joined_step_the_scheduler_discarded_hears_why() -> None:
     assembly, clock = Assembly(ROWS, timeout_s=5.0), Clock()
     assembly.add(part("a", A), clock, 1, 0.0)
-    joined = assembly.add(part("b", B), clock, 1, 0.0).joined
-    assert joined is not None
+    [joined] = assembly.add(part("b", B), clock, 1, 0.0).joined
     assembly.discarded(joined.update, "stale")
     assert told(assembly.add(part("b", B), clock, 1, 1.0).acks) == [("b", "discarded", "stale", True)]
     assert len(assembly) == 0
+
+
+def test_on_a_parameter_server_shard_a_step_waits_for_every_members_part_and_for_its_plan() -> None:
+    """A sharded server's shard joins a step once every member of the cluster sent its part, empty from a member
+    with none of the shard's rows: the joined update is the same member's on every shard (how shard 0's steps
+    name it to the others), not that of whoever happened to complete the rows."""
+    assembly, clock = Assembly(ROWS, timeout_s=5.0), Clock()
+    known: dict[int, frozenset[str]] = {}
+    assembly.members = lambda cluster, version: known.get(version)
+    assert nothing(assembly.add(part("b", B), clock, 1, 0.0))
+    assert nothing(assembly.add(part("c", A), clock, 1, 0.0))  # the rows are tiled; who the members are is unknown
+    known[1] = frozenset({"a", "b", "c"})
+    assert nothing(assembly.replanned(1))  # the plan came: a's part is still to come
+    [joined] = assembly.add(part("a", {}), clock, 1, 0.0).joined  # a has none of this shard's rows
+    assert joined.update.device == "a" and [u.device for u in joined.updates] == ["a", "b", "c"]
+    assert [(s.param, s.start, s.stop) for s in joined.update.shards] == [("w", 4, 6), ("v", 1, 3), ("w", 0, 4),
+                                                                          ("v", 0, 1)]
+    # every part of a step of a plan not known yet: joined when the plan comes
+    for device, rows in (("a", {}), ("b", B), ("c", A)):
+        assert nothing(assembly.add(part(device, rows, seq=2, plan_version=2), clock, 1, 1.0))
+    known[2] = frozenset({"a", "b", "c"})
+    [joined] = assembly.replanned(2).joined
+    assert joined.update.seq == 2 and len(assembly) == 0
 
 
 def test_the_assembly_remembers_the_last_closed_steps_only() -> None:

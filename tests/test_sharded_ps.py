@@ -4,6 +4,7 @@ shard topics, and services on a real broker training exactly what one server tra
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import subprocess
@@ -14,14 +15,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import gradient, inbox, make_config, plan_for, running, until
+from helpers import gradient, inbox, make_config, mesh_plan, plan_for, running, until
 
 from edgemesh import cli
-from edgemesh.common import models
-from edgemesh.common.config import Config
+from edgemesh.common import models, wire
+from edgemesh.common.broadcast import Broadcaster, member_rows
+from edgemesh.common.config import Config, ParameterServerConfig
 from edgemesh.common.errors import ConfigError, WireError
-from edgemesh.common.messages import ModelSnapshot, ShardSteps, StepPart, StepRecord, UpdateAck
-from edgemesh.common.shards import Division, ShardedView, divide
+from edgemesh.common.messages import ModelDelta, ModelSnapshot, ShardSteps, ShardUpdate, StepPart, StepRecord, UpdateAck
+from edgemesh.common.shards import Division, ShardedView, cut, divide
+from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicError, Topics, parse
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
@@ -87,6 +90,47 @@ def test_a_shard_takes_only_its_rows_and_a_worker_puts_them_back_together() -> N
             split.localize([outside])
 
 
+def test_a_model_parallel_members_rows_are_cut_at_the_shards_and_put_back_together() -> None:
+    """A member's rows within each shard's (an empty range where it has none), its gradient cut at the shards'
+    rows and sent to their owners, its view of every shard restricted to those rows and put together as its rows
+    of the model, and each shard's part of a delta for it: an empty one where the shard holds none of its rows."""
+    shapes = shapes_of(MODEL)
+    params = models.get_params(models.build_model(MODEL, seed=3))
+    divisions = [Division.of(shapes, i, 2) for i in range(2)]
+    plan = mesh_plan(["w0", "w1", "w2"], SPLIT_ACROSS, cluster="m-w0")
+    rows = member_rows(plan)
+    assert set(divisions[1].local_rows(rows["w1"]).values()) == {(0, 0)}  # no dense unit: nothing on shard 1
+    assert set(divisions[0].local_rows(rows["w2"]).values()) == {(0, 0)}  # fc1.weight[30:] on: nothing on shard 0
+    assert divisions[1].local_rows(rows["w0"])["fc1.weight"] == (0, 2)  # its fc1.weight[28:30] is shard 1's
+    view = ShardedView(2)
+    assert view.restrict(rows["w0"])  # before the model's shapes are known: kept for then
+    view.know(shapes)
+    for i, d in enumerate(divisions):
+        view.views[i].load(ModelSnapshot(version=4, model_spec=MODEL, created=0.0, sync_policy="sync", tensors={
+            k: Tensor.from_numpy(v) for k, v in d.take(params).items()}))
+    assert view.params is not None and view.params.keys() == params.keys()
+    for name, (start, stop) in rows["w0"].items():
+        np.testing.assert_array_equal(view.params[name], params[name][start:stop], err_msg=name)
+    # its gradient: pieces within one shard's rows each, which each owner takes
+    grads = {name: (start, stop, np.ones((stop - start, *shapes[name][1:]), np.float32))
+             for name, (start, stop) in rows["w0"].items()}
+    pieces = cut(grads, view.spans)
+    assert ("fc1.weight", 0, 28) in [p[:3] for p in pieces] and ("fc1.weight", 28, 30) in [p[:3] for p in pieces]
+    shards = [ShardUpdate(param=n, start=a, stop=b, codec="none", data=g.tobytes()) for n, a, b, g in pieces]
+    for i, part in enumerate(view.split(shards)):
+        assert part and divisions[i].localize(part)
+    assert view.split([s for s in shards if s.param.startswith("conv")])[1] == []  # w1's gradient: shard 0's alone
+    # shard 1's delta: a part for every member, w1's empty
+    broadcaster = Broadcaster(ParameterServerConfig(broadcast="delta", delta_codec="none"), MODEL)
+    broadcaster.own = divisions[1].local_rows
+    mine = divisions[1].take(params)
+    broadcaster.snapshot(mine, 4, "sync")
+    message = broadcaster.after_step({k: v + 1 for k, v in mine.items()}, 5, "sync", plan)
+    parts = {d: wire.decode(b, ModelDelta) for d, b in message.parts.items()}
+    assert parts.keys() == {"w0", "w1", "w2"} and parts["w1"].shards == () and parts["w2"].shards
+    assert {(s.param, s.start, s.stop) for s in parts["w0"].shards if s.param == "fc1.weight"} == {("fc1.weight", 0, 2)}
+
+
 def test_shard_topics_are_parsed_with_their_shard_and_nothing_else_lives_under_shard() -> None:
     t = Topics("j", 1)
     for topic, kind in [(t.grad("c", "d"), "grad"), (t.ack("d"), "ack"), (t.model(), "model"),
@@ -106,8 +150,6 @@ def test_sharded_settings_that_cannot_work_are_refused_at_load(tmp_path: Path) -
         make_config(broker, job="s", **{"ps.shards": 2, "ps.shard": 2})
     with pytest.raises(ConfigError, match="ps.shard_wait_s"):
         make_config(broker, job="s", **{"ps.shards": 2, "ps.shard_wait_s": 0})
-    with pytest.raises(ConfigError, match="mesh"):
-        make_config(broker, job="s", **{"ps.shards": 2, "planner.parallelism": "mesh"})
     bad = subprocess.run([sys.executable, "-m", "edgemesh", "ps", "--shard", "1-2", "--job", "s"],
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode != 0 and "--shard expects INDEX/COUNT" in bad.stderr
@@ -158,6 +200,50 @@ async def test_two_shards_train_exactly_what_one_server_trains(mosquitto_broker:
     assert any(not np.allclose(one[k], initial[k]) for k in one)  # it trained
     for name in one:
         np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+SPLIT_ACROSS: dict[str, tuple[int, ...]] = {"conv1": (8, 8, 0), "conv2": (16, 16, 0), "fc1": (30, 0, 34),
+                                            "fc2": (5, 0, 5)}
+"""Three members of a ``digits-cnn`` cluster beside two shards (shard 1 owns ``fc1.weight[28:]`` on): the first has
+rows on both shards, the second on shard 0 alone (no unit of the dense layers), the third on shard 1 alone."""
+
+
+@pytest.mark.parametrize(("broadcast", "rule"), [("delta", "mean"), ("snapshot", "clip")])
+async def test_a_model_parallel_cluster_trains_with_a_sharded_server(mosquitto_broker: BrokerProcess,
+                                                                     tmp_path: Path, broadcast: str, rule: str) -> None:
+    """Each member sends every shard its rows there, an empty part where it has none, and takes its part of each
+    shard's deltas; each shard joins a cluster step once every member's part is in, and the others take shard 0's
+    steps by the same update (the first member's): a sync round is a round on every shard, none missing a part.
+    Under ``clip`` shard 0 hears the other's part of each cluster update's norm. Then each member trains alone, on
+    the whole model again."""
+    cfg = sharded_config(mosquitto_broker, tmp_path, 2, **{"ps.broadcast": broadcast, "ps.aggregation": rule,
+                                                          "worker.max_steps": 0,
+                                                          "worker.codec_wait_s": 0.1, "worker.mesh_timeout_s": 10})
+    names = ["w0", "w1", "w2"]
+    servers = [ParameterServer(replace(cfg, ps=replace(cfg.ps, shard=i))) for i in range(2)]
+    workers = [Worker(replace(cfg, worker=replace(cfg.worker, device=d, state_dir=str(tmp_path / d)))) for d in names]
+    async with inbox(cfg) as box, running(*servers, *workers):
+        await box.publish(box.topics.plan(), mesh_plan(names, SPLIT_ACROSS, cluster="m-w0", batch=16), retain=True)
+        await until("ten cluster steps on both shards", lambda: all(s.version >= 10 for s in servers) and all(
+            w.accepted >= 10 for w in workers), TRAIN_S)
+        sizes = [w.trainer.gradient_bytes for w in workers]
+        # a plan that makes each member a cluster of its own: whole tensors again, from every shard
+        await box.publish(box.topics.plan(), plan_for(names, version=2, batch=16), retain=True)
+        before = [w.accepted for w in workers]
+        await until("data-parallel steps", lambda: all(w.accepted >= b + 5 and not w.mesh.active
+                                                       for w, b in zip(workers, before, strict=True)), TRAIN_S)
+    assert abs(servers[0].version - servers[1].version) <= 1  # the follower at most one step behind at the stop
+    assert servers[1].metrics.value("edgemesh_ps_shard_parts_missed_total") == 0
+    assert servers[0].metrics.value("edgemesh_ps_shard_norms_missing_total") == 0
+    for s in servers:
+        assert s.metrics.value("edgemesh_ps_rejected_total") == 0
+        assert s.division is not None and s.state is not None
+        start = s.division.take(models.get_params(models.build_model(MODEL, seed=5)))
+        assert all(not np.allclose(s.state.params[k], start[k]) for k in start), "a shard's rows did not train"
+    assert all(w.metrics.value("edgemesh_worker_mesh_steps_total", outcome="done") >= 10 for w in workers)
+    # each member pushed only its rows; alone, the whole model
+    whole = sum(math.prod(v) for v in shapes_of(MODEL).values()) * 4
+    assert sum(sizes) == whole and all(w.trainer.gradient_bytes == whole for w in workers)
 
 
 async def test_a_shard_refuses_rows_it_does_not_own_and_acks_on_its_own_topic(mosquitto_broker: BrokerProcess,

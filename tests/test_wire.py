@@ -411,6 +411,13 @@ def test_gradient_field_errors(msg: GradientUpdate) -> None:
     assert _reason(wire.encode(msg), GradientUpdate) == "field"
 
 
+def test_a_model_parallel_members_part_for_a_shard_holding_none_of_its_rows_is_empty() -> None:
+    """With a sharded parameter server a member sends each shard a part of every step, and each shard sends it a
+    part of every delta: empty where the shard holds none of its rows. Only those may be empty."""
+    assert wire.decode(wire.encode(dataclasses.replace(MESH_GRADIENT, shards=())), GradientUpdate).shards == ()
+    assert wire.decode(wire.encode(dataclasses.replace(DELTA, shards=())), ModelDelta).shards == ()
+
+
 @pytest.mark.parametrize("msg", [
     dataclasses.replace(STATUS, state="away"),
     dataclasses.replace(CODEC, density=0.0),

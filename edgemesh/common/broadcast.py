@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -69,6 +69,9 @@ class Broadcaster:
         """Version of the last snapshot published."""
         self.skipped = False
         """A version went unpublished (no one listened) since the last snapshot."""
+        self.own: Callable[[Rows], Rows] | None = None
+        """A parameter server shard's: a member's rows of the model as its own rows (``Division.local_rows``). Each
+        member then hears of every version, with an empty part where the shard holds none of its rows."""
 
     @property
     def view(self) -> Mapping[str, np.ndarray] | None:
@@ -106,7 +109,10 @@ class Broadcaster:
         if self.cfg.broadcast == "snapshot" or self._view is None or \
                 version - self.last_full >= self.cfg.snapshot_every:
             return ModelMessage(self.snapshot(params, version, policy), True, {})
-        return self._delta(params, version, member_rows(plan))
+        members: Mapping[str, Rows] = member_rows(plan)
+        if self.own is not None:
+            members = {device: self.own(rows) for device, rows in members.items()}
+        return self._delta(params, version, members)
 
     def _delta(self, params: Mapping[str, np.ndarray], version: int, members: Mapping[str, Rows]) -> ModelMessage:
         """The encoded change from the workers' view to the model, and every member's part of it; the
@@ -138,7 +144,7 @@ class Broadcaster:
         for device, rows in members.items():
             mine = tuple(s for s in shards
                          if s.param in rows and s.start < rows[s.param][1] and rows[s.param][0] < s.stop)
-            if mine:
+            if mine or self.own is not None:
                 parts[device] = wire.encode(replace(delta, shards=mine))
         return ModelMessage(wire.encode(delta), False, parts)
 

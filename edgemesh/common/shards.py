@@ -25,6 +25,9 @@ from edgemesh.common.broadcast import ModelView
 from edgemesh.common.errors import ConfigError, WireError
 from edgemesh.common.messages import ShardUpdate
 
+Piece = tuple[str, int, int, np.ndarray]
+"""``(param, start, stop, rows)``: rows of a gradient."""
+
 
 @dataclass(frozen=True, slots=True)
 class Span:
@@ -69,6 +72,31 @@ def divide(shapes: Mapping[str, tuple[int, ...]], shards: int) -> list[list[Span
     return runs
 
 
+def local_rows(run: Iterable[Span], rows: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """The part of a model-parallel member's ``rows`` (``param -> (start, stop)`` of whole parameters) within a
+    shard's ``run``, counted from the shard's first row of each parameter; every parameter of the run is named,
+    with an empty range where the member has none of its rows."""
+    out = {}
+    for span in run:
+        start, stop = rows.get(span.param, (0, 0))
+        a, b = max(start, span.start), min(stop, span.stop)
+        out[span.param] = (a - span.start, b - span.start) if a < b else (0, 0)
+    return out
+
+
+def cut(grads: Mapping[str, tuple[int, int, np.ndarray]], spans: Iterable[Span]) -> list[Piece]:
+    """A model-parallel member's gradient (``param -> (start, stop, rows)``) cut at the shards' ``spans``: the
+    pieces, each within one shard's rows (none where it has no rows)."""
+    out: list[Piece] = []
+    for span in spans:
+        if span.param in grads:
+            start, stop, rows = grads[span.param]
+            a, b = max(start, span.start), min(stop, span.stop)
+            if a < b:
+                out.append((span.param, a, b, rows[a - start:b - start]))
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class Division:
     """One shard's rows of the model: what its parameter server keeps."""
@@ -84,6 +112,10 @@ class Division:
     def take(self, params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """This shard's rows of the whole ``params``, each a tensor of its own under its parameter's name."""
         return {s.param: np.array(params[s.param][s.start:s.stop], dtype=np.float32) for s in self.spans}
+
+    def local_rows(self, rows: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+        """``local_rows(self.spans, rows)``: a model-parallel member's rows, as this shard's."""
+        return local_rows(self.spans, rows)
 
     def localize(self, shards: Iterable[ShardUpdate]) -> tuple[ShardUpdate, ...]:
         """A gradient's shards in this shard's own rows (``start`` counted from its first row of the
@@ -106,6 +138,9 @@ class ShardedView:
     def __init__(self, shards: int) -> None:
         self.views = [ModelView() for _ in range(shards)]
         self.runs: list[list[Span]] | None = None
+        self.rows: dict[str, tuple[int, int]] | None = None
+        """A model-parallel member's rows of whole parameters (None: whole parameters): each shard's view keeps
+        their part within its rows (``local_rows``), and ``params`` are the member's rows, put together."""
         self._assembled: dict[str, np.ndarray] | None = None
         self._from: list[dict[str, np.ndarray] | None] = []
         """Every shard's params the assembled tensors were made of (held, not their ``id``s: a freed
@@ -114,6 +149,18 @@ class ShardedView:
     def know(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
         if self.runs is None:
             self.runs = divide(shapes, len(self.views))
+            self.restrict(self.rows)
+
+    def restrict(self, rows: Mapping[str, tuple[int, int]] | None) -> bool:
+        """Keep only a model-parallel member's ``rows`` from now on (None: whole parameters), as
+        ``ModelView.restrict`` does: True if every shard's view still holds what it must, False if one was
+        emptied for the next snapshot of that shard."""
+        self.rows = dict(rows) if rows is not None else None
+        if self.runs is None:
+            return True  # applied when the model's shapes are known
+        kept = [view.restrict(None if rows is None else local_rows(run, rows))
+                for view, run in zip(self.views, self.runs, strict=True)]
+        return all(kept)
 
     def shapes(self, shard: int) -> dict[str, tuple[int, ...]] | None:
         """The shapes of shard ``shard``'s tensors (None until the model is known)."""
@@ -158,13 +205,16 @@ class ShardedView:
         return {name: p[0] if len(p) == 1 else np.concatenate(p) for name, p in pieces.items()}
 
     def split(self, shards: Sequence[ShardUpdate]) -> list[list[ShardUpdate]]:
-        """Whole-tensor gradient shards grouped by the parameter server shard whose rows they are (each
-        must lie within one shard's rows: ``spans`` says how to cut them)."""
+        """Gradient shards grouped by the parameter server shard whose rows they are (each must lie within one
+        shard's rows: ``spans`` says how to cut them, ``cut`` a model-parallel member's rows)."""
         assert self.runs is not None
-        owner = {(s.param, s.start, s.stop): i for i, run in enumerate(self.runs) for s in run}
+        owners: dict[str, list[tuple[Span, int]]] = {}
+        for i, run in enumerate(self.runs):
+            for span in run:
+                owners.setdefault(span.param, []).append((span, i))
         out: list[list[ShardUpdate]] = [[] for _ in self.views]
         for s in shards:
-            out[owner[(s.param, s.start, s.stop)]].append(s)
+            out[next(i for span, i in owners[s.param] if span.start <= s.start and s.stop <= span.stop)].append(s)
         return out
 
     @property

@@ -396,5 +396,3 @@ class Config:
                  f"{self.job!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
         _require(self.log_level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR"), "log_level",
                  "one of DEBUG INFO WARNING ERROR")
-        _require(self.ps.shards == 1 or self.planner.parallelism == "data", "planner.parallelism",
-                 "mesh is not available with ps.shards > 1: a sharded parameter server takes whole tensors")

@@ -85,7 +85,8 @@ class GradientUpdate:
         nonneg("plan_version", self.plan_version)
         if self.samples < 1:
             raise ValueError("samples must be >= 1")
-        if not 0 < len(self.shards) <= MAX_SHARDS:
+        # a model-parallel member's part for a parameter server shard where it has no rows is empty
+        if not (0 if self.mesh_step else 1) <= len(self.shards) <= MAX_SHARDS:
             raise ValueError("shard count out of range")
         for shard in self.shards:
             shard.validate()
@@ -148,7 +149,7 @@ class ModelDelta:
         nonneg("base_version", self.base_version)
         if self.version <= self.base_version:
             raise ValueError("a delta must lead to a later version")
-        if not 0 < len(self.shards) <= MAX_SHARDS:
+        if not 0 <= len(self.shards) <= MAX_SHARDS:  # empty: a member's part of a shard holding none of its rows
             raise ValueError("shard count out of range")
         for shard in self.shards:
             shard.validate()

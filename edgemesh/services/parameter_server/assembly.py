@@ -3,7 +3,10 @@
 The members of a model-parallel cluster each push the gradient of their rows for the same step
 (``GradientUpdate.mesh_step``). The assembly holds them by ``(cluster, plan version, step)`` until
 their shards tile every parameter exactly; then the cluster's update goes to the scheduler like
-any other. A step whose shards overlap is discarded (``shape``); one not complete within
+any other. On a sharded parameter server (``members`` set) a step also waits for a part from every member of
+its cluster, empty where the member has none of this shard's rows: the joined update then takes the identity
+of the same member's part on every shard, which is how shard 0's steps name it to the others. A step whose
+shards overlap is discarded (``shape``); one not complete within
 ``ps.mesh_assembly_timeout_s``, or one of a plan that has been replaced, is discarded too
 (``incomplete``, ``replanned``: its members abandon it and resync). The last ``CLOSED_STEPS``
 steps joined or discarded are remembered, so that a member's resend of its part opens no new one.
@@ -13,11 +16,11 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from edgemesh.common.messages import GradientUpdate
+from edgemesh.common.messages import GradientUpdate, Plan
 from edgemesh.common.vocabulary import DiscardReason
 from edgemesh.services.parameter_server.optimizer import ShardGrad
 from edgemesh.services.parameter_server.scheduler import Ack, Candidate, Clock
@@ -33,6 +36,14 @@ COUNTED: tuple[DiscardReason, ...] = ("shape", "incomplete")
 """Why a step is discarded that the service counts as a rejection (the others, the scheduler's, are ack-only)."""
 
 
+def members_in(plan: Plan | None, cluster: str, plan_version: int) -> frozenset[str] | None:
+    """The members of ``cluster`` under ``plan`` if it is version ``plan_version`` (None: another plan)."""
+    if plan is None or plan.version != plan_version:
+        return None
+    found = plan.cluster(cluster)
+    return frozenset(found.members) if found is not None else frozenset()
+
+
 @dataclass(slots=True)
 class _Waiting:
     opened: float
@@ -44,7 +55,7 @@ class Outcome:
     """What a call settled: the cluster's joined update, acks to send, and acks of rejected parts
     (the service counts those as rejections)."""
 
-    joined: Candidate | None = None
+    joined: list[Candidate] = field(default_factory=list)
     acks: list[Ack] = field(default_factory=list)
     rejected: list[Ack] = field(default_factory=list)
 
@@ -56,6 +67,9 @@ class Assembly:
         self.rows = dict(rows)
         """Length along dim 0 of every parameter: the shards of a step must tile them."""
         self.timeout_s = timeout_s
+        self.members: Callable[[str, int], frozenset[str] | None] | None = None
+        """A sharded parameter server's: the members of a cluster under a plan version (None: that plan is not
+        known yet, and its steps wait for it); every one of them sends each shard a part of every step."""
         self._waiting: dict[StepKey, _Waiting] = {}
         self._closed: OrderedDict[StepKey, DiscardReason | Literal[""]] = OrderedDict()
         """Steps joined ('') or discarded (the reason)."""
@@ -94,23 +108,32 @@ class Assembly:
             return out
         waiting = self._waiting.setdefault(key, _Waiting(now))
         waiting.parts[u.device] = item
+        self._settle(key, out)
+        return out
+
+    def _settle(self, key: StepKey, out: Outcome) -> None:
+        """Join step ``key`` if its parts are all in, or discard it if two overlap; else leave it waiting."""
+        waiting = self._waiting[key]
         coverage = self._coverage([g for part in waiting.parts.values() for g in part.grads])
         if coverage == "partial":
-            return out
+            return
+        if coverage == "full" and self.members is not None:
+            members = self.members(key[0], key[1])
+            if members is None or not members <= waiting.parts.keys():
+                return  # a member's empty part (or the plan saying who the members are) is still to come
         del self._waiting[key]
         parts = sorted(waiting.parts.values(), key=lambda part: part.update.device)
         if coverage == "overlap":
             self._close(key, "shape")
             out.rejected += [Ack(part.update, "discarded", "shape", resync=True) for part in parts]
-            return out
+            return
         self._close(key, "")
         first = parts[0].update
         merged = replace(first, base_version=min(part.update.base_version for part in parts),
                          need_snapshot=any(part.update.need_snapshot for part in parts),
                          shards=tuple(sh for part in parts for sh in part.update.shards))
-        out.joined = Candidate(merged, [g for part in parts for g in part.grads],
-                               max(part.received for part in parts), parts=tuple(part.update for part in parts))
-        return out
+        out.joined.append(Candidate(merged, [g for part in parts for g in part.grads],
+                                    max(part.received for part in parts), parts=tuple(p.update for p in parts)))
 
     def expire(self, now: float) -> Outcome:
         """Discard the steps whose members did not all report in time (one left or lags)."""
@@ -124,7 +147,10 @@ class Assembly:
         stale = [k for k in self._waiting if k[1] < plan_version]
         for key in stale:
             logger.info("step %d of %s discarded: plan version %d replaced %d", key[2], key[0], plan_version, key[1])
-        return self._discard(stale, "replanned", counted=False)
+        out = self._discard(stale, "replanned", counted=False)
+        for key in [k for k in self._waiting if k[1] == plan_version]:  # waiting to know who the members are
+            self._settle(key, out)
+        return out
 
     def timeout(self, now: float) -> float | None:
         """Seconds until the oldest waiting step times out (None: none waits)."""

@@ -14,10 +14,10 @@ Backbone (docs/synchronization.md), top to bottom:
    slow devices) for the planner, which gives slow devices smaller batches.
 
 Sharded (``edgemesh ps --shard i/n``, ``shards``): this process keeps its rows of the model alone, takes
-gradients, acks and broadcasts on its shard's topics, checkpoints in a directory of its own, and is
-otherwise the same server; shard 0 alone runs the policy and publishes its steps, which the others take
-(``shard_steps``), and it evaluates the model put together from every shard's broadcast and publishes the
-sync state.
+gradients (a model-parallel step once every member's part is in), acks and broadcasts on its shard's topics,
+checkpoints in a directory of its own, and is otherwise the same server; shard 0 alone runs the policy and
+publishes its steps, which the others take (``shard_steps``), and it evaluates the model put together from every
+shard's broadcast and publishes the sync state.
 """
 
 from __future__ import annotations
@@ -40,20 +40,14 @@ from edgemesh.common.codecs import quick_to_decode
 from edgemesh.common.config import Config
 from edgemesh.common.errors import WireError
 from edgemesh.common.jobs import JobSpec
-from edgemesh.common.messages import (
-    ControlCommand,
-    GradientUpdate,
-    LocalEvaluation,
-    Plan,
-    SnapshotRequest,
-)
+from edgemesh.common.messages import ControlCommand, GradientUpdate, LocalEvaluation, Plan, SnapshotRequest
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.shards import Division
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy, payload_reason
 from edgemesh.services.parameter_server.acks import Acks
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
-from edgemesh.services.parameter_server.assembly import Assembly, Outcome
+from edgemesh.services.parameter_server.assembly import Assembly, Outcome, members_in
 from edgemesh.services.parameter_server.evaluation import Evaluator
 from edgemesh.services.parameter_server.ledger import Ledger
 from edgemesh.services.parameter_server.optimizer import ModelState
@@ -179,6 +173,8 @@ class ParameterServer:
             shapes = {name: v.shape for name, v in initial.items()}
             self.division = Division.of(shapes, p.shard, p.shards)
             initial = self.division.take(initial)
+            self.broadcast.own = self.division.local_rows  # a model-parallel member hears of its rows here
+            self.assembly.members = lambda cluster, version: members_in(self.plan, cluster, version)
             label = f"{label} (shard {p.shard} of {p.shards})"
             if self.peers is not None:
                 self.peers.know(shapes)
@@ -285,14 +281,12 @@ class ParameterServer:
             return
         try:
             if self.division is not None:
-                if update.mesh_step:
-                    raise WireError("a sharded parameter server takes no model-parallel steps", "shape")
                 update = replace(update, shards=self.division.localize(update.shards))
             shards = update.shards
             grads = self.state.decode(shards) if quick_to_decode(shards) else \
                 await asyncio.to_thread(self.state.decode, shards)
-            if isinstance(self.scheduler, Follower):  # shard 0 judges the whole update (clip, krum)
-                await self.scheduler.measured(update, grads, self.aggregator.rule)
+            if isinstance(self.scheduler, Follower) and not update.mesh_step:  # shard 0 judges the whole update
+                await self.scheduler.measured(update, grads, self.aggregator.rule)  # (clip, krum)
         except WireError as exc:
             self.metrics.reject(exc.reason, where, exc, route="grad")
             await self.acks.send(Ack(update, "discarded", payload_reason(exc.reason)), self.version)
@@ -303,21 +297,25 @@ class ParameterServer:
             self._request_snapshot()  # the sender missed a delta
         item = Candidate(update, grads, time.monotonic())
         if update.mesh_step:
-            outcome = self.assembly.add(item, self.clock, self.plan.version if self.plan else 0, time.monotonic())
-            await self._settle(outcome)
-            self._wake.set()  # a model-parallel step to time out, or joined
-            if outcome.joined is None:
-                return
-            item = outcome.joined
-        if not update.mesh_step:
-            self.acks.owe(update)
+            await self._settle(self.assembly.add(item, self.clock, self.plan.version if self.plan else 0,
+                                                 time.monotonic()))
+            self._wake.set()  # a model-parallel step to time out
+            return
+        self.acks.owe(update)
         self._queue.append(item)
         self._count_pending()  # a paused server holds it: the gauge says so
         self._wake.set()
 
     async def _settle(self, outcome: Outcome) -> None:
-        """The acks of an assembly outcome; its rejected parts counted first."""
+        """An assembly outcome: the clusters' joined updates queued, the acks sent (rejected parts counted)."""
         self.m_assembling.set(len(self.assembly))
+        for joined in outcome.joined:
+            if isinstance(self.scheduler, Follower):  # shard 0 judges the cluster's update (clip, krum)
+                await self.scheduler.measured(joined.update, joined.grads, self.aggregator.rule)
+            self._queue.append(joined)
+        if outcome.joined:
+            self._count_pending()
+            self._wake.set()
         for ack in outcome.rejected:
             u = ack.update
             self.metrics.reject(ack.reason, self.topics.grad(u.cluster, u.device),

@@ -10,15 +10,15 @@ the discards since its last message. At most :data:`WHOLE_EVERY_S` after news, a
 message failed, it publishes the whole of what it keeps instead, retained: its latest steps and discards (news
 cost only what is new to encode and decode; the whole, 64 steps, cost 3 ms at every step). Every other shard
 (:class:`Follower`, its scheduler whatever the policy) holds the updates it receives until a step of shard 0
-names them, then takes that step with those weights, making the same version, and answers shard 0's discards as
-shard 0 did. Under ``sync`` this changes nothing but when a
-shard's acks go (after shard 0's step); under the others it is what makes the model one model.
+names them (a model-parallel cluster's by its first member's part, as every shard joins it: ``assembly``), then
+takes that step with those weights, making the same version, and answers shard 0's discards as shard 0 did.
+Under ``sync`` this changes only when a shard's acks go; under the others it is what makes the model one model.
 
 * A follower that restarts (or reconnects) finds the retained message and takes the steps past what its own log
   recovered. News that leave a gap behind what it has (sent while it was away, after the retained message) are
-  held until the next whole message fills it, within :data:`WHOLE_EVERY_S`.
-  Shard 0 keeps its latest steps in its checkpoint (and its log has those since), and publishes them again
-  when it starts: a step logged just before a crash is not lost to the others with the message it never sent.
+  held until the next whole message fills it, within :data:`WHOLE_EVERY_S`. Shard 0 keeps its latest steps in its
+  checkpoint (and its log has those since), and publishes them again when it starts: a step logged just before a
+  crash is not lost to the others with the message it never sent.
 * A step naming an update the follower never got (its sender died between one shard's publish and the next's)
   waits ``ps.shard_wait_s``, then is taken without it; so is a step naming an update the follower refused (its
   rows were malformed or not finite here). Either part is counted (``shard_parts_missed``); the update, arriving
@@ -83,8 +83,7 @@ logger = logging.getLogger(__name__)
 KEPT_STEPS = 64
 """Steps the retained message holds: a follower that many versions behind still catches up exactly."""
 WHOLE_EVERY_S = 0.5
-"""Longest time shard 0's retained message (the whole of its kept steps) lags its news: a follower that
-reconnected, or started, waits at most this long for the steps sent while it was away."""
+"""Longest lag of shard 0's retained message (all its kept steps) behind its news: a (re)started follower's wait."""
 KEPT_PARTS = 2048
 """Most updates those steps name in all (64 clusters' rounds would otherwise make every message 250 kB)."""
 KEPT_DISCARDS = 256
@@ -167,10 +166,10 @@ class Leader:
         keys: list[list[list[Any]]]  # per step, per contribution (clip) or pair (krum): the table's keys to sum
         if rule == "clip":
             table = self.partials
-            keys = [[[key_of(u) for u in item.updates] for item in step.items] for step in steps]
-        elif rule == "krum":  # with shards every item is one update (model-parallel clusters are refused)
+            keys = [[[key_of(item.update)] for item in step.items] for step in steps]  # a cluster's: as joined
+        elif rule == "krum":
             table = self.pairs
-            keys = [[[_pair(key_of(a.updates[0]), key_of(b.updates[0]))]
+            keys = [[[_pair(key_of(a.update), key_of(b.update))]
                      for a, b in itertools.combinations(step.items, 2)] if len(step.items) > 2 else []  # noqa: PLR2004
                     for step in steps]  # Krum takes every one of two or fewer: no distance needed
         else:
@@ -213,8 +212,9 @@ class Leader:
         for step, c in zip(steps, combined or [Combined([])] * len(steps), strict=True):
             factors = c.scales or [1.0] * len(step.items)
             chosen = set(range(len(step.items)) if c.how.chosen is None else c.how.chosen)
-            records.append(record_of(step.version, [(u, w * f, i not in chosen) for i, (item, w, f) in enumerate(zip(
-                step.items, step.weights, factors, strict=True)) for u in item.updates], rule=c.how.rule))
+            parts = enumerate(zip(step.items, step.weights, factors, strict=True))  # a cluster's: its first member's
+            records.append(record_of(step.version, [(it.update, w * f, i not in chosen) for i, (it, w, f) in parts],
+                                     rule=c.how.rule))
         self._keep(records)
 
     def _keep(self, records: Sequence[StepRecord]) -> None:
@@ -400,14 +400,14 @@ class Follower(Scheduler):
             key = key_of(item.update)
             if key in self.settled:  # discarded by shard 0, or missed here: answered as before
                 ack = self.settled[key]
-                out.acks.append(Ack(item.update, ack.status, ack.reason, ack.delay, ack.resync))
+                out.acks += [Ack(part, ack.status, ack.reason, ack.delay, ack.resync) for part in item.updates]
             else:
                 self.held[key] = item
         for key, item in list(self.held.items()):
             if self.clock.seen(item.update):  # its sender has moved on (a later update of it was applied)
                 del self.held[key]
                 self._measured.pop(key, None)
-                out.acks.append(Ack(item.update, "duplicate"))
+                out.acks += [Ack(part, "duplicate") for part in item.updates]
         version = self.clock.version
         while (record := self._next(fleet.now, version)) is not None:
             self._take(record, out)
@@ -469,7 +469,7 @@ class Follower(Scheduler):
                     tuple(chosen) if record.rule == "krum" else None)
         self.clock.advance(step.items)
         out.steps.append(step)
-        out.acks += [Ack(item.update, "accepted", "", step.delay(item), self.resync) for item in items]
+        out.acks += [Ack(p, "accepted", "", step.delay(it), self.resync) for it in items for p in it.updates]
 
     def _remember(self, key: Key, ack: Ack) -> None:
         self.settled[key] = ack

@@ -21,8 +21,8 @@ and the worker waits for a plan that gives it less. A policy with ``gateway = tr
 raw float32 on ``grad-raw/{cluster}/{device}`` for the compressor to encode.
 
 With a sharded parameter server (``ps.shards`` > 1) the model is assembled from every shard's broadcast
-and a step sends each shard the gradient of its rows, waiting for every shard's ack (``sharded``); such a
-worker trains only in clusters of its own (data parallelism).
+and a step sends each shard the gradient of its rows, waiting for every shard's ack (``sharded``); a
+model-parallel member does so with its rows of every shard's (``mesh.session``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ from edgemesh.services.worker.incarnation import next_incarnation
 from edgemesh.services.worker.link import keep_probing
 from edgemesh.services.worker.mesh.session import MeshSession
 from edgemesh.services.worker.sender import Sender
-from edgemesh.services.worker.sharded import REFUSAL as SHARDED_REFUSAL
 from edgemesh.services.worker.sharded import ShardedModel
 from edgemesh.services.worker.stats import Recent, mean
 from edgemesh.services.worker.trainer import Trainer
@@ -123,9 +122,11 @@ class Worker:
         self.events: Events | None = None
         self.sender = Sender(device=self.device, incarnation=self.incarnation, config=config.worker, link=self.link,
                              metrics=m)
-        self.mesh = MeshSession(topics=self.topics, device=self.device, config=config.worker, view=self.view,
-                                board=self.board, trainer=self.trainer, metrics=m, current_plan=lambda: self.plan,
-                                wait=self._wait_for, on_delta=self._on_delta, ask_for_model=self._ask_for_snapshot)
+        self.mesh = MeshSession(topics=self.topics, device=self.device, config=config.worker,
+                                view=self.sharded.view if self.sharded else self.view, board=self.board,
+                                trainer=self.trainer, metrics=m, current_plan=lambda: self.plan, wait=self._wait_for,
+                                on_delta=self._on_shard_delta if self.sharded else self._on_delta,
+                                ask_for_model=self._ask_for_snapshot)
         self._changed = asyncio.Condition()
         self._refused = 0
         """Version of the last plan whose share did not fit this device's memory (0 = none)."""
@@ -160,19 +161,19 @@ class Worker:
         self.sender.bus = bus
         bus.route(t.plan_filter(), Plan, self._on_plan)
         bus.route(t.codec_filter(self.device), CodecPolicy, self._on_policy)
-        if self.sharded is not None:
-            for shard in range(self.sharded.count):
-                st = t.for_shard(shard)
-                bus.route(st.model_filter(), ModelSnapshot, self._on_shard_snapshot)
-                bus.route(st.delta_filter(), ModelDelta, self._on_shard_delta)
-                bus.route(st.ack_filter(self.device), UpdateAck, self.sender.on_ack)
-        model = bus.route(t.model_filter(), ModelSnapshot, self._on_snapshot)
-        broadcast = bus.route(t.delta_filter(), ModelDelta, self._on_delta)
+        models = [bus.route(t.model_filter(), ModelSnapshot, self._on_snapshot)]
+        broadcasts = [bus.route(t.delta_filter(), ModelDelta, self._on_delta)]
         bus.route(t.ack_filter(self.device), UpdateAck, self.sender.on_ack)
+        if self.sharded is not None:  # the mesh session swaps these for a member's part of each shard's deltas
+            shards = [t.for_shard(shard) for shard in range(self.sharded.count)]
+            models = [bus.route(st.model_filter(), ModelSnapshot, self._on_shard_snapshot) for st in shards]
+            broadcasts = [bus.route(st.delta_filter(), ModelDelta, self._on_shard_delta) for st in shards]
+            for st in shards:
+                bus.route(st.ack_filter(self.device), UpdateAck, self.sender.on_ack)
         bus.on_connect(self._announce)
         bus.on_connect(self.sender.on_connect)
         bus.on_joined(self.recent.on_joined)
-        self.mesh.attach(bus, model, broadcast)
+        self.mesh.attach(bus, models, broadcasts)
 
     def jobs(self) -> list[Job]:
         return [self._train(), self._report(), self._probe_links()]
@@ -323,10 +324,6 @@ class Worker:
                 await self._refuse(refusal)
                 continue
             if self.sharded is not None:
-                cluster = self.plan.cluster(self.me.cluster)
-                if cluster is not None and len(cluster.members) > 1:
-                    await self._refuse(SHARDED_REFUSAL)
-                    continue
                 what, holds, behind = "every parameter server shard's model", self.sharded.holds, self.sharded.resyncing
             else:
                 what, holds, behind = f"model version {min_version}", self._holds_model(min_version), min_version > 0
@@ -370,15 +367,17 @@ class Worker:
 
     async def _compute(self) -> GradientUpdate | None:
         """One step under the current plan: this device's update, or None when there is none to send."""
-        if self.sharded is not None:
-            return await self._compute_sharded()
-        assert self.plan is not None and self.me is not None and self.view.params is not None
-        params, version, gap = self.view.params, self.view.version, self.view.gap
+        assert self.plan is not None and self.me is not None
         plan, me, policy = self.plan, self.me, self.policy
         cluster = plan.cluster(me.cluster)
+        mesh = cluster is not None and len(cluster.members) > 1
+        if self.sharded is not None and not mesh and self.mesh.member is None:
+            return await self._compute_sharded()
+        params, version, gap = self.view.params, self.view.version, self.view.gap
         mesh_step = 0
         shards: list[ShardUpdate]
-        if cluster is not None and len(cluster.members) > 1:
+        if mesh:
+            assert cluster is not None
             result = await self.mesh.step(plan, me, cluster, policy, self.board.link_rates())
             if result is None:
                 return None
@@ -390,6 +389,7 @@ class Worker:
             if self.mesh.member is not None:  # a model-parallel member until this plan: its view held its rows
                 await self.mesh.leave()
                 return None  # start over with the whole model
+            assert params is not None
             shards, samples, loss, real_s, flops = await asyncio.to_thread(self.trainer.step, plan, me, params,
                                                                           version, policy)
             elapsed = await self.board.hold(real_s, flops, samples)

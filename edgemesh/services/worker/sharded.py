@@ -4,7 +4,8 @@ The model is put together from every shard's broadcast (``shards.ShardedView``),
 to hold exactly its rows. A step's gradient is cut at the shards' rows and each part goes to its shard, on the
 shard's topics, with the version and gap of that shard's model; the worker waits for every shard's ack. The
 answer that counts is the worst one; a shard that asks for a resync names the version the worker waits for in
-that shard's view before its next step.
+that shard's view before its next step. A model-parallel member sends every shard a part of each step, empty
+where the shard holds none of its rows: each shard joins a step once every member's part is in.
 """
 
 from __future__ import annotations
@@ -18,10 +19,6 @@ from edgemesh.common.messages import GradientUpdate, ModelDelta, ModelSnapshot, 
 from edgemesh.common.shards import ShardedView
 from edgemesh.common.topics import Topics
 from edgemesh.services.worker.sender import Sender
-
-REFUSAL = ("a sharded parameter server (ps.shards > 1) takes whole tensors: this device trains only in a "
-           "cluster of its own")
-"""Why a worker of a sharded parameter server refuses a model-parallel share."""
 
 
 class ShardedModel:

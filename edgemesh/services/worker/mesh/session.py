@@ -9,6 +9,9 @@
   the others follow with the same batch (``batch_at``). Each piece of compute runs in a thread and
   is held to the board's speed; gradients leave as the member's shards.
 * **Leave** (a plan makes it a cluster of one): whole parameters again, the broadcast again.
+* **A sharded parameter server** (``ShardedView``): each shard's view keeps the member's rows within that
+  shard's, each shard sends the member its part of every delta (empty where it holds none of its rows), and
+  the gradient is cut at the shards' rows; the worker sends each shard its part, empty ones too.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from edgemesh.common.messages import (
     ShardUpdate,
 )
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.shards import ShardedView, cut
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.services.worker.board import Board
 from edgemesh.services.worker.mesh.exchange import BusExchange
@@ -79,7 +83,8 @@ class MeshResult:
 class MeshSession:
     """This device's part of a model-parallel cluster (None of it while in a cluster of one)."""
 
-    def __init__(self, *, topics: Topics, device: str, config: WorkerConfig, view: ModelView, board: Board,
+    def __init__(self, *, topics: Topics, device: str, config: WorkerConfig, view: ModelView | ShardedView,
+                 board: Board,
                  trainer: Trainer, metrics: ServiceMetrics, current_plan: Callable[[], Plan | None], wait: Wait,
                  on_delta: Callable[[ModelDelta, TopicMatch], Awaitable[None]],
                  ask_for_model: Callable[[], Awaitable[None]]) -> None:
@@ -89,8 +94,8 @@ class MeshSession:
         self._ask_for_model = ask_for_model
         """Asks the parameter server for a snapshot (the worker's ``SnapshotRequest``)."""
         self._bus: Bus | None = None
-        self._model_route: Route[Any] | None = None
-        self._broadcast_route: Route[Any] | None = None
+        self._model_routes: list[Route[Any]] = []
+        self._broadcast_routes: list[Route[Any]] = []
         self.member: MeshMember | None = None
         self._key: tuple[Any, ...] | None = None
         self._exchange: BusExchange | None = None
@@ -112,10 +117,11 @@ class MeshSession:
         self.m_wait = metrics.histogram("mesh_wait_seconds", "Time of a model-parallel step spent waiting for "
                                         "other members", STEP_BUCKETS)
 
-    def attach(self, bus: Bus, model_route: Route[Any], broadcast_route: Route[Any]) -> None:
-        """The worker's bus, and its routes of snapshots and of broadcast deltas (which a member trades
-        for its own part of every delta, and takes back when it leaves)."""
-        self._bus, self._model_route, self._broadcast_route = bus, model_route, broadcast_route
+    def attach(self, bus: Bus, model_routes: list[Route[Any]], broadcast_routes: list[Route[Any]]) -> None:
+        """The worker's bus, and its routes of snapshots and of broadcast deltas, one of each per parameter
+        server shard (a member trades the deltas' for its own part of every delta, and takes them back when it
+        leaves)."""
+        self._bus, self._model_routes, self._broadcast_routes = bus, model_routes, broadcast_routes
 
     @property
     def bus(self) -> Bus:
@@ -151,11 +157,12 @@ class MeshSession:
         of every model delta."""
         t, c = self.topics, cluster.cluster
         others = [m for m in cluster.members if m != self.device]
+        shards = [t.for_shard(i) for i in range(len(self.view.views))] if isinstance(self.view, ShardedView) else [t]
         return [*(Route(t.mesh_filter(c, "+", "fwd", m), MeshSlice, self.on_slice) for m in others),
                 *(Route(t.mesh_filter(c, "step", "begin", m), MeshBegin, self.on_begin) for m in others),
                 *(Route(t.mesh_filter(c, "step", "ready", m), MeshReady, self.on_ready) for m in others),
                 Route(t.backward_filter(c, self.device), MeshSlice, self.on_slice),
-                Route(t.delta_filter(self.device), ModelDelta, self._on_delta)]
+                *(Route(st.delta_filter(self.device), ModelDelta, self._on_delta) for st in shards)]
 
     # ------------------------------------------------------------------ joining and leaving
     async def join(self, plan: Plan, me: PlanDevice, cluster: PlanCluster) -> None:
@@ -177,9 +184,8 @@ class MeshSession:
         if [r.filter for r in routes] != [r.filter for r in self._routes]:
             new = {r.filter for r in routes}
             await self.bus.subscribe(*(r for r in routes if r.filter not in {o.filter for o in self._routes}))
-            assert self._broadcast_route is not None
             await self.bus.unsubscribe(*[r.filter for r in self._routes if r.filter not in new],
-                                       *([] if self._routes else [self._broadcast_route.filter]))
+                                       *([] if self._routes else [r.filter for r in self._broadcast_routes]))
             self._routes = routes
         if self._exchange is None or (self._exchange.plan_version, self._exchange.cluster) != (plan.version,
                                                                                               cluster.cluster):
@@ -198,8 +204,7 @@ class MeshSession:
         if self.member is not None and not self.view.restrict(None):
             await self.refresh_model()
         if self._routes:
-            assert self._broadcast_route is not None
-            await self.bus.subscribe(self._broadcast_route)
+            await self.bus.subscribe(*self._broadcast_routes)
             await self.bus.unsubscribe(*(r.filter for r in self._routes))
         self._routes, self.member, self._key, self._exchange = [], None, None, None
         self.layer_busy.clear()
@@ -208,9 +213,8 @@ class MeshSession:
         """Get a whole snapshot again: the view lacks rows it now needs. Subscribing anew makes the
         broker send the retained one; the parameter server publishes a newer one if that is old."""
         logger.info("%s: the new division needs other rows of the model: fetching a snapshot", self.device)
-        assert self._model_route is not None
-        await self.bus.unsubscribe(self._model_route.filter)
-        await self.bus.subscribe(self._model_route)
+        await self.bus.unsubscribe(*(r.filter for r in self._model_routes))
+        await self.bus.subscribe(*self._model_routes)
         await self._ask_for_model()
 
     # ------------------------------------------------------------------ one step
@@ -230,8 +234,10 @@ class MeshSession:
         self._step = step
         assert self.view.params is not None
         params, version, gap = self.view.params, self.view.version, self.view.gap
-        if member.version != version:
-            await asyncio.to_thread(member.load, params, version)
+        sharded = self.view if isinstance(self.view, ShardedView) else None
+        stamp = version if sharded is None else sum(sharded.versions)  # a sharded model moves shard by shard
+        if member.version != stamp:
+            await asyncio.to_thread(member.load, params, stamp)
         x, y = batch_at(self.trainer.shard(plan, me), me.batch_size, seed=plan.seed + me.shard_index, step=step)
         exchange.begin(step, len(y))
         try:
@@ -253,7 +259,8 @@ class MeshSession:
             sent, received = exchange.layer_bytes.get(layer, (0, 0))
             busy = seconds + (sent / up if up else 0.0) + (received / down if down else 0.0)
             self.layer_busy.setdefault(layer, deque(maxlen=AVERAGE_WINDOW)).append(busy)
-        shards = await asyncio.to_thread(self.trainer.encode, result.grads, policy)
+        grads = result.grads if sharded is None else cut(result.grads, sharded.spans)
+        shards = await asyncio.to_thread(self.trainer.encode, grads, policy)
         return MeshResult(shards, len(y), result.loss, elapsed, version, gap, step, work)
 
     def layer_busy_s(self) -> dict[str, float]:
