@@ -19,7 +19,7 @@ from helpers import gradient, inbox, make_config, mesh_plan, plan_for, running, 
 
 from edgemesh import cli
 from edgemesh.common import models, wire
-from edgemesh.common.broadcast import Broadcaster, member_rows
+from edgemesh.common.broadcast import Broadcaster, ModelView, member_rows
 from edgemesh.common.config import Config, ParameterServerConfig
 from edgemesh.common.errors import ConfigError, WireError
 from edgemesh.common.messages import ModelDelta, ModelSnapshot, ShardSteps, ShardUpdate, StepPart, StepRecord, UpdateAck
@@ -129,6 +129,11 @@ def test_a_model_parallel_members_rows_are_cut_at_the_shards_and_put_back_togeth
     parts = {d: wire.decode(b, ModelDelta) for d, b in message.parts.items()}
     assert parts.keys() == {"w0", "w1", "w2"} and parts["w1"].shards == () and parts["w2"].shards
     assert {(s.param, s.start, s.stop) for s in parts["w0"].shards if s.param == "fc1.weight"} == {("fc1.weight", 0, 2)}
+    member = view.views[1]  # w0's rows of shard 1 take w0's part, and w1's (empty) would move a view of none of them
+    assert member.apply(parts["w0"]) and member.version == 5
+    whole = ModelView()  # the broadcast is never empty: a delta of no rows there is junk
+    with pytest.raises(WireError, match="no rows"):
+        whole.apply(parts["w1"])
 
 
 def test_shard_topics_are_parsed_with_their_shard_and_nothing_else_lives_under_shard() -> None:

@@ -278,6 +278,8 @@ class ModelView:
         Raises WireError for a delta that does not fit the model.
         """
         params, version, rows = self.params, self.version, self.rows
+        if not delta.shards and rows is None:  # only a member's part from a shard may be
+            raise WireError("a delta of no rows on a whole model", "field")
         if params is None or delta.version <= version or delta.base_version != version:
             return None
         for shard in delta.shards:
