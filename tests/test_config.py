@@ -143,14 +143,14 @@ def test_bool_from_string(text: str, value: bool) -> None:
 def test_int_float_literal_and_dict_from_strings() -> None:
     cfg = load_config(env={
         "EDGEMESH_TRAINING__BATCH_SIZE": "32",
-        "EDGEMESH_TRAINING__LR": "5e-2",
+        "EDGEMESH_TRAINING__LR": "2e-2",
         "EDGEMESH_TRAINING__SYNC_POLICY": "adaptive",
         "EDGEMESH_BROKER__PROTOCOL": "3.1.1",
         "EDGEMESH_BROKER__CONNECT_TIMEOUT_S": "3",
         "EDGEMESH_COMPRESSOR__OVERRIDES": '{"pi-07": "none", "pi-08": "grid"}',
     })
     assert cfg.training.batch_size == 32 and isinstance(cfg.training.batch_size, int)
-    assert cfg.training.lr == 0.05
+    assert cfg.training.lr == 0.02
     assert cfg.training.sync_policy == "adaptive"
     assert cfg.broker.protocol == "3.1.1"
     assert cfg.broker.connect_timeout_s == 3.0 and isinstance(cfg.broker.connect_timeout_s, float)
