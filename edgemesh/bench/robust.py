@@ -58,6 +58,9 @@ DEFAULT_MAX_S = 240.0
 DEFAULT_SCALE = 10.0
 POLICY = "sync"
 """Every run's policy: a step is a round of one update per device, what the robust rules compare."""
+LR = 0.1
+"""The learning rate the kept reports were measured at (a version of every device's batch holds it; the
+default, 0.05, is for iterations of one batch in all)."""
 CODEC = "fp16"
 """Every device's codec (static): dense, so that coordinate-wise rules see every coordinate."""
 EVAL_EVERY = 10
@@ -80,7 +83,7 @@ def run_config(base: dict[str, str], *, rule: str, job: str, broker_url: str, ho
     """One run's configuration: the benchmark's settings, then the user's ``--set`` overrides."""
     overrides = {
         "job": job, "broker.url": broker_url, "log_level": "INFO",
-        "training.sync_policy": POLICY, "training.seed": str(seed),
+        "training.sync_policy": POLICY, "training.lr": str(LR), "training.seed": str(seed),
         # back to back: under the default budget a busy host skips an evaluation, and runs would compare
         # accuracies at different versions (and a run could miss its last one)
         "ps.eval_every": str(EVAL_EVERY), "ps.eval_interval_s": "0", "ps.eval_budget": "1",
