@@ -251,6 +251,46 @@ async def test_a_model_parallel_cluster_trains_with_a_sharded_server(mosquitto_b
     assert sum(sizes) == whole and all(w.trainer.gradient_bytes == whole for w in workers)
 
 
+@pytest.mark.parametrize("victim", [1, 0])
+async def test_a_shard_killed_with_9_under_a_model_parallel_cluster_recovers_and_the_cluster_trains_on(
+        mosquitto_broker: BrokerProcess, tmp_path: Path, victim: int) -> None:
+    """The shards as processes, under the cluster of ``SPLIT_ACROSS``; one killed with -9 and started again: it
+    resumes from its checkpoint and log, the members resend the parts it did not ack, and both shards go on
+    taking the same cluster steps."""
+    cfg = sharded_config(mosquitto_broker, tmp_path, 2, **{"ps.broadcast": "delta", "ps.checkpoint_every": 7,
+                                                          "worker.max_steps": 0, "worker.ack_timeout_s": 1,
+                                                          "worker.codec_wait_s": 0.1, "worker.mesh_timeout_s": 10})
+    names = ["w0", "w1", "w2"]
+    cluster = LocalCluster(cfg, tmp_path)
+    workers = [Worker(replace(cfg, worker=replace(cfg.worker, device=d, state_dir=str(tmp_path / d)))) for d in names]
+    shards = [Topics(cfg.job, i) for i in range(2)]
+    try:
+        for i in range(2):
+            cluster.spawn("ps", f"ps-{i}", ["--state-dir", str(cluster.ps_state_dir), "--shard", f"{i}/2"])
+        async with inbox(cfg, *((t.model_filter(), ModelSnapshot) for t in shards),
+                         *((t.delta_filter(), ModelDelta) for t in shards)) as box:
+            def versions() -> list[int]:
+                return [max((m.version for m in box.of((ModelSnapshot, ModelDelta), lambda t, i=i: t.shard == i)),
+                            default=-1) for i in range(2)]
+
+            await box.publish(box.topics.plan(), mesh_plan(names, SPLIT_ACROSS, cluster="m-w0", batch=16),
+                              retain=True)
+            async with running(*workers):
+                await box.until(f"shard {victim} past its first checkpoint", lambda: versions()[victim] >= 9, TRAIN_S)
+                killed = next(c for c in cluster.children if c.name == f"ps-{victim}")
+                killed.proc.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(killed.proc.wait, 30)
+                at_kill = min(w.accepted for w in workers)
+                cluster.spawn("ps", f"ps-{victim}", ["--state-dir", str(cluster.ps_state_dir), "--shard",
+                                                     f"{victim}/2"])
+                await until("ten more cluster steps", lambda: all(w.accepted >= at_kill + 10 for w in workers),
+                            TRAIN_S)
+            await box.until("both shards at the same version", lambda: versions()[0] == versions()[1])
+        assert "resumed from checkpoint" in (tmp_path / f"{cfg.job}-ps-{victim}.log").read_text()
+    finally:
+        cluster.stop()
+
+
 async def test_a_shard_refuses_rows_it_does_not_own_and_acks_on_its_own_topic(mosquitto_broker: BrokerProcess,
                                                                               tmp_path: Path) -> None:
     cfg = sharded_config(mosquitto_broker, tmp_path, 2, **{"ps.shard": 1, "training.sync_policy": "async"})
