@@ -213,15 +213,17 @@ SPLIT_ACROSS: dict[str, tuple[int, ...]] = {"conv1": (8, 8, 0), "conv2": (16, 16
 rows on both shards, the second on shard 0 alone (no unit of the dense layers), the third on shard 1 alone."""
 
 
-@pytest.mark.parametrize(("broadcast", "rule"), [("delta", "mean"), ("snapshot", "clip")])
-async def test_a_model_parallel_cluster_trains_with_a_sharded_server(mosquitto_broker: BrokerProcess,
-                                                                     tmp_path: Path, broadcast: str, rule: str) -> None:
+@pytest.mark.parametrize(("broadcast", "rule", "policy"), [("delta", "mean", "sync"), ("snapshot", "clip", "sync"),
+                                                        ("delta", "mean", "adaptive")])
+async def test_a_model_parallel_cluster_trains_with_a_sharded_server(mosquitto_broker: BrokerProcess, tmp_path: Path,
+                                                                     broadcast: str, rule: str, policy: str) -> None:
     """Each member sends every shard its rows there, an empty part where it has none, and takes its part of each
     shard's deltas; each shard joins a cluster step once every member's part is in, and the others take shard 0's
-    steps by the same update (the first member's): a sync round is a round on every shard, none missing a part.
+    steps by the same update (the first member's): a round is a round on every shard, none missing a part.
     Under ``clip`` shard 0 hears the other's part of each cluster update's norm. Then each member trains alone, on
     the whole model again."""
     cfg = sharded_config(mosquitto_broker, tmp_path, 2, **{"ps.broadcast": broadcast, "ps.aggregation": rule,
+                                                          "training.sync_policy": policy,
                                                           "worker.max_steps": 0,
                                                           "worker.codec_wait_s": 0.1, "worker.mesh_timeout_s": 10})
     names = ["w0", "w1", "w2"]
