@@ -214,7 +214,10 @@ class ShardedView:
                 owners.setdefault(span.param, []).append((span, i))
         out: list[list[ShardUpdate]] = [[] for _ in self.views]
         for s in shards:
-            out[next(i for span, i in owners[s.param] if span.start <= s.start and s.stop <= span.stop)].append(s)
+            owner = [i for span, i in owners.get(s.param, ()) if span.start <= s.start and s.stop <= span.stop]
+            if not owner:
+                raise ValueError(f"rows {s.param}[{s.start}:{s.stop}] are not within one parameter server shard's")
+            out[owner[0]].append(s)
         return out
 
     @property

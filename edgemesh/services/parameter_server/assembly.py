@@ -3,10 +3,10 @@
 The members of a model-parallel cluster each push the gradient of their rows for the same step
 (``GradientUpdate.mesh_step``). The assembly holds them by ``(cluster, plan version, step)`` until
 their shards tile every parameter exactly; then the cluster's update goes to the scheduler like
-any other. On a sharded parameter server (``members`` set) a step also waits for a part from every member of
-its cluster, empty where the member has none of this shard's rows: the joined update then takes the identity
-of the same member's part on every shard, which is how shard 0's steps name it to the others. A step whose
-shards overlap is discarded (``shape``); one not complete within
+any other. On a sharded parameter server (``members`` set) a step also waits for a part from every
+member of its cluster, empty where the member has none of this shard's rows: the joined update then
+takes the identity of the same member's part on every shard, which is how shard 0's steps name it to
+the others. A step whose shards overlap is discarded (``shape``); one not complete within
 ``ps.mesh_assembly_timeout_s``, or one of a plan that has been replaced, is discarded too
 (``incomplete``, ``replanned``: its members abandon it and resync). The last ``CLOSED_STEPS``
 steps joined or discarded are remembered, so that a member's resend of its part opens no new one.

@@ -84,9 +84,8 @@ class MeshSession:
     """This device's part of a model-parallel cluster (None of it while in a cluster of one)."""
 
     def __init__(self, *, topics: Topics, device: str, config: WorkerConfig, view: ModelView | ShardedView,
-                 board: Board,
-                 trainer: Trainer, metrics: ServiceMetrics, current_plan: Callable[[], Plan | None], wait: Wait,
-                 on_delta: Callable[[ModelDelta, TopicMatch], Awaitable[None]],
+                 board: Board, trainer: Trainer, metrics: ServiceMetrics, current_plan: Callable[[], Plan | None],
+                 wait: Wait, on_delta: Callable[[ModelDelta, TopicMatch], Awaitable[None]],
                  ask_for_model: Callable[[], Awaitable[None]]) -> None:
         self.topics, self.device, self.cfg = topics, device, config
         self.view, self.board, self.trainer = view, board, trainer
