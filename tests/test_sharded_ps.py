@@ -22,7 +22,19 @@ from edgemesh.common import models, wire
 from edgemesh.common.broadcast import Broadcaster, ModelView, member_rows
 from edgemesh.common.config import Config, ParameterServerConfig
 from edgemesh.common.errors import ConfigError, WireError
-from edgemesh.common.messages import ModelDelta, ModelSnapshot, ShardSteps, ShardUpdate, StepPart, StepRecord, UpdateAck
+from edgemesh.common.messages import (
+    GradientUpdate,
+    ModelDelta,
+    ModelSnapshot,
+    PlanCluster,
+    PlanDevice,
+    ShardNorms,
+    ShardSteps,
+    ShardUpdate,
+    StepPart,
+    StepRecord,
+    UpdateAck,
+)
 from edgemesh.common.shards import Division, ShardedView, cut, divide
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicError, Topics, parse
@@ -251,6 +263,63 @@ async def test_a_model_parallel_cluster_trains_with_a_sharded_server(mosquitto_b
     # each member pushed only its rows; alone, the whole model
     whole = sum(math.prod(v) for v in shapes_of(MODEL).values()) * 4
     assert sum(sizes) == whole and all(w.trainer.gradient_bytes == whole for w in workers)
+
+
+async def test_a_shard_tells_shard_0_the_norm_of_a_clusters_whole_part_not_of_its_first_members(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """Under ``clip`` shard 1 measures a cluster's update once every member's part is in: the squared norm it tells
+    shard 0 for the update (named by the first member's part) is that of all the members' rows it holds."""
+    cfg = sharded_config(mosquitto_broker, tmp_path, 2, **{"ps.shard": 1, "ps.aggregation": "clip"})
+    names = ["w0", "w1", "w2"]
+    plan = mesh_plan(names, SPLIT_ACROSS, cluster="m-w0", batch=16)
+    ps = ParameterServer(cfg)
+    t = Topics(cfg.job, 1)
+    async with running(ps), inbox(cfg, (t.norms_filter(), ShardNorms)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan, retain=True)
+        await until("the plan", lambda: ps.plan is not None and ps.division is not None)
+        assert ps.division is not None
+        shapes, rows, expected = shapes_of(MODEL), member_rows(plan), 0.0
+        for value, device in enumerate(names, start=1):  # w1 holds none of shard 1's rows: an empty part
+            shards = []
+            for span in ps.division.spans:
+                start, stop = rows[device].get(span.param, (0, 0))
+                a, b = max(start, span.start), min(stop, span.stop)
+                if a < b:
+                    n = (b - a) * math.prod(shapes[span.param][1:])
+                    shards.append(ShardUpdate(param=span.param, start=a, stop=b, codec="none",
+                                              data=np.full(n, value, np.float32).tobytes()))
+                    expected += n * value**2
+            await box.publish(t.grad("m-w0", device), GradientUpdate(
+                device=device, cluster="m-w0", incarnation=1, seq=1, base_version=0, samples=16,
+                shards=tuple(shards), mesh_step=5, plan_version=plan.version))
+        told = await box.next(ShardNorms)
+    assert [(p.device, p.seq) for p in told.parts] == [("w0", 1)]
+    assert told.parts[0].squared == pytest.approx(expected, rel=1e-6)
+
+
+async def test_krum_on_shards_scores_a_model_parallel_clusters_update_beside_devices_alone(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """Under ``krum`` shard 1 tells shard 0 its part of the distances between a round's updates, the cluster's by
+    its first member's part: no distance is missing, no part is missed, and both shards take the same steps."""
+    cfg = sharded_config(mosquitto_broker, tmp_path, 2, **{"ps.aggregation": "krum", "ps.krum_f": 1,
+                                                          "worker.max_steps": 0, "worker.codec_wait_s": 0.1,
+                                                          "worker.mesh_timeout_s": 10})
+    members, alone = ["w0", "w1", "w2"], ["w3", "w4"]
+    base = mesh_plan(members, SPLIT_ACROSS, cluster="m-w0", batch=16)
+    plan = replace(base, devices=(*base.devices, *(PlanDevice(device=d, cluster=f"c-{d}", shard_index=0,
+                                                              shard_count=1, batch_size=16) for d in alone)),
+                   clusters=(*base.clusters, *(PlanCluster(cluster=f"c-{d}", members=(d,)) for d in alone)))
+    servers = [ParameterServer(replace(cfg, ps=replace(cfg.ps, shard=i))) for i in range(2)]
+    workers = [Worker(replace(cfg, worker=replace(cfg.worker, device=d, state_dir=str(tmp_path / d))))
+               for d in members + alone]
+    async with inbox(cfg) as box, running(*servers, *workers):
+        await box.publish(box.topics.plan(), plan, retain=True)
+        await until("eight rounds on both shards", lambda: all(s.version >= 8 for s in servers) and all(
+            w.accepted >= 8 for w in workers), TRAIN_S)
+    assert abs(servers[0].version - servers[1].version) <= 1
+    assert servers[0].metrics.value("edgemesh_ps_shard_norms_missing_total") == 0
+    assert servers[1].metrics.value("edgemesh_ps_shard_parts_missed_total") == 0
+    assert all(s.metrics.value("edgemesh_ps_rejected_total") == 0 for s in servers)
 
 
 @pytest.mark.parametrize("victim", [1, 0])
