@@ -373,7 +373,6 @@ class Worker:
         mesh = cluster is not None and len(cluster.members) > 1
         if self.sharded is not None and not mesh and self.mesh.member is None:
             return await self._compute_sharded()
-        params, version, gap = self.view.params, self.view.version, self.view.gap
         mesh_step = 0
         shards: list[ShardUpdate]
         if mesh:
@@ -389,6 +388,7 @@ class Worker:
             if self.mesh.member is not None:  # a model-parallel member until this plan: its view held its rows
                 await self.mesh.leave()
                 return None  # start over with the whole model
+            params, version, gap = self.view.params, self.view.version, self.view.gap
             assert params is not None
             shards, samples, loss, real_s, flops = await asyncio.to_thread(self.trainer.step, plan, me, params,
                                                                           version, policy)
