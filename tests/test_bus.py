@@ -339,3 +339,31 @@ async def test_a_process_probes_a_3_1_1_broker_for_mqtt_5_once(amqtt_broker: Bro
             assert later.is_connected
     probed = [r.getMessage().split(":")[0] for r in caplog.records if "did not take MQTT 5" in r.getMessage()]
     assert probed == ["first"]
+
+
+async def test_subscribing_again_to_a_held_route_brings_its_retained_message_and_loses_nothing(
+        broker: BrokerProcess) -> None:
+    """A mesh member that needs a whole snapshot again subscribes to the snapshot's route again: the broker sends
+    the retained message anew, and what arrives meanwhile still finds the route (unsubscribing first counted it
+    as unrouted)."""
+    cfg = config(broker)
+    bus = Bus(cfg.broker, client_id=f"bus-{uuid.uuid4().hex[:6]}", metrics=ServiceMetrics("test"))
+    seen = Recorder()
+    hellos = bus.route(T.hello_filter(), DeviceHello, seen)
+    async with routed(cfg, "sender") as (sender, _), bus.running():
+        await sender.publish(T.hello("pi-1"), hello("pi-1"), retain=True)
+        await until("the retained hello", lambda: len(seen.seen) == 1, changed=seen.changed)
+
+        async def stream() -> None:
+            for n in range(50):
+                await sender.publish(T.hello(f"pi-s{n}"), hello(f"pi-s{n}"))
+
+        streaming = asyncio.create_task(stream())
+        for _ in range(5):
+            await bus.subscribe(hellos)
+        await streaming
+        await until("the stream and the retained hello five times more",
+                    lambda: len(seen.seen) == 1 + 50 + 5, changed=seen.changed)
+        assert sum(1 for t, _ in seen.seen if t == T.hello("pi-1")) == 6
+        assert bus.filters == (T.hello_filter(),)  # one route still, not six
+        assert rejected(bus, "none", "topic") == 0

@@ -132,10 +132,10 @@ class Bus:
         return route
 
     async def subscribe(self, *routes: Route[Any]) -> None:
-        """Add routes now: subscribed at once if connected, and on every reconnect."""
-        new = [r for r in routes if r.filter not in {old.filter for old in self._routes}]
-        self._routes.extend(new)
-        await self._subscribe_now([p for r in new for p in r.filter.patterns])
+        """Add routes now: subscribed at once if connected, and on every reconnect. A route already held is
+        subscribed again, in place: the broker sends its retained messages anew, and none finds it gone."""
+        self._routes.extend(r for r in routes if r.filter not in {old.filter for old in self._routes})
+        await self._subscribe_now([p for r in routes for p in r.filter.patterns])
 
     async def unsubscribe(self, *filters: Filter) -> None:
         """Drop the routes of ``filters``."""

@@ -209,10 +209,9 @@ class MeshSession:
         self.layer_busy.clear()
 
     async def refresh_model(self) -> None:
-        """Get a whole snapshot again: the view lacks rows it now needs. Subscribing anew makes the
+        """Get a whole snapshot again: the view lacks rows it now needs. Subscribing again makes the
         broker send the retained one; the parameter server publishes a newer one if that is old."""
         logger.info("%s: the new division needs other rows of the model: fetching a snapshot", self.device)
-        await self.bus.unsubscribe(*(r.filter for r in self._model_routes))
         await self.bus.subscribe(*self._model_routes)
         await self._ask_for_model()
 
