@@ -300,10 +300,12 @@ async def test_adaptive_shards_train_with_rounds_shard_0_closes_and_every_shard_
         "planner.min_devices": 2, "compressor.mode": "static", "compressor.default_codec": "none",
         "worker.max_steps": steps_wanted, "worker.ack_timeout_s": 5, "ps.adaptive.max_deadline_s": 0.15})
     servers = shards_of(cfg)
-    # the Pi's speed scaled from a host said to do 400 GFLOP/s: its steps stretched about 40 times whatever the
-    # host does (measured at start on a host busy with other tests, the stretch could shrink to nothing much)
+    # the Pi's speed scaled from a host said to do 1600 GFLOP/s: its steps stretched about 160 times whatever the
+    # host does (measured at start on a host busy with other tests, the stretch could shrink to nothing much). A
+    # round waits for the Pi while its cycle is under 7 times the other's (the deadline is 1.5 x the mean of the
+    # two cycles, counted from the first update): 40 times a quiet host's 2 ms step plus the round trip was not
     workers = [Worker(replace(cfg, worker=replace(cfg.worker, device=f"w{i}", emulate="pi3" if i else "",
-                                                  emulation_host_gflops=400.0 if i else 0.0,
+                                                  emulation_host_gflops=1600.0 if i else 0.0,
                                                   state_dir=str(tmp_path / f"w{i}")))) for i in range(2)]
     async with running(Planner(cfg), Compressor(cfg), *servers, *workers):
         await until("both workers' steps", lambda: all(w.stop.is_set() for w in workers), 120)
