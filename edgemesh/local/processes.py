@@ -146,7 +146,9 @@ class LocalCluster:
                "--broker", self.cfg.broker.url,
                "--metrics", "127.0.0.1:0", "--set", f"metrics.port_file={port_file}",
                "--log-level", self.cfg.log_level, *(extra or [])]
-        log: IO[bytes] = open(log_path, "wb")  # noqa: SIM115 - handed to the child
+        # appended to: a service started again after a crash (a test's kill -9, the soak's churn) goes on after
+        # what the crashed one said, which is what tells why it crashed
+        log: IO[bytes] = open(log_path, "ab")  # noqa: SIM115 - handed to the child
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=parent_death_signal(), env=env)
