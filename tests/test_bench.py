@@ -157,7 +157,7 @@ def test_bench_mesh_refuses_bad_arguments(tmp_path: Path) -> None:
 
 
 JOB_KEYS = {"state", "reached_target", "final_accuracy", "model_version", "seconds_to_running", "time_to_target_s",
-            "gradient_bytes_received", "bytes_published_by_services", "devices", "device_errors", "curve"}
+            "training_s", "gradient_bytes_received", "bytes_published_by_services", "devices", "device_errors", "curve"}
 
 
 def test_bench_jobs_report_layout(tmp_path: Path) -> None:
@@ -173,6 +173,7 @@ def test_bench_jobs_report_layout(tmp_path: Path) -> None:
     for name, job in data["jobs"].items():
         assert JOB_KEYS <= job.keys(), name
         assert job["state"] == "finished" and job["reached_target"] and job["final_accuracy"] >= 0.8, name
+        assert job["time_to_target_s"] == job["training_s"], name  # reached: the training time is the time to it
         assert job["gradient_bytes_received"] > 0 and set(job["devices"]) == {"w0", "w1"}
         assert job["onnx_max_abs_error"] < 1e-4
     assert report.with_suffix(".png").stat().st_size > 1000

@@ -9,10 +9,12 @@ with no job, as systemd runs them) gets two jobs submitted as ``edgemesh job sub
 * ``vibration``: an entry-point MLP on CSV files of sensor windows on each device, evaluated where the
   data lives (each device's validation share, combined by sample count).
 
-Per job the report gives the time from submission to running, the time to its target accuracy (from
-running to finished), the model versions, the final accuracy, the gradient bytes the PS received, the
-bytes the services published for it, and how far its final model exported to ONNX is from torch (the
-largest logit difference); and whether the services were the same processes throughout.
+Per job the report gives the time from submission to running, the time it trained (from running to
+ended: ``training_s``), that time again as ``time_to_target_s`` if it reached its target accuracy (None
+if it ended at ``job.max_versions`` short of it), the model versions, the final accuracy, the gradient
+bytes the PS received, the bytes the services published for it, and how far its final model exported to
+ONNX is from torch (the largest logit difference); and whether the services were the same processes
+throughout.
 """
 
 from __future__ import annotations
@@ -245,16 +247,17 @@ def job_figures(watch: Watch, name: str, submitted: float, final: JobState, clus
     seen = watch.states[name]
     running = next((t for t, s in seen if s.state == "running"), submitted)
     ended = next((t for t, s in seen if s.ended), seen[-1][0])
+    reached = final.state == "finished" and final.accuracy is not None and final.accuracy >= final.target_accuracy
     return {
         "state": final.state,
         "reason": final.reason,
-        "reached_target": final.state == "finished" and final.accuracy is not None
-                          and final.accuracy >= final.target_accuracy,
+        "reached_target": reached,
         "target_accuracy": final.target_accuracy,
         "final_accuracy": final.accuracy,
         "model_version": final.version,
         "seconds_to_running": round(running - submitted, 2),
-        "time_to_target_s": round(ended - running, 2),
+        "time_to_target_s": round(ended - running, 2) if reached else None,
+        "training_s": round(ended - running, 2),
         "gradient_bytes_received": final.bytes_received,
         "bytes_published_by_services": cluster.over_services("_published_bytes_total"),
         "devices": list(final.devices),
