@@ -17,6 +17,7 @@ from helpers import WAIT_S, until
 
 from edgemesh.common import chunks, wire
 from edgemesh.common.bus import Bus
+from edgemesh.common.bus_routes import UNSUBSCRIBED_GRACE_S, Route, Routes
 from edgemesh.common.config import BrokerConfig, Config, load_config
 from edgemesh.common.errors import BusError
 from edgemesh.common.messages import DeviceHello, Event, Plan
@@ -367,3 +368,42 @@ async def test_subscribing_again_to_a_held_route_brings_its_retained_message_and
         assert sum(1 for t, _ in seen.seen if t == T.hello("pi-1")) == 6
         assert bus.filters == (T.hello_filter(),)  # one route still, not six
         assert rejected(bus, "none", "topic") == 0
+
+
+async def test_what_was_sent_before_an_unsubscribe_still_reaches_the_dropped_route(broker: BrokerProcess) -> None:
+    """A mesh member leaving its cluster lets go of its own delta topic while parts are on their way: what the
+    broker sent before it took the UNSUBSCRIBE goes to the dropped route, not counted as unrouted junk."""
+    cfg = config(broker)
+    bus = Bus(cfg.broker, client_id=f"bus-{uuid.uuid4().hex[:6]}", metrics=ServiceMetrics("test"))
+    seen = Recorder()
+    hellos = bus.route(T.hello_filter(), DeviceHello, seen)
+    bus.route(T.events_filter(), Event, seen)
+    async with routed(cfg, "sender") as (sender, _), bus.running():
+        for _ in range(3):  # the route dropped in the middle of a stream, then taken again
+            seen.seen.clear()
+            streaming = asyncio.gather(*(sender.publish(T.hello(f"pi-{n}"), hello(f"pi-{n}")) for n in range(200)))
+            await until("the stream under way", lambda: len(seen.seen) >= 20, changed=seen.changed)
+            await bus.unsubscribe(T.hello_filter())
+            await streaming
+            await sender.publish(T.events(), Event(kind="x", source="test", time=1.0, message="after"))
+            await until("the event after the stream", lambda: any(isinstance(m, Event) for _, m in seen.seen),
+                        changed=seen.changed)  # the broker sent it after every hello it sent
+            assert 20 <= sum(isinstance(m, DeviceHello) for _, m in seen.seen) <= 200
+            assert rejected(bus, "none", "topic") == 0
+            await bus.subscribe(hellos)
+
+
+def test_a_dropped_route_takes_what_arrives_for_its_grace_period_only() -> None:
+    now = [0.0]
+    routes = Routes(clock=lambda: now[0])
+    hellos, events = Route(T.hello_filter(), DeviceHello, Recorder()), Route(T.events_filter(), Event, Recorder())
+    routes.add([hellos, events])
+    assert routes.drop([T.hello_filter()]) == [hellos] and routes.held == [events]
+    now[0] = UNSUBSCRIBED_GRACE_S - 0.1
+    found = routes.find(T.hello("pi-1"))
+    assert found is not None and found[0] is hellos and found[1].device == "pi-1"
+    now[0] = UNSUBSCRIBED_GRACE_S + 0.1
+    assert routes.find(T.hello("pi-1")) is None
+    routes.drop([T.hello_filter()])  # dropped again, then held again: found among the held
+    routes.add([hellos])
+    assert routes.held == [events, hellos] and routes._dropped == []

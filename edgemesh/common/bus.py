@@ -8,7 +8,8 @@
   step, and any exception a handler raises, is counted on ``rejected_total{route,reason}`` and logged
   (the first time per reason, then sparsely); the loop goes on. The router also counts
   ``received_messages_total{route}`` and times ``handler_seconds{route}``, so no service counts
-  what it receives.
+  what it receives. A route dropped by ``unsubscribe`` still takes, for a grace period, what the broker
+  sent on it before it took the UNSUBSCRIBE (``bus_routes``).
 * **Connection.** ``run()``, a task of the service's TaskGroup, connects (MQTT 5 where the broker
   offers it, else 3.1.1: every semantic lives in the envelope), then reads and dispatches. It
   reconnects in one place, with capped, jittered exponential backoff, re-subscribes and calls the
@@ -32,26 +33,24 @@ import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import aiomqtt
 from paho.mqtt.reasoncodes import ReasonCode
 
 from edgemesh.common import chunks, paho_decode, wire
 from edgemesh.common.bus_hooks import ConnectHooks
+from edgemesh.common.bus_routes import Handler, Route, Routes
 from edgemesh.common.bus_taps import Answers, Taps
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.tasks import cancel_all
-from edgemesh.common.topics import CHUNK_SEGMENT, Filter, TopicError, TopicMatch, match
+from edgemesh.common.topics import CHUNK_SEGMENT, Filter, TopicError
 
 logger = logging.getLogger(__name__)
 
 M = TypeVar("M")
-Handler = Callable[[M, TopicMatch], Awaitable[None]]
-"""What a route calls with each decoded message and its parsed topic."""
 
 QOS_STATE = 1
 """QoS for everything that matters (updates, acks, plan, model); MQTT 3.1.1 and 5 both have it."""
@@ -76,22 +75,6 @@ SUBSCRIBE_FAILURE = 0x80
 """A SUBACK code at or above this refuses the subscription (3.1.1's 0x80 and v5's reason codes)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Route(Generic[M]):
-    """Messages on ``filter`` decode to ``message`` and go to ``handler``; ``name`` labels the metrics."""
-
-    filter: Filter
-    message: type[M] | tuple[type, ...]
-    handler: Handler[M]
-    name: str = ""
-    json_body: bool = False
-    """Also take a UTF-8 JSON object as the body (control topics: operators steer with ``mosquitto_pub``)."""
-
-    @property
-    def label(self) -> str:
-        return self.name or self.filter.kind
-
-
 class Bus:
     """An MQTT connection that survives broker restarts, with its routes."""
 
@@ -100,7 +83,7 @@ class Bus:
         self.config = config
         self.client_id = client_id
         self.metrics = metrics
-        self._routes: list[Route[Any]] = []
+        self._routes = Routes()
         self._will = will
         self._hooks = ConnectHooks(client_id)
         self._joined_hooks: list[chunks.Joined] = []
@@ -128,19 +111,19 @@ class Bus:
               name: str = "", json_body: bool = False) -> Route[M]:
         """Consume ``filter_`` from the next connect on (declare routes before ``run``)."""
         route = Route(filter_, message, handler, name, json_body)
-        self._routes.append(route)
+        self._routes.held.append(route)
         return route
 
     async def subscribe(self, *routes: Route[Any]) -> None:
         """Add routes now: subscribed at once if connected, and on every reconnect. A route already held is
         subscribed again, in place: the broker sends its retained messages anew, and none finds it gone."""
-        self._routes.extend(r for r in routes if r.filter not in {old.filter for old in self._routes})
+        self._routes.add(routes)
         await self._subscribe_now([p for r in routes for p in r.filter.patterns])
 
     async def unsubscribe(self, *filters: Filter) -> None:
-        """Drop the routes of ``filters``."""
-        gone = [r for r in self._routes if r.filter in filters]
-        self._routes = [r for r in self._routes if r.filter not in filters]
+        """Drop the routes of ``filters`` (what the broker sent on them before it took the UNSUBSCRIBE still goes to
+        them, for ``bus_routes.UNSUBSCRIBED_GRACE_S``)."""
+        gone = self._routes.drop(filters)
         client = self._client
         patterns = [p for r in gone for p in r.filter.patterns]
         if client is not None and self._connected.is_set() and patterns:
@@ -150,7 +133,7 @@ class Bus:
     @property
     def filters(self) -> tuple[Filter, ...]:
         """What this bus consumes: its routes' filters, in the order they are matched."""
-        return tuple(r.filter for r in self._routes)
+        return tuple(r.filter for r in self._routes.held)
 
     def on_connect(self, hook: Callable[[], Awaitable[None]]) -> None:
         """Await ``hook()`` after every (re)connect, once the subscriptions are in place, while messages are read
@@ -295,7 +278,7 @@ class Bus:
             self._client = client
             hooks: asyncio.Task[None] | None = None
             try:
-                await self._subscribe_now([p for r in self._routes for p in r.filter.patterns])
+                await self._subscribe_now([p for r in self._routes.held for p in r.filter.patterns])
                 self.connections += 1
                 self.metrics.connects.inc()
                 self.metrics.connected.set(1)
@@ -372,8 +355,8 @@ class Bus:
 
     def _partial_dropped(self, topic: str, reason: str) -> None:
         """A partial chunked message let go (timed out, evicted, contradicted): counted on its own route."""
-        found = match(topic, [r.filter for r in self._routes])
-        label = self._routes[found[0]].label if found is not None else UNROUTED
+        found = self._routes.find(topic)
+        label = found[0].label if found is not None else UNROUTED
         self.metrics.reject(reason, topic, "partial chunked message dropped", route=label)
 
     def _joined(self, topic: str, nbytes: int, seconds: float) -> None:
@@ -383,14 +366,12 @@ class Bus:
     async def _dispatch(self, topic: str, payload: bytes, arrival: chunks.Arrival | None = None) -> None:
         """Route one received payload (read as ``arrival`` says): match and parse its topic, decode and check its
         body, hand it to its route's handler. Every failure is counted, with the route's label."""
-        routes = self._routes
         label = UNROUTED
         try:
-            found = match(topic, [r.filter for r in routes])
+            found = self._routes.find(topic)
             if found is None:
                 raise WireError(f"no route takes {topic}", "topic")
-            index, where = found
-            route = routes[index]
+            route, where = found
             label = route.label
             message = self._receiver.take(where.topic, payload, route.message,
                                           json_kind="control" if route.json_body else "", arrival=arrival)
