@@ -48,28 +48,26 @@ class Routes:
 
     def add(self, routes: Collection[Route[Any]]) -> None:
         """Hold ``routes``, but those whose filter is held already (that route stays)."""
-        filters = {r.filter for r in routes}
+        filters, held = {r.filter for r in routes}, {r.filter for r in self.held}
         self._dropped = [(t, r) for t, r in self._dropped if r.filter not in filters]
-        self.held.extend(r for r in routes if r.filter not in {old.filter for old in self.held})
+        self.held.extend(r for r in routes if r.filter not in held)
 
     def drop(self, filters: Collection[Filter]) -> list[Route[Any]]:
         """Let go of the routes of ``filters`` (they take what arrives for the grace period); returns them."""
         gone = [r for r in self.held if r.filter in filters]
         self.held = [r for r in self.held if r.filter not in filters]
-        self._dropped = [*((t, r) for t, r in self._dropped if r.filter not in filters), *self._stamped(gone)]
+        now = self._clock()
+        self._dropped = [*((t, r) for t, r in self._dropped if r.filter not in filters), *((now, r) for r in gone)]
         return gone
 
     def find(self, topic: str) -> tuple[Route[Any], TopicMatch] | None:
         """The held route ``topic`` falls under, else a route dropped within the grace period; None if neither.
         Raises TopicError as ``match`` does."""
-        now = self._clock()
-        self._dropped = [(t, r) for t, r in self._dropped if now - t < UNSUBSCRIBED_GRACE_S]
+        if self._dropped:  # none, but for a few seconds after an unsubscribe: every message comes through here
+            now = self._clock()
+            self._dropped = [(t, r) for t, r in self._dropped if now - t < UNSUBSCRIBED_GRACE_S]
         for routes in (self.held, [r for _, r in self._dropped]):
             found = match(topic, [r.filter for r in routes])
             if found is not None:
                 return routes[found[0]], found[1]
         return None
-
-    def _stamped(self, routes: list[Route[Any]]) -> list[tuple[float, Route[Any]]]:
-        now = self._clock()
-        return [(now, r) for r in routes]
