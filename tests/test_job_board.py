@@ -11,16 +11,18 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from helpers import inbox, make_config
+from helpers import WAIT_S, inbox, make_config, until
 
 from edgemesh.common.config import Config
 from edgemesh.common.jobs import parse_job, render_job
 from edgemesh.common.messages import ControlCommand, ControlReply, JobState, JobSubmission
+from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics, all_job_states_filter
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION
-from edgemesh.operator.job import submission_of
-from edgemesh.services.host import JobHost
+from edgemesh.operator.job import job_states, status, submission_of, submit
+from edgemesh.services.compressor.service import Compressor
+from edgemesh.services.host import ActiveJob, JobHost
 from edgemesh.services.parameter_server import jobs as ps_jobs
 from edgemesh.services.parameter_server.jobs import JobBoard
 
@@ -41,6 +43,37 @@ async def board(config: Config) -> AsyncIterator[JobHost]:
     finally:
         host.stop.set()
         await asyncio.wait_for(task, 30)
+
+
+async def test_job_commands_and_the_services_serving_a_job_count_no_rejection(broker: BrokerProcess,
+                                                                            tmp_path: Path) -> None:
+    """Each ``edgemesh job`` command and each service logged a rejection "on edgemesh/v1/{job}/job (none topic)": amqtt
+    sends every client that connects the retained messages of every client's filters, here the job file under the
+    hosts' ``edgemesh/v1/+/job``. A message no subscription of the client covers is not a rejection."""
+    config = make_config(broker, job="", **{"ps.state_dir": tmp_path})
+    operator = ServiceMetrics("operator")
+
+    async def compressor(active: ActiveJob) -> Compressor:
+        return Compressor(active.config)
+
+    compressor_host = JobHost("compressor", config, compressor)
+    serving = asyncio.create_task(compressor_host.run())
+    try:
+        async with board(config) as host:
+            job = digits_job("quiet", max_versions=100000)
+            assert await submit(config, parse_job(job.source), job, wait_s=WAIT_S, metrics=operator) == 0
+            await until("both hosts serving the job", lambda: host.service is not None
+                        and compressor_host.service is not None and host.service.state is not None)
+            services = [host.service, compressor_host.service]
+            assert set(await job_states(config, metrics=operator)) == {"quiet"}
+            assert await status(config, "quiet", once=True, timeout_s=0, metrics=operator) == 0
+            hosts = [host.metrics, compressor_host.metrics, *(s.metrics for s in services)]
+    finally:
+        compressor_host.stop.set()
+        await asyncio.wait_for(serving, 30)
+    assert operator.value("edgemesh_operator_received_messages_total", route="job_state") >= 3
+    for metrics in (operator, *hosts):
+        assert metrics.value(f"{metrics.prefix}rejected_total") == 0, metrics.service
 
 
 async def test_jobs_queue_start_in_order_and_follow_operators(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:

@@ -10,6 +10,12 @@
   ``received_messages_total{route}`` and times ``handler_seconds{route}``, so no service counts
   what it receives. A route dropped by ``unsubscribe`` still takes, for a grace period, what the broker
   sent on it before it took the UNSUBSCRIBE (``bus_routes``).
+* **Unsolicited messages.** The routes are the subscriptions: a message no route takes is on a topic no
+  subscription of this client covers, which a broker should never send. One does: amqtt (the embedded broker)
+  sends every client that connects the retained messages of every filter any client holds (the job files
+  under the job hosts' ``edgemesh/v1/+/job``, to an ``edgemesh job status`` that asked for one job's state).
+  Such a message is not a peer's bad message: it is dropped before it is decoded and counted on
+  ``unsolicited_messages_total``, never as a rejection.
 * **Connection.** ``run()``, a task of the service's TaskGroup, connects (MQTT 5 where the broker
   offers it, else 3.1.1: every semantic lives in the envelope), then reads and dispatches. It
   reconnects in one place, with capped, jittered exponential backoff, re-subscribes and calls the
@@ -57,7 +63,7 @@ QOS_STATE = 1
 INBOX_MESSAGES = 10_000
 """Messages buffered between the network and the router before back-pressure."""
 UNROUTED = "none"
-"""Route label of a message no route takes."""
+"""Route label of a message whose topic no route could be found for (a topic that is not EdgeMesh's)."""
 V5_PROBE_TIMEOUT_S = 3.0
 """How long an ``auto`` connection waits for a v5 CONNACK before trying 3.1.1."""
 _SPEAK_3_1_1: set[str] = set()
@@ -104,6 +110,7 @@ class Bus:
         self._protocol = aiomqtt.ProtocolVersion.V311 if v311 else aiomqtt.ProtocolVersion.V5
         self._closing = False
         self._refusals_logged: set[tuple[str, str]] = set()
+        self._unsolicited_logged = False
         self.connections = 0
 
     # --- declaring -------------------------------------------------------------------------
@@ -359,6 +366,16 @@ class Bus:
         label = found[0].label if found is not None else UNROUTED
         self.metrics.reject(reason, topic, "partial chunked message dropped", route=label)
 
+    def _unsolicited(self, topic: str) -> None:
+        """A message on a topic no subscription of this bus covers (now, or within the grace of an unsubscribe): the
+        broker's, not a peer's doing. Counted, logged once at INFO, dropped."""
+        self.metrics.unsolicited.inc()
+        first, self._unsolicited_logged = not self._unsolicited_logged, True
+        logger.log(logging.INFO if first else logging.DEBUG, "%s: the broker sent a message on %s, which no "
+                   "subscription of this client covers; dropped%s", self.client_id, topic,
+                   " (counted on unsolicited_messages_total; amqtt sends a new client the retained messages of "
+                   "every client's filters)" if first else "")
+
     def _joined(self, topic: str, nbytes: int, seconds: float) -> None:
         for hook in self._joined_hooks:
             hook(topic, nbytes, seconds)
@@ -370,7 +387,8 @@ class Bus:
         try:
             found = self._routes.find(topic)
             if found is None:
-                raise WireError(f"no route takes {topic}", "topic")
+                self._unsolicited(topic)
+                return
             route, where = found
             label = route.label
             message = self._receiver.take(where.topic, payload, route.message,

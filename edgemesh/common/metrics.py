@@ -44,6 +44,8 @@ class ServiceMetrics:
                                               "their route's handler", ["route"])
         self.received_bytes = self.counter("received_bytes", "Payload bytes received")
         self.rejected = self.counter("rejected", "Messages rejected, by route and reason", ["route", "reason"])
+        self.unsolicited = self.counter("unsolicited_messages", "Messages the broker sent on a topic no subscription "
+                                        "of this client covers (dropped: not for this client)")
         self.handler_seconds = self.histogram("handler_seconds", "Time a route's handler took for one message",
                                               HANDLER_BUCKETS, ["route"])
         self.refused = self.counter("broker_refused", "Operations the broker refused", ["operation"])

@@ -50,9 +50,10 @@ REFRESH_S = 0.25
 """How often ``status`` redraws its progress bar."""
 
 
-def _bus(config: Config, what: str) -> Bus:
+def _bus(config: Config, what: str, metrics: ServiceMetrics | None = None) -> Bus:
+    """A client of the broker for one command; ``metrics`` counts what it receives (a fresh registry by default)."""
     return Bus(config.broker, client_id=f"edgemesh-job-{what}-{uuid.uuid4().hex[:8]}",
-               metrics=ServiceMetrics("operator"))
+               metrics=metrics or ServiceMetrics("operator"))
 
 
 class _Latest:
@@ -99,11 +100,12 @@ def submission_of(spec: JobSpec, *, search_path: list[str]) -> JobSubmission:
                                activations_per_sample=cost.activations_per_sample, layers=layers or (), refusal=refusal)
 
 
-async def submit(config: Config, spec: JobSpec, submission: JobSubmission, *, wait_s: float = ANSWER_WAIT_S) -> int:
+async def submit(config: Config, spec: JobSpec, submission: JobSubmission, *, wait_s: float = ANSWER_WAIT_S,
+                 metrics: ServiceMetrics | None = None) -> int:
     """Publish the job (unless a different job of that name is still active) and wait for its state."""
     topics = Topics(spec.name)
     states = _Latest()
-    bus = _bus(config, "submit")
+    bus = _bus(config, "submit", metrics)
     bus.route(topics.job_state_filter(), JobState, states.keep())
     async with bus.running():
         await states.wait(lambda: spec.name in states.items, RETAINED_WAIT_S)
@@ -133,10 +135,10 @@ def _is(state: JobState | None, sha: str) -> bool:
 # --------------------------------------------------------------------------- list, status
 
 
-async def job_states(config: Config) -> dict[str, JobState]:
+async def job_states(config: Config, *, metrics: ServiceMetrics | None = None) -> dict[str, JobState]:
     """Every job's retained state on the broker."""
     states = _Latest()
-    bus = _bus(config, "list")
+    bus = _bus(config, "list", metrics)
     bus.route(all_job_states_filter(), JobState, states.keep())
     async with bus.running():
         await asyncio.sleep(RETAINED_WAIT_S)  # retained states arrive at once; this is how long to collect them
@@ -153,8 +155,8 @@ def describe(state: JobState) -> str:
             + (f" ({state.reason})" if state.reason else ""))
 
 
-async def list_jobs(config: Config) -> int:
-    states = await job_states(config)
+async def list_jobs(config: Config, *, metrics: ServiceMetrics | None = None) -> int:
+    states = await job_states(config, metrics=metrics)
     if not states:
         print(f"no jobs on {config.broker.url}")
         return 1
@@ -167,10 +169,11 @@ async def list_jobs(config: Config) -> int:
     return 0
 
 
-async def status(config: Config, name: str, *, once: bool, timeout_s: float) -> int:
+async def status(config: Config, name: str, *, once: bool, timeout_s: float,
+                 metrics: ServiceMetrics | None = None) -> int:
     """Print the job's state; unless ``once``, follow it with a progress bar until it ends (or ``timeout_s``)."""
     states = _Latest()
-    bus = _bus(config, "status")
+    bus = _bus(config, "status", metrics)
     bus.route(Topics(name).job_state_filter(), JobState, states.keep())
     async with bus.running():
         if not await states.wait(lambda: name in states.items, RETAINED_WAIT_S * 3):
