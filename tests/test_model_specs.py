@@ -20,6 +20,7 @@ from torch import nn
 from edgemesh.common import costs, models
 from edgemesh.common.costs import LayerCost, ModelCost
 from edgemesh.common.errors import ModelError
+from edgemesh.common.jobs import check_model, read_job_file
 from edgemesh.common.models import (
     DIGITS_MEAN_STD,
     LeanMaxPool2d,
@@ -36,6 +37,9 @@ from edgemesh.common.models import (
     param_layout,
     register_spec,
 )
+from edgemesh.common.models.layer_list import MAX_RESIDUAL_DEPTH
+from edgemesh.common.models.lean import GlobalAvgPool, Residual
+from edgemesh.operator.export import check_onnx, export_model
 from edgemesh.services.worker.mesh.exchange import LocalHub
 from edgemesh.services.worker.mesh.member import MeshMember
 
@@ -162,7 +166,7 @@ BAD_LAYERS: list[tuple[list[Any], str]] = [
     ([{"relu": True}], r"layer 1 \(\{'relu': True\}\): relu takes no value"),
     ([7], r"layer 1 \(7\): a layer is a name or a table, not int"),
     ([{"conv2d": 4, "kernal": 3}], r"layer 1 \(\{'conv2d': 4, 'kernal': 3\}\): unknown option 'kernal' for "
-                                   r"conv2d; options: kernel, padding, stride"),
+                                   r"conv2d; options: kernel, padding, stride, groups, bias"),
     ([{"conv2d": 4}], r"layer 1 \(\{'conv2d': 4\}\): conv2d needs option kernel"),
     ([{"conv2d": 4, "kernel": 2.5}], r"layer 1 .*conv2d option kernel must be an integer >= 1, got 2.5"),
     ([{"conv2d": 4, "kernel": 3, "padding": -1}], r"layer 1 .*option padding must be an integer >= 0, got -1"),
@@ -170,7 +174,7 @@ BAD_LAYERS: list[tuple[list[Any], str]] = [
     (["flatten", {"linear": -3}], r"layer 2 \(\{'linear': -3\}\): linear output features must be a positive"),
     (["flatten", {"dropout": 1.0}, {"linear": 3}], r"layer 2 \(\{'dropout': 1.0\}\): dropout probability must be "
                                                    r"a number in \[0, 1\)"),
-    (["flatten", {"linear": 3, "bias": 0}], r"layer 2 .*unknown option 'bias' for linear; options: none"),
+    (["flatten", {"linear": 3, "stride": 1}], r"layer 2 .*unknown option 'stride' for linear; options: bias"),
     (["flatten", {"conv2d": 4, "kernel": 3}], r"layer 2 \(\{'conv2d': 4, 'kernel': 3\}\): expects a \(channels, "
                                               r"height, width\) input but gets shape \(36,\)"),
     ([{"conv2d": 4, "kernel": 3}, {"linear": 3}], r"layer 2 \(\{'linear': 3\}\): expects a flat \(features,\) input "
@@ -230,6 +234,352 @@ async def test_members_of_a_layer_list_model_compute_what_one_process_does() -> 
         m.load(params, version=0)
     results = await asyncio.gather(*(m.step(1, x, y, hub.member(i)) for i, m in enumerate(members)))
     assert_matches_one_process(list(results), loss, logits, grads)
+
+
+# --------------------------------------------------------------------------- edge CNN layers
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EDGE_EXAMPLES = ("mobilenetv2-32.toml", "resnet8-32.toml")
+EDGE_MAX_PARAMS = 100_000
+"""Parameters an example edge CNN may have (it trains on a Pi)."""
+ONNX_TOLERANCE = 1e-4
+"""Largest difference between onnxruntime's and torch's logits of an exported model."""
+
+
+def _first_layer(item: Any, shape: tuple[int, ...]) -> nn.Module:
+    """The module ``item`` builds as the first layer of a list on samples of ``shape``."""
+    model = build_model_of(layer_list_spec("one", [item, "flatten", {"linear": 2}], shape, 2))
+    return model[0]
+
+
+@pytest.mark.parametrize(("item", "shape", "kind", "out"), [
+    ("relu6", (2, 3, 3), nn.ReLU6, (2, 3, 3)),
+    ("hardswish", (2, 3, 3), nn.Hardswish, (2, 3, 3)),
+    ("silu", (5,), nn.SiLU, (5,)),
+    ("globalavgpool", (4, 3, 5), GlobalAvgPool, (4,)),
+    ({"conv2d": 6, "kernel": 3, "groups": 2, "bias": False}, (4, 5, 5), nn.Conv2d, (6, 3, 3)),
+    ({"linear": 3, "bias": False}, (5,), nn.Linear, (3,)),
+    ({"linear": 3, "bias": True}, (5,), nn.Linear, (3,)),
+])
+def test_each_edge_layer_builds_its_module_and_output_shape(item: Any, shape: tuple[int, ...], kind: type,
+                                                            out: tuple[int, ...]) -> None:
+    layer = _first_layer(item, shape)
+    assert type(layer) is kind
+    assert layer(torch.rand((2, *shape))).shape == (2, *out)
+
+
+def test_edge_activations_compute_their_functions() -> None:
+    x = torch.linspace(-8, 8, 33)
+    assert torch.equal(_first_layer("relu6", (33,))(x), x.clamp(0, 6))
+    torch.testing.assert_close(_first_layer("hardswish", (33,))(x), x * (x + 3).clamp(0, 6) / 6)
+    torch.testing.assert_close(_first_layer("silu", (33,))(x), x * torch.sigmoid(x))
+
+
+def test_global_average_pooling_is_each_channels_mean() -> None:
+    x = torch.rand((3, 4, 5, 6), generator=torch.Generator().manual_seed(0))
+    pooled = _first_layer("globalavgpool", (4, 5, 6))(x)
+    torch.testing.assert_close(pooled, nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())(x))
+    assert [n for n, _ in GlobalAvgPool().named_parameters()] == []
+
+
+def test_bias_false_leaves_the_bias_out_and_bias_true_keeps_it() -> None:
+    model = build_model_of(layer_list_spec("bias", [{"conv2d": 2, "kernel": 3, "bias": False}, "flatten",
+                                                    {"linear": 4, "bias": False}, {"linear": 3, "bias": True}],
+                                           (1, 4, 4), 3))
+    assert model.conv1.bias is None and model.fc1.bias is None and model.fc2.bias is not None
+    assert [n for n, _ in model.named_parameters()] == ["conv1.weight", "fc1.weight", "fc2.weight", "fc2.bias"]
+
+
+def test_a_depthwise_convolution_filters_each_channel_alone() -> None:
+    conv = _first_layer({"conv2d": 4, "kernel": 3, "padding": 1, "groups": 4}, (4, 5, 5))
+    assert isinstance(conv, nn.Conv2d) and conv.groups == conv.in_channels == conv.out_channels == 4
+    assert conv.weight.shape == (4, 1, 3, 3)
+    x = torch.rand((1, 4, 5, 5), generator=torch.Generator().manual_seed(1))
+    changed = x.clone()
+    changed[:, 2] += 1.0
+    with torch.no_grad():
+        moved = (conv(changed) - conv(x)).abs().amax(dim=(0, 2, 3))
+    assert moved[2] > 0 and torch.all(moved[[0, 1, 3]] == 0)
+
+
+def _nested(depth: int) -> Any:
+    """``depth`` residual blocks, one inside the other, around a ReLU."""
+    item: Any = "relu"
+    for _ in range(depth):
+        item = {"residual": [item]}
+    return item
+
+
+EDGE_BAD_LAYERS: list[tuple[list[Any], str]] = [
+    ([{"conv2d": 4, "kernel": 3}, {"conv2d": 6, "kernel": 1, "groups": 4}],
+     r"layer 2 \(\{'conv2d': 6, 'kernel': 1, 'groups': 4\}\): groups = 4 must divide the input channels \(4\) and "
+     r"the output channels \(6\)"),
+    ([{"conv2d": 4, "kernel": 3, "groups": 2}], r"layer 1 .*groups = 2 must divide the input channels \(1\)"),
+    ([{"conv2d": 4, "kernel": 3, "groups": 0}], r"layer 1 .*conv2d option groups must be an integer >= 1, got 0"),
+    ([{"conv2d": 4, "kernel": 3, "bias": 1}], r"layer 1 .*conv2d option bias must be true or false, got 1"),
+    ([{"conv2d": 4, "kernel": 3, "bias": "false"}], r"layer 1 .*conv2d option bias must be true or false, "
+                                                     r"got 'false'"),
+    (["flatten", {"linear": 3, "bias": 0}], r"layer 2 \(\{'linear': 3, 'bias': 0\}\): linear option bias must be "
+                                            r"true or false, got 0"),
+    ([{"relu6": 1}], r"layer 1 \(\{'relu6': 1\}\): relu6 takes no value or options"),
+    (["flatten", "globalavgpool"], r"layer 2 \('globalavgpool'\): expects a \(channels, height, width\) input but "
+                                   r"gets shape \(36,\)"),
+    ([{"residual": []}], r"layer 1 \(residual\): residual takes a non-empty list of layers, got \[\]"),
+    ([{"residual": "relu"}], r"layer 1 \(residual\): residual takes a non-empty list of layers, got 'relu'"),
+    (["residual"], r"layer 1 \('residual'\): residual needs its layer list: write \{residual = \.\.\.\}"),
+    ([{"residual": ["relu"], "activaton": "relu"}], r"layer 1 \(residual\): unknown option 'activaton' for "
+                                                    r"residual; options: activation"),
+    ([{"residual": ["relu"], "activation": "gelu"}], r"layer 1 \(residual\): residual option activation must be "
+                                                     r"one of relu, relu6, hardswish, silu, tanh, sigmoid, "
+                                                     r"got 'gelu'"),
+    ([{"residual": ["relu"], "activation": True}], r"activation must be one of .*got True"),
+    ([_nested(MAX_RESIDUAL_DEPTH + 1)], r"model 'bad': " + r"layer 1 \(residual\), " * MAX_RESIDUAL_DEPTH
+     + r"layer 1 \(residual\): residual blocks nest at most 3 deep"),
+    (["relu", {"residual": ["relu", {"linear": 3}]}], r"model 'bad': layer 2 \(residual\), layer 2 \(\{'linear': "
+                                                      r"3\}\): expects a flat \(features,\) input but gets shape "
+                                                      r"\(1, 6, 6\)"),
+    ([{"residual": [{"residual": [{"conv2d": 2, "kernel": 1, "groups": 2}]}]}],
+     r"layer 1 \(residual\), layer 1 \(residual\), layer 1 \(\{'conv2d': 2, 'kernel': 1, 'groups': 2\}\): groups"),
+    ([{"residual": ["flatten"]}], r"layer 1 \(residual\): its layers turn shape \(1, 6, 6\) into \(36,\); a skip "
+                                  r"connection projects only"),
+    ([{"residual": [{"conv2d": 2, "kernel": 1, "padding": 1}]}], r"layer 1 \(residual\): its layers turn shape "
+                                                                 r"\(1, 6, 6\) into \(2, 8, 8\); a 1x1 convolution"),
+    (["flatten", {"residual": [{"linear": 3}]}, {"linear": 4}], r"layer 3 \(\{'linear': 4\}\): the model's output "
+                                                                r"per sample is \(4,\)"),
+    (["flatten", {"linear": 3}, {"residual": [{"linear": 4}]}], r"layer 3 \(residual\): the model's output per "
+                                                                r"sample is \(4,\)"),
+]
+
+
+@pytest.mark.parametrize(("layers", "match"), EDGE_BAD_LAYERS)
+def test_a_bad_edge_layer_is_refused_naming_its_path(layers: list[Any], match: str) -> None:
+    with pytest.raises(ModelError, match=match):
+        layer_list_spec("bad", layers, (1, 6, 6), 3)
+
+
+def test_residual_blocks_nest_up_to_the_limit() -> None:
+    model = build_model_of(layer_list_spec("deep", [_nested(MAX_RESIDUAL_DEPTH), "flatten", {"linear": 3}],
+                                           (1, 6, 6), 3))
+    inner = ".".join(["res1.body"] * MAX_RESIDUAL_DEPTH)
+    assert isinstance(model.get_submodule(f"{inner}.relu1"), LeanReLU)
+
+
+RESIDUAL_LIST: list[Any] = [
+    {"conv2d": 4, "kernel": 3, "padding": 1, "bias": False}, "batchnorm", "relu",
+    {"residual": [{"conv2d": 4, "kernel": 3, "padding": 1}, "relu6"]},
+    {"residual": [{"conv2d": 8, "kernel": 3, "padding": 1, "stride": 2, "bias": False}, "batchnorm", "relu",
+                  {"residual": [{"conv2d": 8, "kernel": 1}, "silu"]}], "activation": "relu"},
+    "globalavgpool", "flatten",
+    {"residual": [{"linear": 6}, "hardswish"]},
+    {"linear": 3},
+]
+"""A block keeping its shape, one projecting with batch norm (holding a block), a flat one projecting without."""
+RESIDUAL_NAMES = [
+    "conv1.weight", "bn1.weight", "bn1.bias",
+    "res1.body.conv1.weight", "res1.body.conv1.bias",
+    "res2.body.conv1.weight", "res2.body.bn1.weight", "res2.body.bn1.bias",
+    "res2.body.res1.body.conv1.weight", "res2.body.res1.body.conv1.bias",
+    "res2.skip.conv1.weight", "res2.skip.bn1.weight", "res2.skip.bn1.bias",
+    "res3.body.fc1.weight", "res3.body.fc1.bias", "res3.skip.fc1.weight",
+    "fc1.weight", "fc1.bias",
+]
+
+
+def test_residual_blocks_name_their_children_by_the_list_alone() -> None:
+    a = build_model_of(layer_list_spec("res-a", RESIDUAL_LIST, (2, 8, 8), 3))
+    b = build_model_of(layer_list_spec("res-b", [dict(i) if isinstance(i, dict) else i for i in RESIDUAL_LIST],
+                                       (2, 8, 8), 3))
+    assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()] == RESIDUAL_NAMES
+    assert list(a.state_dict()) == list(b.state_dict())
+    assert [n for n, _ in a.named_children()] == ["conv1", "bn1", "relu1", "res1", "res2", "gap1", "flatten1",
+                                                  "res3", "fc1"]
+    assert isinstance(a.res1, Residual) and a.res1.skip is None and a.res1.act is None  # the identity
+    assert isinstance(a.res2.act, LeanReLU) and isinstance(a.res3.skip.fc1, nn.Linear)
+    assert a.res3.skip.fc1.bias is None and not hasattr(a.res3.skip, "bn1")  # no batch norm in its body
+    projection = a.res2.skip.conv1
+    assert (projection.kernel_size, projection.stride, projection.bias) == ((1, 1), (2, 2), None)
+    register_spec(layer_list_spec("res-seeded", RESIDUAL_LIST, (2, 8, 8), 3))
+    first, again = build_model("res-seeded", seed=7), build_model("res-seeded", seed=7)
+    assert all(torch.equal(p, q) for p, q in zip(first.parameters(), again.parameters(), strict=True))
+
+
+def _randomize(module: nn.Module, seed: int) -> None:
+    """Random values in every parameter and batch-norm statistic, so no default (a zero bias, a unit scale) hides
+    a module left out."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
+            if tensor.is_floating_point():
+                tensor.copy_(torch.rand(tensor.shape, generator=generator) + (0.5 if "running_var" in name else -0.5))
+
+
+def _copy(source: nn.Module, target: nn.Module) -> None:
+    """``source``'s parameters and buffers into ``target``'s, in order (their names differ)."""
+    with torch.no_grad():
+        for theirs, ours in zip((*source.parameters(), *source.buffers()), (*target.parameters(), *target.buffers()),
+                                strict=True):
+            ours.copy_(theirs)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_residual_block_with_projection_adds_body_and_projection_then_activates(training: bool) -> None:
+    layers = [{"residual": [{"conv2d": 4, "kernel": 3, "padding": 1, "stride": 2}, "batchnorm", "relu",
+                            {"conv2d": 4, "kernel": 3, "padding": 1}, "batchnorm"], "activation": "relu"},
+              "globalavgpool", {"linear": 3}]
+    block = build_model_of(layer_list_spec("res-proj", layers, (2, 7, 7), 3)).res1
+    _randomize(block, seed=3)
+    body = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1, stride=2), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))
+    projection = nn.Sequential(nn.Conv2d(2, 4, 1, stride=2, bias=False), nn.BatchNorm2d(4))
+    _copy(block.body, body)
+    _copy(block.skip, projection)
+    block.train(training)
+    body.train(training)
+    projection.train(training)
+    x = torch.rand((5, 2, 7, 7), generator=torch.Generator().manual_seed(4))
+    expected = torch.relu(body(x) + projection(x))
+    assert expected.shape == (5, 4, 4, 4)
+    torch.testing.assert_close(block(x), expected)
+
+
+def test_an_identity_block_adds_its_input_and_a_flat_block_projects_with_a_linear_layer() -> None:
+    model = build_model_of(layer_list_spec("res-flat", [{"residual": ["tanh"], "activation": "sigmoid"},
+                                                        {"residual": [{"linear": 4}, "relu"]}, {"linear": 3}],
+                                           (6,), 3))
+    _randomize(model, seed=5)
+    x = torch.rand((3, 6), generator=torch.Generator().manual_seed(6))
+    identity = torch.sigmoid(torch.tanh(x) + x)
+    torch.testing.assert_close(model.res1(x), identity)
+    fc, skip = model.res2.body.fc1, model.res2.skip.fc1
+    assert skip.weight.shape == (4, 6) and skip.bias is None
+    torch.testing.assert_close(model.res2(identity), torch.relu(fc(identity)) + identity @ skip.weight.T)
+
+
+def test_dropout_and_batchnorm_in_nested_blocks_train_and_evaluate() -> None:
+    layers = [{"conv2d": 4, "kernel": 3, "padding": 1},
+              {"residual": [{"residual": ["batchnorm", {"dropout": 0.5}]}, {"conv2d": 4, "kernel": 1}]},
+              "flatten", {"residual": [{"linear": 8}, "batchnorm", {"dropout": 0.5}]}, {"linear": 3}]
+    model = build_model_of(layer_list_spec("res-drop", layers, (1, 6, 6), 3))
+    inner_bn, inner_drop = model.res1.body.res1.body.bn1, model.res1.body.res1.body.drop1
+    assert isinstance(inner_bn, nn.BatchNorm2d) and isinstance(inner_drop, nn.Dropout) and inner_drop.p == 0.5
+    assert isinstance(model.res2.body.bn1, nn.BatchNorm1d) and isinstance(model.res2.skip.bn1, nn.BatchNorm1d)
+    x = torch.rand((8, 1, 6, 6), generator=torch.Generator().manual_seed(2))
+    model.train()
+    before = inner_bn.running_mean.clone()
+    a, b = model(x), model(x)
+    assert not torch.equal(a, b), "dropout draws in training"
+    assert not torch.equal(inner_bn.running_mean, before), "batch norm keeps statistics in training"
+    model.eval()
+    assert torch.equal(model(x), model(x)), "no dropout in evaluation"
+    rng = np.random.default_rng(0)
+    loss, grads = compute_gradients(model, rng.random((8, 1, 6, 6), dtype=np.float32), rng.integers(0, 3, 8))
+    assert np.isfinite(loss) and set(grads) == {n for n, _ in model.named_parameters()}
+    assert np.abs(grads["res1.body.res1.body.bn1.weight"]).sum() > 0
+
+
+@pytest.mark.parametrize("activation", [{}, {"activation": "relu"}])
+def test_residual_costs_by_hand(activation: dict[str, str]) -> None:
+    layers = [{"residual": [{"conv2d": 2, "kernel": 3, "padding": 1, "stride": 2}], **activation},
+              "globalavgpool", {"linear": 3}]
+    cost, layers_figures = derive_costs(build_model_of(layer_list_spec("res-cost", layers, (1, 4, 4), 3)), (1, 4, 4))
+    body, projection, fc = 2 * 2 * 2 * 9, 2 * 2 * 2, 2 * 3
+    assert cost == ModelCost(
+        params=(2 * 9 + 2) + 2 + (2 * 3 + 3),
+        macs_per_sample=body + projection + fc,
+        # input, body conv, projection, the sum (or the activation of it), pooled, fc
+        activations_per_sample=16 + 8 + 8 + 8 + 2 + 3,
+    )
+    assert layers_figures is None  # model parallelism cannot divide a residual block
+
+
+def test_model_parallelism_refuses_what_it_cannot_divide_naming_the_module() -> None:
+    with_bn = layer_list_spec("res-bn", [{"residual": [{"conv2d": 1, "kernel": 3, "padding": 1}, "batchnorm"]},
+                                         "flatten", {"linear": 3}], (1, 6, 6), 3)
+    with pytest.raises(ModelError, match=r"model parallelism cannot divide module 'res1' \(Residual\)"):
+        mesh_stages(build_model_of(with_bn))
+    grouped = layer_list_spec("grouped", [{"conv2d": 4, "kernel": 3}, {"conv2d": 4, "kernel": 1, "groups": 4},
+                                          "flatten", {"linear": 3}], (1, 6, 6), 3)
+    with pytest.raises(ModelError, match=r"cannot divide module 'conv2' \(Conv2d with groups = 4\)"):
+        mesh_stages(build_model_of(grouped))
+    unbiased = layer_list_spec("unbiased", ["flatten", {"linear": 5, "bias": False}, {"linear": 3}], (1, 6, 6), 3)
+    with pytest.raises(ModelError, match=r"cannot divide module 'fc1' \(Linear without bias\)"):
+        mesh_stages(build_model_of(unbiased))
+    register_spec(with_bn)
+    assert costs.cost("res-bn").params == (9 + 1) + 2 + (36 * 3 + 3)  # whole-model figures still derive
+    with pytest.raises(ModelError, match=r"no layer figures for model 'res-bn': .*'res1' \(Residual\)"):
+        costs.layers("res-bn")
+
+
+async def test_members_divide_a_model_with_the_new_channel_wise_layers_as_one_process_computes() -> None:
+    layers = [{"conv2d": 6, "kernel": 3, "padding": 1}, "relu6", {"conv2d": 8, "kernel": 3}, "hardswish",
+              "globalavgpool", {"linear": 12}, "silu", {"linear": 10}]
+    register_spec(layer_list_spec("list-mesh-edge", layers, (2, 8, 8), 10, mean=(0.5, 0.4), std=(0.3, 0.2)))
+    assert mesh_stages(build_model("list-mesh-edge")) == (
+        Stage("conv1", ("input",), ("relu6_1",)), Stage("conv2", (), ("hswish1", "gap1")), Stage("fc1", (), ("silu1",)),
+        Stage("fc2", (), ()))
+    counts = {"conv1": (4, 2), "conv2": (3, 5), "fc1": (6, 6), "fc2": (0, 10)}
+    params, x, y, loss, logits, grads = reference("list-mesh-edge", seed=2, batch=8)
+    hub = LocalHub(2)
+    members = [MeshMember("list-mesh-edge", counts, i, seed=2) for i in range(2)]
+    for m in members:
+        m.load(params, version=0)
+    results = await asyncio.gather(*(m.step(1, x, y, hub.member(i)) for i, m in enumerate(members)))
+    assert_matches_one_process(list(results), loss, logits, grads)
+
+
+@pytest.mark.parametrize("example", EDGE_EXAMPLES)
+def test_the_edge_cnn_examples_build_and_train_a_step(example: str) -> None:
+    job = read_job_file(EXAMPLES / example)
+    cost, layers, refusal = check_model(job)
+    assert cost.params < EDGE_MAX_PARAMS and layers is None and "cannot divide" in refusal
+    model = build_model(job.model_key, seed=1)
+    assert cost.params == sum(p.numel() for p in model.parameters())
+    assert model(torch.zeros((2, *job.model.input_shape))).shape == (2, job.num_classes)
+    rng = np.random.default_rng(0)
+    x, y = rng.random((4, *job.model.input_shape), dtype=np.float32), rng.integers(0, job.num_classes, 4)
+    loss, grads = compute_gradients(model, x, y)
+    assert np.isfinite(loss) and set(grads) == {n for n, _ in model.named_parameters()}
+    assert all(np.isfinite(g).all() for g in grads.values())
+    assert np.abs(grads["conv1.weight"]).sum() > 0, "the gradient reaches the first layer"
+
+
+def _registered(path: Path) -> str:
+    """The name of the model of the job file at ``path``, registered."""
+    job = read_job_file(path)
+    check_model(job)
+    return job.model_key
+
+
+def test_the_mobilenet_example_has_depthwise_convolutions_and_residuals_where_shapes_allow() -> None:
+    model = build_model(_registered(EXAMPLES / "mobilenetv2-32.toml"))
+    depthwise = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups > 1]
+    assert len(depthwise) == 3 and all(m.groups == m.in_channels == m.out_channels for m in depthwise)
+    blocks = [m for m in model.modules() if isinstance(m, Residual)]
+    assert len(blocks) == 2 and all(b.skip is None for b in blocks)
+    assert isinstance(model.gap1, GlobalAvgPool)
+
+
+def test_the_resnet8_example_projects_the_skip_of_its_downsampling_stages() -> None:
+    model = build_model(_registered(EXAMPLES / "resnet8-32.toml"))
+    assert [n for n, m in model.named_children() if isinstance(m, Residual)] == ["res1", "res2", "res3"]
+    assert model.res1.skip is None
+    for name, channels in (("res2", 32), ("res3", 64)):
+        conv = model.get_submodule(f"{name}.skip.conv1")
+        assert (conv.out_channels, conv.stride, conv.bias) == (channels, (2, 2), None)
+        assert isinstance(model.get_submodule(f"{name}.skip.bn1"), nn.BatchNorm2d)
+        assert isinstance(model.get_submodule(f"{name}.act"), LeanReLU)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert len(convs) + 1 == 8, "ResNet-8: seven 3x3 convolutions and the linear layer"
+
+
+@pytest.mark.parametrize("example", EDGE_EXAMPLES)
+def test_the_edge_cnn_examples_export_to_onnx_as_torch_computes(example: str, tmp_path: Path) -> None:
+    job = read_job_file(EXAMPLES / example)
+    check_model(job)
+    model = build_model(job.model_key, seed=2)
+    _randomize(model, seed=2)  # batch-norm statistics away from their defaults
+    path = export_model(model, job.model.input_shape, "onnx", tmp_path / "model.onnx")
+    assert check_onnx(model, job.model.input_shape, path) <= ONNX_TOLERANCE
 
 
 # --------------------------------------------------------------------------- entry points

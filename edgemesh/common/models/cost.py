@@ -7,8 +7,9 @@ the model allows, so nothing is computed):
   matrix multiplies (``mm``, ``addmm``, ``bmm``, ``baddbmm``: linear layers), convolutions and
   attention, at 2 FLOPs per multiply-accumulate. Bias additions, element-wise layers, pooling and
   normalization are not counted (memory-bound and small; see ``costs``).
-* **Activations** are the values every leaf module outputs for the sample, plus the input: what a
-  training step keeps for its backward pass (an upper bound with ``LeanReLU``/``LeanMaxPool2d``).
+* **Activations** are the values every leaf module outputs for the sample, plus the input and the sum
+  of a residual block no activation follows: what a training step keeps for its backward pass (an
+  upper bound with ``LeanReLU``/``LeanMaxPool2d``).
 * **Parameters** are every parameter of the module (all of them travel).
 * **Layer figures** (``costs.LayerCost``) for a model ``mesh_stages`` can divide, else none.
 """
@@ -27,11 +28,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from edgemesh.common import costs
 from edgemesh.common.costs import LayerCost, ModelCost
 from edgemesh.common.errors import ModelError
-from edgemesh.common.models.lean import Standardize
+from edgemesh.common.models.lean import GlobalAvgPool, Residual, Standardize
 from edgemesh.common.models.probe import Forward, on_sample
 from edgemesh.common.models.specs import build_model, get_spec
 
-CHANNELWISE: Final = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.MaxPool2d, nn.AvgPool2d)
+CHANNELWISE: Final = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.Hardtanh, nn.Hardswish, nn.SiLU,
+                      nn.MaxPool2d, nn.AvgPool2d, GlobalAvgPool)
 """Modules that act on each channel alone: model parallelism runs them on a member's slice."""
 REPLICATED: Final = (Standardize, nn.Flatten, nn.Identity)
 """Parameterless modules that mix channels or positions: every member runs them on the whole input."""
@@ -57,8 +59,9 @@ def mesh_stages(model: nn.Module) -> tuple[Stage, ...]:
     """Split a sequential model into its divisible stages.
 
     Raises ModelError for a model model parallelism cannot divide: not sequential, a module with
-    parameters that is neither conv nor linear (batch norm), or one that is random (dropout)
-    or unknown, since each member must compute exactly what one process would.
+    parameters that is neither conv nor linear (batch norm), one that is random (dropout) or
+    unknown (a residual block), since each member must compute exactly what one process would,
+    or a conv or linear layer a member cannot slice by output units (grouped, or without bias).
     """
     if not isinstance(model, nn.Sequential):
         raise ModelError("model parallelism needs a sequential model")
@@ -69,6 +72,7 @@ def mesh_stages(model: nn.Module) -> tuple[Stage, ...]:
     pending: list[str] = []  # replicated modules before the next layer
     for name, module in model.named_children():
         if isinstance(module, nn.Conv2d | nn.Linear):
+            _check_divisible(name, module)
             if layer is not None:
                 stages.append(Stage(layer, tuple(pre), tuple(tail)))
             layer, pre, tail, pending = name, pending, [], []
@@ -85,6 +89,22 @@ def mesh_stages(model: nn.Module) -> tuple[Stage, ...]:
         raise ModelError("the model must end with a conv or linear layer (and channel-wise modules)")
     stages.append(Stage(layer, tuple(pre), tuple(tail)))
     return tuple(stages)
+
+
+def _check_divisible(name: str, module: nn.Conv2d | nn.Linear) -> None:
+    """ModelError unless a member can compute a slice of the layer's output units from the whole input
+    with a slice of its weight and bias (a grouped convolution's slice needs a slice of the input)."""
+    kind = type(module).__name__
+    if module.bias is None:
+        raise ModelError(f"model parallelism cannot divide module {name!r} ({kind} without bias)")
+    if isinstance(module, nn.Conv2d) and module.groups != 1:
+        raise ModelError(f"model parallelism cannot divide module {name!r} ({kind} with groups = {module.groups})")
+
+
+def _counted(module: nn.Module) -> bool:
+    """Whether the values ``module`` outputs count as activations: a leaf's, and a residual block's when no
+    activation follows its sum (the sum is made outside any leaf; an activation's output is counted as a leaf's)."""
+    return next(module.children(), None) is None or (isinstance(module, Residual) and module.act is None)
 
 
 def _values(output: Any) -> int:
@@ -124,7 +144,7 @@ def _watch(model: nn.Module, input_shape: tuple[int, ...]) -> Callable[[Forward]
                     seen.inputs[name], seen.outputs[name] = tuple(args[0].shape[1:]), tuple(output.shape[1:])
             return hook
 
-        handles = [m.register_forward_hook(leaf) for m in model.modules() if next(m.children(), None) is None]
+        handles = [m.register_forward_hook(leaf) for m in model.modules() if _counted(m)]
         handles += [m.register_forward_hook(child(n)) for n, m in model.named_children()]
         try:
             with FlopCounterMode(display=False) as counter:

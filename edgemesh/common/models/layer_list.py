@@ -6,6 +6,11 @@ the layer before. Children are named by kind and a 1-based count per kind: ``con
 conv2, ..., flatten1, fc1, drop1, bn1`` (``pool`` counts max- and average-pooling together), after
 an ``input`` standardization when the job gives mean and std. The names depend on the list alone,
 so parameters (``conv1.weight``, ``fc2.bias``) are named alike on every host.
+
+A residual block ``{residual = [...], activation = "relu"}`` is a child like any other (``res1``)
+holding ``body``, its sub-list named afresh (``res1.body.conv1``, ``res1.body.bn1``), and ``skip``,
+the projection when the body changes its input's shape (``res1.skip.conv1``, ``res1.skip.bn1``);
+its output is ``activation(body(x) + skip(x))``.
 """
 
 from __future__ import annotations
@@ -20,15 +25,23 @@ import torch
 from torch import nn
 
 from edgemesh.common.errors import ModelError
-from edgemesh.common.models.lean import LeanMaxPool2d, LeanReLU
+from edgemesh.common.models.lean import GlobalAvgPool, LeanMaxPool2d, LeanReLU, Residual
 from edgemesh.common.models.probe import REAL_PROBE_MAX_PARAMS
 from edgemesh.common.models.specs import ModelSpec, check_io, standardize
 
 Make = Callable[[], nn.Module]
+Children = list[tuple[str, Make]]
+"""Named builders of a list's modules, in order."""
 IMAGE: Final = 3
 """Rank of a (channels, height, width) sample."""
 FLAT: Final = 1
 """Rank of a (features,) sample."""
+OptionRule = int | type[bool] | tuple[str, ...]
+"""What an option takes: an int is the least integer allowed, ``bool`` is true or false, a tuple the names allowed."""
+ACTIVATIONS: Final = ("relu", "relu6", "hardswish", "silu", "tanh", "sigmoid")
+"""The element-wise layers, which a residual block's ``activation`` may name."""
+MAX_RESIDUAL_DEPTH: Final = 3
+"""Most residual blocks a layer may sit inside (a residual in a residual in a residual)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,15 +52,16 @@ class _Kind:
     """Child names are the prefix and a count: ``conv1``."""
     value: str | None
     """What the table entry of the kind gives (``channels``, ``window``...); None: a bare name, no options."""
-    options: Mapping[str, int]
-    """Option -> its least allowed value."""
+    options: Mapping[str, OptionRule]
+    """Option -> what it takes."""
     ranks: tuple[int, ...]
     """Sample ranks the layer takes (empty: any)."""
 
 
 KINDS: Final[dict[str, _Kind]] = {
-    "conv2d": _Kind("conv", "output channels", {"kernel": 1, "padding": 0, "stride": 1}, (IMAGE,)),
-    "linear": _Kind("fc", "output features", {}, (FLAT,)),
+    "conv2d": _Kind("conv", "output channels",
+                    {"kernel": 1, "padding": 0, "stride": 1, "groups": 1, "bias": bool}, (IMAGE,)),
+    "linear": _Kind("fc", "output features", {"bias": bool}, (FLAT,)),
     "relu": _Kind("relu", None, {}, ()),
     "maxpool2d": _Kind("pool", "window", {"stride": 1}, (IMAGE,)),
     "avgpool2d": _Kind("pool", "window", {"stride": 1}, (IMAGE,)),
@@ -56,18 +70,28 @@ KINDS: Final[dict[str, _Kind]] = {
     "batchnorm": _Kind("bn", None, {}, (FLAT, IMAGE)),
     "tanh": _Kind("tanh", None, {}, ()),
     "sigmoid": _Kind("sigmoid", None, {}, ()),
+    "relu6": _Kind("relu6_", None, {}, ()),
+    "hardswish": _Kind("hswish", None, {}, ()),
+    "silu": _Kind("silu", None, {}, ()),
+    "globalavgpool": _Kind("gap", None, {}, (IMAGE,)),
+    "residual": _Kind("res", "layer list", {"activation": ACTIVATIONS}, ()),
 }
 """Every layer name a list may use, in the order error messages list them."""
 RANK_NAMES: Final = {FLAT: "a flat (features,) input", IMAGE: "a (channels, height, width) input"}
+PLAIN: Final[dict[str, Make]] = {"relu": LeanReLU, "relu6": nn.ReLU6, "hardswish": nn.Hardswish, "silu": nn.SiLU,
+                                 "tanh": nn.Tanh, "sigmoid": nn.Sigmoid, "flatten": nn.Flatten,
+                                 "globalavgpool": GlobalAvgPool}
+"""The module of each bare-name layer."""
 
 
-def _make(kind: str, value: Any, options: Mapping[str, int], shape: tuple[int, ...]) -> Make:
-    """A builder of the layer for an input of per-sample ``shape`` (already checked)."""
+def _make(kind: str, value: Any, options: Mapping[str, Any], shape: tuple[int, ...]) -> Make:
+    """A builder of the (non-residual) layer for an input of per-sample ``shape`` (already checked)."""
     if kind == "conv2d":
         return functools.partial(nn.Conv2d, shape[0], value, options["kernel"], stride=options.get("stride", 1),
-                                 padding=options.get("padding", 0))
+                                 padding=options.get("padding", 0), groups=options.get("groups", 1),
+                                 bias=options.get("bias", True))
     if kind == "linear":
-        return functools.partial(nn.Linear, shape[0], value)
+        return functools.partial(nn.Linear, shape[0], value, bias=options.get("bias", True))
     if kind == "maxpool2d":
         return functools.partial(LeanMaxPool2d, value, stride=options.get("stride", value))
     if kind == "avgpool2d":
@@ -76,15 +100,37 @@ def _make(kind: str, value: Any, options: Mapping[str, int], shape: tuple[int, .
         return functools.partial(nn.Dropout, float(value))
     if kind == "batchnorm":
         return functools.partial(nn.BatchNorm1d if len(shape) == FLAT else nn.BatchNorm2d, shape[0])
-    plain: dict[str, Make] = {"relu": LeanReLU, "flatten": nn.Flatten, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
-    return plain[kind]
+    return PLAIN[kind]
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse(item: Any) -> tuple[str, Any, dict[str, int]]:
+def _is_list(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str | bytes | Mapping)
+
+
+def _label(item: Any) -> str:
+    """How an error names an item: a residual block by its kind (its sub-list is named item by item), others as
+    written."""
+    return "residual" if isinstance(item, Mapping) and "residual" in item else repr(item)
+
+
+def _option(kind: str, key: str, rule: OptionRule, option: Any) -> Any:
+    """``option`` as given for ``key`` if ``rule`` allows it; ModelError with the reason alone otherwise."""
+    if isinstance(rule, tuple):
+        if not isinstance(option, str) or option not in rule:
+            raise ModelError(f"{kind} option {key} must be one of {', '.join(rule)}, got {option!r}")
+    elif isinstance(rule, int):
+        if not _is_int(option) or option < rule:
+            raise ModelError(f"{kind} option {key} must be an integer >= {rule}, got {option!r}")
+    elif not isinstance(option, bool):
+        raise ModelError(f"{kind} option {key} must be true or false, got {option!r}")
+    return option
+
+
+def _parse(item: Any) -> tuple[str, Any, dict[str, Any]]:
     """(kind, value, options) of one item as written; raises ModelError with the reason alone."""
     known = ", ".join(KINDS)
     if isinstance(item, str):
@@ -106,22 +152,30 @@ def _parse(item: Any) -> tuple[str, Any, dict[str, int]]:
     if kind == "dropout":
         if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < 1:
             raise ModelError(f"dropout probability must be a number in [0, 1), got {value!r}")
+    elif kind == "residual":
+        if not _is_list(value) or not value:
+            raise ModelError(f"residual takes a non-empty list of layers, got {value!r}")
     elif not _is_int(value) or value < 1:
         raise ModelError(f"{kind} {spec.value} must be a positive integer, got {value!r}")
-    options: dict[str, int] = {}
+    options: dict[str, Any] = {}
     for key, option in item.items():
         if key == kind:
             continue
         if key not in spec.options:
             allowed = ", ".join(spec.options) or "none"
             raise ModelError(f"unknown option {key!r} for {kind}; options: {allowed}")
-        least = spec.options[key]
-        if not _is_int(option) or option < least:
-            raise ModelError(f"{kind} option {key} must be an integer >= {least}, got {option!r}")
-        options[key] = option
+        options[key] = _option(kind, key, spec.options[key], option)
     if kind == "conv2d" and "kernel" not in options:
         raise ModelError("conv2d needs option kernel")
     return kind, value, options
+
+
+def _fit(kind: str, value: Any, options: Mapping[str, Any], shape: tuple[int, ...]) -> None:
+    """ModelError with the reason alone when an option does not suit the layer's input of ``shape``."""
+    groups = options.get("groups", 1)
+    if kind == "conv2d" and (shape[0] % groups or value % groups):
+        raise ModelError(f"groups = {groups} must divide the input channels ({shape[0]}) and the output "
+                         f"channels ({value}); groups equal to the input channels is a depthwise convolution")
 
 
 def _probe(make: Make, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -139,53 +193,124 @@ def _probe(make: Make, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out.shape[1:])
 
 
-def _layers(name: str, layers: Sequence[Any], input_shape: tuple[int, ...],
-            num_classes: int) -> list[tuple[str, Make]]:
-    """The named layer builders of the list, every layer checked against its input; ModelError naming the layer."""
-    if isinstance(layers, str | bytes | Mapping) or not isinstance(layers, Sequence):
-        raise ModelError(f"model {name!r}: layers must be a list, got {type(layers).__name__}")
-    if not layers:
-        raise ModelError(f"model {name!r}: the layer list is empty")
+@dataclass(frozen=True, slots=True)
+class _Chain:
+    """The checked layers of one list."""
+
+    children: Children
+    shape: tuple[int, ...]
+    """Per-sample output shape of the last layer."""
+    last: str
+    """Where the last layer is (``model 'm': layer 7 ({'linear': 5})``), for an error about the output."""
+    batchnorm: bool
+    """Whether a batch norm is among the layers (nested blocks included)."""
+
+
+def _sequential(children: Children) -> nn.Sequential:
+    return nn.Sequential(OrderedDict((child, make()) for child, make in children))
+
+
+def _chain(where: str, layers: Sequence[Any], input_shape: tuple[int, ...], depth: int) -> _Chain:
+    """The named layer builders of a non-empty list inside ``depth`` residual blocks, every layer checked against
+    its input; ModelError naming the layer after ``where`` (``model 'm': `` or the enclosing blocks)."""
     counts: dict[str, int] = {}
-    out: list[tuple[str, Make]] = []
+    out: Children = []
     shape = input_shape
-    where = ""
+    batchnorm = False
+    at = where
     for position, item in enumerate(layers, start=1):
-        where = f"model {name!r}: layer {position} ({item!r})"
+        at = f"{where}layer {position} ({_label(item)})"
         try:
             kind, value, options = _parse(item)
+            ranks = KINDS[kind].ranks
+            if ranks and len(shape) not in ranks:
+                expects = " or ".join(RANK_NAMES[r] for r in ranks)
+                hint = "; put 'flatten' before it" if ranks == (FLAT,) else ""
+                raise ModelError(f"expects {expects} but gets shape {shape}{hint}")
+            _fit(kind, value, options, shape)
         except ModelError as exc:
-            raise ModelError(f"{where}: {exc}") from None
-        ranks = KINDS[kind].ranks
-        if ranks and len(shape) not in ranks:
-            expects = " or ".join(RANK_NAMES[r] for r in ranks)
-            hint = "; put 'flatten' before it" if ranks == (FLAT,) else ""
-            raise ModelError(f"{where}: expects {expects} but gets shape {shape}{hint}")
-        make = _make(kind, value, options, shape)
-        try:
-            new_shape = _probe(make, shape)
-        except (RuntimeError, ValueError) as exc:
-            raise ModelError(f"{where}: does not fit its input of shape {shape}: {exc}") from None
+            raise ModelError(f"{at}: {exc}") from None
+        if kind == "residual":
+            make, new_shape, inner_bn = _residual(at, value, options, shape, depth + 1)
+            batchnorm = batchnorm or inner_bn
+        else:
+            make = _make(kind, value, options, shape)
+            try:
+                new_shape = _probe(make, shape)
+            except (RuntimeError, ValueError) as exc:
+                raise ModelError(f"{at}: does not fit its input of shape {shape}: {exc}") from None
+            batchnorm = batchnorm or kind == "batchnorm"
         if 0 in new_shape:
-            raise ModelError(f"{where}: gives an empty output {new_shape} from its input of shape {shape}")
+            raise ModelError(f"{at}: gives an empty output {new_shape} from its input of shape {shape}")
         shape = new_shape
         prefix = KINDS[kind].prefix
         counts[prefix] = counts.get(prefix, 0) + 1
         out.append((f"{prefix}{counts[prefix]}", make))
-    if shape != (num_classes,):
-        raise ModelError(f"{where}: the model's output per sample is {shape}, but it must be ({num_classes},) "
-                         f"for {num_classes} classes")
-    return out
+    return _Chain(out, shape, at, batchnorm)
+
+
+def _residual(at: str, layers: Sequence[Any], options: Mapping[str, Any], shape: tuple[int, ...],
+              depth: int) -> tuple[Make, tuple[int, ...], bool]:
+    """(builder, output shape, whether its body has batch norm) of the residual block at ``at`` whose body sits
+    inside ``depth`` blocks; ModelError naming the block, or the layer of its body, that is wrong."""
+    if depth > MAX_RESIDUAL_DEPTH:
+        raise ModelError(f"{at}: residual blocks nest at most {MAX_RESIDUAL_DEPTH} deep")
+    body = _chain(f"{at}, ", layers, shape, depth)
+    try:
+        skip = _projection(shape, body.shape, body.batchnorm)
+    except ModelError as exc:
+        raise ModelError(f"{at}: {exc}") from None
+    activation: str | None = options.get("activation")
+
+    def build() -> nn.Module:
+        act = None if activation is None else _make(activation, None, {}, body.shape)()
+        return Residual(_sequential(body.children), None if skip is None else _sequential(skip), act)
+
+    return build, body.shape, body.batchnorm
+
+
+def _projection(shape: tuple[int, ...], out: tuple[int, ...], batchnorm: bool) -> Children | None:
+    """The skip connection's modules from ``shape`` to a body's output ``out``: none (the identity) when they
+    agree, else a projection without bias (the body's last layer has its own), then batch norm when the body has
+    one; ModelError with the reason alone when no projection fits."""
+    if out == shape:
+        return None
+    if len(out) != len(shape) or len(shape) not in (FLAT, IMAGE):
+        raise ModelError(f"its layers turn shape {shape} into {out}; a skip connection projects only from a "
+                         "(channels, height, width) shape to another, or from a (features,) shape to another")
+    if len(shape) == FLAT:
+        return [("fc1", functools.partial(nn.Linear, shape[0], out[0], bias=False)),
+                *([("bn1", functools.partial(nn.BatchNorm1d, out[0]))] if batchnorm else [])]
+    stride_h, stride_w = _stride(shape[1], out[1]), _stride(shape[2], out[2])
+    if stride_h is None or stride_w is None:
+        raise ModelError(f"its layers turn shape {shape} into {out}; a 1x1 convolution of the skip connection "
+                         "cannot give that height and width (it can only keep or shrink them by a stride)")
+    return [("conv1", functools.partial(nn.Conv2d, shape[0], out[0], 1, stride=(stride_h, stride_w), bias=False)),
+            *([("bn1", functools.partial(nn.BatchNorm2d, out[0]))] if batchnorm else [])]
+
+
+def _stride(size: int, size_out: int) -> int | None:
+    """The least stride at which a 1x1 convolution turns ``size`` positions into ``size_out``; None if none does."""
+    stride = -(-size // size_out)
+    return stride if -(-size // stride) == size_out else None
 
 
 def layer_list_spec(name: str, layers: Sequence[Any], input_shape: Sequence[int], num_classes: int,
                     mean: Sequence[float] = (), std: Sequence[float] = (), description: str = "") -> ModelSpec:
     """The spec of a model written as a layer list, checked now: ModelError naming the layer
-    (``layer 4 ({'linear': 10}): ...``) that is unknown, has a bad option or does not fit its input,
-    or the last one when the output is not one score per class."""
+    (``layer 4 ({'linear': 10}): ...``, ``layer 3 (residual), layer 2 ({'conv2d': 8}): ...``) that is unknown,
+    has a bad option or does not fit its input, or the last one when the output is not one score per class."""
     shape = check_io(name, input_shape, num_classes)
     first = standardize(name, shape, mean, std)
-    children = _layers(name, layers, shape, num_classes)
+    if not _is_list(layers):
+        raise ModelError(f"model {name!r}: layers must be a list, got {type(layers).__name__}")
+    if not layers:
+        raise ModelError(f"model {name!r}: the layer list is empty")
+    chain = _chain(f"model {name!r}: ", layers, shape, 0)
+    if chain.shape != (num_classes,):
+        raise ModelError(f"{chain.last}: the model's output per sample is {chain.shape}, but it must be "
+                         f"({num_classes},) for {num_classes} classes")
+    children = chain.children
 
     def build() -> nn.Module:
         modules: list[tuple[str, nn.Module]] = [("input", first())] if first is not None else []

@@ -1,5 +1,5 @@
-"""Modules a spec is made of that torch does not offer as such: input standardization, and ReLU and
-max-pooling that keep less for their backward pass."""
+"""Modules a spec is made of that torch does not offer as such: input standardization, ReLU and
+max-pooling that keep less for their backward pass, global average pooling and residual blocks."""
 
 from __future__ import annotations
 
@@ -153,3 +153,35 @@ class LeanMaxPool2d(nn.MaxPool2d):
             return out
         result: torch.Tensor = super().forward(input)
         return result
+
+
+class GlobalAvgPool(nn.Module):
+    """The mean of each channel over its positions: ``(N, C, H, W) -> (N, C)``.
+
+    ``nn.AdaptiveAvgPool2d(1)`` and a flatten in one module; a plain mean, so it exports to ONNX as
+    one ``ReduceMean``. Each channel's output depends on that channel alone.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return input.mean(dim=(-2, -1))
+
+
+class Residual(nn.Module):
+    """A skip connection around ``body``: ``act(body(x) + skip(x))``.
+
+    ``skip`` is None for the identity (the body keeps its input's shape), else a module giving the
+    body's output shape (a projection); ``act`` is None for no activation after the sum.
+    """
+
+    skip: nn.Module | None
+    act: nn.Module | None
+
+    def __init__(self, body: nn.Module, skip: nn.Module | None = None, act: nn.Module | None = None) -> None:
+        super().__init__()
+        self.body = body
+        self.skip = skip
+        self.act = act
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.body(input) + (input if self.skip is None else self.skip(input))
+        return out if self.act is None else self.act(out)
