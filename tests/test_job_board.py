@@ -11,20 +11,24 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from helpers import WAIT_S, inbox, make_config, until
+import pytest
+from helpers import WAIT_S, inbox, make_config, running, until
 
 from edgemesh.common.config import Config
 from edgemesh.common.jobs import parse_job, render_job
-from edgemesh.common.messages import ControlCommand, ControlReply, JobState, JobSubmission
+from edgemesh.common.messages import ControlCommand, ControlReply, DeviceStatus, Event, JobState, JobSubmission
+from edgemesh.common.messages.jobs import EVALUATIONS_KEPT
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics, all_job_states_filter
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION
-from edgemesh.operator.job import job_states, status, submission_of, submit
+from edgemesh.operator.devices import list_devices
+from edgemesh.operator.job import job_states, list_jobs, status, submission_of, submit
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.host import ActiveJob, JobHost
 from edgemesh.services.parameter_server import jobs as ps_jobs
 from edgemesh.services.parameter_server.jobs import JobBoard
+from edgemesh.services.worker import command as worker_command
 
 
 def digits_job(name: str, **job: object) -> JobSubmission:
@@ -74,6 +78,74 @@ async def test_job_commands_and_the_services_serving_a_job_count_no_rejection(br
     assert operator.value("edgemesh_operator_received_messages_total", route="job_state") >= 3
     for metrics in (operator, *hosts):
         assert metrics.value(f"{metrics.prefix}rejected_total") == 0, metrics.service
+
+
+async def test_why_a_device_is_out_of_a_running_job_shows_in_job_status_job_list_and_devices(
+        mosquitto_broker: BrokerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker whose images are broken leaves the job, and a device whose memory holds no share refuses it: while
+    the job runs, ``job status --once``, ``job list`` and ``devices`` say which and why (once only a followed
+    status said it, when the job ended)."""
+    config = make_config(mosquitto_broker, job="", **{"ps.state_dir": tmp_path / "state"})
+    spec = parse_job(render_job({
+        "job": {"name": "pics", "max_versions": 100000},
+        "model": {"input_shape": [3, 8, 8], "classes": ["a", "b"], "layers": ["flatten", {"linear": 2}]},
+        "data": {"format": "image-folder", "path": "pics"}, "evaluation": {"local_share": 0.2}}))
+    job = dataclasses.replace(submission_of(spec, search_path=[]), submitted_at=time.time())
+    (tmp_path / "w1" / "pics" / "a").mkdir(parents=True)
+    (tmp_path / "w1" / "pics" / "a" / "x.png").write_bytes(b"these bytes are not a PNG")
+    worker = JobHost("worker", make_config(mosquitto_broker, job="", **{"worker.data_dir": tmp_path / "w1"}),
+                     worker_command.for_job, device="w1")
+    client = dataclasses.replace(config, job="pics")
+    memory = "needs 812 MiB for batch 128, has 700 MiB"
+    async with board(config), running(worker), inbox(client, (all_job_states_filter(), JobState)) as box:
+        await box.publish(Topics("pics").status("pi-3"), DeviceStatus(device="pi-3", state="online", refused_plan=3,
+                                                                      reason=memory), retain=True)
+        await box.publish(Topics("pics").job_file(), job, retain=True)
+        await box.next(JobState, lambda s: s.name == "pics" and s.state == "running"
+                       and {"w1", "pi-3"} <= set(s.device_errors))
+        capsys.readouterr()
+        assert await status(config, "pics", once=True, timeout_s=0) == 0
+        shown = capsys.readouterr().out
+        assert await list_jobs(config) == 0
+        listed = capsys.readouterr().out
+        assert await list_devices(client, wait_s=1.0) == 0
+        devices = capsys.readouterr().out
+    for out in (shown, listed, devices):
+        assert "w1" in out and "x.png" in out and "plan v3" in out and memory in out, out
+    assert "pics: running" in shown and "2 device(s) out" in shown
+    assert "w1 left the job" in devices and "pi-3 refused its share of plan v3" in devices
+
+
+async def test_job_status_shows_the_latest_evaluations_of_a_running_job(
+        mosquitto_broker: BrokerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The job's state keeps its latest ``EVALUATIONS_KEPT`` evaluations (the parameter server's events), one per
+    version in version order, and ``job status`` shows them, not only the last accuracy."""
+    config = make_config(mosquitto_broker, job="", **{"ps.state_dir": tmp_path})
+    client = dataclasses.replace(config, job="evals")
+    topics = Topics("evals")
+    async with board(config) as host, inbox(client, (all_job_states_filter(), JobState)) as box:
+        await box.publish(topics.job_file(), digits_job("evals", max_versions=100000), retain=True)
+        await box.next(JobState, lambda s: s.name == "evals" and s.state == "running")
+        await box.until("the PS serving the job", lambda: host.service is not None and host.service.state is not None)
+        count = EVALUATIONS_KEPT + 5
+        for i in range(1, count + 1):
+            await box.publish(topics.events(), Event(kind="evaluation", source="ps", time=time.time(), data={
+                "version": 10 * i, "accuracy": i / 100, "loss": 3.0 - i / 10}))
+        # a later report for a version replaces it (devices' evaluations are combined as each comes in)
+        await box.publish(topics.events(), Event(kind="evaluation", source="ps", time=time.time(),
+                                                 data={"version": 10 * count, "accuracy": 0.5, "loss": 0.5}))
+        state = await box.next(JobState, lambda s: s.name == "evals" and s.evaluations
+                               and s.evaluations[-1].accuracy == 0.5)
+        capsys.readouterr()
+        assert await status(config, "evals", once=True, timeout_s=0) == 0
+        printed = capsys.readouterr().out
+    kept = range(count - EVALUATIONS_KEPT + 1, count + 1)
+    assert [e.version for e in state.evaluations] == [10 * i for i in kept]
+    assert [e.accuracy for e in state.evaluations[:-1]] == [i / 100 for i in kept][:-1]
+    assert state.evaluations[0].loss == pytest.approx(3.0 - kept[0] / 10)
+    rows = [line.split() for line in printed.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == [10 * i for i in kept]
+    assert rows[-1][1:3] == ["0.5000", "0.5000"] and f"the latest {EVALUATIONS_KEPT}" in printed
 
 
 async def test_jobs_queue_start_in_order_and_follow_operators(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:

@@ -113,6 +113,10 @@ async def test_jobs_submitted_to_a_running_fleet_train_export_and_follow_each_ot
     assert finished.sha256 == running.sha256
     assert finished.accuracy is not None and finished.accuracy >= 0.9
     assert set(finished.devices) == set(DEVICES)  # w2, lacking a class, trains too (non-IID is normal)
+    # its latest evaluations, in version order, the last the one it finished with
+    versions = [e.version for e in finished.evaluations]
+    assert versions == sorted(set(versions)) and versions[-1] <= finished.version
+    assert finished.evaluations[-1].accuracy == finished.accuracy
 
     # the model out, from the broker: ONNX gives the logits torch gives
     out = tmp_path / "export" / "shapes.onnx"
@@ -171,7 +175,11 @@ async def test_a_job_is_paused_resumed_and_stopped_by_the_operator(fleet: tuple[
                         .replace("max_versions = 3000", "max_versions = 100000").replace('"shapes"\n', '"long"\n', 1))
     assert edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60").returncode == 0
     async with inbox(dataclasses.replace(config, job="long"), (all_job_states_filter(), JobState)) as box:
-        await box.next(JobState, lambda s: s.name == "long" and s.state == "running" and s.version > 0, JOB_WAIT_S)
+        await box.next(JobState, lambda s: s.name == "long" and s.state == "running" and s.version > 0
+                       and "w1" in s.device_errors, JOB_WAIT_S)
+        # while it runs, its status says which device is out and why
+        once = edgemesh("job", "status", "long", "--once", "--broker", config.broker.url)
+        assert once.returncode == 0 and "w1 is out of the job" in once.stdout and "hexagon" in once.stdout
         # the live status follows the running job (here for 2 s), then says where it stands
         followed = edgemesh("job", "status", "long", "--timeout", "2", "--broker", config.broker.url)
         assert followed.returncode == 0 and "long: running, version" in followed.stdout

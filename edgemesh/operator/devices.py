@@ -1,5 +1,6 @@
 """``edgemesh devices``: the devices of a job, from their retained hello, status and stats, the plan
-and the codec policies."""
+and the codec policies; below the table, the devices out of the job and why (their status: ``left``, or a
+refused share of the plan)."""
 
 from __future__ import annotations
 
@@ -68,10 +69,27 @@ async def list_devices(config: Config, *, wait_s: float) -> int:
               f"{member.cluster if member else '-':<14} {member.batch_size if member else 0:>5} "
               f"{c.codec if c else '-':<6} {s.steps if s else 0:>6} {s.step_time_s * 1e3 if s else 0:>8.1f} "
               f"{s.model_version if s else 0:>7} {link_columns(h, s)} {health_columns(s)}")
+    out = [line for name in names if (line := why_out(seen.status.get(name)))]
+    if out:
+        print("\nout of the job:")
+        for line in out:
+            print(f"  {line}")
     if plan is not None:
         print(f"\nplan v{plan.version}: {len(plan.clusters)} clusters, policy {plan.sync_policy}, "
               f"bound {plan.staleness_bound}, model {plan.model_spec}")
     return 0
+
+
+def why_out(status: DeviceStatus | None) -> str:
+    """Why a device is out of the job, from its status ('' while it is in): it left the job (its data is missing
+    or broken, the model does not build there), or it refused its share of a plan (its memory)."""
+    if status is None:
+        return ""
+    if status.state == "left":
+        return f"{status.device} left the job: {status.reason or 'no reason given'}"
+    if status.refused_plan and status.state == "online":
+        return f"{status.device} refused its share of plan v{status.refused_plan}: {status.reason or 'no reason given'}"
+    return ""
 
 
 def link_columns(hello: DeviceHello | None, stats: DeviceStats | None) -> str:

@@ -2,8 +2,9 @@
 
     edgemesh job submit FILE           validate the job file whole (every error named), build its model,
                                        publish it retained; the services start it when the fleet is free
-    edgemesh job list                  every job on the broker and its state
-    edgemesh job status NAME           its state, with a live progress bar until it ends (--once: one line)
+    edgemesh job list                  every job on the broker and its state (and the devices out of it, why)
+    edgemesh job status NAME           its state, with a live progress bar until it ends (--once: at once); the
+                                       devices out of it and why, its latest evaluations
     edgemesh job pause|resume|stop NAME
     edgemesh job export NAME --format onnx|safetensors|torch --out PATH
 
@@ -36,6 +37,7 @@ from edgemesh.common.messages import (
     JobSubmission,
     ModelSnapshot,
 )
+from edgemesh.common.messages.jobs import EVALUATIONS_KEPT
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Filter, TopicMatch, Topics, all_job_states_filter
 
@@ -149,10 +151,34 @@ def describe(state: JobState) -> str:
     """One line about a job: its state, version, accuracy, devices, bytes."""
     accuracy = f"{state.accuracy:.4f}" if state.accuracy is not None else "-"
     target = f" / {state.target_accuracy:g}" if state.target_accuracy else ""
-    errors = f", {len(state.device_errors)} device(s) left" if state.device_errors else ""
+    errors = f", {len(state.device_errors)} device(s) out" if state.device_errors else ""
     return (f"{state.name}: {state.state}, version {state.version}, accuracy {accuracy}{target}, "
             f"{len(state.devices)} device(s){errors}, {state.bytes_received / 1e6:.2f} MB of gradients"
             + (f" ({state.reason})" if state.reason else ""))
+
+
+def devices_out(state: JobState, indent: str = "  ") -> list[str]:
+    """A line per device out of the job (it left it, or refused its share of the plan), saying why."""
+    return [f"{indent}{device} is out of the job: {reason}" for device, reason in sorted(state.device_errors.items())]
+
+
+def evaluation_table(state: JobState) -> list[str]:
+    """The job's latest evaluations (``JobState.evaluations``), oldest first: version, accuracy, loss, time."""
+    if not state.evaluations:
+        return []
+    lines = [f"  evaluations (the latest {EVALUATIONS_KEPT} are kept):",
+             f"  {'version':>9} {'accuracy':>8} {'loss':>8}  time"]
+    for e in state.evaluations:
+        loss = f"{e.loss:.4f}" if e.loss is not None else "-"
+        since = f" (+{e.time - state.started_at:.0f} s)" if 0 < state.started_at <= e.time else ""
+        lines.append(f"  {e.version:>9} {e.accuracy:>8.4f} {loss:>8}  "
+                     f"{time.strftime('%H:%M:%S', time.localtime(e.time))}{since}")
+    return lines
+
+
+def report(state: JobState) -> str:
+    """What ``job status`` prints about a job: its line, the devices out of it and why, its latest evaluations."""
+    return "\n".join([describe(state), *devices_out(state), *evaluation_table(state)])
 
 
 async def list_jobs(config: Config, *, metrics: ServiceMetrics | None = None) -> int:
@@ -166,6 +192,8 @@ async def list_jobs(config: Config, *, metrics: ServiceMetrics | None = None) ->
         accuracy = f"{s.accuracy:.4f}" if s.accuracy is not None else "-"
         print(f"{name:<20} {s.state:<9} {s.version:>7} {accuracy:>8} {len(s.devices):>7} "
               f"{s.bytes_received / 1e6:>8.2f}  {s.reason}")
+        for line in devices_out(s, indent=" " * 21):
+            print(line)
     return 0
 
 
@@ -180,13 +208,11 @@ async def status(config: Config, name: str, *, once: bool, timeout_s: float,
             print(f"no job {name!r} on {config.broker.url}", file=sys.stderr)
             return 1
         if once or states.items[name].ended:
-            print(describe(states.items[name]))
+            print(report(states.items[name]))
             return 0 if states.items[name].state != "failed" else 1
         await _follow(states, name, timeout_s)
     final: JobState = states.items[name]
-    print(describe(final))
-    for device, error in sorted(final.device_errors.items()):
-        print(f"  {device} left the job: {error}")
+    print(report(final))
     return 0 if final.state != "failed" else 1
 
 

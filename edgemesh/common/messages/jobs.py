@@ -14,6 +14,10 @@ JobPhase = Literal["queued", "running", "paused", "finished", "stopped", "failed
 rule (finished), by an operator (stopped), or by an error (failed)."""
 ENDED: Final[tuple[JobPhase, ...]] = ("finished", "stopped", "failed")
 ACTIVE: Final[tuple[JobPhase, ...]] = ("running", "paused")
+EVALUATIONS_KEPT: Final = 20
+"""Most evaluations a job's state carries: the latest (``edgemesh job status`` shows them)."""
+MAX_REASON_CHARS: Final = 2000
+"""Longest reason a job's state gives for a device that left it (a worker's ``left`` status is cut there too)."""
 
 
 @message("job")
@@ -50,6 +54,22 @@ class JobSubmission:
                 raise ValueError(f"layer figures of {layer.name!r} out of range")
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobEvaluation:
+    """One evaluation of a job's model: the version evaluated, its accuracy and loss (None if not finite), when."""
+
+    version: int
+    accuracy: float
+    loss: float | None = None
+    time: float = 0.0
+
+    def validate(self) -> None:
+        nonneg("version", self.version)
+        nonneg("time", self.time)
+        if not 0.0 <= self.accuracy <= 1.0:
+            raise ValueError(f"accuracy {self.accuracy} is outside [0, 1]")
+
+
 @message("job_state")
 @dataclass(frozen=True, slots=True, kw_only=True)
 class JobState:
@@ -76,7 +96,11 @@ class JobState:
     reason: str = ""
     """Why it ended or failed, or the last operator action."""
     device_errors: dict[str, str] = field(default_factory=dict)
-    """Devices that left the job, and why (their data is broken or missing)."""
+    """Devices out of the job while it runs, and why: they left it (their data is broken or missing, the model
+    does not build there) or refused their share of the plan (it does not fit their memory); at most
+    ``MAX_REASON_CHARS`` each."""
+    evaluations: tuple[JobEvaluation, ...] = ()
+    """The latest evaluations of the job's model, oldest first: at most ``EVALUATIONS_KEPT``."""
 
     def validate(self) -> None:
         check_name("job", self.name)
@@ -85,6 +109,12 @@ class JobState:
             raise ValueError("too many devices")
         for name in (*self.devices, *self.device_errors):
             check_name("device", name)
+        if any(len(reason) > MAX_REASON_CHARS for reason in self.device_errors.values()):
+            raise ValueError(f"a device's reason is longer than {MAX_REASON_CHARS} characters")
+        if len(self.evaluations) > EVALUATIONS_KEPT:
+            raise ValueError(f"more than {EVALUATIONS_KEPT} evaluations")
+        for evaluation in self.evaluations:
+            evaluation.validate()
 
     @property
     def active(self) -> bool:

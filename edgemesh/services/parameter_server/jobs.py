@@ -6,6 +6,10 @@ rule (target accuracy, most versions, most minutes) after publishing the final m
 answers the operators' ``control/job`` commands: status, pause, resume, stop. A job whose parameter
 server fails (its model does not build, its held-out set is broken) is marked failed with the reason.
 
+The state also says, while the job runs, which devices are out of it and why (their retained status: ``left``
+with the reason, or a refused share of the plan), and keeps the job's latest evaluations (the parameter server's
+``evaluation`` events, at most ``EVALUATIONS_KEPT``).
+
 Every decision is published as the job's retained ``JobState``; the hosts of all services (this one
 too) start and stop serving jobs from those states alone.
 """
@@ -15,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
@@ -32,7 +37,7 @@ from edgemesh.common.messages import (
     ModelSnapshot,
     Scalar,
 )
-from edgemesh.common.messages.jobs import JobPhase
+from edgemesh.common.messages.jobs import EVALUATIONS_KEPT, MAX_REASON_CHARS, JobEvaluation, JobPhase
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
 from edgemesh.services.host import ActiveJob, JobHost
@@ -48,6 +53,9 @@ PROGRESS_INTERVAL_S = 1.0
 COMMANDS = ("status", "pause", "resume", "stop")
 REACHED = "reached the target accuracy"
 """How the reason of a job that reached its target begins (its last evaluation is its final accuracy)."""
+EVALUATION_ECHO_S = 2.0
+"""How long a job's end waits for the event of the evaluation it ends with (its accuracy is read off the parameter
+server; the event comes back over the broker) to put it in the final state's evaluations."""
 
 
 class JobBoard:
@@ -58,8 +66,12 @@ class JobBoard:
         self.interval = progress_interval_s
         self.bus: Bus | None = None
         self.device_errors: dict[str, dict[str, str]] = {}
-        """Job -> device -> why it left the job."""
+        """Job -> device -> why it is out of the job."""
+        self.evaluations: dict[str, tuple[JobEvaluation, ...]] = {}
+        """Job -> its latest evaluations, oldest first (seeded from its retained state)."""
         self._wake = asyncio.Event()
+        self._recorded = asyncio.Event()
+        """Set when an evaluation is recorded."""
         self._published: dict[str, JobState] = {}
         self._ending: set[str] = set()
         host.listeners.append(self._wake.set)
@@ -69,6 +81,7 @@ class JobBoard:
         self.bus = bus
         bus.route(Filter(f"{PREFIX}/+/control/job", "control"), ControlCommand, self._on_command, json_body=True)
         bus.route(Filter(f"{PREFIX}/+/device/+/status", "status"), DeviceStatus, self._on_status)
+        bus.route(Filter(f"{PREFIX}/+/events", "events"), Event, self._on_event)
         return [self._loop()]
 
     # ------------------------------------------------------------------ the loop
@@ -95,6 +108,7 @@ class JobBoard:
             if state is None or (state.ended and (state.sha256, state.submitted_at) != (sub.sha256, sub.submitted_at)):
                 # a new job, or a new submission of an ended one (the same file submitted again runs again)
                 spec = host.specs[sub.sha256]
+                self.evaluations.pop(name, None)
                 await self._publish(JobState(name=name, state="queued", sha256=sub.sha256,
                                              submitted_at=sub.submitted_at, updated_at=now,
                                              target_accuracy=spec.target_accuracy, max_versions=spec.max_versions,
@@ -139,7 +153,11 @@ class JobBoard:
         return replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss,
                        devices=tuple(d.device for d in ps.plan.devices) if ps.plan else (),
                        bytes_received=int(ps.metrics.value("edgemesh_ps_received_gradient_bytes_total")),
-                       device_errors=dict(self.device_errors.get(state.name, {})))
+                       device_errors=dict(self.device_errors.get(state.name, {})),
+                       evaluations=self._history(state))
+
+    def _history(self, state: JobState) -> tuple[JobEvaluation, ...]:
+        return self.evaluations.get(state.name, state.evaluations)
 
     async def _end(self, state: JobState, phase: JobPhase, reason: str) -> None:
         """End a job: its final model out (retained), then its state."""
@@ -154,6 +172,8 @@ class JobBoard:
                 await self._final(ps, state, evaluate=not reached)
                 if not reached:
                     state = replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss)
+                await self._heard(state)
+                state = replace(state, evaluations=self._history(state))
             logger.info("job board: job %s %s: %s", state.name, phase, reason)
             await self._publish(replace(state, state=phase, reason=reason, ended_at=time.time(),
                                         updated_at=time.time()))
@@ -173,7 +193,11 @@ class JobBoard:
             return
         version, params = whole
         if evaluate:
-            await ps.evaluator.final(version, params, ps.report_evaluation)
+            async def report(version: int, loss: float, accuracy: float) -> None:
+                self._record(state.name, version, loss, accuracy, time.time())  # in the final state, whose event
+                await ps.report_evaluation(version, loss, accuracy)  # may come back after it is published
+
+            await ps.evaluator.final(version, params, report)
         with contextlib.suppress(EdgeMeshError):
             await self.bus.publish(Topics(ps.cfg.job).job_model(), ModelSnapshot(
                 version=version, model_spec=ps.cfg.training.model_spec, created=time.time(),
@@ -194,12 +218,54 @@ class JobBoard:
 
     # ------------------------------------------------------------------ devices
     async def _on_status(self, status: DeviceStatus, match: TopicMatch) -> None:
+        """A device out of the job (it left it, or refused its share of the plan: memory) says why; back online
+        with its share, it is in again."""
         errors = self.device_errors.setdefault(match.job, {})
         if status.state == "left":
-            errors[status.device] = status.reason
+            errors[status.device] = status.reason[:MAX_REASON_CHARS]
+        elif status.state == "online" and status.refused_plan:
+            errors[status.device] = f"refused its share of plan v{status.refused_plan}: {status.reason}"[
+                :MAX_REASON_CHARS]
         elif status.state == "online":
             errors.pop(status.device, None)
         self._wake.set()
+
+    # ------------------------------------------------------------------ evaluations
+    async def _on_event(self, event: Event, match: TopicMatch) -> None:
+        """An evaluation of an active job's model (the parameter server's event) goes into its history."""
+        state = self.host.states.get(match.job)
+        if event.kind != "evaluation" or event.source != "ps" or state is None or not state.active:
+            return
+        version, loss, accuracy = (event.data.get(key) for key in ("version", "loss", "accuracy"))
+        if not (_number(version) and isinstance(version, int) and version >= 0 and _number(loss)
+                and _number(accuracy) and 0.0 <= accuracy <= 1.0):
+            self.host.metrics.reject("field", match.topic, f"an evaluation event without a version, accuracy and "
+                                     f"loss: {event.data}", route="events")
+            return
+        self._record(match.job, version, float(loss), float(accuracy), event.time)
+
+    def _record(self, job: str, version: int, loss: float, accuracy: float, at: float) -> None:
+        """Keep an evaluation of ``job``'s model: one per version (a device's later report, or the final one heard
+        back, replaces it), in version order, the latest ``EVALUATIONS_KEPT``."""
+        state = self.host.states.get(job)
+        kept = {e.version: e for e in self.evaluations.get(job, state.evaluations if state else ())}
+        kept[version] = JobEvaluation(version=version, accuracy=accuracy, loss=loss if math.isfinite(loss) else None,
+                                      time=max(0.0, at))
+        self.evaluations[job] = tuple(kept[v] for v in sorted(kept))[-EVALUATIONS_KEPT:]
+        self._recorded.set()
+        self._wake.set()
+
+    async def _heard(self, state: JobState) -> None:
+        """Wait (up to ``EVALUATION_ECHO_S``) until the evaluation that gave ``state`` its accuracy is recorded."""
+        def heard() -> bool:
+            history = self._history(state)
+            return state.accuracy is None or bool(history) and history[-1].accuracy == state.accuracy
+
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(EVALUATION_ECHO_S):
+                while not heard():
+                    self._recorded.clear()
+                    await self._recorded.wait()
 
     # ------------------------------------------------------------------ control
     async def _on_command(self, cmd: ControlCommand, match: TopicMatch) -> None:
@@ -250,8 +316,12 @@ class JobBoard:
         return False, f"unknown command {command!r} for a job ({', '.join(COMMANDS)})"
 
 
+def _number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _progress(state: JobState) -> tuple[Any, ...]:
-    return (state.state, state.version, state.accuracy, state.devices, state.device_errors)
+    return (state.state, state.version, state.accuracy, state.devices, state.device_errors, state.evaluations)
 
 
 def _stop_reason(state: JobState, now: float) -> str:
