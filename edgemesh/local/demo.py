@@ -20,9 +20,10 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from edgemesh import cli
 from edgemesh.common.bus import Bus
@@ -36,6 +37,7 @@ from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
 from edgemesh.operator.job import submission_of, submit
+from edgemesh.operator.progress import ProgressLines, is_terminal
 from edgemesh.services.runtime import install_stop_signals
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,8 @@ DIGITS_MODEL: dict[str, Any] = {
 DIGITS_NORMALIZATION = {"mean": [0.3055], "std": [0.3761]}
 """Pixel mean and standard deviation of the digits training split (pixels in [0, 1])."""
 PROGRESS_WIDTH = 30
+REDRAW_S = 0.25
+"""How often the demo redraws its progress (off a terminal: looks for a change to print)."""
 GUARD_INTERVAL_S = 0.5
 """How often the demo checks that its children still run."""
 
@@ -65,18 +69,21 @@ class Progress:
 
 
 class Demo:
-    def __init__(self, config: Config, *, external_broker: bool, quiet: bool, embedded_broker: bool = False) -> None:
+    def __init__(self, config: Config, *, external_broker: bool, quiet: bool, embedded_broker: bool = False,
+                 out: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = config
         self.external_broker = external_broker
         self.embedded_broker = embedded_broker
-        self.quiet = quiet or not sys.stderr.isatty()
+        self.out = out or sys.stderr
+        """Where the progress goes: a line redrawn on a terminal, else (or ``quiet``) plain lines."""
+        self.clock = clock
+        self.lines = ProgressLines(self.out, clock=clock) if quiet or not is_terminal(self.out) else None
         self.cluster: LocalCluster | None = None
         self.broker: BrokerProcess | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="edgemesh-demo-"))
         self.progress = Progress()
         self.stop = asyncio.Event()
         self.failure: str | None = None
-        self._last_line = 0.0
 
     # ------------------------------------------------------------------ processes
     def _start_all(self) -> None:
@@ -179,23 +186,23 @@ class Demo:
         while not self.stop.is_set():
             self._render(started)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(0.25 if not self.quiet else 5.0):
+                async with asyncio.timeout(REDRAW_S):
                     await self.stop.wait()
         self._render(started, final=True)
 
     def _render(self, started: float, final: bool = False) -> None:
+        """The progress: a bar redrawn in place on a terminal; else a plain line when it changed (``ProgressLines``:
+        at most one per ``progress.LINE_INTERVAL_S``, the final one always)."""
         p = self.progress
         target = self.cfg.demo.target_accuracy
         frac = min(1.0, p.accuracy / target) if target else 0.0
         bar = "#" * int(frac * PROGRESS_WIDTH) + "-" * (PROGRESS_WIDTH - int(frac * PROGRESS_WIDTH))
-        line = (f"[{bar}] accuracy {p.accuracy:6.2%} / {target:.0%}  version {p.version:5d}  "
-                f"{time.monotonic() - started:6.1f}s")
-        if self.quiet:
-            if final or time.monotonic() - self._last_line >= 5.0:
-                print(line, file=sys.stderr, flush=True)
-                self._last_line = time.monotonic()
+        shown = f"[{bar}] accuracy {p.accuracy:6.2%} / {target:.0%}  version {p.version:5d}"
+        line = f"{shown}  {self.clock() - started:6.1f}s"
+        if self.lines is not None:
+            self.lines.show(shown, line, final=final)
         else:
-            print("\r" + line, end="\n" if final else "", file=sys.stderr, flush=True)
+            print("\r" + line, end="\n" if final else "", file=self.out, flush=True)
 
     async def _main(self) -> float:
         install_stop_signals(self.stop)
@@ -334,7 +341,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", help="sync, async, ssp or adaptive")
     parser.add_argument("--link-rate", type=float, dest="link_rate",
                         help="uplink bytes/s each worker declares (default 1e6; 0 = measure loopback)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true", help="plain progress lines, not a bar redrawn in place "
+                        "(as when stderr is not a terminal)")
     parser.add_argument("--keep-logs", action="store_true", default=None,
                         help="keep the children's logs after a successful run too (demo.keep_logs)")
     parser.add_argument("--embedded-broker", action="store_true",

@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 from edgemesh import cli
 from edgemesh.common.bus import Bus
@@ -40,6 +40,7 @@ from edgemesh.common.messages import (
 from edgemesh.common.messages.jobs import EVALUATIONS_KEPT
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Filter, TopicMatch, Topics, all_job_states_filter
+from edgemesh.operator.progress import ProgressLines, is_terminal
 
 M = TypeVar("M")
 
@@ -49,7 +50,7 @@ ANSWER_WAIT_S = 10.0
 """How long ``submit`` waits for the parameter server's host to queue or start the job."""
 COMMAND_TTL_S = 60.0
 REFRESH_S = 0.25
-"""How often ``status`` redraws its progress bar."""
+"""How often ``status`` redraws its progress bar (and, off a terminal, looks for a change to print)."""
 
 
 def _bus(config: Config, what: str, metrics: ServiceMetrics | None = None) -> Bus:
@@ -198,8 +199,10 @@ async def list_jobs(config: Config, *, metrics: ServiceMetrics | None = None) ->
 
 
 async def status(config: Config, name: str, *, once: bool, timeout_s: float,
-                 metrics: ServiceMetrics | None = None) -> int:
-    """Print the job's state; unless ``once``, follow it with a progress bar until it ends (or ``timeout_s``)."""
+                 metrics: ServiceMetrics | None = None, out: TextIO | None = None) -> int:
+    """Print the job's state on ``out`` (stdout); unless ``once``, follow it with a progress bar until it ends (or
+    ``timeout_s``): a bar redrawn in a terminal, else a plain line per change (``progress.ProgressLines``)."""
+    out = out or sys.stdout
     states = _Latest()
     bus = _bus(config, "status", metrics)
     bus.route(Topics(name).job_state_filter(), JobState, states.keep())
@@ -208,34 +211,60 @@ async def status(config: Config, name: str, *, once: bool, timeout_s: float,
             print(f"no job {name!r} on {config.broker.url}", file=sys.stderr)
             return 1
         if once or states.items[name].ended:
-            print(report(states.items[name]))
+            print(report(states.items[name]), file=out)
             return 0 if states.items[name].state != "failed" else 1
-        await _follow(states, name, timeout_s)
+        if is_terminal(out):
+            await _follow_bar(states, name, timeout_s, out)
+        else:
+            await _follow_lines(states, name, timeout_s, ProgressLines(out))
     final: JobState = states.items[name]
-    print(report(final))
+    print(report(final), file=out)
     return 0 if final.state != "failed" else 1
 
 
-async def _follow(states: _Latest, name: str, timeout_s: float) -> None:
-    """A live progress bar (rich) of the job's accuracy towards its target, or its versions towards the limit."""
+def _done(s: JobState) -> float:
+    """How far the job is: its accuracy towards its target, or its versions towards the limit (0 without either)."""
+    if s.state == "finished":
+        return 1.0
+    if s.target_accuracy:
+        return min(1.0, (s.accuracy or 0.0) / s.target_accuracy)
+    return min(1.0, s.version / s.max_versions) if s.max_versions else 0.0
+
+
+def _detail(s: JobState) -> str:
+    accuracy = f"{s.accuracy:.2%}" if s.accuracy is not None else "-"
+    return f"accuracy {accuracy}  version {s.version}  devices {len(s.devices)}  {s.bytes_received / 1e6:.2f} MB"
+
+
+async def _follow_bar(states: _Latest, name: str, timeout_s: float, out: TextIO) -> None:
+    """A live progress bar (rich) on a terminal, redrawn every ``REFRESH_S``."""
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (TextColumn("[bold]{task.fields[job]}[/] {task.fields[state]}"), BarColumn(),
                TextColumn("{task.fields[detail]}"), TimeElapsedColumn())
-    with Progress(*columns, transient=False) as bar:
+    with Progress(*columns, transient=False, console=Console(file=out)) as bar:
         task = bar.add_task(name, total=1.0, job=name, state="", detail="")
         deadline = time.monotonic() + timeout_s if timeout_s else None
         while deadline is None or time.monotonic() < deadline:
             s: JobState = states.items[name]
-            done = (min(1.0, (s.accuracy or 0.0) / s.target_accuracy) if s.target_accuracy
-                    else min(1.0, s.version / s.max_versions) if s.max_versions else 0.0)
-            accuracy = f"{s.accuracy:.2%}" if s.accuracy is not None else "-"
-            bar.update(task, completed=1.0 if s.state == "finished" else done, state=s.state,
-                       detail=f"accuracy {accuracy}  version {s.version}  devices {len(s.devices)}  "
-                              f"{s.bytes_received / 1e6:.2f} MB")
+            bar.update(task, completed=_done(s), state=s.state, detail=_detail(s))
             if s.ended:
                 return
             await states.wait(lambda: False, REFRESH_S)
+
+
+async def _follow_lines(states: _Latest, name: str, timeout_s: float, lines: ProgressLines) -> None:
+    """The job's progress as plain lines (a log file, a pipe): one per change, at most one per ``lines.interval_s``,
+    and the last state whatever the time."""
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    while True:
+        s: JobState = states.items[name]
+        over = s.ended or (deadline is not None and time.monotonic() >= deadline)
+        lines.show(f"{name} {s.state}: {_done(s):4.0%}  {_detail(s)}", final=over)
+        if over:
+            return
+        await states.wait(lambda: False, REFRESH_S)
 
 
 # --------------------------------------------------------------------------- pause, resume, stop
