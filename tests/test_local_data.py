@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from edgemesh.common import data as data_package
-from edgemesh.common.data import DATA_FORMATS, IMAGE_SUFFIXES, LocalData, load_local, read_image
+from edgemesh.common.data import DATA_FORMATS, IMAGE_SUFFIXES, MAX_SKIPPED_SHARE, LocalData, load_local, read_image
 from edgemesh.common.errors import DataError
 
 CLASSES = ["circle", "square", "triangle"]
@@ -154,7 +154,7 @@ def test_image_folder_errors_name_the_folder_file_or_path(tmp_path: Path) -> Non
     root = _image_folder(tmp_path / "garbled", {"circle": 1})
     (root / "square").mkdir()
     (root / "square" / "x.png").write_bytes(b"these bytes are not a PNG")
-    _raises([str(root / "square" / "x.png")], "image-folder", root)
+    _raises([str(root), "1 of the 2 image files", "'square/x.png'"], "image-folder", root)
 
     empty = tmp_path / "empty"
     (empty / "circle").mkdir(parents=True)
@@ -165,6 +165,55 @@ def test_image_folder_errors_name_the_folder_file_or_path(tmp_path: Path) -> Non
     a_file = _solid(tmp_path / "one.png", (0, 0, 0))
     _raises([str(a_file), "not a directory"], "image-folder", a_file)
     _raises(["channels"], "image-folder", _image_folder(tmp_path / "ok", {"circle": 1}), input_shape=(2, 4, 6))
+
+
+def test_an_unreadable_image_is_skipped_and_counted_up_to_the_share(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """One broken photo among twenty (5 %, ``MAX_SKIPPED_SHARE``) is skipped and counted, not a reason to drop the
+    device's data; the log says how many and which."""
+    root = tmp_path / "shapes"
+    for i in range(10):
+        _solid(root / "circle" / f"{i}.png", COLOURS["circle"])
+    for i in range(9):
+        _solid(root / "square" / f"{i}.jpg", COLOURS["square"])
+    (root / "square" / "broken.jpg").write_bytes(b"\xff\xd8 a JPEG cut short by a full SD card")
+    with caplog.at_level("WARNING", logger="edgemesh.common.data.local"):
+        local = load_local("image-folder", root, input_shape=(3, 4, 6), classes=CLASSES)
+    assert MAX_SKIPPED_SHARE == 0.05
+    assert local.train.y.tolist() == [0] * 10 + [1] * 9 and local.class_counts == {"circle": 10, "square": 9}
+    assert (local.skipped, local.first_skipped) == (1, "square/broken.jpg")
+    assert local.train.x[10:, 1].min() > 0.9  # the JPEGs read are the squares'
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "skipped 1 of the 20 image files" in warned[0] and "square/broken.jpg" in warned[0]
+
+    # the share is a parameter: a PNG, a JPEG and a corrupt file pass at a half, not at the default
+    small = tmp_path / "small"
+    _solid(small / "circle" / "a.png", COLOURS["circle"])
+    _solid(small / "square" / "b.jpeg", COLOURS["square"])
+    (small / "square" / "c.png").write_bytes(b"\x89PNG\r\n\x1a\n and then nothing")
+    half = load_local("image-folder", small, input_shape=(3, 4, 6), classes=CLASSES, max_skipped_share=0.5)
+    assert half.train.y.tolist() == [0, 1] and (half.skipped, half.first_skipped) == (1, "square/c.png")
+    _raises(["1 of the 3 image files", "more than the 5%", "'square/c.png'"], "image-folder", small)
+    _raises(["max_skipped_share"], "image-folder", small, max_skipped_share=1.5)
+    clean = load_local("image-folder", _image_folder(tmp_path / "clean", {"circle": 2}), input_shape=(3, 4, 6),
+                       classes=CLASSES)
+    assert (clean.skipped, clean.first_skipped) == (0, "")
+
+
+def test_a_folder_of_mostly_unreadable_images_is_refused_naming_how_many_and_the_first(tmp_path: Path) -> None:
+    root = tmp_path / "shapes"
+    _solid(root / "circle" / "ok.png", COLOURS["circle"])
+    _solid(root / "triangle" / "ok.jpg", COLOURS["triangle"])
+    for name in ("a.png", "b.jpg", "c.jpeg"):
+        (root / "square" / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / "square" / name).write_bytes(b"not an image at all")
+    error = _raises([str(root), "3 of the 5 image files", "'square/a.png'"], "image-folder", root)
+    assert str(root / "square" / "a.png") not in str(error)  # named relative to the data folder
+
+    everything = tmp_path / "all-broken"
+    (everything / "circle").mkdir(parents=True)
+    (everything / "circle" / "x.png").write_bytes(b"")
+    _raises(["1 of the 1 image files", "'circle/x.png'"], "image-folder", everything)
 
 
 # --------------------------------------------------------------------------- CSV

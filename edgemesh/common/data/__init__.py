@@ -31,7 +31,14 @@ from edgemesh.common.data.cifar import (
 )
 from edgemesh.common.data.dataset import DATASET_NAMES, UINT8_PIXEL_MAX, Dataset, load_dataset
 from edgemesh.common.data.digits import DIGITS_COLUMNS, DIGITS_PIXEL_MAX, stratified_test_indices
-from edgemesh.common.data.local import DATA_FORMATS, IMAGE_SUFFIXES, LocalData, load_local, read_image
+from edgemesh.common.data.local import (
+    DATA_FORMATS,
+    IMAGE_SUFFIXES,
+    MAX_SKIPPED_SHARE,
+    LocalData,
+    load_local,
+    read_image,
+)
 from edgemesh.common.data.mnist import MNIST_FILES, MNIST_IMAGE_SHAPE, MNIST_NUM_CLASSES, parse_idx
 from edgemesh.common.data.partitions import SPLIT_SCHEMES, shard, split_indices
 
@@ -46,6 +53,7 @@ __all__ = [
     "DIGITS_COLUMNS",
     "DIGITS_PIXEL_MAX",
     "IMAGE_SUFFIXES",
+    "MAX_SKIPPED_SHARE",
     "MNIST_FILES",
     "MNIST_IMAGE_SHAPE",
     "MNIST_NUM_CLASSES",

@@ -6,7 +6,10 @@ Three formats, each labelled by class NAME (the job's ``classes``; a label is it
     A directory ``path/<class name>/<file>``. Files ending in ``.png``, ``.jpg`` or ``.jpeg``
     (any case) are read with :func:`read_image`: converted to grayscale or RGB by the channel
     count of ``input_shape`` and resized to its height and width. Hidden entries and other
-    files are ignored; a subfolder that is not a known class is an error.
+    files are ignored; a subfolder that is not a known class is an error. An image Pillow cannot
+    read is skipped and counted (``LocalData.skipped``, logged with the first one), up to
+    ``max_skipped_share`` of the folder's image files (``MAX_SKIPPED_SHARE``, 5 %); above it the
+    data is refused, naming how many and the first one.
 ``"csv"``
     A UTF-8 file with a header row. ``label_column`` holds the class names, every other column
     is a numeric feature; each row's features are reshaped to ``input_shape``.
@@ -39,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 DATA_FORMATS: Final = ("image-folder", "csv", "npz")
 IMAGE_SUFFIXES: Final = (".png", ".jpg", ".jpeg")
+MAX_SKIPPED_SHARE: Final = 0.05
+"""Largest share of an image folder's image files that may be unreadable: those are skipped; above it, the folder is
+refused (one broken photo among a thousand does not drop a device's data; a folder of broken files does)."""
 
 _IMAGE_MODES: Final = {1: "L", 3: "RGB"}
 """Pillow mode of an image by the channel count of the model's input."""
@@ -53,6 +59,10 @@ class LocalData:
     """``None`` when ``validation_share`` is 0."""
     class_counts: dict[str, int]
     """Samples per class name over train and validation; classes absent on this device are omitted."""
+    skipped: int = 0
+    """Image files skipped because they cannot be read (at most ``max_skipped_share`` of them)."""
+    first_skipped: str = ""
+    """The first of them, relative to the data folder ('' if none)."""
 
 
 def read_image(path: str | Path, input_shape: tuple[int, ...]) -> np.ndarray:
@@ -83,13 +93,15 @@ def load_local(
     seed: int = 0,
     label_column: str = "label",
     max_samples: int = 0,
+    max_skipped_share: float = MAX_SKIPPED_SHARE,
 ) -> LocalData:
     """Load the data at ``path`` on this device in format ``fmt`` (one of DATA_FORMATS).
 
     ``x`` comes out float32 of shape (N, *input_shape), labels index ``classes``. ``max_samples > 0``
     keeps that many samples, drawn with ``seed``. ``validation_share`` in [0, 1) holds out, per class
     with at least two samples, round(share * count) samples (at least one), drawn with ``seed``;
-    a class with a single sample stays in train.
+    a class with a single sample stays in train. Unreadable images are skipped up to ``max_skipped_share``
+    of an image folder's image files (in [0, 1]; 0: none may be).
     """
     if fmt not in DATA_FORMATS:
         raise DataError(f"unknown data format {fmt!r}; known: {', '.join(DATA_FORMATS)}")
@@ -101,15 +113,18 @@ def load_local(
         raise DataError(f"validation_share must lie in [0, 1), got {validation_share}")
     if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0:
         raise DataError(f"max_samples must be an int >= 0, got {max_samples!r}")
+    if not 0.0 <= max_skipped_share <= 1.0:
+        raise DataError(f"max_skipped_share must lie in [0, 1], got {max_skipped_share}")
     source = Path(path)
     if not source.exists():
         raise DataError(f"data path '{source}' does not exist on this device")
     index = {name: i for i, name in enumerate(classes)}
     shape = tuple(input_shape)
+    skipped: list[str] = []
     if fmt == "image-folder":
         if not source.is_dir():
             raise DataError(f"data path '{source}' is not a directory; the image-folder format needs one")
-        x, y = _read_image_folder(source, shape, index)
+        x, y, skipped = _read_image_folder(source, shape, index, max_skipped_share)
     else:
         if not source.is_file():
             raise DataError(f"data path '{source}' is not a file; the {fmt} format needs one")
@@ -124,10 +139,11 @@ def load_local(
     name = f"{fmt}:{source}"
     counts = np.bincount(y, minlength=len(classes))
     class_counts = {classes[i]: int(n) for i, n in enumerate(counts) if n > 0}
+    first_skipped = skipped[0] if skipped else ""
     if validation_share == 0.0:
         train = Dataset(name, np.ascontiguousarray(x), y, len(classes))
         logger.info("loaded %s: %d samples in %d classes", name, len(train), len(class_counts))
-        return LocalData(train, None, class_counts)
+        return LocalData(train, None, class_counts, len(skipped), first_skipped)
 
     held = _validation_indices(y, validation_share, rng)
     if held.size == 0:
@@ -145,7 +161,7 @@ def load_local(
         len(validation),
         len(class_counts),
     )
-    return LocalData(train, validation, class_counts)
+    return LocalData(train, validation, class_counts, len(skipped), first_skipped)
 
 
 def _validation_indices(labels: np.ndarray, share: float, rng: np.random.Generator) -> np.ndarray:
@@ -171,11 +187,13 @@ def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 def _read_image_folder(
-    root: Path, input_shape: tuple[int, ...], index: dict[str, int]
-) -> tuple[np.ndarray, np.ndarray]:
+    root: Path, input_shape: tuple[int, ...], index: dict[str, int], max_skipped_share: float
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """The images and labels, and the image files skipped as unreadable (relative to ``root``, in reading order)."""
     _image_shape(input_shape)  # a bad shape is reported before any file is opened
     images: list[np.ndarray] = []
     labels: list[int] = []
+    skipped: list[tuple[str, str]] = []
     for folder in sorted(root.iterdir()):
         if folder.name.startswith(".") or not folder.is_dir():
             continue
@@ -184,11 +202,25 @@ def _read_image_folder(
         for file in sorted(folder.iterdir()):
             if file.name.startswith(".") or file.suffix.lower() not in IMAGE_SUFFIXES or not file.is_file():
                 continue
-            images.append(read_image(file, input_shape))
+            try:
+                images.append(read_image(file, input_shape))
+            except DataError as exc:
+                relative = file.relative_to(root).as_posix()
+                skipped.append((relative, str(exc.__cause__ or exc).replace(str(file), relative)))
+                continue
             labels.append(index[folder.name])
+    total = len(images) + len(skipped)
+    if skipped and len(skipped) > max_skipped_share * total:
+        first, why = skipped[0]
+        raise DataError(f"{len(skipped)} of the {total} image files in '{root}' cannot be read, more than the "
+                        f"{max_skipped_share:.0%} a device may skip; the first: '{first}' ({why})")
+    if skipped:
+        first, why = skipped[0]
+        logger.warning("%s: skipped %d of the %d image files, which cannot be read (at most %.0f%% may be); "
+                       "the first: '%s' (%s)", root, len(skipped), total, max_skipped_share * 100, first, why)
     if not images:
         raise DataError(f"data path '{root}' holds no images ({', '.join(IMAGE_SUFFIXES)}) in class folders")
-    return np.stack(images), np.asarray(labels, dtype=np.int64)
+    return np.stack(images), np.asarray(labels, dtype=np.int64), [relative for relative, _ in skipped]
 
 
 def _read_csv(
