@@ -178,7 +178,11 @@ def control_json(command: str, **fields: object) -> bytes:
 # --- parameter server and its devices ----------------------------------------------
 
 DIGITS_LAYOUT = models.param_layout(models.build_model("digits-cnn"))
-"""Parameter names and shapes of ``digits-cnn``."""
+"""Names and shapes of the model state of ``digits-cnn``: its parameters, then its buffers (the standardization's
+constants)."""
+DIGITS_PARAMS = {name: v for name, v in DIGITS_LAYOUT.items()
+                 if name not in models.buffer_kinds(models.build_model("digits-cnn"))}
+"""The parameters of ``digits-cnn`` alone: what a gradient covers."""
 
 
 def plan_for(devices: list[str], *, version: int = 1, batch: int = 8) -> Plan:
@@ -194,7 +198,7 @@ def gradient(device: str, seq: int, base: int, *, incarnation: int = 1, scale: f
     """A whole ``digits-cnn`` gradient of ``scale`` everywhere, computed on version ``base`` (only the rows of
     ``spans``, ``(param, start, stop)`` each, if given)."""
     enc = get_codec(codec)
-    rows = spans or [(name, 0, shape[0]) for name, (shape, _) in DIGITS_LAYOUT.items()]
+    rows = spans or [(name, 0, shape[0]) for name, (shape, _) in DIGITS_PARAMS.items()]
     shards = tuple(ShardUpdate(param=name, start=start, stop=stop, codec=codec, data=enc.encode(
         np.full((stop - start) * int(np.prod(DIGITS_LAYOUT[name][0][1:])), scale, np.float32), None))
         for name, start, stop in rows)

@@ -187,7 +187,8 @@ async def test_ps_applies_a_cluster_step_once_all_members_shards_are_in(broker: 
         assert {a.status for a in acks} == {"accepted"}
         assert ps.version == 1  # one version for the cluster, not one per member
         after = ps.state.params  # type: ignore[union-attr]
-        assert all(not np.array_equal(before[k], after[k]) for k in before), "every parameter moved"
+        assert all(not np.array_equal(before[k], after[k]) for k in before if not k.startswith("input.")), \
+            "every parameter moved"
         # a resent member update is a duplicate, not a new half-step
         seen = len(c.acks)
         await c.publish(c.topics.grad("m-a", "b"), member_update("b", 1, 1, 0))

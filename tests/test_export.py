@@ -67,7 +67,7 @@ def train(model: torch.nn.Module, steps: int = TRAIN_STEPS, seed: int = 0) -> to
         pick = rng.choice(len(data.y), 64, replace=False)
         _, grads = models.compute_gradients(model, data.x[pick], data.y[pick])
         params = models.get_params(model)
-        models.set_params(model, {name: params[name] - 0.1 * grads[name] for name in params})
+        models.set_params(model, {name: p - 0.1 * grads[name] if name in grads else p for name, p in params.items()})
     return model
 
 

@@ -83,13 +83,13 @@ def test_a_layer_list_builds_named_children_and_trains_a_step() -> None:
         "conv1.weight": ((4, 1, 3, 3), "float32"), "conv1.bias": ((4,), "float32"),
         "fc1.weight": ((5, 16), "float32"), "fc1.bias": ((5,), "float32"),
         "fc2.weight": ((3, 5), "float32"), "fc2.bias": ((3,), "float32"),
+        "input.mean": ((1, 1, 1, 1), "float32"), "input.std": ((1, 1, 1, 1), "float32"),  # buffers travel too
     }
-    assert [n for n, _ in model.named_buffers()] == ["input.mean", "input.std"]  # constants never travel
     rng = np.random.default_rng(0)
     x, y = rng.random((8, 1, 6, 6), dtype=np.float32), rng.integers(0, 3, 8)
     loss, grads = compute_gradients(model, x, y)
-    assert np.isfinite(loss) and set(grads) == set(param_layout(model))
-    params = {n: p - 0.5 * grads[n] for n, p in get_params(model).items()}
+    assert np.isfinite(loss) and set(grads) == {n for n, _ in model.named_parameters()}
+    params = {n: p - 0.5 * grads[n] if n in grads else p for n, p in get_params(model).items()}
     models.set_params(model, params)
     assert compute_gradients(model, x, y)[0] < loss
     # a fresh module every build, the same one for the same seed
@@ -666,7 +666,7 @@ def test_an_entry_point_gets_its_shape_and_classes_by_keyword_and_standardizes(u
     model = spec.builder()
     # a user's Sequential is spliced after the normalization: its parameters keep their names
     assert [n for n, _ in model.named_children()] == ["input", "0", "1"]
-    assert list(param_layout(model)) == ["1.weight", "1.bias"]
+    assert list(param_layout(model)) == ["1.weight", "1.bias", "input.mean", "input.std"]
     assert model(torch.zeros((2, 1, 6, 6))).shape == (2, 5)
     assert entry_point_spec("ep-static", "em_user_models:Factory.make", (1, 6, 6), 3,
                             search_path=[user_dir]).builder()(torch.zeros((1, 1, 6, 6))).shape == (1, 3)

@@ -41,6 +41,8 @@ DIGITS_LAYOUT = {
     "fc1.bias": ((64,), "float32"),
     "fc2.weight": ((10, 64), "float32"),
     "fc2.bias": ((10,), "float32"),
+    "input.mean": ((1, 1, 1, 1), "float32"),  # the standardization's constants: buffers, part of the model state
+    "input.std": ((1, 1, 1, 1), "float32"),
 }
 
 
@@ -57,7 +59,7 @@ def _batch(n: int = 8, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def test_digits_cnn_param_names_shapes_and_order() -> None:
     layout = param_layout(build_model("digits-cnn"))
     assert layout == DIGITS_LAYOUT
-    assert list(layout) == list(DIGITS_LAYOUT)  # named_parameters() order
+    assert list(layout) == list(DIGITS_LAYOUT)  # named_parameters() order, then the buffers
     params = get_params(build_model("digits-cnn"))
     assert list(params) == list(DIGITS_LAYOUT)
     assert all(a.dtype == np.float32 and a.shape == DIGITS_LAYOUT[n][0] for n, a in params.items())
@@ -151,7 +153,7 @@ def test_compute_gradients_matches_autograd() -> None:
     ref_loss = F.cross_entropy(reference(torch.from_numpy(x)), torch.from_numpy(y))
     ref_loss.backward()
     assert loss == pytest.approx(ref_loss.item(), rel=1e-6)
-    assert list(grads) == list(DIGITS_LAYOUT)
+    assert list(grads) == [n for n in DIGITS_LAYOUT if not n.startswith("input.")]  # parameters alone
     for name, p in reference.named_parameters():
         assert grads[name].dtype == np.float32 and grads[name].shape == tuple(p.shape)
         assert np.all(np.isfinite(grads[name]))
@@ -197,8 +199,8 @@ def test_evaluate_is_batch_size_independent_and_restores_mode() -> None:
 
 def test_evaluate_counts_correct_predictions() -> None:
     model = build_model("digits-cnn", 0)
-    params = {n: np.zeros_like(v) for n, v in get_params(model).items()}
-    params["fc2.bias"][3] = 5.0  # always predicts class 3
+    params = {n: v if n.startswith("input.") else np.zeros_like(v) for n, v in get_params(model).items()}
+    params["fc2.bias"][3] = 5.0  # always predicts class 3 (the standardization's std stays > 0)
     set_params(model, params)
     y = np.array([3, 3, 1, 3], dtype=np.int64)
     ds = Dataset("fixed", np.zeros((4, 1, 8, 8), np.float32), y, 10)
@@ -318,7 +320,8 @@ def test_digits_cnn_cost_by_hand() -> None:
     c = derive_costs(build_model("digits-cnn"), (1, 8, 8))[0]
     conv1, conv2 = 16 * 8 * 8 * 1 * 9, 32 * 8 * 8 * 16 * 9
     assert c.macs_per_sample == conv1 + conv2 + 512 * 64 + 64 * 10
-    assert c.params == sum(int(np.prod(shape)) for shape, _ in DIGITS_LAYOUT.values())
+    assert c.params == sum(int(np.prod(shape)) for name, (shape, _) in DIGITS_LAYOUT.items() if ".std" not in name
+                           and ".mean" not in name)  # parameters: the standardization's constants are buffers
     assert c.train_flops_per_sample == 6 * c.macs_per_sample
 
 

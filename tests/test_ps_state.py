@@ -11,8 +11,12 @@ import numpy as np
 import pytest
 
 from edgemesh.common.errors import CheckpointError, WireError
+from edgemesh.common.messages import GradientUpdate, ShardUpdate
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.optimizer import MAX_RUNS, ModelState, ShardGrad
+from edgemesh.services.parameter_server.recovery import Optimizer, Recovery
+from edgemesh.services.parameter_server.robust import Combined
+from edgemesh.services.parameter_server.scheduler import Candidate, Clock, Step, buffer_mean
 
 # --------------------------------------------------------------------------- optimizer
 
@@ -385,3 +389,79 @@ def test_a_logged_record_is_the_msgpack_of_it_with_long_buffers_not_copied(tmp_p
     back = store.read_wal(tmp_path)
     assert back[0]["sum"][0]["data"] == grad.tobytes() and back[0]["entries"][1]["shards"] == []
     assert back[1:] == _records(1, start=4)
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def _with_buffers() -> dict[str, np.ndarray]:
+    return {**_params(), "bn.running_mean": np.zeros(2, np.float32), "bn.running_var": np.ones(2, np.float32),
+            "bn.num_batches_tracked": np.zeros(1, np.float32)}
+
+
+BUFFERS = {"bn.running_mean": False, "bn.running_var": False, "bn.num_batches_tracked": True}
+
+
+def test_a_step_adds_the_sample_weighted_mean_of_the_buffers_changes_without_lr_or_momentum() -> None:
+    """Running statistics are not parameters: a step moves them by its updates' changes weighted by their samples
+    (as one batch of all their samples would), whatever the gradients' weights; a counter stays a whole count."""
+    state = ModelState(_with_buffers(), buffers=BUFFERS)
+    grads = [ShardGrad("w", 0, 4, np.ones((4, 3), np.float32))]
+    change = {  # two updates of 30 and 10 samples; each step adds 1 to the counter
+        30: [ShardGrad("bn.running_mean", 0, 2, np.array([0.4, 0.0], np.float32)),
+             ShardGrad("bn.num_batches_tracked", 0, 1, np.ones(1, np.float32))],
+        10: [ShardGrad("bn.running_mean", 0, 2, np.array([0.0, 0.8], np.float32)),
+             ShardGrad("bn.num_batches_tracked", 0, 1, np.ones(1, np.float32))],
+    }
+    moved = buffer_mean(list(change.items()))
+    assert [w for w, _ in moved] == [0.75, 0.25]
+    for _ in range(3):
+        state.step([(0.1, grads), (0.9, grads)], lr=0.5, momentum=0.9, weight_decay=0.01, buffers=moved)
+    np.testing.assert_allclose(state.params["bn.running_mean"], [3 * 0.3, 3 * 0.2], rtol=1e-6)
+    np.testing.assert_array_equal(state.params["bn.running_var"], [1.0, 1.0])  # no change sent: none made
+    assert state.params["bn.num_batches_tracked"].tolist() == [3.0]
+    assert not state.momentum["bn.running_mean"].any()  # no momentum, no weight decay on a buffer
+    assert buffer_mean([(5, [])]) == []  # an update that moved no buffer weighs nothing
+
+
+def test_split_parts_an_updates_shards_into_gradients_and_buffer_changes() -> None:
+    state = ModelState(_with_buffers(), buffers=BUFFERS)
+    grads, buffers = state.split([ShardGrad("w", 0, 4, np.zeros((4, 3), np.float32)),
+                                  ShardGrad("bn.running_var", 0, 2, np.zeros(2, np.float32))])
+    assert [g.param for g in grads] == ["w"] and [g.param for g in buffers] == ["bn.running_var"]
+
+
+def test_a_replay_of_the_log_restores_the_buffers_as_the_steps_moved_them(tmp_path: Path) -> None:
+    """The write-ahead log keeps each update's samples beside its shards: a PS replaying it after ``kill -9`` holds
+    the running statistics the steps made, bit for bit, whether a record keeps the updates or their sum."""
+    rng = np.random.default_rng(3)
+    initial = _with_buffers()
+    live = Recovery(tmp_path, fsync=False)
+    state = live.resume("spec", initial, Clock(), buffers=BUFFERS).state
+    for version, count in enumerate([1, 3, 1, 2], start=1):  # a single update, then rounds of several
+        items = []
+        for k in range(count):
+            shards = tuple(ShardUpdate(param=name, start=0, stop=len(v), codec="none",
+                                       data=rng.normal(size=v.shape).astype(np.float32).tobytes())
+                           for name, v in initial.items() if name != "bn.num_batches_tracked")
+            update = GradientUpdate(device=f"d{k}", cluster=f"c{k}", incarnation=1, seq=version, base_version=0,
+                                    samples=int(rng.integers(1, 50)), shards=shards)
+            grads, buffers = state.split(state.decode(shards))
+            items.append(Candidate(update, grads, 0.0, buffers=buffers))
+        step = Step(tuple(items), version, tuple(1 / count for _ in items))
+        summed = state.step(step.contributions(), lr=0.1, momentum=0.9, buffers=step.buffer_contributions())
+        live.log_beside([step], Optimizer(0.1, 0.9), [Combined(step.contributions())], [summed], lambda: None)
+    live.close()
+    assert not np.allclose(state.params["bn.running_mean"], 0)
+    resumed = Recovery(tmp_path, fsync=False).resume("spec", initial, Clock(), buffers=BUFFERS)
+    assert resumed.replayed == 4
+    for name in initial:
+        np.testing.assert_array_equal(resumed.state.params[name], state.params[name])
+
+
+def test_a_checkpoint_from_before_buffers_resumes_with_their_initial_values(tmp_path: Path) -> None:
+    store.write_checkpoint(tmp_path, store.Snapshot(model_spec="spec", version=7, params=_params(),
+                                                    momentum={k: np.zeros_like(v) for k, v in _params().items()}))
+    clock = Clock()
+    resumed = Recovery(tmp_path, fsync=False).resume("spec", _with_buffers(), clock, buffers=BUFFERS)
+    assert clock.version == 7 and resumed.state.params["bn.running_var"].tolist() == [1.0, 1.0]

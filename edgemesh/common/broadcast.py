@@ -251,11 +251,12 @@ class ModelView:
         if self.params is not None and snap.version < self.version:
             return False
         rows = self.rows
-        if rows is not None and set(rows) != set(snap.tensors):
-            raise WireError("snapshot names other parameters than the rows this view keeps", "shape")
+        if rows is not None and not set(rows) <= set(snap.tensors):
+            raise WireError("snapshot lacks parameters whose rows this view keeps", "shape")
         self.lengths = {k: t.shape[0] if t.shape else 0 for k, t in snap.tensors.items()}
-        whole = {k: (slice(None) if rows is None else slice(*rows[k])) for k in snap.tensors}
-        self.params = {k: _float32(t.to_numpy()[whole[k]]) for k, t in snap.tensors.items()}
+        # a restricted view keeps its rows alone (a model-parallel member: not the model's buffers either)
+        whole = {k: slice(None) for k in snap.tensors} if rows is None else {k: slice(*r) for k, r in rows.items()}
+        self.params = {k: _float32(snap.tensors[k].to_numpy()[part]) for k, part in whole.items()}
         self.version = snap.version
         self.gap, self._heard = snap.version < self._heard, -1
         return True
@@ -283,10 +284,12 @@ class ModelView:
         if params is None or delta.version <= version or delta.base_version != version:
             return None
         for shard in delta.shards:
-            if shard.param not in params or not 0 <= shard.start < shard.stop <= self.lengths.get(shard.param, 0):
+            if not 0 <= shard.start < shard.stop <= self.lengths.get(shard.param, 0):
                 raise WireError(f"delta shard {shard.param}[{shard.start}:{shard.stop}] does not fit", "shape")
         out = dict(params)
         for shard in delta.shards:
+            if shard.param not in out:
+                continue  # a tensor a restricted view does not keep (a model-parallel member: the model's buffers)
             base = out[shard.param]
             first, last = rows[shard.param] if rows is not None and shard.param in rows else (0, base.shape[0])
             shape = (shard.stop - shard.start, *base.shape[1:])

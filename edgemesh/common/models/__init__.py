@@ -8,8 +8,8 @@ it is made and then registered (:func:`register_spec`). Costs are derived from t
 Modules: ``lean`` (Standardize, LeanReLU, LeanMaxPool2d), ``specs`` (ModelSpec, the registry, the
 built-ins, build_model), ``layer_list``, ``entry_point``, ``probe`` (a zero sample through a model,
 on the meta device when it can), ``cost`` (derived costs, mesh_stages) and ``training`` (parameters
-in and out, a gradient step, evaluation). Parameters cross process boundaries as
-``dict[str, np.ndarray]`` (float32) keyed by ``named_parameters()`` names.
+in and out, a gradient step, evaluation). The model state (every parameter and persistent buffer) crosses
+process boundaries as ``dict[str, np.ndarray]`` (float32) keyed by ``state_dict`` names.
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ from edgemesh.common.models.specs import (
 )
 from edgemesh.common.models.training import (
     ParamLayout,
+    Update,
+    buffer_kinds,
     compute_gradients,
+    compute_update,
     evaluate,
     get_params,
     param_layout,
@@ -58,8 +61,11 @@ __all__ = [
     "ParamLayout",
     "Stage",
     "Standardize",
+    "Update",
+    "buffer_kinds",
     "build_model",
     "compute_gradients",
+    "compute_update",
     "derive_costs",
     "entry_point_spec",
     "evaluate",

@@ -1,12 +1,16 @@
-"""Parameters in and out of a model, and a training step and evaluation on numpy batches.
+"""The model state in and out of a model, and a training step and evaluation on numpy batches.
 
-Parameters cross process boundaries as ``dict[str, np.ndarray]`` (float32) keyed by
-``named_parameters()`` names; batches are ``x`` of shape (N, *sample_shape) and integer labels ``y`` (N,).
+The model state is every parameter and every persistent buffer (batch norm's running statistics and its
+counter, a standardization's constants, a user's own buffers): what the parameter server holds, versions,
+checkpoints, broadcasts, evaluates and exports. It crosses process boundaries as ``dict[str, np.ndarray]``
+(float32, a 0-d buffer as one row) keyed by ``state_dict`` names; batches are ``x`` of shape
+(N, *sample_shape) and integer labels ``y`` (N,).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,27 +23,47 @@ from edgemesh.common.errors import DataError, ModelError
 ParamLayout = dict[str, tuple[tuple[int, ...], str]]
 
 
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state as it travels: every parameter, then every persistent buffer (batch norm's running
+    statistics and counter, a standardization's constants, a user's own), by ``state_dict`` name."""
+    own: dict[str, torch.Tensor] = dict(model.named_parameters())
+    for name, value in model.state_dict(keep_vars=True).items():
+        if name not in own:
+            own[name] = value
+    return own
+
+
+def buffer_kinds(model: nn.Module) -> dict[str, bool]:
+    """Every persistent buffer of the model by name, and whether it holds integers (a counter such as
+    ``num_batches_tracked``) rather than floating values (running statistics)."""
+    params = dict(model.named_parameters())
+    return {name: not (value.dtype.is_floating_point or value.dtype.is_complex)
+            for name, value in model.state_dict(keep_vars=True).items() if name not in params}
+
+
 def param_layout(model: nn.Module) -> ParamLayout:
-    """Name -> (shape, dtype name such as ``"float32"``), in ``named_parameters()`` order."""
-    return {
-        name: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()
-    }
+    """Name -> (shape, dtype name such as ``"float32"``) of the model state: parameters in ``named_parameters()``
+    order, then persistent buffers. A 0-d tensor (a counter) is laid out as one row, shape ``(1,)``: the state
+    is sharded by rows."""
+    return {name: (tuple(t.shape) or (1,), str(t.dtype).removeprefix("torch.")) for name, t in _state(model).items()}
 
 
 def get_params(model: nn.Module) -> dict[str, np.ndarray]:
-    """Float32 numpy copies of every parameter, keyed by name."""
+    """Float32 numpy copies of the model state (parameters and persistent buffers), keyed by name; a 0-d buffer
+    as shape ``(1,)``."""
     return {
-        name: p.detach().cpu().numpy().astype(np.float32, copy=True) for name, p in model.named_parameters()
+        name: np.atleast_1d(t.detach().cpu().numpy().astype(np.float32, copy=True)) for name, t in _state(model).items()
     }
 
 
 def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
-    """Copy ``params`` into ``model``; all names and shapes must match exactly.
+    """Copy ``params`` (the model state: parameters and persistent buffers) into ``model``; names and shapes must
+    match exactly (a 0-d buffer may come as shape ``(1,)``), integer buffers are rounded.
 
-    Everything is validated before the first parameter is written, so a rejected update
+    Everything is validated before the first tensor is written, so a rejected update
     leaves the model unchanged.
     """
-    own = dict(model.named_parameters())
+    own = _state(model)
     missing = [n for n in own if n not in params]
     extra = [n for n in params if n not in own]
     if missing or extra:
@@ -50,10 +74,14 @@ def set_params(model: nn.Module, params: Mapping[str, np.ndarray]) -> None:
             array = np.asarray(params[name], dtype=np.float32)
         except (TypeError, ValueError) as exc:
             raise ModelError(f"parameter {name!r} is not a numeric array") from exc
-        if array.shape != tuple(target.shape):
+        if array.shape != tuple(target.shape) and not (target.dim() == 0 and array.shape == (1,)):
             raise ModelError(
                 f"parameter {name!r} has shape {array.shape}, model expects {tuple(target.shape)}"
             )
+        array = array.reshape(tuple(target.shape))
+        if not target.dtype.is_floating_point:
+            converted[name] = torch.from_numpy(np.asarray(np.rint(array), dtype=np.int64)).to(target.dtype)
+            continue
         # a view where the array allows one (the copy into the model is then the only pass over it)
         viewable = array.flags.writeable and array.flags.c_contiguous and array.dtype == np.float32
         converted[name] = torch.from_numpy(array) if viewable else \
@@ -87,14 +115,30 @@ def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor
     return logits
 
 
-def compute_gradients(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
-    """Cross-entropy loss of one batch and the float32 gradient of every parameter.
+@dataclass(frozen=True, slots=True)
+class Update:
+    """What one training step on a batch gives: its loss, the gradient of every parameter and the change of every
+    persistent buffer (batch norm's running statistics move with each batch a model trains on)."""
+
+    loss: float
+    grads: dict[str, np.ndarray]
+    buffers: dict[str, np.ndarray]
+    """Buffer name -> its value after the step minus before (float32, a 0-d buffer as shape ``(1,)``); a buffer the
+    step left alone (a constant) has zeros."""
+
+
+def compute_update(model: nn.Module, x: np.ndarray, y: np.ndarray) -> Update:
+    """Cross-entropy loss of one batch, the float32 gradient of every parameter, and the change the forward pass
+    made to every persistent buffer. The model keeps its moved buffers (as one process training on would).
 
     Gradients are zeroed first; parameters that take no part in the loss get zeros.
     """
     x_t, y_t = _batch_tensors(x, y)
     model.train()
     model.zero_grad(set_to_none=True)
+    kinds = buffer_kinds(model)
+    state = model.state_dict(keep_vars=True)
+    before = {name: state[name].detach().clone() for name in kinds}
     loss = F.cross_entropy(_forward(model, x_t, y_t), y_t)
     loss.backward()
     grads = {  # views of the gradients: the next step's ``zero_grad`` drops them, it does not write into them
@@ -105,7 +149,17 @@ def compute_gradients(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[f
         )
         for name, p in model.named_parameters()
     }
-    return float(loss.item()), grads
+    after = model.state_dict(keep_vars=True)  # a module may assign a buffer anew rather than write into it
+    moved = {name: np.atleast_1d((after[name].detach().to(torch.float64) - before[name].to(torch.float64))
+                                 .numpy().astype(np.float32)) for name in kinds}
+    return Update(float(loss.item()), grads, moved)
+
+
+def compute_gradients(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    """Cross-entropy loss of one batch and the float32 gradient of every parameter (``compute_update`` without
+    the buffers' changes)."""
+    update = compute_update(model, x, y)
+    return update.loss, update.grads
 
 
 def evaluate(model: nn.Module, dataset: Dataset, batch_size: int = 512) -> tuple[float, float]:

@@ -133,7 +133,8 @@ class Assembly:
                          need_snapshot=any(part.update.need_snapshot for part in parts),
                          shards=tuple(sh for part in parts for sh in part.update.shards))
         out.joined.append(Candidate(merged, [g for part in parts for g in part.grads],
-                                    max(part.received for part in parts), parts=tuple(p.update for p in parts)))
+                                    max(part.received for part in parts), parts=tuple(p.update for p in parts),
+                                    buffers=[g for part in parts for g in part.buffers]))
 
     def expire(self, now: float) -> Outcome:
         """Discard the steps whose members did not all report in time (one left or lags)."""

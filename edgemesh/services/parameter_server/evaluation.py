@@ -47,6 +47,8 @@ class Evaluator:
         self.last_loss: float | None = None
         self._reports: dict[str, LocalEvaluation] = {}
         self._model: Any = None
+        self.buffers: dict[str, bool] = {}
+        """The model's buffers (``load``): name -> whether it holds integers."""
         self._test_set: Any = None
         self._last_version = -1
         self._last_time = -float("inf")
@@ -60,9 +62,11 @@ class Evaluator:
         """Set on a sharded server's first shard: the whole model from the rows it keeps."""
 
     def load(self) -> dict[str, np.ndarray]:
-        """Build the model and read the held-out split (in a thread); the model's initial weights."""
+        """Build the model and read the held-out split (in a thread); the model's initial state (parameters and
+        buffers)."""
         t, job = self.cfg.training, self.job
         self._model = models.build_model(t.model_spec, seed=t.seed)
+        self.buffers = models.buffer_kinds(self._model)
         if job is not None and job.evaluation.path:
             path = resolve(job.evaluation.path, self.cfg.ps.data_dir)
             self._test_set = load_local(job.data.format, path, input_shape=job.model.input_shape,

@@ -2,6 +2,12 @@
 
 Gradients arrive by shard ``(param, start, stop)`` along dim 0, so whole tensors (data
 parallel) and slices (model parallel) go through the same step.
+
+The model state holds the module's persistent buffers beside its parameters (batch norm's running
+statistics and counter). A buffer is not a parameter: an update carries its change over the worker's
+step (:class:`edgemesh.common.models.Update`), a step combines those changes with the updates'
+sample shares (``buffer_contributions``) and adds the result as it is, with no learning rate, momentum
+or weight decay; an integer buffer (a counter) is rounded after each step (docs/synchronization.md).
 """
 
 from __future__ import annotations
@@ -46,10 +52,14 @@ class Summed:
 
 
 class ModelState:
-    """Parameters, momentum buffers and the update rule."""
+    """The model state (parameters and the module's buffers), momentum, and the update rule."""
 
-    def __init__(self, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray] | None = None) -> None:
+    def __init__(self, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray] | None = None, *,
+                 buffers: Mapping[str, bool] | None = None) -> None:
         self.params = {k: np.array(v, dtype=np.float32, copy=True) for k, v in params.items()}
+        self.buffers = {k: bool(v) for k, v in (buffers or {}).items() if k in self.params}
+        """Which tensors of ``params`` are buffers, and whether each holds integers (a counter): stepped by adding
+        their combined change, not by SGD."""
         self.momentum = {k: np.zeros_like(v) for k, v in self.params.items()}
         self._scratch: dict[str, np.ndarray] = {}
         """Per parameter, room for ``lr * buf``: a step allocates no model-sized temporaries."""
@@ -77,6 +87,14 @@ class ModelState:
         shape = self.slice_shape(param, start, stop)
         return ShardGrad(param, start, stop, get_codec(codec).decode(data, math.prod(shape)).reshape(shape))
 
+    def split(self, grads: Iterable[ShardGrad]) -> tuple[list[ShardGrad], list[ShardGrad]]:
+        """An update's decoded shards as (the parameters' gradients, the buffers' changes)."""
+        params: list[ShardGrad] = []
+        buffers: list[ShardGrad] = []
+        for g in grads:
+            (buffers if g.param in self.buffers else params).append(g)
+        return params, buffers
+
     def decode(self, shards: Iterable[ShardUpdate]) -> list[ShardGrad]:
         """An update's shards as gradients of this model's slices; a shard named twice is a ``shape`` error."""
         seen: set[tuple[str, int, int]] = set()
@@ -96,17 +114,20 @@ class ModelState:
         lr: float,
         momentum: float,
         weight_decay: float = 0.0,
+        buffers: Iterable[tuple[float, Iterable[ShardGrad]]] = (),
     ) -> list[ShardGrad]:
         """One SGD step on the weighted sum of the contributions' gradients; returns that sum, as the runs of rows
         it touched (stepping on it alone, with weight 1, is the same step: the write-ahead log may keep it instead
         of the contributions). ``sum`` then ``apply``."""
-        summed = self.sum(contributions)
+        summed = self.sum(contributions, buffers)
         self.apply(summed, lr=lr, momentum=momentum, weight_decay=weight_decay)
         return summed.grads
 
-    def sum(self, contributions: Iterable[tuple[float, Iterable[ShardGrad]]]) -> Summed:
-        """The weighted sum of the contributions' gradients, by parameter, and the rows it covers; the model is
-        not read (so a step's sum can be logged while it is applied).
+    def sum(self, contributions: Iterable[tuple[float, Iterable[ShardGrad]]],
+            buffers: Iterable[tuple[float, Iterable[ShardGrad]]] = ()) -> Summed:
+        """The weighted sum of the contributions' gradients, by parameter, and the rows it covers, with the weighted
+        sum of the ``buffers``' changes (``Step.buffer_contributions``); the model is not read (so a step's sum can
+        be logged while it is applied).
 
         Each contribution is ``(weight, shards)``; weights of one step should sum to 1.
         Only the slices some contribution covers are touched. A lone contribution of weight 1 (an ``async``
@@ -142,6 +163,11 @@ class ModelState:
                     into[~covered] = 0
                     into += g.values * w
                 covered[:] = True
+        moved = list(buffers)
+        if moved:  # buffers and parameters are different tensors: the sums lie side by side
+            changes = self.sum(moved)
+            acc.update(changes.acc)
+            rows.update(changes.rows)
         return Summed(acc, rows)
 
     def apply(self, summed: Summed, *, lr: float, momentum: float, weight_decay: float = 0.0) -> None:
@@ -150,6 +176,9 @@ class ModelState:
         lr32, mom32, wd32 = np.float32(lr), np.float32(momentum), np.float32(weight_decay)
         for param, grad in summed.acc.items():
             touched = summed.rows[param]
+            if param in self.buffers:
+                self._move(param, grad, touched)
+                continue
             scratch = self._scratch.get(param)
             if scratch is None:
                 scratch = self._scratch[param] = np.empty_like(self.params[param])
@@ -165,6 +194,13 @@ class ModelState:
             p, buf = self.params[param][touched], self.momentum[param][touched]
             self._update(p, buf, grad[touched], lr32, mom32, wd32, np.empty_like(p))
             self.params[param][touched], self.momentum[param][touched] = p, buf
+
+    def _move(self, buffer: str, change: np.ndarray, touched: np.ndarray) -> None:
+        """A buffer's rows ``touched`` plus their combined ``change``; a counter's rounded to whole counts."""
+        p = self.params[buffer]
+        p[touched] += change[touched]
+        if self.buffers[buffer]:
+            np.rint(p, out=p)
 
     @staticmethod
     def _update(p: np.ndarray, buf: np.ndarray, grad: np.ndarray, lr: np.float32, mom: np.float32,

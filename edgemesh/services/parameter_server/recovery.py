@@ -30,7 +30,7 @@ from edgemesh.common.vocabulary import AGGREGATION_RULES, SYNC_POLICIES, Aggrega
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
 from edgemesh.services.parameter_server.robust import Aggregation, Combined, combine
-from edgemesh.services.parameter_server.scheduler import Clock, Step
+from edgemesh.services.parameter_server.scheduler import Clock, Step, buffer_mean
 
 T = TypeVar("T")
 
@@ -117,20 +117,29 @@ class Recovery:
         self._writer: ThreadPoolExecutor | None = None
         """The log's own thread, for ``log_beside``."""
 
-    def resume(self, model_spec: str, initial: Mapping[str, np.ndarray], clock: Clock) -> Resumed:
-        """The state to start from: ``initial`` weights, or the checkpoint and the log after it; ``clock``
-        takes their version, high-water marks and cluster clocks."""
+    def resume(self, model_spec: str, initial: Mapping[str, np.ndarray], clock: Clock, *,
+               buffers: Mapping[str, bool] | None = None) -> Resumed:
+        """The state to start from: ``initial`` weights (and ``buffers``: which of them are the module's buffers,
+        ``ModelState``), or the checkpoint and the log after it; ``clock`` takes their version, high-water marks
+        and cluster clocks."""
+        buffers = dict(buffers or {})
         snap = store.read_checkpoint(self.state_dir)
         if snap is None:
-            resumed = Resumed(ModelState(initial))
+            resumed = Resumed(ModelState(initial, buffers=buffers))
         else:
             if snap.model_spec != model_spec:
                 raise ConfigError(f"checkpoint in {self.state_dir} is for model {snap.model_spec!r}, config says "
                                   f"{model_spec!r}; use another ps.state_dir or remove the checkpoint")
-            bad = {k for k, v in snap.params.items() if k not in initial or v.shape != initial[k].shape}
-            if bad or set(initial) - set(snap.params):
+            params = dict(snap.params)
+            lacking = [k for k in initial if k not in params and k in buffers]
+            if lacking:  # a checkpoint from before buffers were kept: they start from their initial values
+                logger.warning("checkpoint in %s keeps no buffers (%s); they start from their initial values",
+                               self.state_dir, ", ".join(lacking))
+                params.update({k: initial[k] for k in lacking})
+            bad = {k for k, v in params.items() if k not in initial or v.shape != initial[k].shape}
+            if bad or set(initial) - set(params):
                 raise ConfigError(f"checkpoint in {self.state_dir} does not match model {model_spec!r}")
-            resumed = Resumed(ModelState(snap.params, snap.momentum), dict(snap.settings))
+            resumed = Resumed(ModelState(params, snap.momentum, buffers=buffers), dict(snap.settings))
             clock.version, clock.high_water, clock.clocks = snap.version, dict(snap.high_water), dict(snap.clocks)
             logger.info("resumed from checkpoint at version %d", snap.version)
         for record in store.read_wal(self.state_dir):
@@ -149,25 +158,29 @@ class Recovery:
     def _replay(state: ModelState, clock: Clock, record: dict[str, Any]) -> list[float]:
         """Apply a logged step as it was applied; the norms of its contributions as applied."""
         items: dict[int, tuple[float, list[ShardGrad]]] = {}
+        moved: dict[int, tuple[int, list[ShardGrad]]] = {}
         clusters = set()
         for n, entry in enumerate(record["entries"]):
-            grads = [state.decode_shard(s["param"], s["start"], s["stop"], s["codec"], s["data"])
-                     for s in entry.get("shards", ())]
+            grads, buffers = state.split(state.decode_shard(s["param"], s["start"], s["stop"], s["codec"], s["data"])
+                                         for s in entry.get("shards", ()))
             # a model-parallel cluster's members were one contribution (a log from before items: one each)
-            items.setdefault(int(entry.get("item", -1 - n)), (float(entry["weight"]), []))[1].extend(grads)
+            item = int(entry.get("item", -1 - n))
+            items.setdefault(item, (float(entry["weight"]), []))[1].extend(grads)
+            moved.setdefault(item, (int(entry.get("samples", 1)), []))[1].extend(buffers)
             clock.high_water[entry["device"]] = (int(entry["incarnation"]), int(entry["seq"]))
             clusters.add(entry.get("cluster", ""))
         for cluster in clusters:  # one tick per cluster, however many members logged a part
             clock.clocks[cluster] = clock.clocks.get(cluster, 0) + 1
-        optimizer = {"lr": float(record["lr"]), "momentum": float(record["momentum"]),
-                     "weight_decay": float(record.get("weight_decay", 0.0))}
+        optimizer = Optimizer(float(record["lr"]), float(record["momentum"]), float(record.get("weight_decay", 0.0)))
         if "sum" in record:  # the step's weighted sum, logged instead of its contributions
             summed = [state.decode_shard(s["param"], s["start"], s["stop"], "none", s["data"]) for s in record["sum"]]
-            state.step([(1.0, summed)], **optimizer)
+            state.step([(1.0, summed)], lr=optimizer.lr, momentum=optimizer.momentum,
+                       weight_decay=optimizer.weight_decay)
             norms = [float(v) for v in record.get("norms", [])]
         else:
             combined = combine(list(items.values()), Aggregation.of_record(record.get("aggregation")))
-            state.step(combined.contributions, **optimizer)
+            state.step(combined.contributions, lr=optimizer.lr, momentum=optimizer.momentum,
+                       weight_decay=optimizer.weight_decay, buffers=buffer_mean(list(moved.values())))
             norms = combined.norms
         clock.version = int(record["version"])
         return norms
@@ -208,6 +221,7 @@ class Recovery:
                 "seq": part.seq,
                 "item": i,
                 "weight": w,
+                "samples": part.samples,  # what the step's buffer changes are weighted by
                 **({"scale": c.scales[i]} if c.scales else {}),  # clip's, for a sharded server's other shards
                 "shards": [{"param": s.param, "start": s.start, "stop": s.stop, "codec": s.codec, "data": s.data}
                            for s in part.shards],

@@ -38,6 +38,9 @@ class Candidate:
     received: float
     parts: tuple[GradientUpdate, ...] = ()
     """A model-parallel cluster's update: the members' updates it joins (``update`` is the first's)."""
+    buffers: list[ShardGrad] = field(default_factory=list)
+    """The change of the model's buffers over the sender's step (batch norm's statistics); ``grads`` holds the
+    parameters' gradients alone."""
 
     @property
     def updates(self) -> tuple[GradientUpdate, ...]:
@@ -74,6 +77,21 @@ class Step:
     def contributions(self) -> list[tuple[float, list[ShardGrad]]]:
         """``(weight, gradient)`` of each item: what the step combines."""
         return list(zip(self.weights, (item.grads for item in self.items), strict=True))
+
+    def buffer_contributions(self) -> list[tuple[float, list[ShardGrad]]]:
+        """``(sample share, buffer change)`` of each item that carries one: a step moves the buffers by the
+        sample-weighted mean of its updates' changes, whatever the policy's weights or the robust rule (which bound
+        gradients), so that a step of several updates moves running statistics as one batch of all their samples
+        would. The same on every shard of a sharded server and in a replay of the log (``buffer_mean``)."""
+        return buffer_mean([(item.update.samples, item.buffers) for item in self.items])
+
+
+def buffer_mean(changes: Sequence[tuple[int, list[ShardGrad]]]) -> list[tuple[float, list[ShardGrad]]]:
+    """``(samples, buffer change)`` of a step's updates as the contributions that move its buffers: each change
+    weighted by its share of the samples of the updates that carry one."""
+    carried = [(n, change) for n, change in changes if change]
+    total = sum(n for n, _ in carried)
+    return [(n / total, change) for n, change in carried] if total else []
 
 
 @dataclass(slots=True)

@@ -181,13 +181,14 @@ class ParameterServer:
             else:
                 self.evaluator.enabled = False  # shard 0 evaluates the whole model
         self._label = label
-        resumed = self.recovery.resume(label, initial, self.clock)
+        resumed = self.recovery.resume(label, initial, self.clock, buffers=self.evaluator.buffers)
         self.state = resumed.state
         self._restore(OperatorSettings.of(resumed.settings))
         if self.leader is not None:
             self.leader.resume(resumed.settings.get("shard_steps"), resumed.steps)
         self.ledger.open()  # after the log's replay: the ledger takes any logged step it lacks
-        self.assembly.rows = {name: int(p.shape[0]) for name, p in self.state.params.items()}
+        self.assembly.rows = {name: int(p.shape[0]) for name, p in self.state.params.items()  # the parameters:
+                              if name not in self.state.buffers}  # what a cluster's members' gradients tile
         self.m_version.set(self.version)
 
     def _restore(self, kept: OperatorSettings) -> None:
@@ -283,8 +284,8 @@ class ParameterServer:
             if self.division is not None:
                 update = replace(update, shards=self.division.localize(update.shards))
             shards = update.shards
-            grads = self.state.decode(shards) if quick_to_decode(shards) else \
-                await asyncio.to_thread(self.state.decode, shards)
+            grads, buffers = self.state.split(self.state.decode(shards) if quick_to_decode(shards) else
+                                              await asyncio.to_thread(self.state.decode, shards))
             if isinstance(self.scheduler, Follower) and not update.mesh_step:  # shard 0 judges the whole update
                 await self.scheduler.measured(update, grads, self.aggregator.rule)  # (clip, krum)
         except WireError as exc:
@@ -295,7 +296,7 @@ class ParameterServer:
             self.m_codec_bytes.labels(codec=shard.codec).inc(len(shard.data))
         if update.need_snapshot and self.cfg.ps.broadcast == "delta" and self.broadcast.last_full != self.version:
             self._request_snapshot()  # the sender missed a delta
-        item = Candidate(update, grads, time.monotonic())
+        item = Candidate(update, grads, time.monotonic(), buffers=buffers)
         if update.mesh_step:
             await self._settle(self.assembly.add(item, self.clock, self.plan.version if self.plan else 0,
                                                  time.monotonic()))
@@ -392,7 +393,8 @@ class ParameterServer:
             combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far,  # the rule's
                                                 chosen=step.chosen)  # gradients
                         for step, far in zip(steps, elsewhere or [[]] * len(steps), strict=True)]
-            sums = [state.sum(c.contributions) for c in combined]
+            sums = [state.sum(c.contributions, step.buffer_contributions()) for c, step in zip(combined, steps,
+                                                                                              strict=True)]
 
             def apply_and_encode() -> ModelMessage | None:
                 for summed in sums:

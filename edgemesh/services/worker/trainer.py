@@ -4,7 +4,8 @@ Everything here runs in a worker thread (``asyncio.to_thread``), one call per st
 loop never waits on torch. The shard a plan gives the device is loaded once per plan that changes
 it (``shard``, also what a model-parallel member draws its batches from); a gradient leaves as
 shards ``(param, start, stop)`` encoded with the device's codec and error feedback (``encode``,
-for whole tensors and for a member's rows alike).
+for whole tensors and for a member's rows alike), with the change the step made to the model's buffers
+(batch norm's running statistics) as float32 shards of their own.
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ def shard_weights(plan: Plan) -> tuple[int, ...] | None:
     if len(batches) != count or len(set(batches.values())) <= 1:
         return None
     return tuple(batches[i] for i in range(count))
+
+
+def _rows(tensors: Mapping[str, np.ndarray], spans: Sequence[Span] | None) -> list[tuple[str, int, int, np.ndarray]]:
+    """``tensors`` as ``(name, start, stop, rows)``: whole, or cut at the rows each parameter server shard owns
+    (``spans``; a name ``tensors`` lacks is skipped)."""
+    if spans is None:
+        return [(name, 0, int(t.shape[0]), t) for name, t in tensors.items()]
+    return [(s.param, s.start, s.stop, tensors[s.param][s.start:s.stop]) for s in spans if s.param in tensors]
 
 
 class Trainer:
@@ -122,16 +131,14 @@ class Trainer:
             self.model_version, self._stamp = version, stamp
         started = time.perf_counter()
         x, y = next(self._batches)
-        loss, grads = models.compute_gradients(self._model, x, y)
+        update = models.compute_update(self._model, x, y)
         elapsed = time.perf_counter() - started
         w = self.cfg.worker
-        grads = falsify(grads, w.emulation_attack, w.emulation_attack_scale, self._attack_rng)  # an emulated attacker
-        if spans is None:
-            rows = [(name, 0, int(g.shape[0]), g) for name, g in grads.items()]
-        else:
-            rows = [(s.param, s.start, s.stop, grads[s.param][s.start:s.stop]) for s in spans]
-        shards = self.encode(rows, policy)
-        return shards, len(y), loss, elapsed, self._flops(plan.model_spec, len(y))
+        grads = falsify(update.grads, w.emulation_attack, w.emulation_attack_scale,  # an emulated attacker
+                        self._attack_rng)
+        moved = {name: change for name, change in update.buffers.items() if change.any()}  # constants stay home
+        shards = self.encode(_rows(grads, spans), policy) + self.encode(_rows(moved, spans), None, exact=True)
+        return shards, len(y), update.loss, elapsed, self._flops(plan.model_spec, len(y))
 
     def evaluate(self, data: Dataset, params: Mapping[str, np.ndarray], version: int, *,
                  stamp: int | None = None) -> tuple[float, float]:
@@ -147,11 +154,16 @@ class Trainer:
         return models.evaluate(self._model, data)
 
     def encode(self, grads: Rows | Iterable[tuple[str, int, int, np.ndarray]],
-               policy: CodecPolicy | None) -> list[ShardUpdate]:
+               policy: CodecPolicy | None, *, exact: bool = False) -> list[ShardUpdate]:
         """Shards of ``grads`` (``param -> (start, stop, rows)``, or ``(param, start, stop, rows)`` items)
-        with the device's codec and error feedback (per parameter rows)."""
-        name = codec_of(policy, self.cfg.worker.can_encode)
+        with the device's codec and error feedback (per parameter rows); ``exact``: as float32, no feedback (the
+        buffers' changes: running statistics a few values per channel, which a lossy codec would bias)."""
         items = [(k, *v) for k, v in grads.items()] if isinstance(grads, Mapping) else list(grads)
+        if exact:
+            return [ShardUpdate(param=param, start=start, stop=stop, codec="none",
+                                data=np.ascontiguousarray(g, dtype=np.float32).tobytes())
+                    for param, start, stop, g in items]
+        name = codec_of(policy, self.cfg.worker.can_encode)
         self.gradient_bytes = sum(int(g.size) for _, _, _, g in items) * FP32_BYTES
         shards = []
         for param, start, stop, g in items:
