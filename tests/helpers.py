@@ -198,7 +198,9 @@ def gradient(device: str, seq: int, base: int, *, incarnation: int = 1, scale: f
     """A whole ``digits-cnn`` gradient of ``scale`` everywhere, computed on version ``base`` (only the rows of
     ``spans``, ``(param, start, stop)`` each, if given)."""
     enc = get_codec(codec)
-    rows = spans or [(name, 0, shape[0]) for name, (shape, _) in DIGITS_PARAMS.items()]
+    # a gradient is of the parameters: a span of a buffer (a shard's rows of the standardization) has none
+    rows = [r for r in spans if r[0] in DIGITS_PARAMS] if spans else \
+        [(name, 0, shape[0]) for name, (shape, _) in DIGITS_PARAMS.items()]
     shards = tuple(ShardUpdate(param=name, start=start, stop=stop, codec=codec, data=enc.encode(
         np.full((stop - start) * int(np.prod(DIGITS_LAYOUT[name][0][1:])), scale, np.float32), None))
         for name, start, stop in rows)

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import (
+    DIGITS_PARAMS,
     GRADIENT_BYTES,
     WAIT_S,
     Inbox,
@@ -30,7 +31,7 @@ from helpers import (
     until,
 )
 
-from edgemesh.common import models, wire
+from edgemesh.common import wire
 from edgemesh.common.codecs import SMALL_TENSOR, available_codecs, get_codec
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.errors import ConfigError, WireError
@@ -48,7 +49,8 @@ JOB = "t-compressor"
 TOPICS = Topics(JOB)
 TRAINING_WAIT_S = 30.0
 """Seconds one expected event of a whole training cluster (planner, PS, compressor, worker) may take."""
-LAYOUT = models.param_layout(models.build_model("digits-cnn"))
+LAYOUT = DIGITS_PARAMS
+"""The parameters of digits-cnn: what a gradient covers (its buffers, the standardization's constants, never move)."""
 
 
 def compressor_config(broker: BrokerProcess, **settings: object) -> Config:
@@ -304,7 +306,7 @@ async def test_the_compressor_lowers_the_density_when_the_link_slows_and_the_wor
         reported = await until("stats with a step time and the gradient size", lambda: (
             s := comp.stats.get("w0")) is not None and s.step_time_s > 0 and s.gradient_bytes and s, wait)
         assert reported.gradient_bytes == 4 * sum(
-            int(np.prod(shape)) for shape, _ in worker.trainer.layout.values())
+            int(np.prod(shape)) for shape, _ in LAYOUT.values())
         assert reported.link_rate_bps == 1e12
         assert comp.policies["w0"].codec == "fp16"
 
@@ -390,7 +392,7 @@ async def test_a_device_that_cannot_encode_trains_through_the_gateway(
         # the worker measured its link and reported it with its gradient size
         measured = await until("measured link stats", lambda: (
             s := comp.stats.get("weak")) is not None and s.link_rate_bps > 0 and s.gradient_bytes > 0 and s, wait)
-        assert measured.gradient_bytes == 4 * sum(int(np.prod(shape)) for shape, _ in worker.trainer.layout.values())
+        assert measured.gradient_bytes == 4 * sum(int(np.prod(shape)) for shape, _ in LAYOUT.values())
         assert worker.link.samples >= 1 and worker.link.declared_bps == 0
         # from which the compressor chose the density it encodes with, and training goes on
         adapted = await until("a policy from the measured link", lambda: (

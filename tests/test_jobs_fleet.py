@@ -8,6 +8,7 @@ target, exported with ``edgemesh job export``; the next job trains on the same p
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from helpers import inbox, make_config
 from edgemesh.bench import jobs as jobs_bench
 from edgemesh.bench.jobs import VIBRATION_NET, draw_shapes, write_sensor_csv
 from edgemesh.common import models
-from edgemesh.common.config import Config
+from edgemesh.common.config import Config, GuardConfig
 from edgemesh.common.jobs import model_spec, parse_job
 from edgemesh.common.messages import JobState, ModelSnapshot
 from edgemesh.common.topics import Topics, all_job_states_filter
@@ -291,3 +292,209 @@ async def test_a_running_job_trains_on_after_the_broker_restarts_empty(fleet: tu
                                    and s.version > since + 5, 60)
     assert set(after.devices) == set(DEVICES)
     assert all(c.proc.poll() is None for c in cluster.children)
+
+
+# --------------------------------------------------------------------------- users' CNNs: buffers, guard
+
+BN_JOB = """
+[job]
+name = "{name}"
+target_accuracy = {target}
+max_versions = 20000
+max_minutes = 4
+
+[model]
+input_shape = [3, 24, 24]
+classes = ["circle", "square", "triangle"]
+{model}
+
+[data]
+format = "image-folder"
+path = "shapes"
+mean = [0.5]
+std = [0.3]
+
+[evaluation]
+path = "shapes-eval"
+every = 5
+
+[training]
+sync_policy = "{policy}"
+lr = 0.02
+batch_size = 16
+{extra}
+"""
+BN_LAYERS = """layers = [{conv2d = 8, kernel = 3, padding = 1, bias = false}, "batchnorm", "relu", {maxpool2d = 2},
+          {conv2d = 16, kernel = 3, padding = 1, bias = false}, "batchnorm", "relu", {maxpool2d = 2},
+          "flatten", {linear = 32}, "relu", {dropout = 0.2}, {linear = 3}]"""
+DEPTHWISE_NET = '''
+"""A user's own small MobileNet-style network: batch norm, a depthwise-separable block with a residual, global
+average pooling."""
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.depthwise = nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.pointwise = nn.Conv2d(channels, channels, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn2(self.pointwise(torch.relu(self.bn1(self.depthwise(x))))))
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16),
+                                  nn.ReLU())
+        self.block = Block(16)
+        self.head = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.head(self.block(self.stem(x)).mean(dim=(2, 3)))
+
+
+def build(num_classes):
+    return Net(num_classes)
+'''
+
+
+def held_out_accuracy(model_file: Path, eval_folder: Path) -> float:
+    """Accuracy of an exported ONNX model on a held-out image folder, as a user would measure it."""
+    import onnxruntime
+
+    from edgemesh.common.data import load_local
+
+    data = load_local("image-folder", eval_folder, input_shape=(3, 24, 24), classes=CLASSES).train
+    session = onnxruntime.InferenceSession(str(model_file), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {session.get_inputs()[0].name: data.x.astype(np.float32)})[0]
+    return float((logits.argmax(axis=1) == data.y).mean())
+
+
+async def kept_model(config: Config, job: str) -> ModelSnapshot:
+    async with inbox(dataclasses.replace(config, job=job), (Topics(job).job_model_filter(), ModelSnapshot)) as box:
+        return await box.next(ModelSnapshot)
+
+
+async def test_a_batch_norm_model_trains_and_exports_the_accuracy_the_job_reports_with_the_datas_statistics(
+        fleet: tuple[LocalCluster, Config], tmp_path: Path) -> None:
+    """The running statistics of batch norm are part of the model: the PS's, evaluated and exported, are those of
+    the devices' images (not their initial 0 and 1), and the exported ONNX model scores what the job reported."""
+    import torch
+
+    from edgemesh.common.data import load_local
+
+    _, config = fleet
+    job_file = tmp_path / "bn.toml"
+    job_file.write_text(BN_JOB.format(name="bn-shapes", target=0.9, model=BN_LAYERS, policy="adaptive", extra=""))
+    submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60")
+    assert submitted.returncode == 0, submitted.stderr
+    done = await wait_for_job(config, "bn-shapes", ("finished", "failed", "stopped"))
+    assert done.state == "finished", done.reason
+    assert done.accuracy is not None and done.accuracy >= 0.9 and done.model_version > 0
+
+    out = tmp_path / "export" / "bn.onnx"
+    exported = edgemesh("job", "export", "bn-shapes", "--format", "onnx", "--out", str(out), "--broker",
+                        config.broker.url)
+    assert exported.returncode == 0, exported.stderr
+    assert abs(held_out_accuracy(out, tmp_path / "ps" / "shapes-eval") - done.accuracy) <= 0.005
+    card = json.loads((tmp_path / "export" / "bn.onnx.card.json").read_text())
+    assert card["version"] == done.model_version and card["accuracy"] == done.accuracy  # reported = exported
+
+    # the PS's statistics of the first batch norm are those of its input on the devices' images
+    snapshot = await kept_model(config, "bn-shapes")
+    assert snapshot.version == done.model_version
+    spec = parse_job(job_file.read_text())
+    model_spec(spec)
+    module = models.build_model(spec.model_key)
+    models.set_params(module, {k: t.to_numpy() for k, t in snapshot.tensors.items()})
+    module.eval()
+    images = np.concatenate([load_local("image-folder", tmp_path / d / "shapes", input_shape=(3, 24, 24),
+                                        classes=CLASSES).train.x for d in DEVICES])
+    with torch.no_grad():
+        into = module.conv1(module.input(torch.from_numpy(images)))
+    mean, var = into.mean(dim=(0, 2, 3)).numpy(), into.var(dim=(0, 2, 3)).numpy()
+    running_mean, running_var = module.bn1.running_mean.numpy().copy(), module.bn1.running_var.numpy().copy()
+    assert int(module.bn1.num_batches_tracked) > 10
+    # an average of the latest batches' statistics while the weights still move: within a fraction of a standard
+    # deviation (the initial 0 and 1 are 0.5-1 of one away here)
+    assert float(np.mean(np.abs(running_mean - mean) / np.sqrt(var))) <= 0.25, (running_mean, mean)
+    assert np.all((running_var > 0.5 * var) & (running_var < 2.0 * var)), (running_var, var)
+    # what the user relies on: the statistics recomputed on the devices' images score no better
+    for bn in (module.bn1, module.bn2):
+        bn.reset_running_stats()
+        bn.momentum = None  # a cumulative average over every batch
+    module.train()
+    with torch.no_grad():
+        for start in range(0, len(images), 64):
+            module(torch.from_numpy(images[start:start + 64]))
+    module.eval()
+    held = load_local("image-folder", tmp_path / "ps" / "shapes-eval", input_shape=(3, 24, 24), classes=CLASSES).train
+    with torch.no_grad():
+        recomputed = float((module(torch.from_numpy(held.x)).argmax(1).numpy() == held.y).mean())
+    assert recomputed <= done.accuracy + 0.03, (recomputed, done.accuracy)
+
+
+async def test_an_entry_point_module_with_batch_norm_a_residual_and_a_depthwise_conv_trains_and_exports(
+        fleet: tuple[LocalCluster, Config], tmp_path: Path) -> None:
+    _, config = fleet
+    modules = tmp_path / "models"
+    modules.mkdir()
+    (modules / "depthwise_net.py").write_text(DEPTHWISE_NET)
+    model = f'entry_point = "depthwise_net:build"\nmodule_path = "{modules}"'
+    job_file = tmp_path / "dw.toml"
+    job_file.write_text(BN_JOB.format(name="dw-shapes", target=0.85, model=model, policy="async", extra=""))
+    submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60")
+    assert submitted.returncode == 0, submitted.stderr
+    done = await wait_for_job(config, "dw-shapes", ("finished", "failed", "stopped"))
+    assert done.state == "finished", done.reason
+    assert done.accuracy is not None and done.accuracy >= 0.85
+    for fmt in ("onnx", "torch"):
+        out = tmp_path / "export" / f"dw.{fmt}"
+        exported = edgemesh("job", "export", "dw-shapes", "--format", fmt, "--out", str(out), "--broker",
+                            config.broker.url, "--module-path", str(modules))
+        assert exported.returncode == 0, exported.stderr
+    assert abs(held_out_accuracy(tmp_path / "export" / "dw.onnx", tmp_path / "ps" / "shapes-eval")
+               - done.accuracy) <= 0.005
+    snapshot = await kept_model(config, "dw-shapes")
+    assert not np.allclose(snapshot.tensors["net.block.bn2.running_var"].to_numpy(), 1.0)  # the statistics trained
+
+
+async def test_the_divergence_guard_rolls_a_job_back_when_its_learning_rate_is_raised_fifty_times(
+        fleet: tuple[LocalCluster, Config], tmp_path: Path) -> None:
+    """An operator raises the learning rate 50 times while the job trains: the model diverges, the guard rolls it
+    back to its best evaluated version with a lower rate, training recovers, and the job ends within 2 points of its
+    best."""
+    _, config = fleet
+    job_file = tmp_path / "guard.toml"
+    job_file.write_text(BN_JOB.format(name="guarded", target=0, model=BN_LAYERS, policy="async",
+                                      extra="[ps.guard]\nlr_factor = 0.2\n"))
+    submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60")
+    assert submitted.returncode == 0, submitted.stderr
+    async with inbox(dataclasses.replace(config, job="guarded"), (Topics("guarded").job_state_filter(),
+                                                                   JobState)) as box:
+        trained = await box.next(JobState, lambda s: s.accuracy is not None and s.accuracy >= 0.8, JOB_WAIT_S)
+        raised = edgemesh("ctl", "set-lr", "--value", "1.0", "--job", "guarded", "--broker", config.broker.url)
+        assert raised.returncode == 0, raised.stderr
+        rolled = await box.next(JobState, lambda s: s.rollbacks > trained.rollbacks, JOB_WAIT_S)
+        best = max(e.accuracy for e in rolled.evaluations)
+        # recovered: an evaluation after the rollback within 2 points of the best
+        await box.next(JobState, lambda s: any(e.version > rolled.version and e.accuracy >= best - 0.02
+                                               for e in s.evaluations), JOB_WAIT_S)
+    stopped = edgemesh("job", "stop", "guarded", "--broker", config.broker.url)
+    assert stopped.returncode == 0, stopped.stderr
+    done = await wait_for_job(config, "guarded", ("stopped",), 60)
+    # the job keeps its best evaluated model when its last scored lower (async training of a batch-norm model on
+    # devices of different data is noisy from one evaluation of 90 images to the next)
+    assert done.accuracy is not None and done.accuracy >= best - 0.02
+    assert done.accuracy >= max(e.accuracy for e in done.evaluations) - 1e-9
+    assert 1 <= done.rollbacks - trained.rollbacks < GuardConfig().max_rollbacks  # it recovered before giving up
+    out = tmp_path / "export" / "guarded.onnx"
+    exported = edgemesh("job", "export", "guarded", "--format", "onnx", "--out", str(out), "--broker",
+                        config.broker.url)
+    assert exported.returncode == 0, exported.stderr
+    assert abs(held_out_accuracy(out, tmp_path / "ps" / "shapes-eval") - done.accuracy) <= 0.005

@@ -153,9 +153,13 @@ def describe(state: JobState) -> str:
     accuracy = f"{state.accuracy:.4f}" if state.accuracy is not None else "-"
     target = f" / {state.target_accuracy:g}" if state.target_accuracy else ""
     errors = f", {len(state.device_errors)} device(s) out" if state.device_errors else ""
-    return (f"{state.name}: {state.state}, version {state.version}, accuracy {accuracy}{target}, "
-            f"{len(state.devices)} device(s){errors}, {state.bytes_received / 1e6:.2f} MB of gradients"
-            + (f" ({state.reason})" if state.reason else ""))
+    of = f" (of version {state.model_version})" if state.model_version and state.model_version != state.version \
+        and state.accuracy is not None else ""
+    rollbacks = f", {state.rollbacks} rollback(s)" if state.rollbacks else ""
+    return (f"{state.name}: {state.state}, version {state.version}, accuracy {accuracy}{of}{target}, "
+            f"{len(state.devices)} device(s){errors}, {state.bytes_received / 1e6:.2f} MB of gradients{rollbacks}"
+            + (f" ({state.reason})" if state.reason else "") + (f"\n  warning: {state.warning}" if state.warning
+                                                                 else ""))
 
 
 def devices_out(state: JobState, indent: str = "  ") -> list[str]:
@@ -338,8 +342,11 @@ async def export(config: Config, name: str, *, fmt: str, out: str, search_path: 
         error = check_onnx(module, spec.model.input_shape, path)
         print(f"onnxruntime logits match torch within {error:.2e}")
     mean, std = normalization(module)
+    # the accuracy of this very model: the state's, when it is about the version kept (a running job's latest
+    # snapshot is usually newer than its latest evaluation)
+    accuracy = state.accuracy if state is not None and state.model_version == snap.version else None
     card = ModelCard(job=name, classes=spec.model.classes, input_shape=spec.model.input_shape,
-                     mean=mean, std=std, accuracy=state.accuracy if state else None,
+                     mean=mean, std=std, accuracy=accuracy,
                      version=snap.version, job_sha256=spec.sha256, format=fmt, file=path.name,
                      model_key=spec.model_key, exported_at=time.time(), job_source=spec.source)
     card_path = write_card(card, path)

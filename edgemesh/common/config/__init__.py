@@ -5,7 +5,7 @@ Precedence: defaults < TOML file < ``EDGEMESH_*`` environment < command-line fla
 """
 
 from edgemesh.common.config.loading import describe, load_config, to_toml, with_settings
-from edgemesh.common.config.parameter_server import AdaptiveConfig, ParameterServerConfig
+from edgemesh.common.config.parameter_server import AdaptiveConfig, GuardConfig, ParameterServerConfig
 from edgemesh.common.config.sections import (
     BrokerConfig,
     CompressorConfig,
@@ -18,7 +18,7 @@ from edgemesh.common.config.sections import (
 )
 
 __all__ = [
-    "AdaptiveConfig", "BrokerConfig", "CompressorConfig", "Config", "DemoConfig", "MetricsConfig",
+    "AdaptiveConfig", "BrokerConfig", "GuardConfig", "CompressorConfig", "Config", "DemoConfig", "MetricsConfig",
     "ParameterServerConfig", "PlannerConfig", "TrainingConfig", "WorkerConfig", "describe", "load_config", "to_toml",
     "with_settings",
 ]

@@ -54,6 +54,34 @@ class AdaptiveConfig:
 
 
 @dataclass(slots=True)
+class GuardConfig:
+    """The divergence guard (``[ps.guard]``; docs/synchronization.md#the-divergence-guard): an evaluation whose
+    loss is not finite or explodes, or whose accuracy falls far below the best, rolls the model back to the best
+    evaluated version and lowers the learning rate."""
+
+    enabled: bool = True
+    """Watch every held-out evaluation of the model (the parameter server's own; not a sharded server's)."""
+    loss_factor: float = 4.0
+    """An evaluation loss above this many times the best evaluated model's loss is exploding."""
+    accuracy_drop: float = 0.25
+    """An accuracy more than this below the best evaluated model's is far below it."""
+    patience: int = 3
+    """Consecutive evaluations that explode or fall far below before a rollback (a loss that is not finite, or a
+    model that is not, rolls back at once)."""
+    lr_factor: float = 0.5
+    """The learning rate after a rollback: the one before, times this."""
+    max_rollbacks: int = 8
+    """Rollbacks in one run at most; past them the guard only reports (the job's state says it diverges)."""
+
+    def __post_init__(self) -> None:
+        _require(self.loss_factor > 1, "ps.guard.loss_factor", "must be > 1")
+        _require(0 < self.accuracy_drop <= 1, "ps.guard.accuracy_drop", "must be in (0, 1]")
+        _require(self.patience >= 1, "ps.guard.patience", "must be >= 1")
+        _require(0 < self.lr_factor < 1, "ps.guard.lr_factor", "must be in (0, 1)")
+        _require(self.max_rollbacks >= 0, "ps.guard.max_rollbacks", "must be >= 0")
+
+
+@dataclass(slots=True)
 class ParameterServerConfig:
     """Parameter server service."""
 
@@ -84,6 +112,8 @@ class ParameterServerConfig:
     """Under async and ssp, scale an update applied d versions late by 1/(1+d) (adaptive always does)."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     """The ``adaptive`` policy's rule (``[ps.adaptive]``)."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """The divergence guard (``[ps.guard]``)."""
     sync_state_interval_s: float = 2.0
     """Publish the retained sync state (policy, bound, deadline, delay indices) at most this often
     while only the indices move; a change of policy, bound or slow devices goes out at once."""

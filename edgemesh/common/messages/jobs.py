@@ -101,6 +101,14 @@ class JobState:
     ``MAX_REASON_CHARS`` each."""
     evaluations: tuple[JobEvaluation, ...] = ()
     """The latest evaluations of the job's model, oldest first: at most ``EVALUATIONS_KEPT``."""
+    model_version: int = 0
+    """The version of the model ``accuracy`` and ``loss`` are of: while the job runs, the latest evaluated; once it
+    ended, the one kept on ``job/model``, which ``edgemesh job export`` writes (the best evaluated, or the last)."""
+    rollbacks: int = 0
+    """Times the divergence guard rolled the model back to its best evaluated version."""
+    warning: str = ""
+    """What looks wrong while the job runs ('' when nothing does): the model diverges where the guard could not roll
+    it back, or its accuracy stays at chance; at most ``MAX_REASON_CHARS``."""
 
     def validate(self) -> None:
         check_name("job", self.name)
@@ -111,6 +119,10 @@ class JobState:
             check_name("device", name)
         if any(len(reason) > MAX_REASON_CHARS for reason in self.device_errors.values()):
             raise ValueError(f"a device's reason is longer than {MAX_REASON_CHARS} characters")
+        nonneg("model_version", self.model_version)
+        nonneg("rollbacks", self.rollbacks)
+        if len(self.warning) > MAX_REASON_CHARS:
+            raise ValueError(f"a warning is longer than {MAX_REASON_CHARS} characters")
         if len(self.evaluations) > EVALUATIONS_KEPT:
             raise ValueError(f"more than {EVALUATIONS_KEPT} evaluations")
         for evaluation in self.evaluations:

@@ -28,6 +28,7 @@ from edgemesh.common.config import Config
 from edgemesh.common.data import load_dataset, load_local
 from edgemesh.common.jobs import JobSpec, resolve
 from edgemesh.common.messages import LocalEvaluation
+from edgemesh.services.parameter_server.guard import Evaluated
 
 Report = Callable[[int, float, float], Awaitable[None]]
 """``report(version, loss, accuracy)``."""
@@ -45,6 +46,8 @@ class Evaluator:
         """Evaluated on the devices' validation shares, not here."""
         self.last_accuracy: float | None = None
         self.last_loss: float | None = None
+        self.last: Evaluated | None = None
+        """The latest evaluation, with the state evaluated when it was this server's own."""
         self._reports: dict[str, LocalEvaluation] = {}
         self._model: Any = None
         self.buffers: dict[str, bool] = {}
@@ -85,7 +88,8 @@ class Evaluator:
         samples = sum(r.samples for r in latest)
         accuracy, loss = sum(r.correct for r in latest) / samples, sum(r.loss_sum for r in latest) / samples
         self.last_accuracy, self.last_loss = accuracy, loss
-        return min(r.version for r in latest), loss, accuracy
+        self.last = Evaluated(min(r.version for r in latest), loss, accuracy)
+        return self.last.version, loss, accuracy
 
     def offer(self, version: int, params: Mapping[str, np.ndarray]) -> None:
         """Hand ``params`` over if an evaluation is due at ``version`` (and there is a held-out set here)."""
@@ -119,6 +123,7 @@ class Evaluator:
             loss, accuracy = await asyncio.to_thread(self._evaluate, params)
             took = time.perf_counter() - started
             self.last_accuracy, self.last_loss, self._evaluated = accuracy, loss, version
+            self.last = Evaluated(version, loss, accuracy, params)
             await report(version, loss, accuracy)
             # the budget: the newest model handed over meanwhile waits its turn
             await asyncio.sleep(took * (1 / self.cfg.ps.eval_budget - 1))
@@ -130,6 +135,7 @@ class Evaluator:
             return
         loss, accuracy = await asyncio.to_thread(self._evaluate, params)
         self.last_accuracy, self.last_loss, self._evaluated = accuracy, loss, version
+        self.last = Evaluated(version, loss, accuracy, dict(params))
         await report(version, loss, accuracy)
 
     def _evaluate(self, params: Mapping[str, np.ndarray]) -> tuple[float, float]:

@@ -21,8 +21,11 @@ import contextlib
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, TypeGuard
+
+import numpy as np
 
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
@@ -41,6 +44,7 @@ from edgemesh.common.messages.jobs import EVALUATIONS_KEPT, MAX_REASON_CHARS, Jo
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
 from edgemesh.services.host import ActiveJob, JobHost
+from edgemesh.services.parameter_server.guard import Evaluated
 from edgemesh.services.parameter_server.service import ParameterServer
 
 logger = logging.getLogger(__name__)
@@ -51,6 +55,10 @@ SETTLE_S = 0.5
 PROGRESS_INTERVAL_S = 1.0
 """How often a running job's retained state is refreshed while it makes progress."""
 COMMANDS = ("status", "pause", "resume", "stop")
+STUCK_EVALUATIONS = 10
+"""Evaluations at chance in a row after which a running job's state says it is stuck there."""
+CHANCE_MARGIN = 0.05
+"""An accuracy at most this above chance (one over the classes) is at chance."""
 REACHED = "reached the target accuracy"
 """How the reason of a job that reached its target begins (its last evaluation is its final accuracy)."""
 EVALUATION_ECHO_S = 2.0
@@ -150,11 +158,19 @@ class JobBoard:
 
     def _progress(self, state: JobState, ps: ParameterServer) -> JobState:
         """``state`` with the running parameter server's figures."""
+        last = ps.evaluator.last
+        history = self._history(state)
         return replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss,
+                       model_version=last.version if last is not None else 0,
                        devices=tuple(d.device for d in ps.plan.devices) if ps.plan else (),
                        bytes_received=int(ps.metrics.value("edgemesh_ps_received_gradient_bytes_total")),
                        device_errors=dict(self.device_errors.get(state.name, {})),
-                       evaluations=self._history(state))
+                       evaluations=history, rollbacks=ps.guard.rollbacks,
+                       warning=_warning(ps.guard.diverging, history, self._classes(state)))
+
+    def _classes(self, state: JobState) -> int:
+        spec = self.host.specs.get(state.sha256)
+        return len(spec.model.classes) if spec is not None else 0
 
     def _history(self, state: JobState) -> tuple[JobEvaluation, ...]:
         return self.evaluations.get(state.name, state.evaluations)
@@ -169,9 +185,11 @@ class JobBoard:
             if isinstance(ps, ParameterServer) and self.host.current == (state.name, state.sha256) \
                     and ps.state is not None:
                 reached = reason.startswith(REACHED)  # its last evaluation is its last model's: kept
-                await self._final(ps, state, evaluate=not reached)
-                if not reached:
-                    state = replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss)
+                kept = await self._final(ps, state, evaluate=not reached)
+                state = replace(state, version=ps.version)
+                if kept is not None:  # what the state says is the kept model's: what export writes
+                    state = replace(state, model_version=kept.version, accuracy=kept.accuracy,
+                                    loss=kept.loss if math.isfinite(kept.loss) else None)
                 await self._heard(state)
                 state = replace(state, evaluations=self._history(state))
             logger.info("job board: job %s %s: %s", state.name, phase, reason)
@@ -181,16 +199,16 @@ class JobBoard:
         finally:
             self._ending.discard(state.name)
 
-    async def _final(self, ps: ParameterServer, state: JobState, *, evaluate: bool) -> None:
-        """The job's model as it stands (with a sharded server, every shard's rows): evaluated now, unless its
-        target was reached (its last evaluation is its last model's), and published float32 and retained on
-        ``job/model``, which ``edgemesh job export`` reads."""
+    async def _final(self, ps: ParameterServer, state: JobState, *, evaluate: bool) -> Evaluated | None:
+        """The model the job keeps, published float32 and retained on ``job/model`` (which ``edgemesh job export``
+        reads): the model as it stands (with a sharded server, every shard's rows), evaluated now unless its target
+        was reached, or the best evaluated version when that one scored higher. None if there is none."""
         assert self.bus is not None
         whole = await ps.whole_model()
         if whole is None:
             logger.error("job board: job %s: no final model, not every shard's broadcast reached version %d",
                          state.name, ps.version)
-            return
+            return None
         version, params = whole
         if evaluate:
             async def report(version: int, loss: float, accuracy: float) -> None:
@@ -198,11 +216,17 @@ class JobBoard:
                 await ps.report_evaluation(version, loss, accuracy)  # may come back after it is published
 
             await ps.evaluator.final(version, params, report)
+        kept = _kept(ps.evaluator.last, ps.guard.best, Evaluated(version, math.nan, math.nan, params))
+        assert kept.params is not None
+        if kept.version != version:
+            logger.info("job board: job %s keeps version %d (accuracy %.4f), its best, over its last", state.name,
+                        kept.version, kept.accuracy)
         with contextlib.suppress(EdgeMeshError):
             await self.bus.publish(Topics(ps.cfg.job).job_model(), ModelSnapshot(
-                version=version, model_spec=ps.cfg.training.model_spec, created=time.time(),
-                sync_policy=ps.policy, tensors={k: Tensor.from_numpy(v.astype("float32", copy=False))
-                                                for k, v in params.items()}), retain=True, kind="model")
+                version=kept.version, model_spec=ps.cfg.training.model_spec, created=time.time(),
+                sync_policy=ps.policy, tensors={k: Tensor.from_numpy(np.asarray(v, dtype=np.float32))
+                                                for k, v in kept.params.items()}), retain=True, kind="model")
+        return kept if math.isfinite(kept.accuracy) else None
 
     async def _publish(self, state: JobState) -> None:
         assert self.bus is not None
@@ -316,12 +340,37 @@ class JobBoard:
         return False, f"unknown command {command!r} for a job ({', '.join(COMMANDS)})"
 
 
+def _kept(last: Evaluated | None, best: Evaluated | None, current: Evaluated) -> Evaluated:
+    """The model a job keeps: the best evaluated one when it scored higher than the latest evaluation, else the
+    latest evaluated (the current model, when it was evaluated last), else the current model unevaluated (the
+    devices evaluated it on their shares: its accuracy is theirs, of versions near it)."""
+    if last is not None and last.params is not None:
+        return best if best is not None and best.better_than(last) else last
+    if last is not None:
+        return replace(current, loss=last.loss, accuracy=last.accuracy)
+    return current
+
+
+def _warning(diverging: str, history: Sequence[JobEvaluation], classes: int) -> str:
+    """What looks wrong with a running job: the guard's word that it diverges, or an accuracy that stayed at chance
+    over the latest ``STUCK_EVALUATIONS`` evaluations ('' when nothing does)."""
+    if diverging:
+        return f"diverging: {diverging}"[:MAX_REASON_CHARS]
+    if classes and len(history) >= STUCK_EVALUATIONS:
+        best, chance = max(e.accuracy for e in history), 1 / classes
+        if best <= chance + CHANCE_MARGIN:
+            return (f"stuck at chance: the best of the latest {len(history)} evaluations is {best:.4f}, chance is "
+                    f"{chance:.4f} ({classes} classes); lower training.lr, or check the data")
+    return ""
+
+
 def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _progress(state: JobState) -> tuple[Any, ...]:
-    return (state.state, state.version, state.accuracy, state.devices, state.device_errors, state.evaluations)
+    return (state.state, state.version, state.accuracy, state.devices, state.device_errors, state.evaluations,
+            state.rollbacks, state.warning)
 
 
 def _stop_reason(state: JobState, now: float) -> str:

@@ -109,6 +109,9 @@ class Clock:
     """Device -> the newest (incarnation, seq) applied."""
     clocks: dict[str, int] = field(default_factory=dict)
     """Cluster -> steps it contributed to (SSP compares them)."""
+    floor: int = 0
+    """Updates computed on a version before this are discarded as stale whatever their delay: the divergence guard
+    rolled that model back (``guard``), and their gradients are of the model it left."""
 
     def seen(self, u: GradientUpdate) -> bool:
         mark = self.high_water.get(u.device)
@@ -229,6 +232,8 @@ class Scheduler:
         return self.clock.version
 
     def _judge(self, version: int, u: GradientUpdate, fleet: Fleet) -> Verdict:
+        if u.base_version < self.clock.floor:
+            return Verdict(False, version - u.base_version, "stale")
         return judge(version, u.base_version, self._bound(fleet))
 
     def _discarded(self, item: Candidate, verdict: Verdict, fleet: Fleet) -> None:

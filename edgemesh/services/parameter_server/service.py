@@ -49,6 +49,7 @@ from edgemesh.services.parameter_server.acks import Acks
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
 from edgemesh.services.parameter_server.assembly import Assembly, Outcome, members_in
 from edgemesh.services.parameter_server.evaluation import Evaluator
+from edgemesh.services.parameter_server.guard import Evaluated, Guard, Rollback
 from edgemesh.services.parameter_server.ledger import Ledger
 from edgemesh.services.parameter_server.optimizer import ModelState
 from edgemesh.services.parameter_server.peers import Peers
@@ -142,6 +143,10 @@ class ParameterServer:
         self.sync_out = SyncAnnouncer(self.topics, p.sync_state_interval_s, m)
         self.aggregator = Aggregator(p, m)
         """How a step's contributions combine (``robust``): the rule in force and the recent norms clip uses."""
+        self.guard = Guard(replace(p.guard, enabled=p.guard.enabled and not self.sharded))
+        """The divergence guard (``guard``): rolls the model back to its best evaluated state. Not on a sharded
+        server, whose shards would have to go back together."""
+        self.m_rollbacks = m.counter("guard_rollbacks", "Rollbacks of the model to its best evaluated version")
         self._set_policy_gauge()
 
     @property
@@ -230,7 +235,7 @@ class ParameterServer:
         bus.on_connect(self._on_connect)
 
     def jobs(self) -> list[Job]:
-        return [self._step_loop(), self.evaluator.run(self.report_evaluation)]
+        return [self._step_loop(), self.evaluator.run(self._evaluated)]
 
     async def close(self) -> None:
         await self.acks.drain()  # the acks of the last steps go out before the connection closes, if it holds
@@ -256,7 +261,7 @@ class ParameterServer:
         devices = {d.device for d in self.plan.devices} if self.plan is not None else set()
         combined = self.evaluator.combine(report, devices)
         if combined is not None:
-            await self.report_evaluation(*combined)
+            await self._evaluated(*combined)
 
     async def _on_snapshot_request(self, request: SnapshotRequest, _: TopicMatch) -> None:
         """A member of the plan needs the whole model (a new division): a snapshot, unless the last is current."""
@@ -416,12 +421,17 @@ class ParameterServer:
         if self.state is None:
             return
         with self._state_lock:
-            self.ledger.sync()  # the log about to be emptied is what backs its entries up to now
-            self.recovery.checkpoint(self._label, self.state, self.clock, {
-                "policy": self.policy, "bound": self.bound, "lr": self.lr, "paused": self.paused,
-                "delay_indices": dict(self.rule.indices), "cycles": {c: list(a) for c, a in self.rule.arrivals.items()},
-                **self.aggregator.kept(),
-                **({"shard_steps": self.leader.kept()} if self.leader else {})})
+            self._checkpoint_held()
+
+    def _checkpoint_held(self) -> None:
+        """``_checkpoint`` with the state lock held."""
+        assert self.state is not None
+        self.ledger.sync()  # the log about to be emptied is what backs its entries up to now
+        self.recovery.checkpoint(self._label, self.state, self.clock, {
+            "policy": self.policy, "bound": self.bound, "lr": self.lr, "paused": self.paused,
+            "delay_indices": dict(self.rule.indices), "cycles": {c: list(a) for c, a in self.rule.arrivals.items()},
+            **self.aggregator.kept(),
+            **({"shard_steps": self.leader.kept()} if self.leader else {})})
         self._since_checkpoint = 0
         self.m_checkpoints.inc()
 
@@ -455,6 +465,48 @@ class ParameterServer:
         if not self.cfg.ps.shard:  # shard 0 speaks for every shard
             await self.sync_out.publish(self.bus, self.scheduler.sync_state(self._fleet(), bound=self.bound,
                                                                             time=time.time()))
+
+    async def _evaluated(self, version: int, loss: float, accuracy: float) -> None:
+        """An evaluation during training: reported, then judged by the divergence guard."""
+        await self.report_evaluation(version, loss, accuracy)
+        if self.evaluator.last is None or self.evaluator.last.version != version:
+            return
+        rollback = self.guard.judge(self.evaluator.last)
+        if rollback is not None:
+            await self._roll_back(rollback)
+
+    async def _roll_back(self, rollback: Rollback) -> None:
+        """Go back to the best evaluated state (weights and buffers; momentum cleared) as a new version, durably,
+        with a lower learning rate, and send the model out whole."""
+        assert self.events is not None
+        before = self.lr
+        version = await asyncio.to_thread(self._go_back, rollback.to)
+        self.guard.rolled_back()
+        self.m_rollbacks.inc()
+        self._request_snapshot()
+        logger.warning("divergence guard: %s; the model goes back to version %d (accuracy %.4f) as version %d, "
+                       "learning rate %g -> %g", rollback.reason, rollback.to.version, rollback.to.accuracy, version,
+                       before, self.lr)
+        await self.events.emit("rollback", f"{rollback.reason}: back to version {rollback.to.version} (accuracy "
+                               f"{rollback.to.accuracy:.4f}) as version {version}; lr {before:g} -> {self.lr:g}",
+                               version=version, restored=rollback.to.version, accuracy=rollback.to.accuracy,
+                               lr=self.lr)
+
+    def _go_back(self, best: Evaluated) -> int:
+        """``best``'s state in place of the model, as the next version, and a checkpoint of it (in a thread, one
+        hold of the state lock: no step lands between, and a crash finds one or the other); the new version."""
+        assert self.state is not None and best.params is not None
+        with self._state_lock:
+            for name, value in best.params.items():
+                self.state.params[name][...] = value
+            for buf in self.state.momentum.values():
+                buf.fill(0.0)
+            self.clock.version += 1
+            self.clock.floor = self.clock.version  # what was computed on the model left behind is not applied
+            self.lr *= self.cfg.ps.guard.lr_factor
+            self.m_version.set(self.version)
+            self._checkpoint_held()
+        return self.version
 
     async def report_evaluation(self, version: int, loss: float, accuracy: float) -> None:
         assert self.events is not None

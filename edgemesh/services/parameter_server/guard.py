@@ -1,0 +1,105 @@
+"""The divergence guard: when to roll the model back to its best evaluated version (pure).
+
+Asynchronous training can diverge: a learning rate too high for the fleet's staleness, a burst of stale updates,
+an operator's ``set-lr``. The guard watches every evaluation of the model and keeps the best one (highest
+accuracy, then lowest loss) with its state. An evaluation whose loss is not finite rolls back at once; one whose
+loss exceeds ``loss_factor`` times the best's (and the best's plus ``LOSS_MARGIN``), or whose accuracy lies more
+than ``accuracy_drop`` below the best's, rolls back after ``patience`` such evaluations in a row. The parameter
+server then restores the best state (weights and buffers, momentum cleared), multiplies the learning rate by
+``lr_factor`` and goes on from there, as a new version (docs/synchronization.md#the-divergence-guard). After
+``max_rollbacks`` the guard only reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgemesh.common.config import GuardConfig
+
+LOSS_MARGIN = 1.0
+"""An exploding loss is also at least this much (nats) above the best's: a best loss of 0.02 rising to 0.09 is
+noise, not divergence."""
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluated:
+    """One evaluation of the model: its version, loss and accuracy, and the state evaluated (None when the devices
+    evaluated it on their own validation shares: the parameter server holds no copy of what they evaluated)."""
+
+    version: int
+    loss: float
+    accuracy: float
+    params: Mapping[str, np.ndarray] | None = None
+
+    def better_than(self, other: Evaluated | None) -> bool:
+        """Higher accuracy, or the same with a lower loss; any finite evaluation beats none."""
+        if not math.isfinite(self.loss):
+            return False
+        if other is None:
+            return True
+        return (self.accuracy, -self.loss) > (other.accuracy, -other.loss)
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """The guard's verdict: go back to ``to`` because of ``reason``."""
+
+    to: Evaluated
+    reason: str
+
+
+class Guard:
+    """The best evaluation so far and the run of bad ones since."""
+
+    def __init__(self, settings: GuardConfig) -> None:
+        self.settings = settings
+        self.best: Evaluated | None = None
+        """The best evaluation whose state the parameter server can go back to (one with ``params``)."""
+        self.best_accuracy: float | None = None
+        """The best accuracy seen, held state or not (what "far below the best" compares with)."""
+        self.bad = 0
+        """Evaluations in a row that exploded or fell far below the best."""
+        self.rollbacks = 0
+        self.diverging = ""
+        """Why the model diverges where the guard could not (or may no longer) roll back; empty otherwise."""
+
+    def judge(self, evaluated: Evaluated) -> Rollback | None:
+        """The rollback ``evaluated`` calls for (None: train on); a good evaluation may become the best."""
+        reason = self._trouble(evaluated)
+        if not reason:
+            self.bad, self.diverging = 0, ""
+            if evaluated.better_than(self.best) and evaluated.params is not None:
+                self.best = evaluated
+            if self.best_accuracy is None or evaluated.accuracy > self.best_accuracy:
+                self.best_accuracy = evaluated.accuracy
+            return None
+        self.bad += 1
+        at_once = not math.isfinite(evaluated.loss)
+        if not (at_once or self.bad >= self.settings.patience):
+            return None
+        if not self.settings.enabled or self.best is None or self.rollbacks >= self.settings.max_rollbacks:
+            self.diverging = f"version {evaluated.version}: {reason}" + (
+                f" after {self.rollbacks} rollbacks" if self.rollbacks else "")
+            return None
+        return Rollback(self.best, reason)
+
+    def rolled_back(self) -> None:
+        """The parameter server went back to the best state: the run of bad evaluations starts again."""
+        self.rollbacks += 1
+        self.bad = 0
+
+    def _trouble(self, e: Evaluated) -> str:
+        """Why ``e`` looks like divergence ('' when it does not)."""
+        if not math.isfinite(e.loss):
+            return "the evaluation loss is not finite"
+        s, best = self.settings, self.best
+        if best is not None and e.loss > max(s.loss_factor * best.loss, best.loss + LOSS_MARGIN):
+            return f"loss {e.loss:.4g} > {s.loss_factor:g} x the best's {best.loss:.4g} (version {best.version})"
+        if self.best_accuracy is not None and e.accuracy < self.best_accuracy - s.accuracy_drop:
+            return (f"accuracy {e.accuracy:.4f} is more than {s.accuracy_drop:g} below the best, "
+                    f"{self.best_accuracy:.4f}")
+        return ""

@@ -1,0 +1,66 @@
+"""The divergence guard: which evaluations roll the model back, and to what (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from edgemesh.common.config import GuardConfig
+from edgemesh.services.parameter_server.guard import Evaluated, Guard
+
+
+def held(version: int, loss: float, accuracy: float) -> Evaluated:
+    return Evaluated(version, loss, accuracy, {"w": np.full(2, float(version), np.float32)})
+
+
+def test_the_best_evaluation_is_kept_and_a_good_run_never_rolls_back() -> None:
+    guard = Guard(GuardConfig(patience=2))
+    for version, (loss, accuracy) in enumerate([(2.3, 0.1), (1.0, 0.6), (0.5, 0.8), (0.6, 0.78), (0.4, 0.8)], 1):
+        assert guard.judge(held(version, loss, accuracy)) is None
+    assert guard.best is not None and guard.best.version == 5  # the same accuracy at a lower loss
+    assert guard.best_accuracy == 0.8 and guard.rollbacks == 0 and not guard.diverging
+
+
+def test_a_non_finite_loss_rolls_back_at_once_to_the_best() -> None:
+    guard = Guard(GuardConfig(patience=3))
+    guard.judge(held(5, 0.4, 0.9))
+    guard.judge(held(10, 0.5, 0.85))
+    rollback = guard.judge(held(15, math.nan, 0.1))
+    assert rollback is not None and rollback.to.version == 5 and "not finite" in rollback.reason
+    guard.rolled_back()
+    assert guard.rollbacks == 1 and guard.bad == 0
+
+
+def test_an_exploding_loss_or_a_fallen_accuracy_rolls_back_after_its_patience() -> None:
+    guard = Guard(GuardConfig(patience=2, loss_factor=4.0, accuracy_drop=0.25))
+    guard.judge(held(5, 0.5, 0.9))
+    assert guard.judge(held(10, 3.0, 0.7)) is None  # 6 x the best's loss, once: patience
+    rollback = guard.judge(held(15, 1.0, 0.6))  # 0.3 below the best: the second bad one in a row
+    assert rollback is not None and rollback.to.version == 5 and "below the best" in rollback.reason
+    # a good evaluation between two bad ones starts the count again
+    guard = Guard(GuardConfig(patience=2))
+    guard.judge(held(5, 0.5, 0.9))
+    assert guard.judge(held(10, 3.0, 0.5)) is None
+    assert guard.judge(held(15, 0.5, 0.88)) is None
+    assert guard.judge(held(20, 3.0, 0.5)) is None
+
+
+def test_noise_near_a_tiny_best_loss_is_not_divergence() -> None:
+    guard = Guard(GuardConfig(patience=1))
+    guard.judge(held(5, 0.02, 0.99))
+    assert guard.judge(held(10, 0.09, 0.98)) is None  # 4.5 x, but less than LOSS_MARGIN above
+
+
+def test_without_a_held_state_or_past_its_rollbacks_the_guard_only_reports() -> None:
+    local = Guard(GuardConfig(patience=1))  # the devices evaluated: no state here to go back to
+    local.judge(Evaluated(5, 0.5, 0.9))
+    assert local.judge(Evaluated(10, math.inf, 0.1)) is None and "not finite" in local.diverging
+    spent = Guard(GuardConfig(patience=1, max_rollbacks=1))
+    spent.judge(held(5, 0.5, 0.9))
+    assert spent.judge(held(10, math.nan, 0.1)) is not None
+    spent.rolled_back()
+    assert spent.judge(held(15, math.nan, 0.1)) is None and "after 1 rollbacks" in spent.diverging
+    off = Guard(GuardConfig(enabled=False, patience=1))
+    off.judge(held(5, 0.5, 0.9))
+    assert off.judge(held(10, math.nan, 0.1)) is None and off.diverging
