@@ -42,7 +42,7 @@ async def test_set_aggregation_switches_the_rule_the_next_round_uses(broker: Bro
         refused = await c.reply("bad")
         assert not refused.ok and "aggregation must be one of mean, clip, median, trimmed-mean, krum" in refused.message
         assert ps.metrics.value("edgemesh_ps_rejected_total", route="control", reason="bad_command") == 1
-        assert ps.aggregator.rule == "mean"
+        assert ps.aggregator.rule == "clip"  # the default, unchanged by the refused command
         await c.bus.publish(ctl, command("set-aggregation", "set", "median"))
         assert (await c.reply("set")).result["aggregation"] == "median"
         await c.bus.publish(ctl, command("status", "status"))

@@ -128,9 +128,11 @@ class ParameterServerConfig:
     data_dir: str = ""
     """Directory a submitted job's relative ``evaluation.path`` is read from on this host; empty = the working
     directory."""
-    aggregation: AggregationRule = "mean"
-    """How a step's contributions combine: the weighted ``mean``, or a rule that bounds a faulty device:
-    ``clip``, ``median``, ``trimmed-mean``, ``krum`` (docs/reliability.md#robust-aggregation)."""
+    aggregation: AggregationRule = "clip"
+    """How a step's contributions combine: ``clip`` (the default: the weighted mean, each contribution's norm
+    clipped to ``clip_factor`` times the median of the recent ones, so that one exploding or faulty gradient cannot
+    throw the model), the plain weighted ``mean``, or a rule that compares a round's updates: ``median``,
+    ``trimmed-mean``, ``krum`` (docs/reliability.md#robust-aggregation)."""
     clip_factor: float = 3.0
     """``clip``: a contribution's L2 norm is clipped to this times the median norm of recent contributions."""
     trim_fraction: float = 0.2

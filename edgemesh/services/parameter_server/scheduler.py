@@ -208,10 +208,14 @@ class Scheduler:
         """The model of the last step went out."""
 
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
-        """Each item's weight in ``step``: its share of the step's samples, damped by its delay under
-        ``ps.staleness_weighting``."""
+        """Each item's weight in ``step``: its samples over the plan's mean batch per cluster (the batch the
+        learning rate is for: a device the planner gave half the batch moves the model half as far, as one process
+        would per sample), damped by its delay under ``ps.staleness_weighting``. Without a plan, its share of the
+        step's samples."""
         total = sum(item.update.samples for item in step.items)
-        shares = [item.update.samples / total for item in step.items]
+        per_cluster = fleet.planned_samples / len(fleet.clusters) if fleet.clusters and fleet.planned_samples else \
+            total
+        shares = [item.update.samples / per_cluster for item in step.items]
         if not self.staleness_weighting:
             return shares
         return [w * staleness_weight(step.delay(i)) for w, i in zip(shares, step.items, strict=True)]
