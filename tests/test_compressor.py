@@ -32,7 +32,7 @@ from helpers import (
 )
 
 from edgemesh.common import wire
-from edgemesh.common.codecs import SMALL_TENSOR, available_codecs, get_codec
+from edgemesh.common.codecs import SMALL_TENSOR, ErrorFeedback, available_codecs, get_codec
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.errors import ConfigError, WireError
 from edgemesh.common.messages import CodecPolicy, ControlReply, DeviceHello, DeviceStats, GradientUpdate, ShardUpdate
@@ -40,7 +40,7 @@ from edgemesh.common.topics import Topics
 from edgemesh.common.vocabulary import CodecName
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.compressor.policy import wire_bytes
-from edgemesh.services.compressor.service import Compressor
+from edgemesh.services.compressor.service import Compressor, encode_raw
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.service import Worker
@@ -445,3 +445,16 @@ async def test_the_gateway_rejects_malformed_raw_updates_and_forwards_good_ones_
         assert comp.metrics.value("edgemesh_compressor_gateway_updates_total", codec="grid") == 1
         assert comp.metrics.value("edgemesh_compressor_gateway_bytes_total", direction="in") == 2 * values.nbytes
         assert not comp.stop.is_set()
+
+
+def test_the_gateway_encodes_the_gradient_and_passes_the_buffers_changes_as_they_are() -> None:
+    """Batch norm's statistics are not gradients: a lossy codec and its error feedback would bias them."""
+    none = get_codec("none")
+    grad = ShardUpdate(param="conv.weight", start=0, stop=64, codec="none",
+                       data=none.encode(np.random.default_rng(0).normal(size=64 * 64).astype(np.float32), None))
+    change = ShardUpdate(param="bn.running_mean", start=0, stop=64, codec="none",
+                         data=none.encode(np.full(64, 0.01, np.float32), None))
+    update = GradientUpdate(device="weak", cluster="c-weak", incarnation=1, seq=1, base_version=0, samples=8,
+                            shards=(grad,), buffers=(change,))
+    out = encode_raw(update, CodecPolicy(device="weak", codec="grid", density=0.3), ErrorFeedback())
+    assert out.shards[0].codec == "grid" and out.buffers == (change,)

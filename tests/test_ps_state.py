@@ -10,6 +10,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from edgemesh.common.codecs import get_codec
 from edgemesh.common.errors import CheckpointError, WireError
 from edgemesh.common.messages import GradientUpdate, ShardUpdate
 from edgemesh.services.parameter_server import store
@@ -424,11 +425,19 @@ def test_a_step_adds_the_sample_weighted_mean_of_the_buffers_changes_without_lr_
     assert buffer_mean([(5, [])]) == []  # an update that moved no buffer weighs nothing
 
 
-def test_split_parts_an_updates_shards_into_gradients_and_buffer_changes() -> None:
+def test_gradients_and_buffer_changes_travel_apart_and_neither_may_stand_for_the_other() -> None:
     state = ModelState(_with_buffers(), buffers=BUFFERS)
-    grads, buffers = state.split([ShardGrad("w", 0, 4, np.zeros((4, 3), np.float32)),
-                                  ShardGrad("bn.running_var", 0, 2, np.zeros(2, np.float32))])
-    assert [g.param for g in grads] == ["w"] and [g.param for g in buffers] == ["bn.running_var"]
+    none = get_codec("none")
+    grad = ShardUpdate(param="w", start=0, stop=4, codec="none", data=none.encode(np.ones(12, np.float32), None))
+    change = ShardUpdate(param="bn.running_var", start=0, stop=2, codec="none",
+                         data=none.encode(np.ones(2, np.float32), None))
+    assert [g.param for g in state.decode([grad])] == ["w"]
+    assert [g.param for g in state.decode([change], buffers=True)] == ["bn.running_var"]
+    with pytest.raises(WireError, match="is a buffer of the model") as bad:
+        state.decode([change])
+    assert bad.value.reason == "shape"
+    with pytest.raises(WireError, match="is not a buffer of the model"):
+        state.decode([grad], buffers=True)
 
 
 def test_a_replay_of_the_log_restores_the_buffers_as_the_steps_moved_them(tmp_path: Path) -> None:
@@ -441,13 +450,15 @@ def test_a_replay_of_the_log_restores_the_buffers_as_the_steps_moved_them(tmp_pa
     for version, count in enumerate([1, 3, 1, 2], start=1):  # a single update, then rounds of several
         items = []
         for k in range(count):
-            shards = tuple(ShardUpdate(param=name, start=0, stop=len(v), codec="none",
-                                       data=rng.normal(size=v.shape).astype(np.float32).tobytes())
-                           for name, v in initial.items() if name != "bn.num_batches_tracked")
+            shards = {name: ShardUpdate(param=name, start=0, stop=len(v), codec="none",
+                                        data=rng.normal(size=v.shape).astype(np.float32).tobytes())
+                      for name, v in initial.items() if name != "bn.num_batches_tracked"}
             update = GradientUpdate(device=f"d{k}", cluster=f"c{k}", incarnation=1, seq=version, base_version=0,
-                                    samples=int(rng.integers(1, 50)), shards=shards)
-            grads, buffers = state.split(state.decode(shards))
-            items.append(Candidate(update, grads, 0.0, buffers=buffers))
+                                    samples=int(rng.integers(1, 50)),
+                                    shards=tuple(u for name, u in shards.items() if name not in BUFFERS),
+                                    buffers=tuple(u for name, u in shards.items() if name in BUFFERS))
+            items.append(Candidate(update, state.decode(update.shards), 0.0,
+                                   buffers=state.decode(update.buffers, buffers=True)))
         step = Step(tuple(items), version, tuple(1 / count for _ in items))
         summed = state.step(step.contributions(), lr=0.1, momentum=0.9, buffers=step.buffer_contributions())
         live.log_beside([step], Optimizer(0.1, 0.9), [Combined(step.contributions())], [summed], lambda: None)

@@ -35,6 +35,7 @@ from edgemesh.common.messages import (
     StepRecord,
     UpdateAck,
 )
+from edgemesh.common.models import layer_list_spec, register_spec
 from edgemesh.common.shards import Division, ShardedView, cut, divide
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicError, Topics, parse
@@ -205,18 +206,29 @@ async def train(cfg: Config, tmp_path: Path) -> dict[str, np.ndarray]:
     assert [s.version for s in servers] == [cfg.worker.max_steps] * cfg.ps.shards
     parts = [s.state.params for s in servers if s.state is not None]
     view = ShardedView(cfg.ps.shards)
-    view.know(shapes_of(MODEL))
+    view.know(shapes_of(cfg.training.model_spec))
     return view.assemble(parts)
 
 
-async def test_two_shards_train_exactly_what_one_server_trains(mosquitto_broker: BrokerProcess,
-                                                               tmp_path: Path) -> None:
-    one = await train(sharded_config(mosquitto_broker, tmp_path, 1), tmp_path)
-    two = await train(sharded_config(mosquitto_broker, tmp_path, 2), tmp_path)
-    initial = models.get_params(models.build_model(MODEL, seed=5))
+BN_MODEL = "digits-bn-sharded"
+"""A digits CNN with batch norm: its running statistics and counter are rows of the model like its weights."""
+
+
+@pytest.mark.parametrize("spec", [MODEL, BN_MODEL])
+async def test_two_shards_train_exactly_what_one_server_trains(mosquitto_broker: BrokerProcess, tmp_path: Path,
+                                                               spec: str) -> None:
+    register_spec(layer_list_spec(BN_MODEL, [{"conv2d": 8, "kernel": 3, "padding": 1, "bias": False}, "batchnorm",
+                                             "relu", {"maxpool2d": 2}, "flatten", {"linear": 32}, "batchnorm", "relu",
+                                             {"linear": 10}], (1, 8, 8), 10))
+    one = await train(sharded_config(mosquitto_broker, tmp_path, 1, **{"training.model_spec": spec}), tmp_path)
+    two = await train(sharded_config(mosquitto_broker, tmp_path, 2, **{"training.model_spec": spec}), tmp_path)
+    initial = models.get_params(models.build_model(spec, seed=5))
     assert any(not np.allclose(one[k], initial[k]) for k in one)  # it trained
     for name in one:
         np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)
+    if spec == BN_MODEL:  # the statistics moved, on both shards alike, and the counter counts the steps
+        assert not np.allclose(two["bn2.running_var"], 1.0)
+        assert two["bn1.num_batches_tracked"].tolist() == [STEPS]
 
 
 SPLIT_ACROSS: dict[str, tuple[int, ...]] = {"conv1": (8, 8, 0), "conv2": (16, 16, 0), "fc1": (30, 0, 34),

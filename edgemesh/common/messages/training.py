@@ -74,6 +74,10 @@ class GradientUpdate:
     plan_version: int = 0
     """The plan the update was computed under (0: not said); for a model-parallel cluster, the one
     whose filter division the shards follow."""
+    buffers: tuple[ShardUpdate, ...] = ()
+    """The change the step made to the model's buffers (batch norm's running statistics and counter), by shard,
+    float32 (codec ``none``): not gradients, so no codec, gateway or robust rule touches them; a buffer that did
+    not move is left out."""
 
     def validate(self) -> None:
         check_name("device", self.device)
@@ -90,6 +94,12 @@ class GradientUpdate:
             raise ValueError("shard count out of range")
         for shard in self.shards:
             shard.validate()
+        if len(self.buffers) > MAX_SHARDS:
+            raise ValueError("buffer shard count out of range")
+        for shard in self.buffers:
+            shard.validate()
+            if shard.codec != "none":
+                raise ValueError(f"buffer {shard.param!r} is {shard.codec!r}: buffers travel as float32 ('none')")
 
 
 @message("ack")

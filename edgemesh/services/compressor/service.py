@@ -276,7 +276,7 @@ class Compressor:
                 feedback = (update.incarnation, ErrorFeedback())
                 self._feedback[device] = feedback
             started = asyncio.get_running_loop().time()
-            encoded = await asyncio.to_thread(_encode, update, policy, feedback[1])
+            encoded = await asyncio.to_thread(encode_raw, update, policy, feedback[1])
             self.m_gateway_seconds.observe(asyncio.get_running_loop().time() - started)
             payload = wire.encode(encoded)
             out_bytes = sum(len(s.data) for s in encoded.shards)
@@ -339,8 +339,9 @@ def _describe(policy: CodecPolicy) -> str:
     return f"{policy.codec}{density}{'+gw' if policy.gateway else ''}@{policy.version}"
 
 
-def _encode(update: GradientUpdate, policy: CodecPolicy, feedback: ErrorFeedback) -> GradientUpdate:
-    """``update`` with every raw float32 shard encoded per ``policy`` (in a thread)."""
+def encode_raw(update: GradientUpdate, policy: CodecPolicy, feedback: ErrorFeedback) -> GradientUpdate:
+    """``update`` with every raw float32 shard encoded per ``policy`` (in a thread); its buffers' changes, which
+    are not gradients, pass as they are."""
     raw = get_codec(RAW_CODEC)
     decoded = []
     for s in update.shards:  # check every shard before error feedback changes for any

@@ -131,7 +131,8 @@ class Assembly:
         first = parts[0].update
         merged = replace(first, base_version=min(part.update.base_version for part in parts),
                          need_snapshot=any(part.update.need_snapshot for part in parts),
-                         shards=tuple(sh for part in parts for sh in part.update.shards))
+                         shards=tuple(sh for part in parts for sh in part.update.shards),
+                         buffers=tuple(sh for part in parts for sh in part.update.buffers))
         out.joined.append(Candidate(merged, [g for part in parts for g in part.grads],
                                     max(part.received for part in parts), parts=tuple(p.update for p in parts),
                                     buffers=[g for part in parts for g in part.buffers]))

@@ -87,22 +87,18 @@ class ModelState:
         shape = self.slice_shape(param, start, stop)
         return ShardGrad(param, start, stop, get_codec(codec).decode(data, math.prod(shape)).reshape(shape))
 
-    def split(self, grads: Iterable[ShardGrad]) -> tuple[list[ShardGrad], list[ShardGrad]]:
-        """An update's decoded shards as (the parameters' gradients, the buffers' changes)."""
-        params: list[ShardGrad] = []
-        buffers: list[ShardGrad] = []
-        for g in grads:
-            (buffers if g.param in self.buffers else params).append(g)
-        return params, buffers
-
-    def decode(self, shards: Iterable[ShardUpdate]) -> list[ShardGrad]:
-        """An update's shards as gradients of this model's slices; a shard named twice is a ``shape`` error."""
+    def decode(self, shards: Iterable[ShardUpdate], *, buffers: bool = False) -> list[ShardGrad]:
+        """An update's shards as gradients of this model's parameters' slices (``buffers``: as changes of its
+        buffers' slices); a shard named twice, or of a tensor of the other kind, is a ``shape`` error."""
         seen: set[tuple[str, int, int]] = set()
         grads = []
         for s in shards:
             key = (s.param, s.start, s.stop)
             if key in seen:
                 raise WireError(f"shard {key} appears twice", "shape")
+            if (s.param in self.buffers) != buffers:
+                raise WireError(f"{s.param!r} is {'not ' if buffers else ''}a buffer of the model: its change travels "
+                                f"{'with the gradients' if buffers else 'in the update buffers'}", "shape")
             seen.add(key)
             grads.append(self.decode_shard(s.param, s.start, s.stop, s.codec, s.data))
         return grads

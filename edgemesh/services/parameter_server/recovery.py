@@ -161,8 +161,10 @@ class Recovery:
         moved: dict[int, tuple[int, list[ShardGrad]]] = {}
         clusters = set()
         for n, entry in enumerate(record["entries"]):
-            grads, buffers = state.split(state.decode_shard(s["param"], s["start"], s["stop"], s["codec"], s["data"])
-                                         for s in entry.get("shards", ()))
+            grads = [state.decode_shard(s["param"], s["start"], s["stop"], s["codec"], s["data"])
+                     for s in entry.get("shards", ())]
+            buffers = [state.decode_shard(s["param"], s["start"], s["stop"], "none", s["data"])
+                       for s in entry.get("buffers", ())]
             # a model-parallel cluster's members were one contribution (a log from before items: one each)
             item = int(entry.get("item", -1 - n))
             items.setdefault(item, (float(entry["weight"]), []))[1].extend(grads)
@@ -225,16 +227,18 @@ class Recovery:
                 **({"scale": c.scales[i]} if c.scales else {}),  # clip's, for a sharded server's other shards
                 "shards": [{"param": s.param, "start": s.start, "stop": s.stop, "codec": s.codec, "data": s.data}
                            for s in part.shards],
+                "buffers": [{"param": s.param, "start": s.start, "stop": s.stop, "data": s.data}
+                            for s in part.buffers],
             } for i, (w, item) in enumerate(zip(step.weights, step.items, strict=True)) for part in item.updates],
         } for step, c in zip(steps, combined, strict=True)]
         for record, c, summed in zip(records, combined, sums, strict=True):
-            sent = sum(len(s["data"]) for entry in record["entries"] for s in entry["shards"])
+            sent = sum(len(s["data"]) for entry in record["entries"] for s in (*entry["shards"], *entry["buffers"]))
             if sum(g.values.nbytes for g in summed) < sent:  # e.g. a sync round of dense updates: one sum, not N
                 record["sum"] = [{"param": g.param, "start": g.start, "stop": g.stop,
                                   "data": np.ascontiguousarray(g.values, dtype=np.float32).data} for g in summed]
                 record["norms"] = list(c.norms)
                 for entry in record["entries"]:
-                    del entry["shards"]
+                    del entry["shards"], entry["buffers"]
         return records
 
     def checkpoint(self, model_spec: str, state: ModelState, clock: Clock, settings: dict[str, Any]) -> None:

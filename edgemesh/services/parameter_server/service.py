@@ -287,17 +287,19 @@ class ParameterServer:
             return
         try:
             if self.division is not None:
-                update = replace(update, shards=self.division.localize(update.shards))
+                update = replace(update, shards=self.division.localize(update.shards),
+                                 buffers=self.division.localize(update.buffers))
             shards = update.shards
-            grads, buffers = self.state.split(self.state.decode(shards) if quick_to_decode(shards) else
-                                              await asyncio.to_thread(self.state.decode, shards))
+            grads = self.state.decode(shards) if quick_to_decode(shards) else \
+                await asyncio.to_thread(self.state.decode, shards)
+            buffers = self.state.decode(update.buffers, buffers=True)  # float32, a few values per channel
             if isinstance(self.scheduler, Follower) and not update.mesh_step:  # shard 0 judges the whole update
                 await self.scheduler.measured(update, grads, self.aggregator.rule)  # (clip, krum)
         except WireError as exc:
             self.metrics.reject(exc.reason, where, exc, route="grad")
             await self.acks.send(Ack(update, "discarded", payload_reason(exc.reason)), self.version)
             return
-        for shard in update.shards:
+        for shard in (*update.shards, *update.buffers):
             self.m_codec_bytes.labels(codec=shard.codec).inc(len(shard.data))
         if update.need_snapshot and self.cfg.ps.broadcast == "delta" and self.broadcast.last_full != self.version:
             self._request_snapshot()  # the sender missed a delta

@@ -375,12 +375,14 @@ class Worker:
             return await self._compute_sharded()
         mesh_step = 0
         shards: list[ShardUpdate]
+        buffers: list[ShardUpdate]
         if mesh:
             assert cluster is not None
             result = await self.mesh.step(plan, me, cluster, policy, self.board.link_rates())
             if result is None:
                 return None
-            shards, samples, loss, elapsed = result.shards, result.samples, result.loss, result.elapsed_s
+            shards, buffers, samples, loss = result.shards, [], result.samples, result.loss
+            elapsed = result.elapsed_s
             version, gap, mesh_step = result.version, result.gap, result.step
             if result.work is not None:
                 self.recent.work.append(result.work)
@@ -390,12 +392,12 @@ class Worker:
                 return None  # start over with the whole model
             params, version, gap = self.view.params, self.view.version, self.view.gap
             assert params is not None
-            shards, samples, loss, real_s, flops = await asyncio.to_thread(self.trainer.step, plan, me, params,
-                                                                          version, policy)
-            elapsed = await self.board.hold(real_s, flops, samples)
-            if flops is not None:  # no cost figures: no measured speed
-                self.recent.work.append((flops, elapsed))
-        return self._stepped(plan, me, shards, samples, loss, elapsed, version, gap, mesh_step)
+            step = await asyncio.to_thread(self.trainer.step, plan, me, params, version, policy)
+            shards, buffers, samples, loss = step.shards, step.buffers, step.samples, step.loss
+            elapsed = await self.board.hold(step.seconds, step.flops, samples)
+            if step.flops is not None:  # no cost figures: no measured speed
+                self.recent.work.append((step.flops, elapsed))
+        return self._stepped(plan, me, shards, buffers, samples, loss, elapsed, version, gap, mesh_step)
 
     async def _compute_sharded(self) -> GradientUpdate:
         """A step on the model assembled from every shard, its gradient cut at the shards' rows."""
@@ -403,16 +405,17 @@ class Worker:
         view, plan, me = self.sharded.view, self.plan, self.me
         params, versions = view.params, view.versions
         assert params is not None
-        shards, samples, loss, real_s, flops = await asyncio.to_thread(
-            self.trainer.step, plan, me, params, min(versions), self.policy, spans=view.spans,
-            stamp=sum(versions))
-        elapsed = await self.board.hold(real_s, flops, samples)
-        if flops is not None:
-            self.recent.work.append((flops, elapsed))
-        return self._stepped(plan, me, shards, samples, loss, elapsed, min(versions), view.gap, 0)
+        step = await asyncio.to_thread(self.trainer.step, plan, me, params, min(versions), self.policy,
+                                       spans=view.spans, stamp=sum(versions))
+        elapsed = await self.board.hold(step.seconds, step.flops, step.samples)
+        if step.flops is not None:
+            self.recent.work.append((step.flops, elapsed))
+        return self._stepped(plan, me, step.shards, step.buffers, step.samples, step.loss, elapsed, min(versions),
+                             view.gap, 0)
 
-    def _stepped(self, plan: Plan, me: PlanDevice, shards: list[ShardUpdate], samples: int, loss: float,
-                 elapsed: float, version: int, gap: bool, mesh_step: int) -> GradientUpdate:
+    def _stepped(self, plan: Plan, me: PlanDevice, shards: list[ShardUpdate], buffers: list[ShardUpdate],
+                 samples: int, loss: float, elapsed: float, version: int, gap: bool,
+                 mesh_step: int) -> GradientUpdate:
         """Count a step computed under ``plan`` and make its update."""
         self.recent.stepped(me.batch_size, elapsed, loss)
         self.m_steps.inc()
@@ -422,8 +425,8 @@ class Worker:
         self.seq += 1
         return GradientUpdate(device=self.device, cluster=me.cluster, incarnation=self.incarnation, seq=self.seq,
                               base_version=version, samples=samples, need_snapshot=gap, shards=tuple(shards),
-                              loss=loss, step_time_s=elapsed, sent_at=time.time(), mesh_step=mesh_step,
-                              plan_version=plan.version)
+                              buffers=tuple(buffers), loss=loss, step_time_s=elapsed, sent_at=time.time(),
+                              mesh_step=mesh_step, plan_version=plan.version)
 
     def _holds_model(self, version: int) -> Callable[[], bool]:
         """A predicate: the view holds the model at ``version`` or later, or knows it missed a delta."""

@@ -57,10 +57,11 @@ class ShardedModel:
 
     async def send(self, sender: Sender, update: GradientUpdate) -> tuple[UpdateAck, list[UpdateAck]]:
         """Send each shard its rows of ``update`` and wait for every ack: the answer that counts, and each."""
-        parts = self.view.split(update.shards)
+        parts, moved = self.view.split(update.shards), self.view.split(update.buffers)
         versions, gaps = self.view.versions, [v.gap for v in self.view.views]
         acks = await asyncio.gather(*(sender.send(
-            replace(update, shards=tuple(part), base_version=versions[i], need_snapshot=gaps[i]),
+            replace(update, shards=tuple(part), buffers=tuple(moved[i]), base_version=versions[i],
+                    need_snapshot=gaps[i]),
             self.topics.for_shard(i).grad(update.cluster, self.device), i) for i, part in enumerate(parts)))
         self._min_versions = {i: ack.version for i, ack in enumerate(acks) if ack.resync}
         worst = next((a for a in acks if a.status not in ("accepted", "duplicate")), acks[0])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,27 @@ def shard_weights(plan: Plan) -> tuple[int, ...] | None:
     if len(batches) != count or len(set(batches.values())) <= 1:
         return None
     return tuple(batches[i] for i in range(count))
+
+
+@dataclass(frozen=True, slots=True)
+class Computed:
+    """One step of a device: its encoded gradient, the change it made to the model's buffers, the samples and loss
+    of its batch, the seconds it computed and its training FLOPs (None for a model without cost figures)."""
+
+    shards: list[ShardUpdate]
+    buffers: list[ShardUpdate]
+    samples: int
+    loss: float
+    seconds: float
+    flops: float | None
+
+
+def _exact(rows: Iterable[tuple[str, int, int, np.ndarray]]) -> list[ShardUpdate]:
+    """The buffers' changes as float32 shards: running statistics are a few values per channel, which a lossy
+    codec and its error feedback would bias."""
+    return [ShardUpdate(param=param, start=start, stop=stop, codec="none",
+                        data=np.ascontiguousarray(change, dtype=np.float32).tobytes())
+            for param, start, stop, change in rows]
 
 
 def _rows(tensors: Mapping[str, np.ndarray], spans: Sequence[Span] | None) -> list[tuple[str, int, int, np.ndarray]]:
@@ -117,9 +139,9 @@ class Trainer:
 
     def step(self, plan: Plan, me: PlanDevice, params: Mapping[str, np.ndarray], version: int,
              policy: CodecPolicy | None, *, spans: Sequence[Span] | None = None,
-             stamp: int | None = None) -> tuple[list[ShardUpdate], int, float, float, float | None]:
-        """Follow the plan, load the model if newer, take a batch, compute and encode the gradient:
-        (shards, samples, loss, compute seconds, training FLOPs: None for a model without cost figures).
+             stamp: int | None = None) -> Computed:
+        """Follow the plan, load the model if newer, take a batch, compute and encode the gradient and the
+        buffers' change.
 
         ``spans``: the rows each parameter server shard owns, each encoded alone (default: whole tensors);
         ``stamp``: what tells one model from another when ``version`` does not (a sharded model's)."""
@@ -137,8 +159,8 @@ class Trainer:
         grads = falsify(update.grads, w.emulation_attack, w.emulation_attack_scale,  # an emulated attacker
                         self._attack_rng)
         moved = {name: change for name, change in update.buffers.items() if change.any()}  # constants stay home
-        shards = self.encode(_rows(grads, spans), policy) + self.encode(_rows(moved, spans), None, exact=True)
-        return shards, len(y), update.loss, elapsed, self._flops(plan.model_spec, len(y))
+        return Computed(self.encode(_rows(grads, spans), policy), _exact(_rows(moved, spans)), len(y), update.loss,
+                        elapsed, self._flops(plan.model_spec, len(y)))
 
     def evaluate(self, data: Dataset, params: Mapping[str, np.ndarray], version: int, *,
                  stamp: int | None = None) -> tuple[float, float]:
@@ -154,15 +176,10 @@ class Trainer:
         return models.evaluate(self._model, data)
 
     def encode(self, grads: Rows | Iterable[tuple[str, int, int, np.ndarray]],
-               policy: CodecPolicy | None, *, exact: bool = False) -> list[ShardUpdate]:
+               policy: CodecPolicy | None) -> list[ShardUpdate]:
         """Shards of ``grads`` (``param -> (start, stop, rows)``, or ``(param, start, stop, rows)`` items)
-        with the device's codec and error feedback (per parameter rows); ``exact``: as float32, no feedback (the
-        buffers' changes: running statistics a few values per channel, which a lossy codec would bias)."""
+        with the device's codec and error feedback (per parameter rows)."""
         items = [(k, *v) for k, v in grads.items()] if isinstance(grads, Mapping) else list(grads)
-        if exact:
-            return [ShardUpdate(param=param, start=start, stop=stop, codec="none",
-                                data=np.ascontiguousarray(g, dtype=np.float32).tobytes())
-                    for param, start, stop, g in items]
         name = codec_of(policy, self.cfg.worker.can_encode)
         self.gradient_bytes = sum(int(g.size) for _, _, _, g in items) * FP32_BYTES
         shards = []
