@@ -435,7 +435,7 @@ async def test_a_batch_norm_model_trains_and_exports_the_accuracy_the_job_report
     module.eval()
     held = load_local("image-folder", tmp_path / "ps" / "shapes-eval", input_shape=(3, 24, 24), classes=CLASSES).train
     with torch.no_grad():
-        recomputed = float((module(torch.from_numpy(held.x)).argmax(1).numpy() == held.y).mean())
+        recomputed = float((module(torch.tensor(held.x)).argmax(1).numpy() == held.y).mean())
     assert recomputed <= done.accuracy + 0.03, (recomputed, done.accuracy)
 
 

@@ -471,8 +471,8 @@ class ParameterServer:
     async def _evaluated(self, version: int, loss: float, accuracy: float) -> None:
         """An evaluation during training: reported, then judged by the divergence guard."""
         await self.report_evaluation(version, loss, accuracy)
-        if self.evaluator.last is None or self.evaluator.last.version != version:
-            return
+        if self.evaluator.last is None or self.evaluator.last.version != version or version < self.clock.floor:
+            return  # not judged: an evaluation of a model a rollback already left behind
         rollback = self.guard.judge(self.evaluator.last)
         if rollback is not None:
             await self._roll_back(rollback)
