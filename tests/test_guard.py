@@ -1,4 +1,5 @@
-"""The divergence guard: which evaluations roll the model back, and to what (pure)."""
+"""The divergence guard: which evaluations roll the model back, and to what; the model a job keeps, and the
+warning a running job gives (pure)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 import numpy as np
 
 from edgemesh.common.config import GuardConfig
+from edgemesh.common.messages.jobs import JobEvaluation
 from edgemesh.services.parameter_server.guard import Evaluated, Guard
+from edgemesh.services.parameter_server.jobs import STUCK_EVALUATIONS, job_warning, kept_model
 
 
 def held(version: int, loss: float, accuracy: float) -> Evaluated:
@@ -64,3 +67,26 @@ def test_without_a_held_state_or_past_its_rollbacks_the_guard_only_reports() -> 
     off = Guard(GuardConfig(enabled=False, patience=1))
     off.judge(held(5, 0.5, 0.9))
     assert off.judge(held(10, math.nan, 0.1)) is None and off.diverging
+
+
+def test_a_job_keeps_its_best_evaluated_model_when_its_last_scored_lower() -> None:
+    best, last = held(50, 0.3, 0.92), held(80, 0.6, 0.85)
+    current = Evaluated(80, math.nan, math.nan, {"w": np.zeros(2, np.float32)})
+    assert kept_model(last, best, current) is best
+    assert kept_model(held(90, 0.2, 0.95), best, current).version == 90  # the last, when it is the best
+    # evaluated on the devices' shares: the model as it stands, with their accuracy
+    local = kept_model(Evaluated(78, 0.5, 0.8), None, current)
+    assert (local.version, local.accuracy, local.params) == (80, 0.8, current.params)
+    assert kept_model(None, None, current) is current
+
+
+def evaluations(*accuracies: float) -> tuple[JobEvaluation, ...]:
+    return tuple(JobEvaluation(version=5 * i, accuracy=a) for i, a in enumerate(accuracies, start=1))
+
+
+def test_a_running_jobs_warning_names_divergence_or_an_accuracy_stuck_at_chance() -> None:
+    assert job_warning("", evaluations(*[0.2] * (STUCK_EVALUATIONS - 1)), 5) == ""  # not yet
+    stuck = job_warning("", evaluations(*[0.2, 0.24] * (STUCK_EVALUATIONS // 2)), 5)
+    assert stuck.startswith("stuck at chance") and "5 classes" in stuck
+    assert job_warning("", evaluations(0.2, *[0.2] * STUCK_EVALUATIONS, 0.6), 5) == ""  # it learns
+    assert job_warning("version 40: the evaluation loss is not finite", (), 5).startswith("diverging: version 40")

@@ -166,7 +166,7 @@ class JobBoard:
                        bytes_received=int(ps.metrics.value("edgemesh_ps_received_gradient_bytes_total")),
                        device_errors=dict(self.device_errors.get(state.name, {})),
                        evaluations=history, rollbacks=ps.guard.rollbacks,
-                       warning=_warning(ps.guard.diverging, history, self._classes(state)))
+                       warning=job_warning(ps.guard.diverging, history, self._classes(state)))
 
     def _classes(self, state: JobState) -> int:
         spec = self.host.specs.get(state.sha256)
@@ -216,7 +216,7 @@ class JobBoard:
                 await ps.report_evaluation(version, loss, accuracy)  # may come back after it is published
 
             await ps.evaluator.final(version, params, report)
-        kept = _kept(ps.evaluator.last, ps.guard.best, Evaluated(version, math.nan, math.nan, params))
+        kept = kept_model(ps.evaluator.last, ps.guard.best, Evaluated(version, math.nan, math.nan, params))
         assert kept.params is not None
         if kept.version != version:
             logger.info("job board: job %s keeps version %d (accuracy %.4f), its best, over its last", state.name,
@@ -340,7 +340,7 @@ class JobBoard:
         return False, f"unknown command {command!r} for a job ({', '.join(COMMANDS)})"
 
 
-def _kept(last: Evaluated | None, best: Evaluated | None, current: Evaluated) -> Evaluated:
+def kept_model(last: Evaluated | None, best: Evaluated | None, current: Evaluated) -> Evaluated:
     """The model a job keeps: the best evaluated one when it scored higher than the latest evaluation, else the
     latest evaluated (the current model, when it was evaluated last), else the current model unevaluated (the
     devices evaluated it on their shares: its accuracy is theirs, of versions near it)."""
@@ -351,7 +351,7 @@ def _kept(last: Evaluated | None, best: Evaluated | None, current: Evaluated) ->
     return current
 
 
-def _warning(diverging: str, history: Sequence[JobEvaluation], classes: int) -> str:
+def job_warning(diverging: str, history: Sequence[JobEvaluation], classes: int) -> str:
     """What looks wrong with a running job: the guard's word that it diverges, or an accuracy that stayed at chance
     over the latest ``STUCK_EVALUATIONS`` evaluations ('' when nothing does)."""
     if diverging:
