@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from edgemesh.bench.glyphs import device_mixes
+from edgemesh.bench.models_report import cell_median, gap_pt
+from edgemesh.bench.models_report import summary as models_summary
+from edgemesh.bench.reference import Curve, checkpoints
 from edgemesh.bench.soak import growth, windows
 from edgemesh.common.codecs import available_codecs
 
@@ -177,6 +181,101 @@ def test_bench_jobs_report_layout(tmp_path: Path) -> None:
         assert job["gradient_bytes_received"] > 0 and set(job["devices"]) == {"w0", "w1"}
         assert job["onnx_max_abs_error"] < 1e-4
     assert report.with_suffix(".png").stat().st_size > 1000
+
+
+MODEL_CELL_KEYS = {"job", "state", "reason", "reported_accuracy", "model_version", "versions", "exported_accuracy",
+                   "exported_version", "time_to_target_s", "reached_target", "training_s", "samples_seen",
+                   "samples_to_kept_model", "accepted_updates", "ps_accepted_updates", "gradient_bytes_received",
+                   "bytes_published_by_services", "reference_accuracy", "reference_best_accuracy", "gap_pt",
+                   "gap_to_best_pt", "evaluations", "failure"}
+
+
+def test_bench_models_quick_trains_a_cell_whose_export_scores_what_the_job_reported_beside_its_reference(
+        tmp_path: Path) -> None:
+    """One job on a fleet of three devices (one lacking a class), exported to ONNX and scored in onnxruntime, beside
+    one PyTorch process trained on the pooled images for the samples the fleet saw."""
+    report = tmp_path / "models.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh", "bench", "models", "--quick", "--report", str(report)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["complete"] and data["failure"] is None and data["same_processes"] is True
+    assert data["command"].startswith("edgemesh bench models --quick") and data["host"]["cores"] >= 1
+    settings = data["settings"]
+    assert settings["quick"] and settings["models"] == ["plain-cnn"] and settings["policies"] == ["async"]
+    assert settings["seeds"] == 1 and settings["max_minutes"] > 0
+    mixes = list(data["data"]["devices"].values())
+    assert len(mixes) == 3 and [len(mix) for mix in mixes] == [5, 5, 4]  # the last device lacks a class
+    assert len({tuple(sorted(mix.items())) for mix in mixes}) == 3  # non-IID: a different mix on each
+
+    cell = data["cells"]["plain-cnn"]["async"]
+    run = cell["seeds"]["0"]
+    assert MODEL_CELL_KEYS <= run.keys()
+    assert run["failure"] is None and run["state"] == "finished" and run["export_error"] is None
+    chance = data["summary"]["chance_accuracy"]
+    assert run["exported_accuracy"] > chance  # trained
+    # the model exported and run in onnxruntime scores on the held-out folder what the job reported
+    assert abs(run["exported_accuracy"] - run["reported_accuracy"]) <= 0.005
+    assert run["exported_version"] == run["model_version"] > 0
+    # samples seen: the accepted acks counted on the bus (the PS's own count beside), each a batch of the plan's
+    assert run["accepted_updates"] > 0 and abs(run["accepted_updates"] - run["ps_accepted_updates"]) <= 2
+    assert run["samples_seen"] == run["accepted_updates"] * data["models"]["plain-cnn"]["batch_size"]
+    assert 0 < run["samples_to_kept_model"] <= run["samples_seen"]
+    assert run["gradient_bytes_received"] > 0 and run["bytes_published_by_services"] > run["gradient_bytes_received"]
+    if run["reached_target"]:
+        assert run["time_to_target_s"] <= run["training_s"] and run["samples_to_target"] <= run["samples_seen"]
+    else:
+        assert run["time_to_target_s"] is None
+
+    # the reference trained on as many samples, and its figures are those at the cell's samples
+    reference = data["references"]["plain-cnn"]["0"]
+    assert reference["failure"] is None and reference["samples"] == run["samples_seen"]
+    at = next(accuracy for seen, accuracy in reference["curve"] if seen >= run["samples_seen"])
+    assert run["reference_accuracy"] == at > chance
+    assert run["reference_best_accuracy"] == max(accuracy for _, accuracy in reference["curve"])
+    assert run["gap_pt"] == round(100 * (run["exported_accuracy"] - run["reference_accuracy"]), 2)
+    assert run["reference_samples_to_target"] == next((seen for seen, accuracy in reference["curve"]
+                                                       if accuracy >= settings["target_accuracy"]), None)
+    assert cell["median"]["gap_pt"] == run["gap_pt"] and cell["median"]["failed"] == 0
+    summary = data["summary"]
+    assert summary["cells"] == 1 and summary["worst_gap"] == {"cell": "plain-cnn/async", "gap_pt": run["gap_pt"]}
+    assert summary["exported_equals_reported"] == "1/1" and summary["failed"] == {}
+    assert report.with_suffix(".png").stat().st_size > 1000
+
+
+def test_bench_models_refuses_unknown_models_and_runs_without_a_cap(tmp_path: Path) -> None:
+    for args, message in ((["--models", "plain-cnn,vgg"], "unknown model(s) or policy(ies): vgg"),
+                          (["--policies", "ssp2"], "unknown model(s) or policy(ies): ssp2"),
+                          (["--max-minutes", "0"], "give a cap")):
+        result = subprocess.run([sys.executable, "-m", "edgemesh", "bench", "models",
+                                 "--report", str(tmp_path / "x.json"), *args],
+                                capture_output=True, text=True, timeout=120, check=False)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_models_reference_is_read_at_each_cells_samples_and_cells_are_summarised() -> None:
+    curve = Curve(points=((100, 0.4), (200, 0.7), (304, 0.6), (400, 0.65)), seconds=1.0)
+    assert curve.at(200) == 0.7 and curve.at(300) == 0.6 and curve.at(401) is None
+    assert curve.best(300) == 0.7 and curve.best(100) == 0.4
+    assert curve.reaching(0.6) == 200 and curve.reaching(0.9) is None
+    assert checkpoints([300, 120], 100) == [100, 120, 200, 300]
+    mixes = device_mixes(["w0", "w1", "w2", "w3"], 10)
+    assert [sorted(n for n, c in mix.items() if c == 10) for mix in mixes.values()] == [
+        ["circle", "square"], ["cross", "triangle"], ["circle", "ring"], ["square", "triangle"]]
+    assert "cross" not in mixes["w3"] and all(len(mix) == 5 for d, mix in mixes.items() if d != "w3")
+
+    def cell(exported: float | None, reference: float, failure: str | None = None) -> dict[str, object]:
+        run = {"exported_accuracy": exported, "reported_accuracy": exported, "reference_accuracy": reference,
+               "gap_pt": gap_pt(exported, reference), "failure": failure}
+        return {"median": cell_median({"0": run}), "seeds": {"0": run}}
+
+    summary = models_summary({"a": {"sync": cell(0.81, 0.80), "async": cell(0.70, 0.80)},
+                              "b": {"sync": cell(0.22, 0.21), "async": cell(None, 0.5, "the job failed: x")}}, 5)
+    assert summary["within_2pt"] == ["a/sync", "b/sync"] and summary["below_reference_by_over_2pt"] == ["a/async"]
+    assert summary["at_chance"] == ["b/sync"] and summary["worst_gap"] == {"cell": "a/async", "gap_pt": -10.0}
+    assert summary["failed"] == {"b/async/s0": "the job failed: x"} and summary["exported_equals_reported"] == "3/3"
 
 
 def test_bench_soak_report_layout(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ BENCHMARKS = {
                                     "time to target, bytes"),
     "mesh": ("edgemesh.bench.mesh", "single device, data parallelism and Edge Mesh: iteration delay, memory, "
                                     "accuracy, load balance"),
+    "models": ("edgemesh.bench.models", "your model on the fleet beside one plain PyTorch process on the pooled data: "
+                                        "exported accuracy per model x sync policy, the same samples seen"),
     "robust": ("edgemesh.bench.robust", "a fleet with faulty devices under each robust aggregation rule: "
                                         "accuracy against a clean run"),
     "scale": ("edgemesh.bench.scale", "many light load-generating devices on one broker for minutes: updates/s, "

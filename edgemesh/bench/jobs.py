@@ -25,31 +25,27 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from edgemesh import cli
+from edgemesh.bench.job_fleet import Watch, local_broker, pids, spawn_fleet, submit_and_follow
 from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config, load_config
-from edgemesh.common.jobs import parse_job
 from edgemesh.common.messages import JobState
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import TopicMatch, all_job_states_filter
-from edgemesh.local.broker import BrokerProcess
+from edgemesh.common.topics import all_job_states_filter
 from edgemesh.local.processes import LocalCluster
-from edgemesh.operator.job import submission_of, submit
 
 SHAPES = ("circle", "square", "triangle")
 STATES = ("idle", "normal", "worn")
 FEATURES = 8
 JOB_TIMEOUT_S = 300.0
 """Longest a job may run before the benchmark gives up on it."""
-START_TIMEOUT_S = 120.0
-"""Longest the fleet's processes may take to start and take the first job."""
 
 SHAPES_JOB = """
 [job]
@@ -159,32 +155,6 @@ def write_sensor_csv(path: Path, rows: int, *, seed: int) -> None:
 # --------------------------------------------------------------------------- the run
 
 
-@dataclass(slots=True)
-class Watch:
-    """Every job state the run sees, with the time it arrived."""
-
-    states: dict[str, list[tuple[float, JobState]]] = field(default_factory=dict)
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def keep(self, state: JobState, _: TopicMatch) -> None:
-        self.states.setdefault(state.name, []).append((time.monotonic(), state))
-        self.changed.set()
-
-    def last(self, name: str) -> JobState | None:
-        seen = self.states.get(name)
-        return seen[-1][1] if seen else None
-
-    async def until_ended(self, name: str, timeout_s: float) -> JobState | None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                while (last := self.last(name)) is None or not last.ended:
-                    self.changed.clear()
-                    await self.changed.wait()
-        except TimeoutError:
-            return None
-        return last
-
-
 def prepare_fleet(workdir: Path, workers: int) -> list[str]:
     """Each device's data under ``workdir/<device>``, the held-out images under ``workdir/ps``; device names."""
     devices = [f"w{i}" for i in range(workers)]
@@ -206,37 +176,25 @@ async def run_jobs(config: Config, workdir: Path, devices: list[str], target: fl
     bus.route(all_job_states_filter(), JobState, watch.keep)
     result: dict[str, Any] = {"jobs": {}, "failure": None}
     try:
-        cluster.spawn("planner", "planner", ["--set", f"planner.min_devices={len(devices)}"])
-        cluster.spawn("ps", "ps", ["--state-dir", str(workdir / "ps" / "state"), "--set",
-                                   f"ps.data_dir={workdir / 'ps'}"])
-        cluster.spawn("compressor", "compressor")
-        for device in devices:
-            cluster.spawn("worker", device, ["--device", device, "--set", f"worker.data_dir={workdir / device}"])
-        pids = {c.name: c.proc.pid for c in cluster.children}
+        started = spawn_fleet(cluster, workdir, devices)
         async with bus.running():
             for text in (SHAPES_JOB.format(target=target),
                          VIBRATION_JOB.format(target=target, module_path=workdir / "models")):
-                spec = parse_job(text)
-                submission = await asyncio.to_thread(submission_of, spec, search_path=[])
-                progress(f"submitting job {spec.name} ({submission.params:,} parameters)")
-                submitted = time.monotonic()
-                if await submit(config, spec, submission, wait_s=START_TIMEOUT_S) != 0:
-                    result["failure"] = f"job {spec.name} was not taken"
-                    break
-                final = await watch.until_ended(spec.name, JOB_TIMEOUT_S)
+                run = await submit_and_follow(config, watch, text, search_path=[], timeout_s=JOB_TIMEOUT_S,
+                                              progress=progress)
                 await asyncio.to_thread(cluster.scrape_all)
-                if final is None:
-                    result["failure"] = f"job {spec.name} did not end within {JOB_TIMEOUT_S:.0f}s"
+                if run.final is None:
+                    result["failure"] = run.failure
                     break
-                result["jobs"][spec.name] = job_figures(watch, spec.name, submitted, final, cluster)
-                result["jobs"][spec.name]["onnx_max_abs_error"] = await onnx_error(config, spec.name, workdir)
-                progress(f"  {spec.name}: {final.state} ({final.reason})")
+                name = run.spec.name
+                result["jobs"][name] = job_figures(watch, name, run.submitted, run.final, cluster)
+                result["jobs"][name]["onnx_max_abs_error"] = await onnx_error(config, name, workdir)
+                progress(f"  {name}: {run.final.state} ({run.final.reason})")
                 failure = cluster.failure()
                 if failure is not None:
                     result["failure"] = failure
                     break
-        result["same_processes"] = {c.name: c.proc.pid for c in cluster.children
-                                    if c.proc.poll() is None} == pids
+        result["same_processes"] = pids(cluster) == started
     finally:
         cluster.stop()
     return result
@@ -307,18 +265,10 @@ def run(report: Path, config: Config, *, workers: int, target: float, external_b
         progress: Any) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-jobs-"))
     started = time.monotonic()
-    broker = None if external_broker else BrokerProcess.default()
-    if broker is not None:
-        broker.start()
-        config = replace(config, broker=replace(config.broker, url=broker.url))
-    try:
+    with local_broker(config, external=external_broker) as (config, broker):
         devices = prepare_fleet(workdir, workers)
         result = asyncio.run(run_jobs(replace(config, job="bench-jobs"), workdir, devices, target, progress))
-    finally:
-        if broker is not None:
-            broker.stop()
-    result.update(workers=workers, broker=broker.kind if broker is not None else config.broker.url,
-                  wall_seconds=round(time.monotonic() - started, 1))
+    result.update(workers=workers, broker=broker, wall_seconds=round(time.monotonic() - started, 1))
     finish(report, result, plot, progress, workdir, keep_logs=keep_logs or bool(result["failure"]))
     return 0 if not result["failure"] and all(j["reached_target"] for j in result["jobs"].values()) else 1
 

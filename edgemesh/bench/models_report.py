@@ -1,0 +1,127 @@
+"""What ``bench models`` makes of its cells: each cell's median over its seeds, the summary, the plot.
+
+Pure functions of the report's dictionaries (no I/O but the PNG), called after every cell so that the report on
+disk is whole at any moment.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from edgemesh.bench.reporting import pyplot, save
+
+MEDIAN_FIELDS = ("reported_accuracy", "exported_accuracy", "reference_accuracy", "reference_best_accuracy", "gap_pt",
+                 "gap_to_best_pt", "time_to_target_s", "training_s", "model_version", "versions", "samples_seen",
+                 "samples_to_target", "reference_samples_to_target", "accepted_updates", "gradient_bytes_received",
+                 "bytes_published_by_services")
+"""The figures of a cell's seed whose median over the seeds the cell gives."""
+WITHIN_PT = 2.0
+"""A cell is within reach of the reference when its median gap is at most this many points either way."""
+CHANCE_MARGIN = 0.05
+"""A cell is at chance when its median exported accuracy is at most 1 / classes + this."""
+EQUAL_EXPORT = 0.005
+"""The exported model's held-out accuracy is the job's reported accuracy when within this."""
+
+
+def gap_pt(exported: float | None, reference: float | None) -> float | None:
+    """``exported - reference`` in points (percent), or None when either is missing."""
+    return None if exported is None or reference is None else round(100.0 * (exported - reference), 2)
+
+
+def median(values: list[Any]) -> Any:
+    """The median of the values that are numbers; None when there are none."""
+    numbers = [v for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
+    if not numbers:
+        return None
+    middle = statistics.median(numbers)
+    return round(middle, 4) if isinstance(middle, float) else middle
+
+
+def cell_median(seeds: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A cell's figures over its seeds: the median of each of MEDIAN_FIELDS, how many seeds reached the target,
+    how many failed."""
+    runs = list(seeds.values())
+    out = {name: median([run.get(name) for run in runs]) for name in MEDIAN_FIELDS}
+    out["reached_target"] = f"{sum(bool(run.get('reached_target')) for run in runs)}/{len(runs)}"
+    out["failed"] = sum(run.get("failure") is not None for run in runs)
+    return out
+
+
+def summary(cells: dict[str, dict[str, Any]], classes: int) -> dict[str, Any]:
+    """Which cells (``model/policy``) the fleet trains as well as the reference, which sit at chance, the worst gap,
+    which seeds failed and whether every export scored what its job reported."""
+    chance = round(1.0 / classes + CHANCE_MARGIN, 4)
+    gaps: dict[str, float] = {}
+    at_chance, failed = [], {}
+    exported_equal, exported = 0, 0
+    for model, policies in cells.items():
+        for policy, cell in policies.items():
+            key = f"{model}/{policy}"
+            middle = cell["median"]
+            if middle["gap_pt"] is not None:
+                gaps[key] = middle["gap_pt"]
+            if middle["exported_accuracy"] is not None and middle["exported_accuracy"] <= chance:
+                at_chance.append(key)
+            for seed, run in cell["seeds"].items():
+                if run.get("failure") is not None:
+                    failed[f"{key}/s{seed}"] = run["failure"]
+                if run.get("exported_accuracy") is not None and run.get("reported_accuracy") is not None:
+                    exported += 1
+                    exported_equal += abs(run["exported_accuracy"] - run["reported_accuracy"]) <= EQUAL_EXPORT
+    worst = min(gaps, key=gaps.__getitem__, default=None)
+    return {
+        "cells": sum(len(p) for p in cells.values()),
+        "cells_with_a_gap": len(gaps),
+        f"within_{WITHIN_PT:g}pt": sorted(k for k, g in gaps.items() if abs(g) <= WITHIN_PT),
+        f"below_reference_by_over_{WITHIN_PT:g}pt": sorted(k for k, g in gaps.items() if g < -WITHIN_PT),
+        f"above_reference_by_over_{WITHIN_PT:g}pt": sorted(k for k, g in gaps.items() if g > WITHIN_PT),
+        "chance_accuracy": chance,
+        "at_chance": sorted(at_chance),
+        "worst_gap": {"cell": worst, "gap_pt": gaps[worst]} if worst is not None else None,
+        "exported_equals_reported": f"{exported_equal}/{exported}",
+        "failed": failed,
+    }
+
+
+def plot(result: dict[str, Any], png: Path) -> bool:
+    """A heat map of each cell's median gap (exported minus reference, points), annotated with the median exported
+    and reference accuracies."""
+    plt = pyplot()
+    cells = result.get("cells") or {}
+    if plt is None or not cells:
+        return False
+    import numpy as np
+
+    models = list(cells)
+    policies = list(dict.fromkeys(p for by_policy in cells.values() for p in by_policy))
+    grid = np.full((len(models), len(policies)), np.nan)
+    fig, ax = plt.subplots(figsize=(2.2 * len(policies) + 3, 0.9 * len(models) + 2))
+    texts: list[tuple[int, int, str, float | None]] = []
+    for i, model in enumerate(models):
+        for j, policy in enumerate(policies):
+            cell = cells[model].get(policy)
+            middle = cell["median"] if cell else {}
+            gap = middle.get("gap_pt")
+            if gap is not None:
+                grid[i, j] = gap
+            exported, reference = middle.get("exported_accuracy"), middle.get("reference_accuracy")
+            text = "failed" if cell and middle.get("failed") else "-"
+            if gap is not None:
+                text = f"{gap:+.1f} pt\n{exported:.2f} / {reference:.2f}"
+            elif exported is not None:
+                text = f"{exported:.2f} / -"
+            texts.append((j, i, text, gap))
+    limit = max(5.0, float(np.nanmax(np.abs(grid)))) if not np.all(np.isnan(grid)) else 5.0
+    for j, i, text, gap in texts:
+        dark = gap is not None and abs(gap) > 0.7 * limit
+        ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=-limit, vmax=limit, aspect="auto")
+    fig.colorbar(image, ax=ax, label="exported - reference (points)")
+    ax.set_xticks(range(len(policies)), policies)
+    ax.set_yticks(range(len(models)), models)
+    seeds = result.get("settings", {}).get("seeds")
+    ax.set_title(f"fleet's exported model vs one PyTorch process, same samples (median of {seeds} seed(s));\n"
+                 "each cell: gap, exported / reference accuracy", fontsize=9)
+    return save(fig, png)
