@@ -22,6 +22,7 @@ from edgemesh.services.parameter_server.scheduler import (
     judge,
     make_scheduler,
     must_wait,
+    round_scale,
 )
 
 TWO = Fleet(clusters=("c-a", "c-b"), plan_version=1, devices=frozenset({"a", "b"}), bound=4, planned_samples=16)
@@ -234,3 +235,14 @@ def test_the_adaptive_deadline_follows_every_cluster_s_cycle_and_does_not_collap
     # the deadline waits for the three punctual clusters (1.5 x the 90th percentile of the cycles, clamped)
     assert 1.05 <= rule.deadline(clusters) <= 1.5 * 3.0
     assert sum(late) / len(late) >= 3, sizes  # rounds keep (nearly) every punctual cluster
+
+
+def test_a_rounds_step_grows_with_the_batches_it_averages_under_round_scaling() -> None:
+    """``ps.round_scaling``: four clusters' batches of the plan's mean size make a step four times (``linear``) or
+    twice (``sqrt``) one batch's; ``none`` keeps one step of the learning rate."""
+    fleet = Fleet(clusters=("a", "b", "c", "d"), planned_samples=4 * 16)
+    assert round_scale("linear", 64, fleet) == 4.0
+    assert round_scale("sqrt", 64, fleet) == 2.0
+    assert round_scale("none", 64, fleet) == 1.0
+    assert round_scale("linear", 8, fleet) == 1.0  # never below one batch's step
+    assert round_scale("linear", 64, Fleet()) == 1.0  # no plan yet

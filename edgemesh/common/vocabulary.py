@@ -69,3 +69,6 @@ def check_name(kind: str, name: str) -> str:
 def valid_topic(topic: str) -> bool:
     """A topic a message may be published on: 1-``MAX_TOPIC_CHARS`` characters, no wildcard or NUL."""
     return 0 < len(topic) <= MAX_TOPIC_CHARS and not any(c in topic for c in "+#\x00")
+
+RoundScaling = Literal["linear", "sqrt", "none"]
+"""How a round policy's step grows with the batches it averages (``ps.round_scaling``)."""

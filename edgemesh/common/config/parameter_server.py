@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from edgemesh.common.config.checks import require as _require
-from edgemesh.common.vocabulary import AggregationRule, CodecName
+from edgemesh.common.vocabulary import AggregationRule, CodecName, RoundScaling
 
 
 @dataclass(slots=True)
@@ -110,6 +110,10 @@ class ParameterServerConfig:
     """Precision of the model snapshots sent to workers; the PS keeps float32 weights and momentum."""
     staleness_weighting: bool = True
     """Under async and ssp, scale an update applied d versions late by 1/(1+d) (adaptive always does)."""
+    round_scaling: RoundScaling = "linear"
+    """Under sync and adaptive, how a round's step grows with the batches (of the plan's mean size per cluster) it
+    averages: ``linear`` (k batches, k times the step: per sample, training.lr as in one process at one batch),
+    ``sqrt`` (the square root of k) or ``none`` (one step of training.lr whatever the round holds)."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     """The ``adaptive`` policy's rule (``[ps.adaptive]``)."""
     guard: GuardConfig = field(default_factory=GuardConfig)

@@ -19,12 +19,13 @@ Every update is applied at most once: the :class:`Clock` keeps each device's hig
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from edgemesh.common.messages import GradientUpdate, Plan, SyncState
-from edgemesh.common.vocabulary import AckReason, AckStatus, AggregationRule, SyncPolicy
+from edgemesh.common.vocabulary import AckReason, AckStatus, AggregationRule, RoundScaling, SyncPolicy
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, round_weights, staleness_weight
 from edgemesh.services.parameter_server.optimizer import ShardGrad
 
@@ -173,9 +174,11 @@ class Scheduler:
     resyncs: ClassVar[bool] = False
     """Whether an accepted update's sender fetches the model before its next one (round policies)."""
 
-    def __init__(self, clock: Clock, *, staleness_weighting: bool = True) -> None:
+    def __init__(self, clock: Clock, *, staleness_weighting: bool = True, round_scaling: RoundScaling = "none") -> None:
         self.clock = clock
         self.staleness_weighting = staleness_weighting
+        self.round_scaling: RoundScaling = round_scaling
+        """Round policies: how a round's step grows with the batches it averages (``ps.round_scaling``)."""
         self.deferred: list[Candidate] = []
 
     def take(self, batch: Sequence[Candidate], fleet: Fleet) -> Decision:
@@ -283,8 +286,8 @@ class RoundScheduler(Scheduler):
 
     resyncs = True
 
-    def __init__(self, clock: Clock, *, staleness_weighting: bool = True) -> None:
-        super().__init__(clock, staleness_weighting=staleness_weighting)
+    def __init__(self, clock: Clock, *, staleness_weighting: bool = True, round_scaling: RoundScaling = "none") -> None:
+        super().__init__(clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling)
         self.round: dict[str, Candidate] = {}
 
     def pending(self) -> list[Candidate]:
@@ -333,7 +336,8 @@ class SyncScheduler(RoundScheduler):
 
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
         total = sum(item.update.samples for item in step.items)
-        return [item.update.samples / total for item in step.items]
+        scale = round_scale(self.round_scaling, total, fleet)
+        return [item.update.samples / total * scale for item in step.items]
 
 
 class AdaptiveScheduler(RoundScheduler):
@@ -343,8 +347,9 @@ class AdaptiveScheduler(RoundScheduler):
 
     policy = "adaptive"
 
-    def __init__(self, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool = True) -> None:
-        super().__init__(clock, staleness_weighting=staleness_weighting)
+    def __init__(self, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool = True,
+                 round_scaling: RoundScaling = "none") -> None:
+        super().__init__(clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling)
         self.rule = rule
         self.opened: float | None = None
         """When the open round began (its model went out, or its first update came); its deadline runs from here."""
@@ -378,8 +383,9 @@ class AdaptiveScheduler(RoundScheduler):
             del self.published[old]
 
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
-        return round_weights([i.update.samples for i in step.items], [step.delay(i) for i in step.items],
-                             fleet.planned_samples)
+        samples = [i.update.samples for i in step.items]
+        scale = round_scale(self.round_scaling, max(fleet.planned_samples, sum(samples)), fleet)
+        return [w * scale for w in round_weights(samples, [step.delay(i) for i in step.items], fleet.planned_samples)]
 
     def _before(self, fleet: Fleet, out: Decision) -> int:
         self.rule.follow(fleet.bound, fleet.devices)
@@ -431,14 +437,24 @@ SCHEDULERS: Mapping[SyncPolicy, type[Scheduler]] = {
     "sync": SyncScheduler, "async": AsyncScheduler, "ssp": SSPScheduler, "adaptive": AdaptiveScheduler}
 
 
+def round_scale(scaling: RoundScaling, samples: int, fleet: Fleet) -> float:
+    """What a round step of ``samples`` samples is scaled by: the batches of the plan's mean size per cluster it
+    averages (``linear``, the linear scaling rule of large-batch SGD), their square root (``sqrt``), or 1."""
+    if scaling == "none" or not fleet.clusters or not fleet.planned_samples:
+        return 1.0
+    batches = max(1.0, samples / (fleet.planned_samples / len(fleet.clusters)))
+    return batches if scaling == "linear" else math.sqrt(batches)
+
+
 def make_scheduler(policy: SyncPolicy, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool,
-                   carry: Iterable[Candidate] = ()) -> Scheduler:
+                   round_scaling: RoundScaling = "none", carry: Iterable[Candidate] = ()) -> Scheduler:
     """The scheduler of ``policy``; updates another one held (``carry``) are judged again under it."""
     scheduler: Scheduler
     if policy == "adaptive":
-        scheduler = AdaptiveScheduler(clock, rule, staleness_weighting=staleness_weighting)
+        scheduler = AdaptiveScheduler(clock, rule, staleness_weighting=staleness_weighting,
+                                      round_scaling=round_scaling)
     else:
-        scheduler = SCHEDULERS[policy](clock, staleness_weighting=staleness_weighting)
+        scheduler = SCHEDULERS[policy](clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling)
     scheduler.deferred = list(carry)
     return scheduler
 

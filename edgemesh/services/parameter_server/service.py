@@ -124,7 +124,8 @@ class ParameterServer:
         self.m_version = m.gauge("model_version", "Current global model version")
         self.acks = Acks(self.topics, m)
         self.scheduler = (Follower(self.clock, p.shard_wait_s, m) if self.sharded and p.shard else
-                          make_scheduler(self.policy, self.clock, self.rule, staleness_weighting=p.staleness_weighting))
+                          make_scheduler(self.policy, self.clock, self.rule, staleness_weighting=p.staleness_weighting,
+                                         round_scaling=p.round_scaling))
         self.leader = Leader(self.topics, self._wake.set, p.shards, p.shard_wait_s, m) if self.sharded and not p.shard \
             else None
         """Shard 0: the steps and discards every other shard follows (a follower's scheduler is a ``Follower``)."""
@@ -209,7 +210,8 @@ class ParameterServer:
             if not isinstance(self.scheduler, Follower):  # a follower takes shard 0's steps, whatever the policy
                 # an open round's updates are judged again under the new policy, not dropped
                 self.scheduler = make_scheduler(kept.policy, self.clock, self.rule, carry=self.scheduler.pending(),
-                                                staleness_weighting=self.cfg.ps.staleness_weighting)
+                                                staleness_weighting=self.cfg.ps.staleness_weighting,
+                                                round_scaling=self.cfg.ps.round_scaling)
         self.bound = kept.bound if kept.bound is not None else self.bound
         self.lr = kept.lr if kept.lr is not None else self.lr
         self.paused = kept.paused if kept.paused is not None else self.paused
