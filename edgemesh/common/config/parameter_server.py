@@ -110,10 +110,11 @@ class ParameterServerConfig:
     """Precision of the model snapshots sent to workers; the PS keeps float32 weights and momentum."""
     staleness_weighting: bool = True
     """Under async and ssp, scale an update applied d versions late by 1/(1+d) (adaptive always does)."""
-    round_scaling: RoundScaling = "linear"
+    round_scaling: RoundScaling = "none"
     """Under sync and adaptive, how a round's step grows with the batches (of the plan's mean size per cluster) it
-    averages: ``linear`` (k batches, k times the step: per sample, training.lr as in one process at one batch),
-    ``sqrt`` (the square root of k) or ``none`` (one step of training.lr whatever the round holds)."""
+    averages: ``none`` (one step of training.lr whatever the round holds: the rate is per round), ``linear`` (k
+    batches, k times the step: per sample, training.lr as in one process at one batch) or ``sqrt`` (the square root
+    of k). With ``linear``, a rate tuned per round is k times too high (docs/synchronization.md)."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     """The ``adaptive`` policy's rule (``[ps.adaptive]``)."""
     guard: GuardConfig = field(default_factory=GuardConfig)
