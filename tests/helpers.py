@@ -180,8 +180,7 @@ def control_json(command: str, **fields: object) -> bytes:
 DIGITS_LAYOUT = models.param_layout(models.build_model("digits-cnn"))
 """Names and shapes of the model state of ``digits-cnn``: its parameters, then its buffers (the standardization's
 constants)."""
-DIGITS_PARAMS = {name: v for name, v in DIGITS_LAYOUT.items()
-                 if name not in models.buffer_kinds(models.build_model("digits-cnn"))}
+DIGITS_PARAMS = models.gradient_layout(models.build_model("digits-cnn"))
 """The parameters of ``digits-cnn`` alone: what a gradient covers."""
 
 

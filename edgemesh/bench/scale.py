@@ -95,7 +95,7 @@ ACK_TIMEOUT_S = 60.0
 def recorded_gradient(model_spec: str, codec: str) -> tuple[tuple[ShardUpdate, ...], int]:
     """The replayed gradient: every parameter of ``model_spec``, random values encoded with ``codec`` (the
     codec a worker's policy would use for a tensor of that size); and its payload bytes."""
-    layout = models.param_layout(models.build_model(model_spec))
+    layout = models.gradient_layout(models.build_model(model_spec))
     rng = np.random.default_rng(0)
     shards = []
     for name, (shape, _) in layout.items():

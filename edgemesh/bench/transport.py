@@ -224,13 +224,15 @@ def recorded_gradient(size: int, shards: int = 1) -> list[tuple[ShardUpdate, ...
     """The replayed gradient for a parameter server of ``shards`` processes: for each, shards of ``cifar-cnn``
     holding about ``size / shards`` bytes of float32 values from its rows, whole rows of its largest parameters
     first."""
-    layout = models.param_layout(models.build_model(MODEL))
-    shapes = {name: shape for name, (shape, _) in layout.items()}
+    model = models.build_model(MODEL)
+    shapes = {name: shape for name, (shape, _) in models.param_layout(model).items()}  # as the PS divides them
+    parameters = models.gradient_layout(model)
     rng = np.random.default_rng(1)
     parts = []
     for run in divide(shapes, shards):
         part, left = [], size // shards
-        for span in sorted(run, key=lambda s: -(s.stop - s.start) * int(np.prod(shapes[s.param][1:]))):
+        for span in sorted((s for s in run if s.param in parameters),  # a gradient has no buffer rows
+                           key=lambda s: -(s.stop - s.start) * int(np.prod(shapes[s.param][1:]))):
             row = int(np.prod(shapes[span.param][1:])) * 4
             rows = min(span.stop - span.start, max(1, left // row)) if left > 0 else 0
             if rows == 0:
@@ -244,7 +246,7 @@ def recorded_gradient(size: int, shards: int = 1) -> list[tuple[ShardUpdate, ...
 
 
 def gradient_bytes() -> int:
-    layout = models.param_layout(models.build_model(MODEL))
+    layout = models.gradient_layout(models.build_model(MODEL))
     return sum(int(np.prod(shape)) * 4 for shape, _ in layout.values())
 
 

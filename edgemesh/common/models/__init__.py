@@ -44,6 +44,7 @@ from edgemesh.common.models.training import (
     compute_update,
     evaluate,
     get_params,
+    gradient_layout,
     param_layout,
     set_params,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "entry_point_spec",
     "evaluate",
     "get_params",
+    "gradient_layout",
     "get_spec",
     "layer_list_spec",
     "measure_cost",

@@ -48,6 +48,12 @@ def param_layout(model: nn.Module) -> ParamLayout:
     return {name: (tuple(t.shape) or (1,), str(t.dtype).removeprefix("torch.")) for name, t in _state(model).items()}
 
 
+def gradient_layout(model: nn.Module) -> ParamLayout:
+    """Name -> (shape, dtype name) of the parameters alone, in ``named_parameters()`` order: what a gradient
+    covers."""
+    return {name: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in model.named_parameters()}
+
+
 def get_params(model: nn.Module) -> dict[str, np.ndarray]:
     """Float32 numpy copies of the model state (parameters and persistent buffers), keyed by name; a 0-d buffer
     as shape ``(1,)``."""
