@@ -20,6 +20,7 @@ from helpers import inbox, make_config
 
 from edgemesh.bench import jobs as jobs_bench
 from edgemesh.bench.jobs import VIBRATION_NET, draw_shapes, write_sensor_csv
+from edgemesh.bench.model_jobs import ENTRY_POINT, ENTRY_POINT_FILE, ENTRY_POINT_NET
 from edgemesh.common import models
 from edgemesh.common.config import Config, GuardConfig
 from edgemesh.common.jobs import model_spec, parse_job
@@ -327,40 +328,6 @@ batch_size = 16
 BN_LAYERS = """layers = [{conv2d = 8, kernel = 3, padding = 1, bias = false}, "batchnorm", "relu", {maxpool2d = 2},
           {conv2d = 16, kernel = 3, padding = 1, bias = false}, "batchnorm", "relu", {maxpool2d = 2},
           "flatten", {linear = 32}, "relu", {dropout = 0.2}, {linear = 3}]"""
-DEPTHWISE_NET = '''
-"""A user's own small MobileNet-style network: batch norm, a depthwise-separable block with a residual, global
-average pooling."""
-import torch
-from torch import nn
-
-
-class Block(nn.Module):
-    def __init__(self, channels):
-        super().__init__()
-        self.depthwise = nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
-        self.pointwise = nn.Conv2d(channels, channels, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
-
-    def forward(self, x):
-        return torch.relu(x + self.bn2(self.pointwise(torch.relu(self.bn1(self.depthwise(x))))))
-
-
-class Net(nn.Module):
-    def __init__(self, num_classes):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(16),
-                                  nn.ReLU())
-        self.block = Block(16)
-        self.head = nn.Linear(16, num_classes)
-
-    def forward(self, x):
-        return self.head(self.block(self.stem(x)).mean(dim=(2, 3)))
-
-
-def build(num_classes):
-    return Net(num_classes)
-'''
 
 
 def held_out_accuracy(model_file: Path, eval_folder: Path) -> float:
@@ -444,8 +411,8 @@ async def test_an_entry_point_module_with_batch_norm_a_residual_and_a_depthwise_
     _, config = fleet
     modules = tmp_path / "models"
     modules.mkdir()
-    (modules / "depthwise_net.py").write_text(DEPTHWISE_NET)
-    model = f'entry_point = "depthwise_net:build"\nmodule_path = "{modules}"'
+    (modules / ENTRY_POINT_FILE).write_text(ENTRY_POINT_NET)  # batch norm, depthwise blocks with residuals
+    model = f'entry_point = "{ENTRY_POINT}"\nmodule_path = "{modules}"'
     job_file = tmp_path / "dw.toml"
     job_file.write_text(BN_JOB.format(name="dw-shapes", target=0.85, model=model, policy="async", extra=""))
     submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60")
@@ -461,7 +428,7 @@ async def test_an_entry_point_module_with_batch_norm_a_residual_and_a_depthwise_
     assert abs(held_out_accuracy(tmp_path / "export" / "dw.onnx", tmp_path / "ps" / "shapes-eval")
                - done.accuracy) <= 0.005
     snapshot = await kept_model(config, "dw-shapes")
-    assert not np.allclose(snapshot.tensors["net.block.bn2.running_var"].to_numpy(), 1.0)  # the statistics trained
+    assert not np.allclose(snapshot.tensors["net.block1.bn2.running_var"].to_numpy(), 1.0)  # the statistics trained
 
 
 async def test_the_divergence_guard_rolls_a_job_back_when_its_learning_rate_is_raised_fifty_times(
