@@ -342,6 +342,15 @@ def held_out_accuracy(model_file: Path, eval_folder: Path) -> float:
     return float((logits.argmax(axis=1) == data.y).mean())
 
 
+async def finished_job(config: Config, job_file: Path, name: str) -> JobState:
+    """Submit ``job_file`` with ``edgemesh job submit`` and wait until job ``name`` ended; its state (finished)."""
+    submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60")
+    assert submitted.returncode == 0, submitted.stderr
+    done = await wait_for_job(config, name, ("finished", "failed", "stopped"))
+    assert done.state == "finished", done.reason
+    return done
+
+
 async def kept_model(config: Config, job: str) -> ModelSnapshot:
     async with inbox(dataclasses.replace(config, job=job), (Topics(job).job_model_filter(), ModelSnapshot)) as box:
         return await box.next(ModelSnapshot)
@@ -358,10 +367,7 @@ async def test_a_batch_norm_model_trains_and_exports_the_accuracy_the_job_report
     _, config = fleet
     job_file = tmp_path / "bn.toml"
     job_file.write_text(BN_JOB.format(name="bn-shapes", target=0.9, model=BN_LAYERS, policy="adaptive", extra=""))
-    submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60")
-    assert submitted.returncode == 0, submitted.stderr
-    done = await wait_for_job(config, "bn-shapes", ("finished", "failed", "stopped"))
-    assert done.state == "finished", done.reason
+    done = await finished_job(config, job_file, "bn-shapes")
     assert done.accuracy is not None and done.accuracy >= 0.9 and done.model_version > 0
 
     out = tmp_path / "export" / "bn.onnx"
@@ -415,10 +421,7 @@ async def test_an_entry_point_module_with_batch_norm_a_residual_and_a_depthwise_
     model = f'entry_point = "{ENTRY_POINT}"\nmodule_path = "{modules}"'
     job_file = tmp_path / "dw.toml"
     job_file.write_text(BN_JOB.format(name="dw-shapes", target=0.85, model=model, policy="async", extra=""))
-    submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60")
-    assert submitted.returncode == 0, submitted.stderr
-    done = await wait_for_job(config, "dw-shapes", ("finished", "failed", "stopped"))
-    assert done.state == "finished", done.reason
+    done = await finished_job(config, job_file, "dw-shapes")
     assert done.accuracy is not None and done.accuracy >= 0.85
     for fmt in ("onnx", "torch"):
         out = tmp_path / "export" / f"dw.{fmt}"
