@@ -231,6 +231,9 @@ def test_round_weights_are_shares_of_the_planned_samples_damped_by_delay() -> No
     # more samples than planned (a late one on top of a full round): never more than one step
     assert sum(round_weights([16, 16, 16], [0, 0, 0], planned=32)) == pytest.approx(1.0)
     assert round_weights([8], [0], planned=0) == [1.0]  # no plan: the round is all there is
+    # FedBuff's rule damps by the square root of the delay: gentler on a long one
+    assert round_weights([16, 16], [0, 4], planned=32, rule="sqrt") == [0.5, pytest.approx(0.5 / 3)]
+    assert round_weights([16, 16], [0, 4], planned=32) == [0.5, pytest.approx(0.5 / 5)]
 
 
 def test_a_checkpoints_cycles_are_taken_only_as_seconds_and_only_for_clusters_not_yet_timed() -> None:

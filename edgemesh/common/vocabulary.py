@@ -72,3 +72,7 @@ def valid_topic(topic: str) -> bool:
 
 RoundScaling = Literal["linear", "sqrt", "none"]
 """How a round policy's step grows with the batches it averages (``ps.round_scaling``)."""
+
+StalenessRule = Literal["inverse", "sqrt"]
+"""How an update applied ``d`` versions late is damped (``ps.staleness_rule``): ``inverse`` 1/(1+d), ``sqrt``
+1/(1+sqrt(d)) (FedBuff's)."""

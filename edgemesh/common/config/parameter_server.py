@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from edgemesh.common.config.checks import require as _require
-from edgemesh.common.vocabulary import AggregationRule, CodecName, RoundScaling
+from edgemesh.common.vocabulary import AggregationRule, CodecName, RoundScaling, StalenessRule
 
 
 @dataclass(slots=True)
@@ -109,7 +109,10 @@ class ParameterServerConfig:
     snapshot_dtype: Literal["float32", "float16"] = "float16"
     """Precision of the model snapshots sent to workers; the PS keeps float32 weights and momentum."""
     staleness_weighting: bool = True
-    """Under async and ssp, scale an update applied d versions late by 1/(1+d) (adaptive always does)."""
+    """Under async and ssp, damp an update applied d versions late by ``staleness_rule`` (adaptive always does)."""
+    staleness_rule: StalenessRule = "inverse"
+    """How: ``inverse`` scales it by 1/(1+d), ``sqrt`` by 1/(1+sqrt(d)) (FedBuff's); measured in
+    docs/synchronization.md."""
     round_scaling: RoundScaling = "none"
     """Under sync and adaptive, how a round's step grows with the batches (of the plan's mean size per cluster) it
     averages: ``none`` (one step of training.lr whatever the round holds: the rate is per round), ``linear`` (k

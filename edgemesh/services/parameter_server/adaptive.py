@@ -42,22 +42,27 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edgemesh.common.config import AdaptiveConfig
+from edgemesh.common.vocabulary import StalenessRule
 
 
-def staleness_weight(delay: int) -> float:
-    """Scale of an update applied ``delay`` versions late: ``1 / (1 + delay)``.
+def staleness_weight(delay: int, rule: StalenessRule = "inverse") -> float:
+    """Scale of an update applied ``delay`` versions late: ``1 / (1 + delay)`` (``inverse``) or
+    ``1 / (1 + sqrt(delay))`` (``sqrt``).
 
     A stale gradient points where the model was, not where it is; damping it by its delay
     keeps asynchronous SGD with momentum stable (Zhang et al., "Staleness-aware Async-SGD", 2016).
+    FedBuff (Nguyen et al., 2022) damps by the square root: gentler on larger delays.
     """
-    return 1.0 / (1.0 + max(0, delay))
+    delay = max(0, delay)
+    return 1.0 / (1.0 + (math.sqrt(delay) if rule == "sqrt" else delay))
 
 
-def round_weights(samples: Sequence[int], delays: Sequence[int], planned: int) -> list[float]:
+def round_weights(samples: Sequence[int], delays: Sequence[int], planned: int,
+                  rule: StalenessRule = "inverse") -> list[float]:
     """Weights of one adaptive round's contributions (module docstring): their share of the
     ``planned`` samples (at most the whole round), damped by their delays."""
     total = max(planned, sum(samples))
-    return [n / total * staleness_weight(d) for n, d in zip(samples, delays, strict=True)]
+    return [n / total * staleness_weight(d, rule) for n, d in zip(samples, delays, strict=True)]
 
 
 def quantile(values: Iterable[float], q: float) -> float:

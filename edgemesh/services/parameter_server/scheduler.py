@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from edgemesh.common.messages import GradientUpdate, Plan, SyncState
-from edgemesh.common.vocabulary import AckReason, AckStatus, AggregationRule, RoundScaling, SyncPolicy
+from edgemesh.common.vocabulary import AckReason, AckStatus, AggregationRule, RoundScaling, StalenessRule, SyncPolicy
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, round_weights, staleness_weight
 from edgemesh.services.parameter_server.optimizer import ShardGrad
 
@@ -174,9 +174,12 @@ class Scheduler:
     resyncs: ClassVar[bool] = False
     """Whether an accepted update's sender fetches the model before its next one (round policies)."""
 
-    def __init__(self, clock: Clock, *, staleness_weighting: bool = True, round_scaling: RoundScaling = "none") -> None:
+    def __init__(self, clock: Clock, *, staleness_weighting: bool = True, round_scaling: RoundScaling = "none",
+                 staleness_rule: StalenessRule = "inverse") -> None:
         self.clock = clock
         self.staleness_weighting = staleness_weighting
+        self.staleness_rule: StalenessRule = staleness_rule
+        """How an applied update is damped by its delay (``ps.staleness_rule``)."""
         self.round_scaling: RoundScaling = round_scaling
         """Round policies: how a round's step grows with the batches it averages (``ps.round_scaling``)."""
         self.deferred: list[Candidate] = []
@@ -221,7 +224,8 @@ class Scheduler:
         shares = [item.update.samples / per_cluster for item in step.items]
         if not self.staleness_weighting:
             return shares
-        return [w * staleness_weight(step.delay(i)) for w, i in zip(shares, step.items, strict=True)]
+        return [w * staleness_weight(step.delay(i), self.staleness_rule)
+                for w, i in zip(shares, step.items, strict=True)]
 
     def live(self, fleet: Fleet) -> tuple[str, ...]:
         """The clusters a round waits for: the plan's, else every cluster seen."""
@@ -286,8 +290,10 @@ class RoundScheduler(Scheduler):
 
     resyncs = True
 
-    def __init__(self, clock: Clock, *, staleness_weighting: bool = True, round_scaling: RoundScaling = "none") -> None:
-        super().__init__(clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling)
+    def __init__(self, clock: Clock, *, staleness_weighting: bool = True, round_scaling: RoundScaling = "none",
+                 staleness_rule: StalenessRule = "inverse") -> None:
+        super().__init__(clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling,
+                         staleness_rule=staleness_rule)
         self.round: dict[str, Candidate] = {}
 
     def pending(self) -> list[Candidate]:
@@ -348,8 +354,9 @@ class AdaptiveScheduler(RoundScheduler):
     policy = "adaptive"
 
     def __init__(self, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool = True,
-                 round_scaling: RoundScaling = "none") -> None:
-        super().__init__(clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling)
+                 round_scaling: RoundScaling = "none", staleness_rule: StalenessRule = "inverse") -> None:
+        super().__init__(clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling,
+                         staleness_rule=staleness_rule)
         self.rule = rule
         self.opened: float | None = None
         """When the open round began (its model went out, or its first update came); its deadline runs from here."""
@@ -385,7 +392,8 @@ class AdaptiveScheduler(RoundScheduler):
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
         samples = [i.update.samples for i in step.items]
         scale = round_scale(self.round_scaling, max(fleet.planned_samples, sum(samples)), fleet)
-        return [w * scale for w in round_weights(samples, [step.delay(i) for i in step.items], fleet.planned_samples)]
+        return [w * scale for w in round_weights(samples, [step.delay(i) for i in step.items], fleet.planned_samples,
+                                                    self.staleness_rule)]
 
     def _before(self, fleet: Fleet, out: Decision) -> int:
         self.rule.follow(fleet.bound, fleet.devices)
@@ -447,14 +455,16 @@ def round_scale(scaling: RoundScaling, samples: int, fleet: Fleet) -> float:
 
 
 def make_scheduler(policy: SyncPolicy, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool,
-                   round_scaling: RoundScaling = "none", carry: Iterable[Candidate] = ()) -> Scheduler:
+                   round_scaling: RoundScaling = "none", staleness_rule: StalenessRule = "inverse",
+                   carry: Iterable[Candidate] = ()) -> Scheduler:
     """The scheduler of ``policy``; updates another one held (``carry``) are judged again under it."""
     scheduler: Scheduler
     if policy == "adaptive":
         scheduler = AdaptiveScheduler(clock, rule, staleness_weighting=staleness_weighting,
-                                      round_scaling=round_scaling)
+                                      round_scaling=round_scaling, staleness_rule=staleness_rule)
     else:
-        scheduler = SCHEDULERS[policy](clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling)
+        scheduler = SCHEDULERS[policy](clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling,
+                                       staleness_rule=staleness_rule)
     scheduler.deferred = list(carry)
     return scheduler
 
