@@ -187,13 +187,14 @@ MODEL_CELL_KEYS = {"job", "state", "reason", "reported_accuracy", "model_version
                    "exported_version", "time_to_target_s", "reached_target", "training_s", "samples_seen",
                    "samples_to_kept_model", "accepted_updates", "ps_accepted_updates", "gradient_bytes_received",
                    "bytes_published_by_services", "reference_accuracy", "reference_best_accuracy", "gap_pt",
-                   "gap_to_best_pt", "evaluations", "failure"}
+                   "gap_last_pt", "evaluations", "evaluation_samples", "last_evaluated_accuracy", "failure"}
 
 
 def test_bench_models_quick_trains_a_cell_whose_export_scores_what_the_job_reported_beside_its_reference(
         tmp_path: Path) -> None:
     """One job on a fleet of three devices (one lacking a class), exported to ONNX and scored in onnxruntime, beside
-    one PyTorch process trained on the pooled images for the samples the fleet saw."""
+    one PyTorch process trained on the pooled images for the samples the fleet saw; the job is stopped at its budget
+    of samples."""
     report = tmp_path / "models.json"
     result = subprocess.run(
         [sys.executable, "-m", "edgemesh", "bench", "models", "--quick", "--report", str(report)],
@@ -204,7 +205,7 @@ def test_bench_models_quick_trains_a_cell_whose_export_scores_what_the_job_repor
     assert data["command"].startswith("edgemesh bench models --quick") and data["host"]["cores"] >= 1
     settings = data["settings"]
     assert settings["quick"] and settings["models"] == ["plain-cnn"] and settings["policies"] == ["async"]
-    assert settings["seeds"] == 1 and settings["max_minutes"] > 0
+    assert settings["seeds"] == 1 and settings["max_minutes"] > 0 and settings["samples_budget"] == 1600
     mixes = list(data["data"]["devices"].values())
     assert len(mixes) == 3 and [len(mix) for mix in mixes] == [5, 5, 4]  # the last device lacks a class
     assert len({tuple(sorted(mix.items())) for mix in mixes}) == 3  # non-IID: a different mix on each
@@ -212,7 +213,9 @@ def test_bench_models_quick_trains_a_cell_whose_export_scores_what_the_job_repor
     cell = data["cells"]["plain-cnn"]["async"]
     run = cell["seeds"]["0"]
     assert MODEL_CELL_KEYS <= run.keys()
-    assert run["failure"] is None and run["state"] == "finished" and run["export_error"] is None
+    assert run["failure"] is None and run["export_error"] is None
+    # the bench stopped it at its budget, as an operator would (a few updates in flight may still land)
+    assert run["state"] == "stopped" and 1600 <= run["samples_seen"] <= 1600 + 8 * 16, (run["state"], run["reason"])
     chance = data["summary"]["chance_accuracy"]
     assert run["exported_accuracy"] > chance  # trained
     # the model exported and run in onnxruntime scores on the held-out folder what the job reported
@@ -231,10 +234,17 @@ def test_bench_models_quick_trains_a_cell_whose_export_scores_what_the_job_repor
     # the reference trained on as many samples, and its figures are those at the cell's samples
     reference = data["references"]["plain-cnn"]["0"]
     assert reference["failure"] is None and reference["samples"] == run["samples_seen"]
-    at = next(accuracy for seen, accuracy in reference["curve"] if seen >= run["samples_seen"])
-    assert run["reference_accuracy"] == at > chance
-    assert run["reference_best_accuracy"] == max(accuracy for _, accuracy in reference["curve"])
-    assert run["gap_pt"] == round(100 * (run["exported_accuracy"] - run["reference_accuracy"]), 2)
+    def at(samples: int) -> float:
+        return next(accuracy for seen, accuracy in reference["curve"] if seen >= samples)
+
+    assert run["reference_accuracy"] == at(run["samples_seen"]) > chance
+    # the reference picks its best at the samples of the job's own evaluations, as the job picks its exported model
+    assert len(run["evaluation_samples"]) == len(run["evaluations"]) > 0
+    assert run["evaluation_samples"] == sorted(run["evaluation_samples"])
+    assert run["reference_best_accuracy"] == max(at(s) for s in run["evaluation_samples"] if s)
+    assert run["gap_pt"] == round(100 * (run["exported_accuracy"] - run["reference_best_accuracy"]), 2)
+    assert run["last_evaluated_accuracy"] == run["evaluations"][-1][2]
+    assert run["gap_last_pt"] == round(100 * (run["last_evaluated_accuracy"] - run["reference_accuracy"]), 2)
     assert run["reference_samples_to_target"] == next((seen for seen, accuracy in reference["curve"]
                                                        if accuracy >= settings["target_accuracy"]), None)
     assert cell["median"]["gap_pt"] == run["gap_pt"] and cell["median"]["failed"] == 0
@@ -259,6 +269,7 @@ def test_models_reference_is_read_at_each_cells_samples_and_cells_are_summarised
     curve = Curve(points=((100, 0.4), (200, 0.7), (304, 0.6), (400, 0.65)), seconds=1.0)
     assert curve.at(200) == 0.7 and curve.at(300) == 0.6 and curve.at(401) is None
     assert curve.best(300) == 0.7 and curve.best(100) == 0.4
+    assert curve.best_at([300, 400]) == 0.65 and curve.best_at([150, 401]) == 0.7 and curve.best_at([500]) is None
     assert curve.reaching(0.6) == 200 and curve.reaching(0.9) is None
     assert checkpoints([300, 120], 100) == [100, 120, 200, 300]
     mixes = device_mixes(["w0", "w1", "w2", "w3"], 10)

@@ -5,13 +5,15 @@ job, as systemd runs them) gets one job per cell of a matrix of models (:mod:`ed
 plain CNN, a batch-norm CNN, the MobileNetV2-style and ResNet-8 examples, an entry-point module) x sync policies x
 seeds, submitted as ``edgemesh job submit`` does, one after another on the same processes. Each device holds an
 image folder of drawn glyphs (:mod:`edgemesh.bench.glyphs`: five classes, a different mix per device, the last
-lacking one class); the held-out folder sits on the parameter server's host. A job stops at ``--target`` or at
-its cap (``--max-minutes``, ``--max-versions``).
+lacking one class); the held-out folder sits on the parameter server's host. Every job trains on the same budget of
+samples (``--samples``): the benchmark stops it (``edgemesh job stop``, as an operator would) once the updates the
+PS accepted carry that many, so that no cell ends where its own curve happened to first touch the target (with no
+budget, a job stops at ``--target``); ``--max-minutes`` and ``--max-versions`` cap it.
 
 Per cell and seed the report gives the job's reported accuracy (``JobState.accuracy``, of the model kept on
 ``job/model``), the held-out accuracy of that model exported with ``edgemesh job export --format onnx`` and run
-in onnxruntime (as a user would), the time to the target (from the job's evaluations), the versions, the samples
-the fleet trained on, the gradient bytes the PS received and the bytes the services published.
+in onnxruntime (as a user would), the time to the target (the job's first evaluation at or above ``--target``), the
+versions, the samples the fleet trained on, the gradient bytes the PS received and the bytes the services published.
 
 **Samples seen.** The PS's ledger records no sample counts, so the benchmark counts them on the bus: every
 ``accepted`` ack of the job, times the batch its device had in the job's latest plan (a device's last batch of an
@@ -22,9 +24,13 @@ accepted updates (``edgemesh_ps_updates_total``) is reported beside the acks cou
 (same spec, same initial weights, same normalization) with ``torch.optim.SGD`` (the job's learning rate, momentum
 0.9, batch size) on the pooled training images of every device, for as many samples as the most any policy's cell
 of that model and seed saw, and is evaluated on the held-out folder, in eval mode, exactly when its samples reach
-each cell's count (and every ``1/REFERENCE_EVALUATIONS`` of the run). So each cell's reference figure is the
-accuracy after that cell's own samples seen; its best is the best evaluation up to then; its samples to the target
-those at its first evaluation at or above it. The gap is the exported accuracy minus the reference's, in points.
+those of each of the cell's evaluations (the samples of the updates up to the version evaluated) and the cell's
+samples seen (and every ``1/REFERENCE_EVALUATIONS`` of the run).
+
+**The gap.** A job exports the best model its evaluations saw (docs/jobs.md), so the reference is given the same
+choice: its best accuracy at the samples of the cell's own evaluations (``reference_best_accuracy``), as many picks
+at the same points. ``gap_pt`` is the exported accuracy minus that, in points. ``gap_last_pt`` compares the ends
+instead: the job's last evaluation against the reference after the cell's samples seen (``reference_accuracy``).
 
 The report (and its PNG, a heat map of the median gap per cell) is written after every cell and reference, so a
 run cut short keeps what it measured (``complete`` says whether it ran to the end).
@@ -43,6 +49,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -67,10 +74,11 @@ from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.data import Dataset, load_local
 from edgemesh.common.errors import EdgeMeshError
-from edgemesh.common.messages import JobState, Plan, UpdateAck
+from edgemesh.common.messages import ControlCommand, JobState, Plan, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import PREFIX, Filter, TopicMatch, all_job_states_filter
+from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics, all_job_states_filter
 from edgemesh.local.processes import LocalCluster
+from edgemesh.operator.job import COMMAND_TTL_S
 
 POLICIES = ("sync", "async", "adaptive")
 EXPORT_TIMEOUT_S = 180.0
@@ -81,10 +89,15 @@ UNCAPPED_JOB_S = 3600.0
 """How long a job capped by versions alone may take to end."""
 REFERENCE_EVALUATIONS = 20
 """Evaluations of a reference run besides those at the cells' sample counts, evenly spaced."""
+BUDGET_SOURCE = ("the bench stops a job (edgemesh job stop) once its accepted updates carry --samples samples; the "
+                 "updates in flight then still land, so a cell may see a few batches more")
 SAMPLES_SOURCE = ("accepted acks of the job counted on the bus, each times its device's batch in the job's latest "
                   "plan (the PS's ledger records no samples)")
 REFERENCE_MATCH = ("per model and seed, one run trained to the most samples any policy's cell saw, evaluated exactly "
-                   "at each cell's samples seen")
+                   "at the samples of each cell's evaluations and at each cell's samples seen")
+GAP = ("gap_pt: exported accuracy (the best model the job's evaluations saw) - the reference's best at the samples of "
+       "the cell's evaluations; gap_last_pt: the job's last evaluation - the reference at the cell's samples seen; "
+       "points")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +114,8 @@ class Settings:
     target: float
     max_minutes: float
     max_versions: int
+    samples: int = 0
+    """The budget: a job is stopped once its accepted updates carry this many samples (0: at ``target``)."""
     quick: bool = False
 
     @property
@@ -109,10 +124,10 @@ class Settings:
 
 
 FULL = {"models": None, "policies": ",".join(POLICIES), "seeds": 3, "workers": 4, "per_class": 80,
-        "held_out_per_class": 60, "max_minutes": 1.0}
+        "held_out_per_class": 60, "max_minutes": 5.0, "samples": 12000}
 """The defaults of a full run (``--models`` None: every model)."""
 QUICK = {"models": "plain-cnn", "policies": "async", "seeds": 1, "workers": 3, "per_class": 24,
-         "held_out_per_class": 16, "max_minutes": 0.5}
+         "held_out_per_class": 16, "max_minutes": 1.0, "samples": 1600}
 """``--quick``: one small model, one policy, one seed, tiny data."""
 
 
@@ -127,6 +142,12 @@ class Tally:
     """Job -> device -> batch size in the job's latest plan."""
     accepted: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Job -> (version after the update, samples) of each accepted update."""
+    budget: int = 0
+    """Samples after which a job has had its budget (0: none)."""
+    default_batch: int = 0
+    """The batch counted for a device not yet in a plan seen."""
+    spent: dict[str, asyncio.Event] = field(default_factory=dict)
+    """Job -> set once its accepted updates carry ``budget`` samples."""
 
     def routes(self) -> list[tuple[Filter, type, Any]]:
         return [(Filter(f"{PREFIX}/+/plan", "plan"), Plan, self.on_plan),
@@ -139,6 +160,11 @@ class Tally:
         if ack.status == "accepted":
             batch = self.batches.get(where.job, {}).get(ack.device, 0)
             self.accepted.setdefault(where.job, []).append((ack.version, batch))
+            if self.budget and self.samples(where.job, default_batch=self.default_batch) >= self.budget:
+                self.spent_event(where.job).set()
+
+    def spent_event(self, job: str) -> asyncio.Event:
+        return self.spent.setdefault(job, asyncio.Event())
 
     def samples(self, job: str, *, upto: int | None = None, default_batch: int) -> int:
         """Samples of the job's accepted updates (up to version ``upto``), a device not yet in a plan seen counted
@@ -196,19 +222,25 @@ class Fleet:
     module_path: Path
     held_out: Dataset
     progress: Callable[[str], None]
+    bus: Bus
 
 
 async def run_cell(fleet: Fleet, entry: model_jobs.BenchModel, policy: str, seed: int,
                    settings: Settings) -> dict[str, Any]:
     """Submit one cell's job, follow it to its end, export its model and score it; the cell's figures."""
-    text = model_jobs.job_text(entry, policy=policy, seed=seed, target=settings.target,
+    text = model_jobs.job_text(entry, policy=policy, seed=seed, target=0.0 if settings.samples else settings.target,
                                max_minutes=settings.max_minutes, max_versions=settings.max_versions,
                                module_path=fleet.module_path)
     cluster = fleet.cluster
     await asyncio.to_thread(cluster.scrape_all)
     host_published = host_total(cluster, "_published_bytes_total")
-    run = await submit_and_follow(fleet.config, fleet.watch, text, search_path=[str(fleet.module_path)],
-                                  timeout_s=settings.job_timeout_s, progress=fleet.progress)
+    fleet.tally.default_batch = entry.batch_size
+    stopper = asyncio.create_task(stop_when_spent(fleet, model_jobs.job_name(entry.name, policy, seed)))
+    try:
+        run = await submit_and_follow(fleet.config, fleet.watch, text, search_path=[str(fleet.module_path)],
+                                      timeout_s=settings.job_timeout_s, progress=fleet.progress)
+    finally:
+        stopper.cancel()
     await asyncio.to_thread(cluster.scrape_all)
     cell = figures(fleet, run, entry, settings)
     since = run.submitted_at or time.time()
@@ -224,6 +256,18 @@ async def run_cell(fleet: Fleet, entry: model_jobs.BenchModel, policy: str, seed
     return cell
 
 
+async def stop_when_spent(fleet: Fleet, job: str) -> None:
+    """Stop ``job`` as ``edgemesh job stop`` would (the same command on the job's control topic, from the bench's
+    own connection, already up: a new one would let more updates land) once its accepted updates carry the run's
+    budget of samples."""
+    if not fleet.tally.budget:
+        return
+    await fleet.tally.spent_event(job).wait()
+    await fleet.bus.publish(Topics(job).control("job"), ControlCommand(
+        command="stop", request_id=uuid.uuid4().hex, requester=f"bench-{uuid.uuid4().hex[:8]}",
+        expires_at=time.time() + COMMAND_TTL_S))
+
+
 def figures(fleet: Fleet, run: Submitted, entry: model_jobs.BenchModel, settings: Settings) -> dict[str, Any]:
     """A cell's figures from its job's states and the acks counted."""
     final, name = run.final, run.spec.name
@@ -236,8 +280,8 @@ def figures(fleet: Fleet, run: Submitted, entry: model_jobs.BenchModel, settings
         return cell
     if final.state == "failed":
         cell["failure"] = f"the job failed: {final.reason}"
-    reached = next(((t, v) for t, v, accuracy in evaluations(fleet.watch, name) if accuracy >= settings.target),
-                   None)
+    evaluated = evaluations(fleet.watch, name)
+    reached = next(((t, v) for t, v, accuracy in evaluated if accuracy >= settings.target), None)
     cell.update(
         state=final.state, reason=final.reason, reported_accuracy=final.accuracy, model_version=final.model_version,
         versions=final.version, reached_target=reached is not None,
@@ -247,7 +291,9 @@ def figures(fleet: Fleet, run: Submitted, entry: model_jobs.BenchModel, settings
         samples_to_kept_model=fleet.tally.samples(name, upto=final.model_version, default_batch=entry.batch_size),
         training_s=round(final.ended_at - final.started_at, 2) if final.ended_at and final.started_at else None,
         gradient_bytes_received=final.bytes_received, devices=list(final.devices), device_errors=final.device_errors,
-        evaluations=[(round(t - final.started_at, 2), v, round(a, 4)) for t, v, a in evaluations(fleet.watch, name)])
+        evaluations=[(round(t - final.started_at, 2), v, round(a, 4)) for t, v, a in evaluated],
+        evaluation_samples=[fleet.tally.samples(name, upto=v, default_batch=entry.batch_size) for _, v, _ in evaluated],
+        last_evaluated_accuracy=round(evaluated[-1][2], 4) if evaluated else None)
     return cell
 
 
@@ -293,6 +339,7 @@ def run_reference(entry: model_jobs.BenchModel, seed: int, cells: dict[str, dict
     from edgemesh.common.jobs import model_spec, parse_job
 
     counts = {policy: cell["samples_seen"] for policy, cell in cells.items() if cell.get("samples_seen")}
+    evaluated = {policy: [s for s in cells[policy].get("evaluation_samples", []) if s] for policy in counts}
     if not counts:
         return {"failure": "no cell of this model and seed trained on any sample"}
     spec = parse_job(model_jobs.job_text(entry, policy=settings.policies[0], seed=seed, target=settings.target,
@@ -307,14 +354,15 @@ def run_reference(entry: model_jobs.BenchModel, seed: int, cells: dict[str, dict
     training = spec.settings.get("training", {})
     curve = reference.train(module, data, held_out, lr=entry.lr, momentum=float(training.get("momentum", 0.9)),
                             weight_decay=float(training.get("weight_decay", 0.0)), batch_size=entry.batch_size,
-                            seed=seed, at=reference.checkpoints(list(counts.values()), spacing))
+                            seed=seed,
+                            at=reference.checkpoints([*counts.values(), *chain(*evaluated.values())], spacing))
     for policy, samples in counts.items():
         cell = cells[policy]
         cell["reference_accuracy"] = curve.at(samples)
-        cell["reference_best_accuracy"] = curve.best(samples)
+        cell["reference_best_accuracy"] = curve.best_at(evaluated[policy] or [samples])
         cell["reference_samples_to_target"] = curve.reaching(settings.target)
-        cell["gap_pt"] = models_report.gap_pt(cell.get("exported_accuracy"), cell["reference_accuracy"])
-        cell["gap_to_best_pt"] = models_report.gap_pt(cell.get("exported_accuracy"), cell["reference_best_accuracy"])
+        cell["gap_pt"] = models_report.gap_pt(cell.get("exported_accuracy"), cell["reference_best_accuracy"])
+        cell["gap_last_pt"] = models_report.gap_pt(cell.get("last_evaluated_accuracy"), cell["reference_accuracy"])
     return {"samples": max(counts.values()), "seconds": curve.seconds, "failure": None,
             "curve": [(s, round(a, 4)) for s, a in curve.points]}
 
@@ -330,9 +378,10 @@ async def run_matrix(config: Config, workdir: Path, devices: list[str], settings
     held_out = load_folder(workdir / "ps" / model_jobs.EVAL_PATH)
     data = pooled(workdir, devices)
     cluster = LocalCluster(config, workdir, serve_jobs=True)
-    fleet = Fleet(config, cluster, workdir, Watch(), Tally(), module_path, held_out, progress)
     bus = Bus(config.broker, client_id=f"edgemesh-bench-models-{uuid.uuid4().hex[:8]}",
               metrics=ServiceMetrics("bench"))
+    fleet = Fleet(config, cluster, workdir, Watch(), Tally(budget=settings.samples), module_path, held_out, progress,
+                  bus)
     bus.route(all_job_states_filter(), JobState, fleet.watch.keep)
     for route in fleet.tally.routes():
         bus.route(*route)
@@ -392,9 +441,10 @@ def run(report: Path, config: Config, settings: Settings, *, command: str, overr
                      "held_out_per_class": settings.held_out_per_class, "target_accuracy": settings.target,
                      "max_minutes": settings.max_minutes, "max_versions": settings.max_versions,
                      "quick": settings.quick, "eval_every": model_jobs.EVAL_EVERY, "overrides": overrides,
+                     "samples_budget": settings.samples, "budget": BUDGET_SOURCE if settings.samples else None,
                      "samples_seen": SAMPLES_SOURCE, "reference": REFERENCE_MATCH,
                      "reference_optimizer": "torch.optim.SGD, the job's lr, momentum 0.9, batch size; pooled data",
-                     "gap": "exported accuracy - reference accuracy at the cell's samples seen, points"},
+                     "gap": GAP},
         "models": {},
         "data": {}, "cells": {}, "references": {}, "summary": {}, "failure": None, "complete": False,
     }
@@ -437,7 +487,11 @@ def register(parser: argparse.ArgumentParser) -> None:
                                                       f"(default {FULL['per_class']})")
     parser.add_argument("--held-out-per-class", type=int,
                         help=f"held-out images per class (default {FULL['held_out_per_class']})")
-    parser.add_argument("--target", type=float, default=0.8, help="target accuracy: a job ends when it reaches it")
+    parser.add_argument("--target", type=float, default=0.8,
+                        help="target accuracy: the time and samples to it are reported (with --samples 0, a job ends "
+                             "when it reaches it)")
+    parser.add_argument("--samples", type=int, help="the budget: each job is stopped once its accepted updates carry "
+                                                    f"this many samples; 0: none (default {FULL['samples']})")
     parser.add_argument("--max-minutes", type=float,
                         help=f"cap: a job ends after this many minutes of training (default {FULL['max_minutes']})")
     parser.add_argument("--max-versions", type=int, default=0, help="cap: a job ends at this model version (0: none)")
@@ -468,11 +522,14 @@ def settings_of(args: argparse.Namespace) -> Settings:
     settings = Settings(models=tuple(chosen), policies=tuple(policies), seeds=given("seeds"),
                         workers=given("workers"), per_class=given("per_class"),
                         held_out_per_class=given("held_out_per_class"), target=args.target,
-                        max_minutes=given("max_minutes"), max_versions=args.max_versions, quick=args.quick)
+                        max_minutes=given("max_minutes"), max_versions=args.max_versions, samples=given("samples"),
+                        quick=args.quick)
     if not settings.models or not settings.policies or settings.seeds < 1 or settings.workers < 2:
         raise ValueError("give at least one model, one policy, one seed and two workers")
     if settings.per_class < 2 or settings.held_out_per_class < 1 or not 0 < settings.target <= 1:
         raise ValueError("--per-class >= 2, --held-out-per-class >= 1, --target in (0, 1]")
+    if settings.samples < 0:
+        raise ValueError("--samples >= 0")
     if settings.max_minutes < 0 or settings.max_versions < 0 or not (settings.max_minutes or settings.max_versions):
         raise ValueError("give a cap: --max-minutes > 0 or --max-versions > 0")
     return settings

@@ -12,10 +12,10 @@ from typing import Any
 
 from edgemesh.bench.reporting import pyplot, save
 
-MEDIAN_FIELDS = ("reported_accuracy", "exported_accuracy", "reference_accuracy", "reference_best_accuracy", "gap_pt",
-                 "gap_to_best_pt", "time_to_target_s", "training_s", "model_version", "versions", "samples_seen",
-                 "samples_to_target", "reference_samples_to_target", "accepted_updates", "gradient_bytes_received",
-                 "bytes_published_by_services")
+MEDIAN_FIELDS = ("reported_accuracy", "exported_accuracy", "last_evaluated_accuracy", "reference_accuracy",
+                 "reference_best_accuracy", "gap_pt", "gap_last_pt", "time_to_target_s", "training_s", "model_version",
+                 "versions", "samples_seen", "samples_to_target", "reference_samples_to_target", "accepted_updates",
+                 "gradient_bytes_received", "bytes_published_by_services")
 """The figures of a cell's seed whose median over the seeds the cell gives."""
 WITHIN_PT = 2.0
 """A cell is within reach of the reference when its median gap is at most this many points either way."""

@@ -31,6 +31,12 @@ class Curve:
         """The samples at the first checkpoint whose accuracy is at least ``accuracy`` (None: none is)."""
         return next((seen for seen, reached in self.points if reached >= accuracy), None)
 
+    def best_at(self, samples: Sequence[int]) -> float | None:
+        """The best accuracy at the first checkpoint at or past each of ``samples``: the pick a run evaluated at
+        those points has."""
+        found = [accuracy for accuracy in map(self.at, samples) if accuracy is not None]
+        return max(found, default=None)
+
     def best(self, samples: int) -> float | None:
         """The best accuracy at the checkpoints up to the first at or past ``samples``."""
         upto = [accuracy for seen, accuracy in self.points if seen < samples]
