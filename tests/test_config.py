@@ -309,7 +309,8 @@ def test_to_toml_round_trips_a_changed_config(tmp_path: Path) -> None:
     cfg = load_config(env={}, overrides={"job": "lab-1", "training.lr": "0.25", "ps.fsync": "false",
                                          "ps.adaptive.alpha": "0.5", "ps.adaptive.window": "4",
                                          "compressor.overrides": '{"pi-7": "none", "pi-8": "fp16"}',
-                                         "broker.password": 'p"w\\\\x'})
+                                         "broker.password": 'p"w\\\\x', "models.allowed": "acme,lab.nets",
+                                         "models.path": '["/opt/edgemesh/models"]'})
     path = tmp_path / "c.toml"
     path.write_text(to_toml(cfg))
     assert load_config(path, env={}) == cfg

@@ -12,6 +12,7 @@ from edgemesh.common.config.sections import (
     Config,
     DemoConfig,
     MetricsConfig,
+    ModelsConfig,
     PlannerConfig,
     TrainingConfig,
     WorkerConfig,
@@ -19,6 +20,6 @@ from edgemesh.common.config.sections import (
 
 __all__ = [
     "AdaptiveConfig", "BrokerConfig", "GuardConfig", "CompressorConfig", "Config", "DemoConfig", "MetricsConfig",
-    "ParameterServerConfig", "PlannerConfig", "TrainingConfig", "WorkerConfig", "describe", "load_config", "to_toml",
-    "with_settings",
+    "ModelsConfig", "ParameterServerConfig", "PlannerConfig", "TrainingConfig", "WorkerConfig", "describe",
+    "load_config", "to_toml", "with_settings",
 ]

@@ -3,7 +3,8 @@
 Precedence: defaults < TOML file < ``EDGEMESH_*`` environment < command-line overrides.
 Environment names are ``EDGEMESH_<SECTION>__<FIELD>`` (``EDGEMESH_PS__CHECKPOINT_EVERY=100``,
 ``EDGEMESH_PS__ADAPTIVE__ALPHA=0.5`` for a nested section) or ``EDGEMESH_<FIELD>`` for top-level
-fields (``EDGEMESH_JOB=lab1``). Flags arrive as dotted keys (``ps.adaptive.alpha=0.5``). Every
+fields (``EDGEMESH_JOB=lab1``). Flags arrive as dotted keys (``ps.adaptive.alpha=0.5``). From text, a
+table is a JSON object and a list a JSON list or comma-separated (``models.allowed=acme,lab.nets``). Every
 value is validated; problems raise ``ConfigError`` naming the key.
 """
 
@@ -58,6 +59,17 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
         return value
+    if origin is tuple:
+        if from_text:  # a JSON list, or comma-separated items
+            try:
+                value = json.loads(value) if value.lstrip().startswith("[") else \
+                    [item.strip() for item in value.split(",") if item.strip()]
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{key}: expected a JSON list: {exc}") from None
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list")
+        item_tp = get_args(tp)[0]
+        return tuple(_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if from_text:
             try:
@@ -183,6 +195,8 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value)  # a JSON string is a valid TOML basic string
     if isinstance(value, dict):
         return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise ConfigError(f"cannot write {value!r} to TOML")
 
 

@@ -375,6 +375,27 @@ class DemoConfig:
 
 
 @dataclass(slots=True)
+class ModelsConfig:
+    """Whose code a job's entry-point model may run on this machine (docs/jobs.md#whose-code-runs). A job never
+    sets it: a host imports only what its own configuration allows, from the directories it names."""
+
+    allowed: tuple[str, ...] = ()
+    """Module-name prefixes an entry point may be imported from, on whole dotted components: ``"acme_models"``
+    allows ``acme_models`` and ``acme_models.cnn``, not ``acme_models2``. Empty (the default) = none: jobs bring
+    layer lists only."""
+    path: tuple[str, ...] = ()
+    """Absolute directories searched first for those modules (then the installed packages). A job's
+    ``model.module_path`` is never added: a host refuses a job whose module_path is not one of these."""
+
+    def __post_init__(self) -> None:
+        for prefix in self.allowed:
+            _require(bool(prefix) and all(part.isidentifier() for part in prefix.split(".")), "models.allowed",
+                     f"{prefix!r} is not a module name (package.module)")
+        for directory in self.path:
+            _require(os.path.isabs(directory), "models.path", f"{directory!r} is not an absolute directory")
+
+
+@dataclass(slots=True)
 class Config:
     """Everything a service needs."""
 
@@ -392,6 +413,7 @@ class Config:
     compressor: CompressorConfig = field(default_factory=CompressorConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
 
     def __post_init__(self) -> None:
         _require(not self.job or valid_name(self.job), "job",
