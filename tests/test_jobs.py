@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edgemesh.common import costs, models
-from edgemesh.common.config import load_config
+from edgemesh.common.config import ModelsConfig, load_config
 from edgemesh.common.errors import JobError
 from edgemesh.common.jobs import check_model, job_config, parse_job, read_job_file, render_job, run_name
 from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION
@@ -87,8 +87,12 @@ def test_a_model_that_does_not_build_names_the_layer(change: tuple[str, str], na
 def test_an_entry_point_that_does_not_import_is_named() -> None:
     text = GOOD.replace('layers = [{conv2d = 8, kernel = 3, padding = 1}, "relu", {maxpool2d = 2}, "flatten", '
                         '{linear = 3}]', 'entry_point = "no_such_models:build"')
+    with pytest.raises(JobError) as caught:
+        check_model(parse_job(text), trust=ModelsConfig(allowed=("no_such_models",)))
+    assert any("no_such_models" in p and "does not import" in p for p in caught.value.problems), caught.value
+    # a module the operator's configuration does not allow is refused, naming the setting
     found = problems(text)
-    assert any("no_such_models" in p and "does not import" in p for p in found), found
+    assert any("no_such_models" in p and "models.allowed" in p for p in found), found
 
 
 def test_an_entry_point_model_from_the_job_files_directory(tmp_path: Path) -> None:
@@ -98,7 +102,7 @@ def test_an_entry_point_model_from_the_job_files_directory(tmp_path: Path) -> No
     job = tmp_path / "job.toml"
     job.write_text(GOOD.replace('layers = [{conv2d = 8, kernel = 3, padding = 1}, "relu", {maxpool2d = 2}, "flatten", '
                                 '{linear = 3}]', 'entry_point = "my_models:build"'))
-    spec, submission = prepare(job)
+    spec, submission = prepare(job, trust=ModelsConfig(allowed=("my_models",)))
     assert submission.params == 3 * 16 * 16 * 3 + 3 and submission.sha256 == spec.sha256
     assert submission.layers and submission.refusal == ""
 

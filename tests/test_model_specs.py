@@ -630,6 +630,10 @@ SIZE = 3
 '''
 
 
+USER_MODULES = ("em_user_models", "em_broken_models", "em_missing_models")
+"""The test's entry-point modules, allowed as a host's ``models.allowed`` allows them (nothing else imports)."""
+
+
 @pytest.fixture
 def user_dir(tmp_path: Path) -> Iterator[Path]:
     """A directory holding ``em_user_models.py`` (and ``em_broken_models.py``, which does not import)."""
@@ -642,7 +646,8 @@ def user_dir(tmp_path: Path) -> Iterator[Path]:
 
 def test_an_entry_point_builds_a_fresh_module_every_time(user_dir: Path) -> None:
     path_before = list(sys.path)
-    spec = entry_point_spec("ep-user", "em_user_models:build", (1, 6, 6), 3, search_path=[user_dir])
+    spec = entry_point_spec("ep-user", "em_user_models:build", (1, 6, 6), 3, allowed=USER_MODULES,
+                            search_path=[user_dir])
     assert sys.path == path_before  # the job's directory is on the path only while importing and building
     user = sys.modules["em_user_models"]
     assert user.calls == 1  # built once to check it
@@ -662,13 +667,13 @@ def test_an_entry_point_builds_a_fresh_module_every_time(user_dir: Path) -> None
 
 def test_an_entry_point_gets_its_shape_and_classes_by_keyword_and_standardizes(user_dir: Path) -> None:
     spec = entry_point_spec("ep-shaped", "em_user_models:shaped", (1, 6, 6), 5, mean=(0.5,), std=(0.2,),
-                            search_path=[str(user_dir)])
+                            allowed=USER_MODULES, search_path=[str(user_dir)])
     model = spec.builder()
     # a user's Sequential is spliced after the normalization: its parameters keep their names
     assert [n for n, _ in model.named_children()] == ["input", "0", "1"]
     assert list(param_layout(model)) == ["1.weight", "1.bias", "input.mean", "input.std"]
     assert model(torch.zeros((2, 1, 6, 6))).shape == (2, 5)
-    assert entry_point_spec("ep-static", "em_user_models:Factory.make", (1, 6, 6), 3,
+    assert entry_point_spec("ep-static", "em_user_models:Factory.make", (1, 6, 6), 3, allowed=USER_MODULES,
                             search_path=[user_dir]).builder()(torch.zeros((1, 1, 6, 6))).shape == (1, 3)
 
 
@@ -692,12 +697,12 @@ def test_an_entry_point_gets_its_shape_and_classes_by_keyword_and_standardizes(u
 ])
 def test_a_bad_entry_point_is_refused_naming_it(user_dir: Path, entry_point: str, match: str) -> None:
     with pytest.raises(ModelError, match=match):
-        entry_point_spec("ep-bad", entry_point, (1, 6, 6), 3, search_path=[user_dir])
+        entry_point_spec("ep-bad", entry_point, (1, 6, 6), 3, allowed=USER_MODULES, search_path=[user_dir])
 
 
 def test_a_module_outside_the_search_path_does_not_import(user_dir: Path) -> None:
     with pytest.raises(ModelError, match="does not import: No module named 'em_user_models'"):
-        entry_point_spec("ep-nowhere", "em_user_models:bare", (1, 6, 6), 3)
+        entry_point_spec("ep-nowhere", "em_user_models:bare", (1, 6, 6), 3, allowed=USER_MODULES)
 
 
 # --------------------------------------------------------------------------- the cost registry

@@ -9,8 +9,9 @@ the service configuration's own sections, as in a service's TOML file).
 :func:`parse_job` reads the file and names every problem it finds at once (:class:`JobError`); it does
 not import torch, so the planner can parse jobs too. :func:`check_model` builds the model (torch), which
 ``edgemesh job submit`` does before publishing, as the parameter server and the workers do when they
-start the job. :func:`job_config` is the configuration a service serves a job with: its own settings
-(broker, metrics, device) under the job's.
+start the job (:func:`host_model_spec`). An entry point is imported only from a module the building machine's
+own ``[models]`` configuration allows, never from a directory the job names on a host. :func:`job_config` is the
+configuration a service serves a job with: its own settings (broker, metrics, device, models) under the job's.
 """
 
 from __future__ import annotations
@@ -19,20 +20,22 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from edgemesh.common.config import Config
+from edgemesh.common.config import Config, ModelsConfig
 from edgemesh.common.config.loading import with_settings
-from edgemesh.common.errors import ConfigError, EdgeMeshError, JobError
+from edgemesh.common.errors import ConfigError, EdgeMeshError, JobError, ModelError
 from edgemesh.common.vocabulary import valid_name
 
 if TYPE_CHECKING:
     from edgemesh.common.costs import LayerCost, ModelCost
     from edgemesh.common.models import ModelSpec
+    from edgemesh.common.models.entry_point import Allowed
 
 DataFormat = Literal["image-folder", "csv", "npz", "digits"]
 DATA_FORMATS: Final[tuple[DataFormat, ...]] = ("image-folder", "csv", "npz", "digits")
@@ -42,8 +45,9 @@ SECTIONS: Final = ("job", "model", "data", "evaluation", "training", "planner", 
 SETTING_SECTIONS: Final = ("training", "planner", "ps", "compressor")
 """Sections that set the services' configuration for this job (same keys as a service's TOML)."""
 SET_BY_THE_JOB: Final = {"training.model_spec", "training.dataset", "training.dataset_path", "ps.state_dir",
-                         "ps.eval_every"}
-"""Settings a job file may not give: the job sets them from its other sections, or they belong to the host."""
+                         "ps.eval_every", "ps.memory_limit_mb"}
+"""Settings a job file may not give: the job sets them from its other sections, or they belong to the host (its
+state, its memory budget)."""
 MAX_JOB_FILE_BYTES: Final = 256 * 1024
 DIGITS_SHAPE: Final = (1, 8, 8)
 DIGITS_CLASSES: Final = tuple(str(d) for d in range(10))
@@ -61,7 +65,8 @@ class ModelDef:
     entry_point: str = ""
     """``package.module:function`` returning a ``torch.nn.Module``."""
     module_path: str = ""
-    """A directory added to the import path to find ``entry_point`` (on every host that builds the model)."""
+    """Where ``entry_point``'s module is: searched by ``edgemesh job submit`` on the operator's machine; never added
+    to a host's import path (a host refuses the job unless its own ``models.path`` lists this very directory)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,24 +326,43 @@ def _evaluation(table: Mapping[str, Any], data: DataDef | None, errors: _Errors)
 # --------------------------------------------------------------------------- the model
 
 
-def model_spec(job: JobSpec, *, search_path: Sequence[str] = ()) -> ModelSpec:
-    """The job's model as a registered ``models.ModelSpec`` named ``job.model_key`` (imports torch).
+def model_spec(job: JobSpec, *, allowed: Allowed = (), search_path: Sequence[str] = ()) -> ModelSpec:
+    """The job's model as a registered ``models.ModelSpec`` named ``job.model_key`` (imports torch). An entry point
+    is imported only from a module ``allowed`` allows (none by default), found on ``search_path`` first; the job's
+    own ``model.module_path`` is searched only where the caller puts it in ``search_path``.
 
-    ModelError (naming the layer, or the entry point) when it does not build.
+    ModelError (naming the layer, or the entry point) when it does not build or is not allowed.
     """
     from edgemesh.common import models
 
     m, d = job.model, job.data
     mean, std = _per_channel(d.mean, m.input_shape), _per_channel(d.std, m.input_shape)
     if m.entry_point:
-        paths = [p for p in (m.module_path, *search_path) if p]
         spec = models.entry_point_spec(job.model_key, m.entry_point, m.input_shape, job.num_classes, mean=mean,
-                                       std=std, search_path=paths)
+                                       std=std, allowed=allowed, search_path=[p for p in search_path if p])
     else:
         spec = models.layer_list_spec(job.model_key, list(m.layers), m.input_shape, job.num_classes, mean=mean,
                                       std=std, description=job.description)
     models.register_spec(spec)
     return spec
+
+
+def host_model_spec(job: JobSpec, models: ModelsConfig) -> ModelSpec:
+    """The job's model as a host builds it (the parameter server, a worker): an entry point only from a module the
+    host's ``models.allowed`` allows, found on its ``models.path``. ModelError, before anything is imported, for a
+    module it does not allow and for a job whose ``model.module_path`` is not one of the host's ``models.path``:
+    a job may not add a directory to a host's import path."""
+    from edgemesh.common.models.entry_point import check_allowed
+
+    m = job.model
+    if m.entry_point:
+        check_allowed(m.entry_point, models.allowed)
+        if m.module_path and os.path.normpath(m.module_path) not in {os.path.normpath(p) for p in models.path}:
+            listed = ", ".join(repr(p) for p in models.path) or "none"
+            raise ModelError(f"entry point {m.entry_point!r}: model.module_path {m.module_path!r} is not one of this "
+                             f"host's models.path ({listed}); a job cannot add a directory to a host's import path: "
+                             "install the module, or list its directory in the host's models.path")
+    return model_spec(job, allowed=models.allowed, search_path=models.path)
 
 
 def _per_channel(values: tuple[float, ...], shape: tuple[int, ...]) -> tuple[float, ...]:

@@ -27,7 +27,7 @@ from typing import Any, TextIO, TypeVar
 
 from edgemesh import cli
 from edgemesh.common.bus import Bus
-from edgemesh.common.config import Config
+from edgemesh.common.config import Config, ModelsConfig
 from edgemesh.common.errors import EdgeMeshError, JobError
 from edgemesh.common.jobs import JobSpec, check_model, parse_job, read_job_file
 from edgemesh.common.messages import (
@@ -86,16 +86,20 @@ class _Latest:
 # --------------------------------------------------------------------------- submit
 
 
-def prepare(path: str | Path, *, module_path: list[str] | None = None) -> tuple[JobSpec, JobSubmission]:
-    """Read and validate a job file and build its model (an entry point is imported from ``module_path``,
-    the job's own ``model.module_path`` and the file's directory); JobError names every problem."""
+def prepare(path: str | Path, *, module_path: list[str] | None = None,
+            trust: ModelsConfig | None = None) -> tuple[JobSpec, JobSubmission]:
+    """Read and validate a job file and build its model (an entry point only from a module ``trust.allowed``
+    allows, the operator's own configuration, imported from ``module_path``, the file's directory, the job's own
+    ``model.module_path`` and ``trust.path``); JobError names every problem."""
     spec = read_job_file(path)
-    return spec, submission_of(spec, search_path=[*(module_path or []), str(Path(path).resolve().parent)])
+    return spec, submission_of(spec, search_path=[*(module_path or []), str(Path(path).resolve().parent)],
+                               trust=trust)
 
 
-def submission_of(spec: JobSpec, *, search_path: list[str]) -> JobSubmission:
-    """The submission of a validated job: its model built, its cost figures derived."""
-    cost, layers, refusal = check_model(spec, search_path=search_path)
+def submission_of(spec: JobSpec, *, search_path: list[str], trust: ModelsConfig | None = None) -> JobSubmission:
+    """The submission of a validated job: its model built (an entry point as :func:`prepare` says), its cost figures
+    derived."""
+    cost, layers, refusal = check_model(spec, search_path=search_path, trust=trust)
     if spec.settings.get("planner", {}).get("parallelism") == "mesh" and layers is None:
         raise JobError(spec.name, [f"planner.parallelism = mesh: {refusal}"])
     return JobSubmission(name=spec.name, source=spec.source.encode(), sha256=spec.sha256,
@@ -364,7 +368,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="the job file (TOML)")
     p.add_argument("--check", action="store_true", help="validate and build the model only; publish nothing")
     p.add_argument("--module-path", action="append", default=[],
-                   help="a directory to import an entry-point model from, on this machine (repeatable)")
+                   help="a directory to import an entry-point model from, on this machine (repeatable); the "
+                        "module must be one models.allowed allows")
     p.add_argument("--wait", type=float, default=ANSWER_WAIT_S, help="seconds to wait for the job to be queued")
     sub.add_parser("list", help="every job on the broker and its state")
     p = sub.add_parser("status", help="a job's state, followed with a progress bar until it ends")
@@ -393,7 +398,7 @@ def _command(args: argparse.Namespace) -> int:
     try:
         match args.action:
             case "submit":
-                spec, submission = prepare(args.file, module_path=args.module_path)
+                spec, submission = prepare(args.file, module_path=args.module_path, trust=config.models)
                 if args.check:
                     print(f"{args.file}: job {spec.name} is valid (model {spec.model_key}, "
                           f"{submission.params:,} parameters)")

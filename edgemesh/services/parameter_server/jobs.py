@@ -30,7 +30,7 @@ import numpy as np
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError
-from edgemesh.common.jobs import model_spec
+from edgemesh.common.jobs import host_model_spec
 from edgemesh.common.messages import (
     ControlCommand,
     ControlReply,
@@ -392,6 +392,7 @@ async def serve_jobs(config: Config) -> None:
 
 
 async def for_job(active: ActiveJob) -> ParameterServer:
-    """The parameter server of a submitted job: its model registered (built from the job file) first."""
-    await asyncio.to_thread(model_spec, active.spec)
+    """The parameter server of a submitted job: its model registered (built from the job file; an entry point only
+    from a module this host's ``models.allowed`` allows) first."""
+    await asyncio.to_thread(host_model_spec, active.spec, active.config.models)
     return ParameterServer(active.config, job=active.spec)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from edgemesh import cli
 from edgemesh.common.config import Config
 from edgemesh.common.data import load_local
-from edgemesh.common.jobs import model_spec, resolve
+from edgemesh.common.jobs import host_model_spec, resolve
 from edgemesh.services.worker.service import Worker, device_name
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ async def for_job(active: ActiveJob) -> Worker:
     """This device's worker in a submitted job: the model built from the job file and the device's own data
     read first, so a device whose data is missing or broken says why and stays out (DataError, ModelError)."""
     spec = active.spec
-    await asyncio.to_thread(model_spec, spec)
+    await asyncio.to_thread(host_model_spec, spec, active.config.models)
     local = None
     if spec.data.format != "digits":
         local = await asyncio.to_thread(
