@@ -13,6 +13,9 @@ and ``std``), as contiguous float32 copies.
 
 torch, onnx, onnxruntime and safetensors are imported inside the functions that need them, so a
 host that only runs ONNX inference reads cards without torch.
+
+A job's entry point is Python code: ``export`` and ``predict`` rebuild an entry-point model only when the user
+passes ``--trust-code`` (:func:`trusted_model_spec`); a layer list needs no code, an ONNX file none at all.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import math
 import os
 import tempfile
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -36,6 +40,9 @@ from edgemesh.common.errors import ExportError
 
 if TYPE_CHECKING:
     import torch
+
+    from edgemesh.common.jobs import JobSpec
+    from edgemesh.common.models import ModelSpec
 
 EXPORT_FORMATS: Final = ("onnx", "safetensors", "torch")
 """What ``export_model`` writes: an ONNX graph, or the state dict as safetensors or a torch file."""
@@ -49,6 +56,7 @@ TRACE_BATCH: Final = 2
 """Batch size of the sample the exporter traces with (not 1, so nothing specializes on a single sample)."""
 CARD_SUFFIX: Final = ".card.json"
 INSTALL_HINT: Final = "pip install 'edgemesh[export]'"
+TRUST_FLAG: Final = "--trust-code"
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +175,21 @@ def write_card(card: ModelCard, model_path: Path) -> Path:
     path = card_path(model_path)
     _write_atomically(path, card.to_json().encode("utf-8"))
     return path
+
+
+def trusted_model_spec(job: JobSpec, *, trust_code: bool, search_path: Sequence[str], where: str) -> ModelSpec:
+    """The job's model registered, as ``export`` and ``predict`` rebuild it: a layer list always; an entry point
+    only when ``trust_code`` (the user passed ``--trust-code``), then whatever module it names, imported from
+    ``search_path`` first. Without it, ExportError naming the entry point and the flag, before anything is imported.
+    ``where`` names the job's origin (a job on the broker, a model card)."""
+    from edgemesh.common.jobs import model_spec
+    from edgemesh.common.models.entry_point import ANY_MODULE
+
+    if job.model.entry_point and not trust_code:
+        raise ExportError(f"{where} builds its model with the entry point {job.model.entry_point!r}, which is Python "
+                          f"code, and nothing is imported without {TRUST_FLAG}: pass {TRUST_FLAG} if you trust that "
+                          "code (with --module-path DIR where its module is), or use an ONNX export, which needs none")
+    return model_spec(job, allowed=ANY_MODULE if trust_code else (), search_path=search_path)
 
 
 def normalization(module: torch.nn.Module) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -6,7 +6,7 @@
     edgemesh job status NAME           its state, with a live progress bar until it ends (--once: at once); the
                                        devices out of it and why, its latest evaluations
     edgemesh job pause|resume|stop NAME
-    edgemesh job export NAME --format onnx|safetensors|torch --out PATH
+    edgemesh job export NAME --format onnx|safetensors|torch --out PATH [--trust-code]
 
 All of them are clients of the topics (docs/jobs.md): the job file on ``{job}/job``, its state on
 ``{job}/job/state`` (kept by the parameter server's host), commands on ``{job}/control/job``, the final
@@ -331,13 +331,23 @@ async def fetch_model(config: Config, name: str, *, timeout_s: float) -> tuple[J
     return spec, snap, states.items.get(name)
 
 
-async def export(config: Config, name: str, *, fmt: str, out: str, search_path: list[str], timeout_s: float) -> int:
+async def export(config: Config, name: str, *, fmt: str, out: str, search_path: list[str], timeout_s: float,
+                 trust_code: bool = False) -> int:
+    """Write the job's model as ``fmt`` to ``out`` with its card. An entry-point model is rebuilt only with
+    ``trust_code`` (``--trust-code``), from ``search_path`` then the job's ``model.module_path``."""
     from edgemesh.common import models
-    from edgemesh.common.jobs import model_spec
-    from edgemesh.operator.export import ModelCard, check_onnx, export_model, normalization, write_card
+    from edgemesh.operator.export import (
+        ModelCard,
+        check_onnx,
+        export_model,
+        normalization,
+        trusted_model_spec,
+        write_card,
+    )
 
     spec, snap, state = await fetch_model(config, name, timeout_s=timeout_s)
-    model_spec(spec, search_path=search_path)
+    trusted_model_spec(spec, trust_code=trust_code, search_path=[*search_path, spec.model.module_path],
+                       where=f"job {name!r}")
     module = models.build_model(spec.model_key)
     models.set_params(module, {k: t.to_numpy() for k, t in snap.tensors.items()})
     Path(out).parent.mkdir(parents=True, exist_ok=True)
@@ -385,7 +395,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--format", dest="fmt", choices=("onnx", "safetensors", "torch"), default="onnx")
     p.add_argument("--out", required=True, help="the model file to write")
     p.add_argument("--module-path", action="append", default=[],
-                   help="a directory to import an entry-point model from (repeatable)")
+                   help="with --trust-code: a directory to import an entry-point model from (repeatable)")
+    p.add_argument("--trust-code", action="store_true",
+                   help="import the entry point the job names (Python code: only for a job whose code you trust)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the model")
     for action_parser in sub.choices.values():
         cli.config_flags(action_parser)
@@ -412,7 +424,7 @@ def _command(args: argparse.Namespace) -> int:
                 return asyncio.run(command(config, args.name, args.action, timeout_s=args.timeout))
             case "export":
                 return asyncio.run(export(config, args.name, fmt=args.fmt, out=args.out, search_path=args.module_path,
-                                          timeout_s=args.timeout))
+                                          timeout_s=args.timeout, trust_code=args.trust_code))
     except JobError as exc:
         print(f"edgemesh job: {exc.origin} is not a valid job:", file=sys.stderr)
         for problem in exc.problems:

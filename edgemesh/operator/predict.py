@@ -1,10 +1,13 @@
-"""``edgemesh predict MODEL INPUT... [--top K] [--json]``: classify inputs with a model ``edgemesh job export`` wrote.
+"""``edgemesh predict MODEL INPUT... [--top K] [--json] [--trust-code [--module-path DIR]]``: classify inputs with
+a model ``edgemesh job export`` wrote.
 
 The model card beside MODEL (``MODEL.card.json``) gives the classes, the input shape and the format.
 An ONNX model runs on onnxruntime and numpy alone: torch is imported only for safetensors and torch
 files, so a board that only does inference needs onnxruntime, numpy and Pillow. A safetensors or
-torch file holds weights only; the model is rebuilt from the job file the card carries (an entry
-point module is looked for beside MODEL too).
+torch file holds weights only; the model is rebuilt from the job file the card carries. When that job
+builds its model with an entry point (Python code), nothing is imported unless the user passes
+``--trust-code``: then its module is imported from the ``--module-path`` directories, then MODEL's folder,
+then the installed packages.
 
 Inputs are image files (PNG, JPEG: converted and resized to the model's (C, H, W) as in training,
 pixels in [0, 1]) or ``.npy`` arrays of exactly the input shape (uint8 is scaled to [0, 1]). The
@@ -24,7 +27,7 @@ import numpy as np
 
 from edgemesh.common.data import IMAGE_SUFFIXES, UINT8_PIXEL_MAX, read_image
 from edgemesh.common.errors import DataError, ExportError
-from edgemesh.operator.export import INSTALL_HINT, ModelCard, card_path
+from edgemesh.operator.export import INSTALL_HINT, TRUST_FLAG, ModelCard, card_path
 
 PREDICT_BATCH: Final = 64
 """Inputs per forward pass."""
@@ -41,6 +44,11 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help=f"image files ({', '.join(IMAGE_SUFFIXES)}) or {ARRAY_SUFFIX} arrays of the input shape")
     parser.add_argument("--top", type=_positive, default=1, metavar="K", help="print the K likeliest classes (1)")
     parser.add_argument("--json", action="store_true", help="one JSON object per input: {input, top: [{class, p}]}")
+    parser.add_argument(TRUST_FLAG, dest="trust_code", action="store_true",
+                        help="a safetensors or torch model whose card's job names an entry point: import it (Python "
+                             "code, from --module-path, then the model's folder; only for code you trust)")
+    parser.add_argument("--module-path", action="append", default=[], metavar="DIR",
+                        help=f"with {TRUST_FLAG}: a directory to import the entry point from (repeatable)")
     parser.set_defaults(func=command)
 
 
@@ -60,7 +68,8 @@ def command(args: argparse.Namespace) -> int:
         raise ExportError(f"model file '{model}' does not exist")
     card = ModelCard.read(card_path(model))
     x = np.stack([read_input(path, card.input_shape) for path in args.inputs])
-    probabilities = softmax(run_batches(load_classifier(card, model), x, len(card.classes)))
+    classifier = load_classifier(card, model, trust_code=args.trust_code, module_path=args.module_path)
+    probabilities = softmax(run_batches(classifier, x, len(card.classes)))
     for path, row in zip(args.inputs, probabilities, strict=True):
         best = top_k(row, card.classes, args.top)
         if args.json:
@@ -98,11 +107,13 @@ def read_input(path: str | Path, input_shape: tuple[int, ...]) -> np.ndarray:
     return sample
 
 
-def load_classifier(card: ModelCard, model: Path) -> Classifier:
-    """The model in ``model`` as a function from a batch to its logits, by the card's format."""
+def load_classifier(card: ModelCard, model: Path, *, trust_code: bool = False,
+                    module_path: Sequence[str] = ()) -> Classifier:
+    """The model in ``model`` as a function from a batch to its logits, by the card's format. An entry-point model
+    (safetensors, torch) is rebuilt only with ``trust_code``, from ``module_path`` then ``model``'s folder."""
     if card.format == "onnx":
         return _onnx_classifier(model)
-    return _torch_classifier(card, model)
+    return _torch_classifier(card, model, trust_code=trust_code, module_path=module_path)
 
 
 def _onnx_classifier(model: Path) -> Classifier:
@@ -126,8 +137,9 @@ def _onnx_classifier(model: Path) -> Classifier:
     return classify
 
 
-def _torch_classifier(card: ModelCard, model: Path) -> Classifier:
-    """The job's model rebuilt from the card's job file, with the weights in ``model`` loaded."""
+def _torch_classifier(card: ModelCard, model: Path, *, trust_code: bool, module_path: Sequence[str]) -> Classifier:
+    """The job's model rebuilt from the card's job file (its entry point only with ``trust_code``), with the weights
+    in ``model`` loaded."""
     try:
         import torch
     except ImportError:
@@ -135,10 +147,13 @@ def _torch_classifier(card: ModelCard, model: Path) -> Classifier:
                           "an ONNX export runs without it") from None
 
     from edgemesh.common import models
-    from edgemesh.common.jobs import model_spec, parse_job
+    from edgemesh.common.jobs import parse_job
+    from edgemesh.operator.export import trusted_model_spec
 
-    job = parse_job(card.job_source, origin=f"job file in model card '{card_path(model)}'")
-    model_spec(job, search_path=(str(model.parent),))
+    where = f"model card '{card_path(model)}'"
+    job = parse_job(card.job_source, origin=f"job file in {where}")
+    trusted_model_spec(job, trust_code=trust_code, search_path=[*module_path, str(model.parent.resolve())],
+                       where=f"the job in {where}")
     module = models.build_model(job.model_key)
     try:
         if card.format == "safetensors":
