@@ -370,14 +370,19 @@ def _per_channel(values: tuple[float, ...], shape: tuple[int, ...]) -> tuple[flo
     return values * shape[0] if len(values) == 1 else values
 
 
-def check_model(job: JobSpec, *,
-                search_path: Sequence[str] = ()) -> tuple[ModelCost, tuple[LayerCost, ...] | None, str]:
+def check_model(job: JobSpec, *, search_path: Sequence[str] = (),
+                trust: ModelsConfig | None = None) -> tuple[ModelCost, tuple[LayerCost, ...] | None, str]:
     """Build the job's model and derive its costs, registered under ``job.model_key``: (cost, divisible layers
-    or None, why model parallelism cannot divide it or ''). JobError naming the model when it does not build."""
+    or None, why model parallelism cannot divide it or ''). JobError naming the model when it does not build.
+
+    As ``edgemesh job submit`` does on the operator's machine: an entry point only from a module ``trust.allowed``
+    allows (the operator's own ``[models]``; none by default), looked for on ``search_path``, the job's
+    ``model.module_path`` and ``trust.path``."""
     from edgemesh.common import costs, models
 
+    own = trust or ModelsConfig()
     try:
-        spec = model_spec(job, search_path=search_path)
+        spec = model_spec(job, allowed=own.allowed, search_path=[*search_path, job.model.module_path, *own.path])
         module = models.build_model(spec.name, seed=_seed(job))
         cost, layers = models.derive_costs(module, spec.input_shape)
     except EdgeMeshError as exc:
