@@ -20,7 +20,7 @@ from helpers import inbox, make_config
 
 from edgemesh.bench import jobs as jobs_bench
 from edgemesh.bench.jobs import VIBRATION_NET, draw_shapes, write_sensor_csv
-from edgemesh.bench.model_jobs import ENTRY_POINT, ENTRY_POINT_FILE, ENTRY_POINT_NET
+from edgemesh.bench.model_jobs import ENTRY_POINT, ENTRY_POINT_FILE, ENTRY_POINT_MODULE, ENTRY_POINT_NET
 from edgemesh.common import models
 from edgemesh.common.config import Config, GuardConfig
 from edgemesh.common.jobs import model_spec, parse_job
@@ -39,6 +39,8 @@ JOB_WAIT_S = 150.0
 
 SHAPES_JOB = jobs_bench.SHAPES_JOB.format(target=0.9)
 SENSORS_JOB = jobs_bench.VIBRATION_JOB
+ENTRY_POINT_MODULES = ("vibration_net", ENTRY_POINT_MODULE)
+"""The entry-point modules of the tests' jobs: what the hosts, and the operator submitting, allow."""
 
 
 def edgemesh(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
@@ -53,7 +55,7 @@ def start_fleet(broker: BrokerProcess, tmp_path: Path, devices: tuple[str, ...])
     for i, device in enumerate(DEVICES):
         draw_shapes(tmp_path / device / "shapes", CLASSES if device != "w2" else CLASSES[:2], 40, seed=i)
     draw_shapes(tmp_path / "ps" / "shapes-eval", CLASSES, 30, seed=10)
-    config = make_config(broker, job="fleet", **{"broker.backoff_max_s": "0.5"})
+    config = make_config(broker, job="fleet", **{"broker.backoff_max_s": "0.5"}, **host_models(tmp_path))
     cluster = LocalCluster(config, tmp_path, serve_jobs=True)
     cluster.spawn("planner", "planner")
     start_ps(cluster, tmp_path)
@@ -61,6 +63,12 @@ def start_fleet(broker: BrokerProcess, tmp_path: Path, devices: tuple[str, ...])
     for device in devices:
         start_worker(cluster, tmp_path, device)
     return cluster, config
+
+
+def host_models(tmp_path: Path) -> dict[str, str]:
+    """The hosts' own ``[models]``: they allow the tests' entry-point modules, from ``tmp_path/models`` (the jobs'
+    ``model.module_path``); a job cannot add that directory itself."""
+    return {"models.allowed": ",".join(ENTRY_POINT_MODULES), "models.path": json.dumps([str(tmp_path / "models")])}
 
 
 def start_ps(cluster: LocalCluster, tmp_path: Path) -> None:
@@ -152,7 +160,8 @@ async def test_jobs_submitted_to_a_running_fleet_train_export_and_follow_each_ot
         write_sensor_csv(tmp_path / device / "vibration.csv", 240, seed=i)
     sensors = tmp_path / "sensors.toml"
     sensors.write_text(SENSORS_JOB.format(target=0.9, module_path=modules))
-    submitted = edgemesh("job", "submit", str(sensors), "--broker", config.broker.url, "--wait", "60")
+    submitted = edgemesh("job", "submit", str(sensors), "--broker", config.broker.url, "--wait", "60", "--set",
+                         "models.allowed=vibration_net")
     assert submitted.returncode == 0, submitted.stderr
     done = await wait_for_job(config, "vibration", ("finished", "failed", "stopped"))
     assert done.state == "finished", done.reason
@@ -343,8 +352,10 @@ def held_out_accuracy(model_file: Path, eval_folder: Path) -> float:
 
 
 async def finished_job(config: Config, job_file: Path, name: str) -> JobState:
-    """Submit ``job_file`` with ``edgemesh job submit`` and wait until job ``name`` ended; its state (finished)."""
-    submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60")
+    """Submit ``job_file`` with ``edgemesh job submit`` (allowing the tests' entry-point modules, as the hosts do) and
+    wait until job ``name`` ended; its state (finished)."""
+    submitted = edgemesh("job", "submit", str(job_file), "--broker", config.broker.url, "--wait", "60", "--set",
+                         f"models.allowed={','.join(ENTRY_POINT_MODULES)}")
     assert submitted.returncode == 0, submitted.stderr
     done = await wait_for_job(config, name, ("finished", "failed", "stopped"))
     assert done.state == "finished", done.reason
@@ -426,7 +437,7 @@ async def test_an_entry_point_module_with_batch_norm_a_residual_and_a_depthwise_
     for fmt in ("onnx", "torch"):
         out = tmp_path / "export" / f"dw.{fmt}"
         exported = edgemesh("job", "export", "dw-shapes", "--format", fmt, "--out", str(out), "--broker",
-                            config.broker.url, "--module-path", str(modules))
+                            config.broker.url, "--module-path", str(modules), "--trust-code")
         assert exported.returncode == 0, exported.stderr
     assert abs(held_out_accuracy(tmp_path / "export" / "dw.onnx", tmp_path / "ps" / "shapes-eval")
                - done.accuracy) <= 0.005

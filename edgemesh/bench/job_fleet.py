@@ -5,18 +5,23 @@ submit`` does, and every job state the run sees.
 The fleet is the planner (waiting for every device before its first plan), the parameter server (its state
 under ``workdir/ps/state``, its held-out sets under ``workdir/ps``), the compressor and one worker per device
 (its data under ``workdir/<device>``).
+
+A benchmark trusts only the code it wrote itself: the entry-point modules it put in ``workdir/models``
+(:data:`MODULES_DIR`) before starting the fleet are what the hosts allow (``models.allowed``) and where they look
+for them (``models.path``), and what its submissions allow (:func:`own_modules`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from edgemesh.common.config import Config
+from edgemesh.common.config import Config, ModelsConfig
 from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.jobs import JobSpec, parse_job
 from edgemesh.common.messages import JobState
@@ -27,6 +32,20 @@ from edgemesh.operator.job import submission_of, submit
 
 START_TIMEOUT_S = 120.0
 """Longest the fleet's processes may take to start and take a submitted job."""
+MODULES_DIR = "models"
+"""The directory under the work directory that holds the benchmark's entry-point modules (the hosts' models.path)."""
+
+
+def own_modules(*directories: str | Path) -> tuple[str, ...]:
+    """The Python modules (``*.py``) in ``directories``: the entry-point modules a benchmark wrote there itself."""
+    return tuple(sorted({f.stem for d in directories if d and Path(d).is_dir() for f in Path(d).glob("*.py")}))
+
+
+def host_models(workdir: Path) -> list[str]:
+    """The flags that make a host of the fleet allow the benchmark's own modules, from ``workdir/models``."""
+    directory = workdir / MODULES_DIR
+    return ["--set", f"models.path={json.dumps([str(directory)])}",
+            "--set", f"models.allowed={json.dumps(list(own_modules(directory)))}"]
 
 
 @dataclass(slots=True)
@@ -71,12 +90,15 @@ def local_broker(config: Config, *, external: bool) -> Iterator[tuple[Config, st
 
 
 def spawn_fleet(cluster: LocalCluster, workdir: Path, devices: list[str]) -> dict[str, int]:
-    """Start the fleet's services and one worker per device, none with a job; their process ids by name."""
+    """Start the fleet's services and one worker per device, none with a job; their process ids by name. The PS and
+    the workers allow the entry-point modules written to ``workdir/models`` before (:func:`host_models`)."""
+    models = host_models(workdir)
     cluster.spawn("planner", "planner", ["--set", f"planner.min_devices={len(devices)}"])
-    cluster.spawn("ps", "ps", ["--state-dir", str(workdir / "ps" / "state"), "--set", f"ps.data_dir={workdir / 'ps'}"])
+    cluster.spawn("ps", "ps", ["--state-dir", str(workdir / "ps" / "state"), "--set", f"ps.data_dir={workdir / 'ps'}",
+                               *models])
     cluster.spawn("compressor", "compressor")
     for device in devices:
-        cluster.spawn("worker", device, ["--device", device, "--set", f"worker.data_dir={workdir / device}"])
+        cluster.spawn("worker", device, ["--device", device, "--set", f"worker.data_dir={workdir / device}", *models])
     return pids(cluster)
 
 
@@ -125,11 +147,13 @@ class Submitted:
 async def submit_and_follow(config: Config, watch: Watch, text: str, *, search_path: list[str], timeout_s: float,
                             progress: Callable[[str], None]) -> Submitted:
     """Submit the job file ``text`` as ``edgemesh job submit`` does and wait (``watch`` sees its states) until it
-    ends, at most ``timeout_s`` once taken."""
+    ends, at most ``timeout_s`` once taken. An entry point is imported from ``search_path``, whose modules (the
+    benchmark's own) are allowed beside ``config.models.allowed``."""
     spec = parse_job(text)
     run = Submitted(spec)
+    trust = ModelsConfig(allowed=(*config.models.allowed, *own_modules(*search_path)), path=config.models.path)
     try:
-        submission = await asyncio.to_thread(submission_of, spec, search_path=search_path)
+        submission = await asyncio.to_thread(submission_of, spec, search_path=search_path, trust=trust)
     except EdgeMeshError as exc:
         run.failure = f"the job was refused at submission: {exc}"
         return run

@@ -7,8 +7,9 @@
 * ``mobilenetv2``: the ``[model]`` of ``examples/mobilenetv2-32.toml`` (inverted residual blocks, depthwise
   convolutions, relu6, global average pooling);
 * ``resnet8``: the ``[model]`` of ``examples/resnet8-32.toml`` (three residual stages, projections);
-* ``entry-point``: the user's own module (:data:`ENTRY_POINT_NET`, written to the work directory and named by
-  ``entry_point`` and ``module_path``): batch norm, depthwise-separable residual blocks, a strided convolution.
+* ``entry-point``: the user's own module (:data:`ENTRY_POINT_NET`, written to the work directory's ``models``, which
+  the fleet's hosts allow and search, and named by ``entry_point`` and ``module_path``): batch norm,
+  depthwise-separable residual blocks, a strided convolution.
 
 Each job's ``[training]`` takes the learning rate and batch size of its model (the examples' own for the two
 taken from ``examples/``), the cell's sync policy and seed; ``[data]`` and ``[evaluation]`` are those of the
@@ -35,8 +36,10 @@ EVAL_EVERY = 5
 """Model versions between the PS's held-out evaluations (``evaluation.every``)."""
 MEAN_STD = (0.5, 0.25)
 """The jobs' normalization of inputs in [0, 1] (the examples')."""
-ENTRY_POINT = "glyph_net:build"
-ENTRY_POINT_FILE = "glyph_net.py"
+ENTRY_POINT_MODULE = "glyph_net"
+"""The entry-point model's module: what a host (``models.allowed``) or a rebuild must allow."""
+ENTRY_POINT = f"{ENTRY_POINT_MODULE}:build"
+ENTRY_POINT_FILE = f"{ENTRY_POINT_MODULE}.py"
 
 ENTRY_POINT_NET = '''"""A user's own small network for 32x32 images (bench models' entry point): batch norm,
 depthwise-separable blocks with a residual, a strided convolution between them, global average pooling."""
@@ -142,7 +145,8 @@ def job_text(entry: BenchModel, *, policy: str, seed: int, target: float, max_mi
 
 
 def write_entry_point(directory: Path) -> Path:
-    """The entry-point model's module in ``directory`` (the jobs' ``module_path``)."""
+    """The entry-point model's module in ``directory`` (the jobs' ``module_path``, each host's ``models.path``: write
+    it before the fleet starts, ``job_fleet.spawn_fleet``)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / ENTRY_POINT_FILE).write_text(ENTRY_POINT_NET)
     return directory
