@@ -16,6 +16,7 @@ weighs the latest report of every device in the plan by its sample count.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -59,6 +60,9 @@ class Evaluator:
         """Version of the last model evaluated."""
         self._wake = asyncio.Event()
         self._next: tuple[int, dict[str, np.ndarray]] | None = None
+        self._model_lock = threading.Lock()
+        """One evaluation at a time: a job's final one may come while one during training still runs, in another
+        thread, on the same module (the weights of one would be scored by the other's forward passes)."""
         self.enabled = True
         """False on a parameter server shard other than the first: that one evaluates the whole model."""
         self.assemble: Assemble | None = None
@@ -140,5 +144,6 @@ class Evaluator:
 
     def _evaluate(self, params: Mapping[str, np.ndarray]) -> tuple[float, float]:
         torch.set_num_threads(self.cfg.ps.eval_threads)  # per thread: the executor's threads each keep their own
-        models.set_params(self._model, params)
-        return models.evaluate(self._model, self._test_set)
+        with self._model_lock:
+            models.set_params(self._model, params)
+            return models.evaluate(self._model, self._test_set)
