@@ -147,6 +147,11 @@ class ParameterServerConfig:
     """``trimmed-mean``: the share of a coordinate's largest and of its smallest values dropped."""
     krum_f: int = 1
     """``krum``: attackers assumed among a step's n contributions; the n - krum_f best scored are averaged."""
+    norm_factor: float = 10.0
+    """Every rule but ``clip``: an update whose L2 norm is more than this times the median norm of the recent updates
+    applied is refused, left out of its step (0 = off; docs/synchronization.md#what-the-parameter-server-refuses)."""
+    norm_warmup: int = 8
+    """The norm filter judges once this many updates' norms are known."""
     shards: int = 1
     """Parameter server processes the model's tensors are divided among (``edgemesh ps --shard i/n``;
     docs/scale.md#a-sharded-parameter-server). Every service of the job must be given the same number:
@@ -166,6 +171,8 @@ class ParameterServerConfig:
         _require(self.clip_factor > 0, "ps.clip_factor", "must be > 0")
         _require(0 <= self.trim_fraction < 0.5, "ps.trim_fraction", "must be in [0, 0.5)")
         _require(self.krum_f >= 0, "ps.krum_f", "must be >= 0")
+        _require(self.norm_factor == 0 or self.norm_factor >= 1, "ps.norm_factor", "must be 0 (off) or >= 1")
+        _require(self.norm_warmup >= 1, "ps.norm_warmup", "must be >= 1")
         _require(self.sync_state_interval_s >= 0, "ps.sync_state_interval_s", "must be >= 0")
         _require(self.eval_interval_s >= 0, "ps.eval_interval_s", "must be >= 0")
         _require(0 < self.eval_budget <= 1, "ps.eval_budget", "must be in (0, 1]")

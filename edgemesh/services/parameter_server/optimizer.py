@@ -8,6 +8,13 @@ statistics and counter). A buffer is not a parameter: an update carries its chan
 step (:class:`edgemesh.common.models.Update`), a step combines those changes with the updates'
 sample shares (``buffer_contributions``) and adds the result as it is, with no learning rate, momentum
 or weight decay; an integer buffer (a counter) is rounded after each step (docs/synchronization.md).
+
+Every step is judged before it stands (:meth:`ModelState.apply`): a step whose arithmetic overflows or leaves a
+value that is not finite, or that grows a tensor's L2 norm past ``MAX_GROWTH`` times what it was (or past
+``MAX_GROWTH`` times its floor, ``PARAM_FLOOR`` for a parameter, ``BUFFER_FLOOR`` for a buffer, when it was
+smaller), is refused: the tensors and their momentum are put back as they were before it
+(docs/synchronization.md#what-the-parameter-server-refuses). The bounds are constants, not settings: a replay of the
+write-ahead log judges every step again and must refuse the same ones.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -25,6 +33,29 @@ from edgemesh.common.messages import ShardUpdate
 MAX_RUNS = 64
 """Most runs of rows a parameter's step takes as slices, in place; more (rows scattered by a sparse codec) are
 gathered, stepped and scattered back at once."""
+MAX_GROWTH = 10.0
+"""Most a step may multiply a tensor's L2 norm by (above its floor). An honest step moves a tensor by a learning
+rate times its gradient and momentum, a small fraction of its norm; one device's exploding or forged update (a value
+of 1e30) multiplies it by orders of magnitude."""
+PARAM_FLOOR = 1.0
+"""A parameter's norm below this counts as this: a bias that starts at zero may take its first steps."""
+BUFFER_FLOOR = 1e6
+"""A buffer's norm below this counts as this: running statistics move to the data's scale in a few steps (a running
+variance of raw pixel values is in the thousands), and a counter counts up from zero."""
+SURE_MARGIN = 2.0
+"""A step is applied without a copy to undo it when its bound by norms, times this, is within ``MAX_GROWTH``: float32
+sums of squares are not exact."""
+StepRefusal = Literal["nonfinite", "growth"]
+"""Why a step was refused: a value it made is not finite (or its arithmetic overflowed), or it grew a tensor's norm
+past the bound."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A step :meth:`ModelState.apply` refused, and why."""
+
+    reason: StepRefusal
+    detail: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +94,10 @@ class ModelState:
         self.momentum = {k: np.zeros_like(v) for k, v in self.params.items()}
         self._scratch: dict[str, np.ndarray] = {}
         """Per parameter, room for ``lr * buf``: a step allocates no model-sized temporaries."""
+        self._before: dict[str, np.ndarray] = {}
+        self._before_momentum: dict[str, np.ndarray] = {}
+        """The tensors a step touches, and their momentum, as they were before it (``apply`` puts them back when it
+        refuses the step)."""
         for k, v in (momentum or {}).items():
             if k in self.momentum and v.shape == self.momentum[k].shape:
                 self.momentum[k] = np.array(v, dtype=np.float32, copy=True)
@@ -114,7 +149,8 @@ class ModelState:
     ) -> list[ShardGrad]:
         """One SGD step on the weighted sum of the contributions' gradients; returns that sum, as the runs of rows
         it touched (stepping on it alone, with weight 1, is the same step: the write-ahead log may keep it instead
-        of the contributions). ``sum`` then ``apply``."""
+        of the contributions). ``sum`` then ``apply``, which may refuse the step (the state then stays as it was: a
+        replay of the log refuses what the step refused)."""
         summed = self.sum(contributions, buffers)
         self.apply(summed, lr=lr, momentum=momentum, weight_decay=weight_decay)
         return summed.grads
@@ -127,8 +163,14 @@ class ModelState:
 
         Each contribution is ``(weight, shards)``; weights of one step should sum to 1.
         Only the slices some contribution covers are touched. A lone contribution of weight 1 (an ``async``
-        update) is stepped on as it was decoded, not copied first.
+        update) is stepped on as it was decoded, not copied first. A sum that overflows holds infinities, no
+        warning: ``apply`` refuses a step on it, and counts why.
         """
+        with np.errstate(over="ignore", invalid="ignore"):
+            return self._sum(contributions, buffers)
+
+    def _sum(self, contributions: Iterable[tuple[float, Iterable[ShardGrad]]],
+             buffers: Iterable[tuple[float, Iterable[ShardGrad]]]) -> Summed:
         given = [(np.float32(weight), shards) for weight, shards in contributions]
         alone = len(given) == 1 and given[0][0] == 1
         acc: dict[str, np.ndarray] = {}
@@ -166,9 +208,82 @@ class ModelState:
             rows.update(changes.rows)
         return Summed(acc, rows)
 
-    def apply(self, summed: Summed, *, lr: float, momentum: float, weight_decay: float = 0.0) -> None:
+    def apply(self, summed: Summed, *, lr: float, momentum: float, weight_decay: float = 0.0) -> Refused | None:
         """SGD with momentum on ``summed`` (which it does not change), in place; the rows it lacks stay as they
-        are."""
+        are. A step that overflows, leaves a value that is not finite or grows a tensor's norm past the bound (module
+        docstring) is refused: every tensor it touched, and their momentum, go back to what they were, and the
+        refusal is returned (None: the step stands). A step whose norms show it stays well within the bound
+        (``_surely_within``, nearly every step) is applied as it is, with no copy to undo it."""
+        if self._surely_within(summed, lr=lr, momentum=momentum, weight_decay=weight_decay):
+            self._apply(summed, lr=lr, momentum=momentum, weight_decay=weight_decay)
+            return None
+        touched = self._keep(summed.acc)
+        try:
+            with np.errstate(over="raise", invalid="raise", divide="raise"):
+                self._apply(summed, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        except FloatingPointError as exc:
+            refused: Refused | None = Refused("nonfinite", f"the step's arithmetic failed: {exc}")
+        else:
+            refused = self._judge(touched)
+        if refused is not None:
+            self._restore(touched)
+        return refused
+
+    def _surely_within(self, summed: Summed, *, lr: float, momentum: float, weight_decay: float) -> bool:
+        """Whether the step certainly leaves every tensor it touches finite and within the bound, by the triangle
+        inequality over norms: a parameter's is at most ``|p| + lr (momentum |buf| + |grad| + weight_decay |p|)``, a
+        buffer's ``|b| + |change|`` (and half a count per value, rounded). The norms are finite float32 sums of
+        squares, so every value is below 2e19 and no operation of the step can overflow; ``SURE_MARGIN`` covers their
+        rounding. False sends the step to the exact judgement."""
+        lr, momentum, weight_decay = abs(lr), abs(momentum), abs(weight_decay)
+        for name, grad in summed.acc.items():
+            touched = summed.rows[name]
+            size, moved = _norm(self.params[name]), _norm(grad if touched.all() else grad[touched])
+            if name in self.buffers:
+                bound = size + moved + (0.5 * math.sqrt(touched.sum() * math.prod(grad.shape[1:]))
+                                        if self.buffers[name] else 0.0)
+                floor = BUFFER_FLOOR
+            else:
+                bound = size + lr * (momentum * _norm(self.momentum[name]) + moved + weight_decay * size)
+                floor = PARAM_FLOOR
+            if not SURE_MARGIN * bound <= MAX_GROWTH * max(size, floor):  # NaN or infinity: not sure either
+                return False
+        return True
+
+    def _keep(self, params: Iterable[str]) -> list[str]:
+        """Copy the tensors ``params`` names, and their momentum, aside (into buffers kept for it: no allocation
+        after the first step); the names."""
+        names = list(params)
+        for name in names:
+            for source, kept in ((self.params, self._before), (self.momentum, self._before_momentum)):
+                if source is self.momentum and name in self.buffers:
+                    continue  # a buffer has no momentum
+                into = kept.get(name)
+                if into is None:
+                    into = kept[name] = np.empty_like(source[name])
+                np.copyto(into, source[name])
+        return names
+
+    def _restore(self, names: Iterable[str]) -> None:
+        for name in names:
+            np.copyto(self.params[name], self._before[name])
+            if name not in self.buffers:
+                np.copyto(self.momentum[name], self._before_momentum[name])
+
+    def _judge(self, names: Iterable[str]) -> Refused | None:
+        """The refusal the step that just moved ``names`` calls for (None: it stands)."""
+        for name in names:
+            after, before = _norm(self.params[name]), _norm(self._before[name])
+            if not math.isfinite(after) and not np.isfinite(self.params[name]).all():
+                return Refused("nonfinite", f"{name} holds values that are not finite")
+            floor = BUFFER_FLOOR if name in self.buffers else PARAM_FLOOR
+            if not after <= MAX_GROWTH * max(before, floor):  # an infinite norm of finite values: grown too
+                return Refused("growth", f"the L2 norm of {name} would grow from {before:.4g} to {after:.4g}, "
+                               f"more than {MAX_GROWTH:g} x {max(before, floor):.4g}")
+        return None
+
+    def _apply(self, summed: Summed, *, lr: float, momentum: float, weight_decay: float) -> None:
+        """``apply``'s arithmetic, unjudged."""
         lr32, mom32, wd32 = np.float32(lr), np.float32(momentum), np.float32(weight_decay)
         for param, grad in summed.acc.items():
             touched = summed.rows[param]
@@ -208,6 +323,13 @@ class ModelState:
         buf += grad
         np.multiply(buf, lr, out=scratch)
         p -= scratch
+
+
+def _norm(values: np.ndarray) -> float:
+    """L2 norm of a tensor (float32 dot products: one too large to square is infinite, which the bound refuses)."""
+    flat = values.reshape(-1)
+    with np.errstate(all="ignore"):
+        return math.sqrt(float(np.dot(flat, flat)))
 
 
 def _runs(mask: np.ndarray) -> list[tuple[int, int]]:

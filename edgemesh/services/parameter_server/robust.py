@@ -4,8 +4,8 @@ A step's contributions are ``(weight, shards)`` (``optimizer.ShardGrad``), one p
 The rule (``ps.aggregation``, ``set-aggregation``; docs/reliability.md#robust-aggregation) bounds what a
 faulty or malicious device can do to the model:
 
-* ``mean``: the weighted sum, as ``ModelState.step`` takes it (the default, unchanged).
-* ``clip``: every contribution's L2 norm is clipped to ``clip_factor`` x the median norm of the recent
+* ``mean``: the weighted sum, as ``ModelState.step`` takes it.
+* ``clip`` (the default): every contribution's L2 norm is clipped to ``clip_factor`` x the median norm of the recent
   contributions (the last ``CLIP_WINDOW`` applied, and this step's), then the weighted sum.
 * ``median``: the coordinate-wise median.
 * ``trimmed-mean``: per coordinate, the ``trim_fraction`` largest and smallest values dropped, the rest averaged.
@@ -24,6 +24,13 @@ Median, trimmed mean and Krum need several contributions per step, which only th
 They also need dense gradients: under a sparsifying codec most coordinates of most contributions are
 zero, and so is their median.
 
+Under every rule but ``clip`` (which cuts a large norm instead), a contribution whose L2 norm is more than
+``ps.norm_factor`` x the median norm of the last ``CLIP_WINDOW`` contributions applied is refused before the rule
+runs: left out of the step, counted (``robust_refused{reason="norm"}``) and logged. The filter waits until
+``ps.norm_warmup`` norms are known; when refusals are most of the last ``CLIP_WINDOW`` judged, it is the fleet's
+gradients that grew, not one device's, and the reference starts again. A step's refusals are its
+:attr:`Aggregation.chosen` (the contributions combined), so shard 0's choice is every shard's and a replay's.
+
 Every step logs the :class:`Aggregation` it used (with clip's threshold and the updates Krum kept), so a replay of the
 write-ahead log combines its contributions exactly as the step did.
 """
@@ -31,6 +38,8 @@ write-ahead log combines its contributions exactly as the step did.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,7 +51,7 @@ import numpy as np
 from edgemesh.common.config import ParameterServerConfig
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.vocabulary import AGGREGATION_RULES, AggregationRule, SyncPolicy
-from edgemesh.services.parameter_server.optimizer import ShardGrad
+from edgemesh.services.parameter_server.optimizer import Refused, ShardGrad
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +83,12 @@ class Aggregation:
     update's. ``krum``: the squared distance of every pair of contributions ``(0, 1), (0, 2), ..., (1, 2), ...``,
     so that Krum scores the whole updates."""
     chosen: tuple[int, ...] | None = None
-    """``krum``: the contributions it averaged (on another shard: those shard 0's Krum chose); None: not decided
-    yet (``combine`` decides and sets it)."""
+    """The contributions the rule combined: under ``krum`` those it averaged, under the others those the norm filter
+    did not refuse (on another shard: those shard 0 chose); None: all of them, or under ``krum`` not decided yet
+    (``combine`` decides and sets it)."""
+    norm_limit: float | None = None
+    """The norm above which a contribution was refused (``ps.norm_factor`` x the median of recent norms; None: the
+    step was not judged by norm)."""
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,10 +99,10 @@ class Aggregation:
         if not record:
             return cls()
         rule: AggregationRule = next((r for r in AGGREGATION_RULES if r == record.get("rule")), "mean")
-        threshold, chosen = record.get("clip_threshold"), record.get("chosen")
+        threshold, chosen, limit = record.get("clip_threshold"), record.get("chosen"), record.get("norm_limit")
         return cls(rule, None if threshold is None else float(threshold), float(record.get("trim_fraction", 0.2)),
                    int(record.get("krum_f", 1)), tuple(float(v) for v in record.get("elsewhere", ())),
-                   None if chosen is None else tuple(int(i) for i in chosen))
+                   None if chosen is None else tuple(int(i) for i in chosen), None if limit is None else float(limit))
 
 
 @dataclass(slots=True)
@@ -106,7 +119,9 @@ class Combined:
     """``clip``: what each contribution was multiplied by (1 where it was not cut)."""
     excluded: int = 0
     """Contributions left out: by Krum, those not among the best scored; by the trimmed mean, the ones each
-    coordinate drops."""
+    coordinate drops (not those the norm filter refused)."""
+    refused: int = 0
+    """Contributions the norm filter refused (``Aggregation.chosen`` leaves them out)."""
 
 
 def norm(shards: Iterable[ShardGrad], elsewhere: float = 0.0) -> float:
@@ -136,6 +151,13 @@ def pair_squared(a: Iterable[ShardGrad], b: Iterable[ShardGrad]) -> float:
 
 def combine(contributions: Sequence[Contribution], how: Aggregation) -> Combined:
     """The contributions ``ModelState.step`` sums for one step under ``how``."""
+    if how.chosen is not None and how.rule != "krum":  # the norm filter's refusals: the rule takes the others
+        kept = sorted(set(how.chosen))
+        far = [how.elsewhere[i] for i in kept] if how.rule == "clip" and how.elsewhere else []
+        out = combine([contributions[i] for i in kept], replace(how, chosen=None, elsewhere=tuple(far)))
+        out.refused = len(contributions) - len(kept)
+        out.how = how
+        return out
     if not contributions:  # a shard's step of none of its updates (``shard_steps``): nothing to judge
         out = Combined([], norms=[])
     elif how.rule == "clip":
@@ -165,37 +187,98 @@ def idle_under(rule: AggregationRule, policy: SyncPolicy) -> bool:
 
 
 class Aggregator:
-    """The rule in force (``ps.aggregation``, then ``set-aggregation``), the norms ``clip`` compares with, and
-    the counts of what the rules did (``edgemesh_ps_robust_*``)."""
+    """The rule in force (``ps.aggregation``, then ``set-aggregation``), the norms ``clip`` and the norm filter
+    compare with, and the counts of what the rules did (``edgemesh_ps_robust_*``) and of the steps the model
+    refused (``edgemesh_ps_steps_refused_total``)."""
 
     def __init__(self, ps: ParameterServerConfig, metrics: ServiceMetrics) -> None:
         self.rule: AggregationRule = ps.aggregation
         self.clip_factor = ps.clip_factor
         self.trim_fraction = ps.trim_fraction
         self.krum_f = ps.krum_f
+        self.norm_factor = ps.norm_factor
+        self.norm_warmup = ps.norm_warmup
+        self.judges = ps.shard == 0
+        """Whether this process refuses contributions by norm: not a sharded server's shard other than 0, whose
+        steps carry shard 0's choice (``Step.chosen``)."""
         self.norms: deque[float] = deque(maxlen=CLIP_WINDOW)
         """Norms of the last contributions applied, under any rule (so a switch to ``clip`` has them)."""
+        self.verdicts: deque[bool] = deque(maxlen=CLIP_WINDOW)
+        """Whether the norm filter refused each of the last contributions it judged."""
         self._warned: tuple[AggregationRule, SyncPolicy] | None = None
         self.m_clipped = metrics.counter("robust_clipped", "Contributions whose norm the clip rule cut")
         self.m_excluded = metrics.counter("robust_excluded", "Contributions a robust rule left out of a step",
                                           ["rule"])
+        self.m_refused = metrics.counter("robust_refused", "Contributions refused before the rule ran, by reason "
+                                         "(norm: far above the median norm of those applied recently)", ["reason"])
+        self.m_steps_refused = metrics.counter("steps_refused", "Steps not applied because they would have made the "
+                                               "model not finite or grown a tensor's norm past the bound", ["reason"])
 
     def combine(self, contributions: Sequence[Contribution], *, rule: AggregationRule | None = None,
                 elsewhere: Sequence[float] = (), chosen: Sequence[int] | None = None) -> Combined:
         """One step's contributions under the rule in force, or ``rule`` (``Combined.how`` is logged with the
-        step); ``elsewhere`` and ``chosen``: see :class:`Aggregation`."""
+        step); ``elsewhere`` and ``chosen``: see :class:`Aggregation` (``chosen`` given: shard 0 decided, none is
+        judged here). An overflow in the rule's arithmetic leaves infinities, no warning: the model refuses the
+        step (``ModelState.apply``) and it is counted."""
         rule = rule or self.rule
-        threshold = None
-        if rule == "clip":
-            recent = [*self.norms, *(norm(shards, *elsewhere[i:i + 1]) for i, (_, shards) in enumerate(contributions))]
-            threshold = self.clip_factor * float(np.median(recent)) if recent else None
-        combined = combine(contributions, Aggregation(
-            rule, threshold, self.trim_fraction, self.krum_f, tuple(elsewhere) if rule in ("clip", "krum") else (),
-            None if chosen is None or rule != "krum" else tuple(chosen)))
+        limit, kept = None, list(range(len(contributions)))
+        with np.errstate(over="ignore", invalid="ignore"):
+            if chosen is None and rule != "clip":
+                limit, kept = self._judge(contributions)
+                if len(kept) < len(contributions):
+                    chosen = kept if rule != "krum" else [kept[i] for i in krum_choice(
+                        [contributions[i] for i in kept], self.krum_f, _pairs_among(elsewhere, len(contributions),
+                                                                                    kept))]
+            threshold = None
+            if rule == "clip":
+                recent = [*self.norms, *(norm(shards, *elsewhere[i:i + 1])
+                                         for i, (_, shards) in enumerate(contributions))]
+                threshold = self.clip_factor * float(np.median(recent)) if recent else None
+            combined = combine(contributions, Aggregation(
+                rule, threshold, self.trim_fraction, self.krum_f, tuple(elsewhere) if rule in ("clip", "krum") else (),
+                None if chosen is None else tuple(chosen), limit))
+        if rule == "krum" and limit is not None:  # Krum's count leaves out those the filter refused
+            combined.refused = len(contributions) - len(kept)
+            combined.excluded -= combined.refused
         self.norms.extend(combined.norms)
         self.m_clipped.inc(combined.clipped)
         self.m_excluded.labels(rule=rule).inc(combined.excluded)
         return combined
+
+    def _judge(self, contributions: Sequence[Contribution]) -> tuple[float | None, list[int]]:
+        """The norm filter: the limit it applied (None: none yet, or off) and the contributions within it. Each
+        refusal is counted and logged; refusals that are most of the last ``CLIP_WINDOW`` judged start the
+        reference again (module docstring)."""
+        everyone = list(range(len(contributions)))
+        if not self.judges or not self.norm_factor or len(self.norms) < self.norm_warmup:
+            return None, everyone
+        limit = self.norm_factor * float(np.median(self.norms))
+        sizes = [norm(shards) for _, shards in contributions]
+        kept = [i for i in everyone if sizes[i] <= limit]
+        self.verdicts.extend(size > limit for size in sizes)
+        if len(kept) < len(contributions):
+            self.m_refused.labels(reason="norm").inc(len(contributions) - len(kept))
+            logger.warning("refused %d of a step's %d updates: L2 norm %s above %g x the median of the last %d "
+                           "applied (%.4g)", len(contributions) - len(kept), len(contributions),
+                           ", ".join(f"{sizes[i]:.4g}" for i in everyone if i not in kept), self.norm_factor,
+                           len(self.norms), limit / self.norm_factor)
+        if len(self.verdicts) == self.verdicts.maxlen and 2 * sum(self.verdicts) > len(self.verdicts):
+            logger.warning("the norm filter refused %d of the last %d updates: the fleet's gradients grew, not one "
+                           "device's; its reference starts again (%d norms to learn)", sum(self.verdicts),
+                           len(self.verdicts), self.norm_warmup)
+            self.norms.clear()
+            self.verdicts.clear()
+        return limit, kept
+
+    def step_refused(self, version: int, refused: Refused, combined: Combined) -> None:
+        """The model refused the step that would have made ``version`` (``ModelState.apply``): counted, logged, and
+        its contributions' norms are not the recent norms of applied ones."""
+        self.m_steps_refused.labels(reason=refused.reason).inc()
+        logger.warning("step to version %d refused (%s): %s; the model stays as it was", version, refused.reason,
+                       refused.detail)
+        for size in combined.norms:
+            with contextlib.suppress(ValueError):  # gone from the window already
+                self.norms.remove(size)
 
     def kept(self) -> dict[str, Any]:
         """What a checkpoint keeps: the rule and the recent norms."""
@@ -208,6 +291,15 @@ class Aggregator:
                            "update: it applies each as it is; use a round policy (sync, adaptive) or clip",
                            self.rule, policy)
         self._warned = (self.rule, policy)
+
+
+def _pairs_among(elsewhere: Sequence[float], n: int, kept: Sequence[int]) -> list[float]:
+    """Of the pairs' distances ``elsewhere`` holds for ``n`` contributions (``Aggregation.elsewhere`` under krum),
+    those of the pairs among ``kept``, in the same order (empty if none were given)."""
+    if not elsewhere:
+        return []
+    index = {pair: i for i, pair in enumerate(itertools.combinations(range(n), 2))}
+    return [elsewhere[index[pair]] for pair in itertools.combinations(kept, 2)]
 
 
 def _clip(contributions: Sequence[Contribution], threshold: float | None, elsewhere: Sequence[float]) -> Combined:

@@ -70,7 +70,8 @@ class Step:
     """The aggregation this step must use whatever the rule in force (a shard's step of shard 0's clipped one:
     ``mean``, its weights already scaled; of its Krum step: ``krum`` with shard 0's ``chosen``)."""
     chosen: tuple[int, ...] | None = None
-    """Under ``rule = krum``: the items to average, as shard 0's Krum chose them."""
+    """The items to combine, as shard 0 chose them (under ``rule = krum``, those its Krum averaged; under any rule,
+    not those its norm filter refused); None: every item."""
 
     def delay(self, item: Candidate) -> int:
         return self.version - 1 - item.update.base_version

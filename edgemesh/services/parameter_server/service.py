@@ -407,8 +407,10 @@ class ParameterServer:
                                                                                               strict=True)]
 
             def apply_and_encode() -> ModelMessage | None:
-                for summed in sums:
-                    state.apply(summed, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+                for step, summed, c in zip(steps, sums, combined, strict=True):
+                    refused = state.apply(summed, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+                    if refused is not None:  # the model stays as it was: the version moves on, nothing else
+                        self.aggregator.step_refused(step.version, refused, c)
                 return self.broadcast.to_plan(state.params, version, self.policy, plan)
 
             written, message = self.recovery.log_beside(steps, Optimizer(self.lr, t.momentum, t.weight_decay),

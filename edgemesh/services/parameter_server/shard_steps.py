@@ -34,6 +34,9 @@ Under ``sync`` this changes only when a shard's acks go; under the others it is 
   Krum left out in its step record: the others average the rest, as it did. Shard 0 keeps none of these parts:
   a resent update (its sender had no ack: shard 0 may have been down) has the others tell it again
   (``Follower.remeasured``).
+* An update shard 0's norm filter refused (every rule but ``clip``; it judges the norm of the update's rows it
+  holds, the others do not send theirs) is marked left out in its step record, as Krum's are: the others leave it
+  out too.
 * A step record names shard 0's rule, and the others combine with it (``median`` and ``trimmed-mean`` work per
   coordinate, so each shard's rows come out as one process's would), even while a ``set-aggregation`` has yet
   to reach them.
@@ -464,9 +467,10 @@ class Follower(Scheduler):
             items.append(item)
             weights.append(part.weight)
         # nothing of it here: a step of no update, which moves the version on and leaves the rows as they are;
-        # under clip the weights carry shard 0's scales, under krum shard 0's choice is kept
+        # under clip the weights carry shard 0's scales, under krum shard 0's choice is kept, and under every rule
+        # the updates shard 0 refused by norm are left out
         step = Step(tuple(items), record.version, tuple(weights), "mean" if record.rule == "clip" else record.rule,
-                    tuple(chosen) if record.rule == "krum" else None)
+                    tuple(chosen) if record.rule == "krum" or len(chosen) < len(items) else None)
         self.clock.advance(step.items)
         out.steps.append(step)
         out.acks += [Ack(p, "accepted", "", step.delay(it), self.resync) for it in items for p in it.updates]
