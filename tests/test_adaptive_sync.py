@@ -14,7 +14,7 @@ from edgemesh.common.messages import SyncState
 from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server import store
-from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, quantile, round_weights
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, compensated_momentum, quantile, round_weights
 from edgemesh.services.parameter_server.recovery import OperatorSettings
 from edgemesh.services.parameter_server.service import ParameterServer
 
@@ -293,3 +293,10 @@ async def test_the_ps_publishes_its_sync_state_and_keeps_delay_indices_across_a_
             # b leaves the plan: its index goes with it (it was kept forever before)
             await watch.publish(topics.plan(), plan_for(["a", "c"], version=9), retain=True)
             await until("b's index dropped", lambda: set(again.rule.indices) == {"a", "c"})
+
+
+def test_asynchronous_steps_take_the_momentum_their_asynchrony_does_not_add() -> None:
+    # four clusters in turn add about 1 - 1/4: 0.9 in all takes 0.6 of the PS's own
+    assert compensated_momentum(0.9, 4) == pytest.approx(0.6)
+    assert compensated_momentum(0.9, 1) == pytest.approx(0.9)  # one cluster: nothing to compensate
+    assert compensated_momentum(0.9, 12) == 0.0 and compensated_momentum(0.0, 3) == 0.0  # never below none

@@ -110,6 +110,9 @@ class ParameterServerConfig:
     """Precision of the model snapshots sent to workers; the PS keeps float32 weights and momentum."""
     staleness_weighting: bool = True
     """Under async and ssp, damp an update applied d versions late by ``staleness_rule`` (adaptive always does)."""
+    async_momentum: Literal["same", "compensated"] = "same"
+    """Under async and ssp, the PS's momentum: ``same``, training.momentum; ``compensated``, less by what the
+    asynchrony of the plan's clusters adds (``1 - (1 - momentum) x clusters``, at least 0; docs/synchronization.md)."""
     staleness_rule: StalenessRule = "inverse"
     """How: ``inverse`` scales it by 1/(1+d), ``sqrt`` by 1/(1+sqrt(d)) (FedBuff's); measured in
     docs/synchronization.md."""

@@ -57,6 +57,19 @@ def staleness_weight(delay: int, rule: StalenessRule = "inverse") -> float:
     return 1.0 / (1.0 + (math.sqrt(delay) if rule == "sqrt" else delay))
 
 
+def compensated_momentum(momentum: float, clusters: int) -> float:
+    """The momentum an asynchronous step takes so that, with what ``clusters`` clusters updating in turn add,
+    the model moves with ``momentum`` in all: ``max(0, 1 - (1 - momentum) x clusters)``.
+
+    Asynchrony begets momentum (Mitliagkas et al., 2016): with ``M`` workers whose updates arrive in turn, each
+    computed on a model ``M - 1`` steps old on average, asynchronous SGD behaves as SGD with an implicit momentum
+    of about ``1 - 1/M``; added to an explicit 0.9, four clusters move the model as with 0.975. Taking
+    ``1 - momentum`` times ``M`` out of the explicit part keeps the product ``(1 - explicit) / M`` at
+    ``1 - momentum``.
+    """
+    return max(0.0, 1.0 - (1.0 - momentum) * max(1, clusters))
+
+
 def round_weights(samples: Sequence[int], delays: Sequence[int], planned: int,
                   rule: StalenessRule = "inverse") -> list[float]:
     """Weights of one adaptive round's contributions (module docstring): their share of the
