@@ -16,6 +16,12 @@ every other topic is the job's own.
 
 Large retained messages are chunked onto ``{topic}/chunk/{index}`` (see ``wire``); a filter
 subscribes to both the topic and its chunks (``Filter.patterns``).
+
+A device answers a control command on its reply topic with its own name as the last level
+(``control-reply/{requester}/{device}``, :meth:`Topics.device_reply`), as it sends mesh slices: the broker's ACL
+lets it answer only as itself. On a cloud broker, a bridged site's topics are under :func:`site_prefix`
+(``sites/{site}/edgemesh/v1/...``, deploy/mosquitto/bridge.conf). :class:`EveryJob` builds the topics of every job
+as filters, for the broker's ACL (``edgemesh.common.acl``).
 """
 
 from __future__ import annotations
@@ -26,12 +32,16 @@ from typing import Literal
 
 from edgemesh.common.vocabulary import MAX_TOPIC_CHARS, check_name, valid_name, valid_topic
 
-__all__ = ["MAX_TOPIC_CHARS", "CHUNK_SEGMENT", "PREFIX", "Filter", "TopicError", "TopicMatch", "Topics",
-           "all_job_states_filter", "all_jobs_filter", "base_topic", "check_name", "match", "matches", "parse",
-           "valid_name", "valid_topic"]
+__all__ = ["MAX_TOPIC_CHARS", "CHUNK_SEGMENT", "PREFIX", "SITES_SEGMENT", "EveryJob", "Filter", "TopicError",
+           "TopicMatch", "Topics", "all_job_states_filter", "all_jobs_filter", "base_topic", "check_name", "match",
+           "matches", "parse", "site_prefix", "valid_name", "valid_topic"]
 
 PREFIX = "edgemesh/v1"
 CHUNK_SEGMENT = "chunk"
+SITES_SEGMENT = "sites"
+"""The first level of a bridged site's topics on a cloud broker (:func:`site_prefix`)."""
+ANY = "+"
+"""A level of any name, in a filter."""
 
 TopicKind = Literal["hello", "status", "stats", "evaluation", "snapshot_request", "probe", "plan", "sync", "codec",
                     "model", "delta", "grad", "grad_raw", "ack", "mesh", "control", "reply", "events", "job",
@@ -78,6 +88,8 @@ class TopicMatch:
             value = getattr(body, name, None)
             if named and isinstance(value, str) and value and value != named:
                 return f"{name} {value!r} on a topic of {name} {named!r}"
+        if self.kind == "reply" and self.device and getattr(body, "source", None) != f"device/{self.device}":
+            return f"source {getattr(body, 'source', None)!r} on device {self.device!r}'s reply topic"
         return None
 
 
@@ -274,8 +286,16 @@ class Topics:
     def control_reply(self, requester: str) -> str:
         return f"{self.root}/control-reply/{requester}"
 
+    @staticmethod
+    def device_reply(reply_topic: str, device: str) -> str:
+        """Where ``device`` answers a command whose answer goes to ``reply_topic``: that topic, then the device
+        (the last level names the sender: a broker ACL lets a device answer only as itself)."""
+        return f"{reply_topic}/{device}"
+
     def reply_filter(self, requester: str) -> Filter:
-        return self._filter(f"control-reply/{requester}", "reply")
+        """The answers to ``requester``: the services' (``control-reply/{requester}``) and the devices'
+        (``control-reply/{requester}/{device}``)."""
+        return self._filter(f"control-reply/{requester}/#", "reply")
 
     def events(self) -> str:
         return f"{self.root}/events"
@@ -306,6 +326,41 @@ class Topics:
     @staticmethod
     def chunk(topic: str, index: int) -> str:
         return f"{topic}/{CHUNK_SEGMENT}/{index}"
+
+
+@dataclass(frozen=True, slots=True)
+class EveryJob(Topics):
+    """The topics of every job, as filters: the job level is ``+`` (a broker's ACL, ``edgemesh.common.acl``).
+    With ``every_shard``, the gradient, ack and model topics are those of every parameter server shard
+    (``shard/+/``); a topic only one shard has (``steps``: shard 0's) keeps its index."""
+
+    job: str = ANY
+    every_shard: bool = False
+
+    def __post_init__(self) -> None:
+        """The job level is a wildcard, not a name; no shard index is checked: none is given."""
+
+    @property
+    def root(self) -> str:
+        return f"{PREFIX}/{ANY}"
+
+    @property
+    def ps_root(self) -> str:
+        if self.every_shard:
+            return f"{self.root}/shard/{ANY}"
+        return self.root if self.shard is None else f"{self.root}/shard/{self.shard}"
+
+    def for_shard(self, shard: int | None) -> Topics:
+        return EveryJob(shard=shard)
+
+
+def site_prefix(site: str) -> str:
+    """What comes before a bridged site's topics on a cloud broker (``sites/{site}/``): the remote prefix of
+    the site's bridge (deploy/mosquitto/bridge.conf), and the ``broker.topic_prefix`` of the cloud-side services
+    and operators of that site's jobs. ``site`` may be ``+``: every site's, in a filter."""
+    if site != ANY:
+        check_name("site", site)
+    return f"{SITES_SEGMENT}/{site}/"
 
 
 def all_jobs_filter() -> Filter:
@@ -370,6 +425,8 @@ def parse(topic: str) -> TopicMatch:
             return TopicMatch(job, "control", base, device=device, target=f"device/{device}")
         case ["control-reply", requester]:
             return TopicMatch(job, "reply", base, target=requester)
+        case ["control-reply", requester, device]:
+            return TopicMatch(job, "reply", base, device=device, target=requester)
     raise TopicError(f"{topic!r} is not an EdgeMesh topic")
 
 

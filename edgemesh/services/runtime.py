@@ -90,7 +90,8 @@ class Events:
 class Control:
     """A service's side of the control protocol (docs/operations.md): a command past its expiry is
     ignored, any other is applied, answered on its ``reply_to`` topic (default
-    ``control-reply/{requester}``) and logged as an event; ``stop`` is honoured once the reply is out."""
+    ``control-reply/{requester}``; a device's: that topic, then its name) and logged as an event; ``stop`` is
+    honoured once the reply is out."""
 
     def __init__(self, service: Service, bus: Bus, topics: Topics, events: Events) -> None:
         self.service, self.bus, self.topics, self.events = service, bus, topics, events
@@ -111,7 +112,8 @@ class Control:
             metrics.reject("bad_command", where, text, route="control")
         reply = ControlReply(request_id=cmd.request_id, source=self.service.control_target, command=cmd.command,
                              ok=ok, message=text, result=result)
-        await self.bus.publish(cmd.reply_to or self.topics.control_reply(cmd.requester), reply)
+        topic = cmd.reply_to or self.topics.control_reply(cmd.requester)
+        await self.bus.publish(Topics.device_reply(topic, self.device) if self.device else topic, reply)
         await self.events.emit("control", f"{cmd.command} from {cmd.requester}: {text}", command=cmd.command,
                                requester=cmd.requester, ok=ok)
         if ok and cmd.command == "stop":
