@@ -89,6 +89,8 @@ class Bus:
         self.config = config
         self.client_id = client_id
         self.metrics = metrics
+        self._prefix = config.topic_prefix
+        """Before every topic on the wire (``broker.topic_prefix``), never in a route's or a caller's."""
         self._routes = Routes()
         self._will = will
         self._hooks = ConnectHooks(client_id)
@@ -135,7 +137,7 @@ class Bus:
         patterns = [p for r in gone for p in r.filter.patterns]
         if client is not None and self._connected.is_set() and patterns:
             with contextlib.suppress(aiomqtt.MqttError):  # a lost connection re-subscribes what is left
-                await self._answers.of(client.unsubscribe(patterns))
+                await self._answers.of(client.unsubscribe([self._prefix + p for p in patterns]))
 
     @property
     def filters(self) -> tuple[Filter, ...]:
@@ -211,7 +213,7 @@ class Bus:
     def _make_client(self, protocol: aiomqtt.ProtocolVersion) -> aiomqtt.Client:
         will = None
         if self._will is not None:
-            will = aiomqtt.Will(topic=self._will[0], payload=self._will[1], qos=QOS_STATE, retain=True)
+            will = aiomqtt.Will(topic=self._prefix + self._will[0], payload=self._will[1], qos=QOS_STATE, retain=True)
         tls = None
         if self.config.tls:
             tls = ssl.create_default_context(cafile=self.config.ca_file or None)
@@ -306,7 +308,8 @@ class Bus:
                     if not payload and msg.retain:
                         continue  # a cleared retained topic
                     self.metrics.received_bytes.inc(len(payload))
-                    await self._inbox.put((msg.topic.value, payload, arrival))  # a bytearray stays one: no copy
+                    topic = msg.topic.value.removeprefix(self._prefix)  # every subscription has the prefix
+                    await self._inbox.put((topic, payload, arrival))  # a bytearray stays one: no copy
             except aiomqtt.MqttError as exc:
                 if not self._closing:
                     logger.warning("%s: connection to %s lost: %s", self.client_id, self.config.url, exc)
@@ -337,7 +340,7 @@ class Bus:
         if client is None or not patterns:
             return
         try:
-            granted = await self._answers.of(client.subscribe([(p, QOS_STATE) for p in patterns]))
+            granted = await self._answers.of(client.subscribe([(self._prefix + p, QOS_STATE) for p in patterns]))
         except aiomqtt.MqttError:
             if self._connected.is_set() or client is not self._client:
                 return  # the connection is going or gone: the next connect subscribes everything again
@@ -470,7 +473,7 @@ class Bus:
                         continue
                     self._taps.handing = handed  # set by the paho client's publish (``Taps``), called at once
                     try:
-                        await self._answers.of(client.publish(topic, payload, qos=qos, retain=retain))
+                        await self._answers.of(client.publish(self._prefix + topic, payload, qos=qos, retain=retain))
                         return
                     except aiomqtt.MqttError as exc:
                         logger.debug("%s: publish on %s failed (%s); retrying", self.client_id, topic, exc)

@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from edgemesh.common.config.checks import require as _require
 from edgemesh.common.config.parameter_server import ParameterServerConfig
-from edgemesh.common.vocabulary import AttackKind, CodecName, SparseCodecName, SyncPolicy, valid_name
+from edgemesh.common.vocabulary import AttackKind, CodecName, SparseCodecName, SyncPolicy, valid_name, valid_topic
 
 
 @dataclass(slots=True)
@@ -73,8 +73,15 @@ class BrokerConfig:
     """Bytes of partial chunked messages held at most."""
     publish_timeout_s: float = 30.0
     """How long a publish waits for a connection before failing."""
+    topic_prefix: str = ""
+    """Put before every topic published or subscribed to, and taken off every topic received: on a cloud broker,
+    the cloud-side services and operators of a bridged site's jobs set that site's ``sites/{site}/``
+    (deploy/mosquitto/bridge.conf). Empty: topics as they are."""
 
     def __post_init__(self) -> None:
+        _require(not self.topic_prefix or (valid_topic(self.topic_prefix) and self.topic_prefix.endswith("/")
+                                           and self.topic_prefix[0] not in "/$"), "broker.topic_prefix",
+                 f"{self.topic_prefix!r} is not levels ending in /, without wildcards, not starting with / or $")
         parsed = urlparse(self.url)
         _require(parsed.scheme in ("mqtt", "mqtts", "tcp"), "broker.url", f"{self.url!r} is not mqtt://host:port")
         _require(bool(parsed.hostname), "broker.url", f"{self.url!r} has no host")
