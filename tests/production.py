@@ -3,8 +3,10 @@
 :func:`production_broker` runs ``production.conf`` with the shipped ACL, a password per user, a test CA's
 server certificate on the TLS listener and client certificates for the certificate listener; the ports
 are free ones of 127.0.0.1. :func:`site_broker_conf` is a site broker (``dev.conf``) with ``bridge.conf``
-pointed at such a broker as its cloud. :class:`Client` is a blocking MQTT 5 client whose publish returns
-the PUBACK reason code, so a test sees what the broker refused.
+pointed at such a broker as its cloud, for one of the sites the shipped ACL names. :class:`Client` is a blocking
+MQTT 5 client whose publish returns the PUBACK reason code, so a test sees what the broker refused.
+:func:`role_config` is a service's, the operator's or a device's configuration on such a broker, with its own
+credentials.
 """
 
 from __future__ import annotations
@@ -27,16 +29,19 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
-from edgemesh.common.config import BrokerConfig
+from edgemesh.common.acl import OPERATOR, SERVICES, SITES, bridge_client_id, bridge_state_topic, bridge_user
+from edgemesh.common.config import BrokerConfig, Config, load_config
 from edgemesh.common.errors import BrokerError
+from edgemesh.common.topics import site_prefix
 from edgemesh.local.broker import find_mosquitto, free_port, wait_port
 from edgemesh.local.processes import parent_death_signal
 
 ROOT = Path(__file__).resolve().parents[1]
 MOSQUITTO_DIR = ROOT / "deploy" / "mosquitto"
 WAIT_S = 10.0
-USERS = ("planner", "ps", "compressor", "operator", "pi-01", "pi-02", "pi-03", "bridge-site1")
-"""The password file's users: the services, the operator, three devices and a site bridge."""
+DEVICES = ("pi-01", "pi-02", "pi-03")
+USERS = (*SERVICES, OPERATOR, *DEVICES, *(bridge_user(site) for site in SITES))
+"""The password file's users: the services, the operator, three devices and the bridges of the ACL's sites."""
 CERT_DEVICE = "pi-cert"
 """The device that logs in with a client certificate (its common name) on the certificate listener."""
 
@@ -239,22 +244,45 @@ class SiteBroker:
 
     conf: str
     port: int
+    site: str
     state_topic: str
     """Where the bridge reports itself connected (``1``) or not (``0``), retained on the site broker."""
 
+    @property
+    def prefix(self) -> str:
+        """What comes before this site's topics on the cloud broker (``broker.topic_prefix`` there)."""
+        return site_prefix(self.site)
 
-def site_broker_conf(cloud: ProductionBroker) -> SiteBroker:
+
+SHIPPED_SITE = SITES[0]
+"""The site bridge.conf is written for (its topic line, remote_clientid and remote_username)."""
+
+
+def site_broker_conf(cloud: ProductionBroker, site: str = SHIPPED_SITE) -> SiteBroker:
     """deploy/mosquitto/dev.conf on a free port with deploy/mosquitto/bridge.conf appended, its address, CA and
-    password pointed at ``cloud``'s TLS listener (everything else as shipped)."""
+    password pointed at ``cloud``'s TLS listener, for ``site`` (everything else as shipped: another site as the
+    file says, its name in the topic line's prefix, its client id and its user)."""
     port = free_port()
     conf = rewrite((MOSQUITTO_DIR / "dev.conf").read_text(), r"listener 1883 127\.0\.0\.1",
                    f"listener {port} 127.0.0.1")
     bridge = (MOSQUITTO_DIR / "bridge.conf").read_text()
-    assert re.search(r"^topic edgemesh/v1/# both 1$", bridge, re.MULTILINE)
+    for key, named in (('topic edgemesh/v1/# both 1 ""', site_prefix), ("remote_clientid", bridge_client_id),
+                       ("remote_username", bridge_user)):
+        bridge = rewrite(bridge, re.escape(f"{key} {named(SHIPPED_SITE)}"), f"{key} {named(site)}")
     bridge = rewrite(bridge, r"address \S+", f"address 127.0.0.1:{cloud.tls_port}")
     bridge = rewrite(bridge, r"bridge_cafile \S+", f"bridge_cafile {cloud.ca}")
-    bridge = rewrite(bridge, r"remote_username \S+", "remote_username bridge-site1")
-    bridge = rewrite(bridge, r"remote_password \S+", f"remote_password {ProductionBroker.password('bridge-site1')}")
-    clientid = re.search(r"^remote_clientid (\S+)$", bridge, re.MULTILINE)
-    assert clientid, "bridge.conf sets no remote_clientid"
-    return SiteBroker(conf + "\n" + bridge, port, f"$SYS/broker/connection/{clientid[1]}/state")
+    bridge = rewrite(bridge, r"remote_password \S+", f"remote_password {ProductionBroker.password(bridge_user(site))}")
+    return SiteBroker(conf + "\n" + bridge, port, site, bridge_state_topic(site))
+
+
+def role_config(broker: ProductionBroker, user: str, job: str, **settings: object) -> Config:
+    """``user``'s configuration for ``job`` on ``broker``, as the systemd units run them: a service or the operator
+    over loopback, a device over TLS as its own name (``worker.device``), each with its password; quick reconnects,
+    metrics on a free port; then ``settings`` (dotted keys)."""
+    device = user not in (*SERVICES, OPERATOR)
+    config = broker.broker_config(user, tls=device)
+    overrides: dict[str, object] = {
+        "job": job, "broker.url": config.url, "broker.username": user, "broker.password": config.password,
+        "broker.ca_file": config.ca_file, "broker.backoff_initial_s": 0.05, "broker.backoff_max_s": 0.5,
+        "metrics.address": "127.0.0.1:0", **({"worker.device": user} if device else {}), **settings}
+    return load_config(env={}, overrides={k: str(v) for k, v in overrides.items()})

@@ -1,11 +1,18 @@
 """A job across a site bridge: the workers on a site broker, the services on a cloud broker.
 
 The site broker is ``deploy/mosquitto/dev.conf`` with ``deploy/mosquitto/bridge.conf`` (``topic edgemesh/v1/#
-both 1``, TLS, the ``bridge-site1`` password, ``try_private``, ``cleansession false``); the cloud broker is the
-shipped ``production.conf`` with its ACL (``tests/production.py``). Planner, parameter server and compressor log
-in to the cloud over TLS as their role users; the workers connect to the site broker as dev.conf allows (plain,
-anonymous), each with its device name. Everything between them crosses the bridge: hellos, statuses and stats
-and the workers' updates up; the retained plan, codec policies and model (chunked) and the acks down.
+both 1 "" sites/site1/``, TLS, the ``bridge-site1`` password, ``try_private``, ``cleansession false``); the cloud
+broker is the shipped ``production.conf`` with its ACL (``tests/production.py``). Planner, parameter server and
+compressor log in to the cloud over TLS as their role users, with the site's prefix (``broker.topic_prefix =
+"sites/site1/"``); the workers connect to the site broker as dev.conf allows (plain, anonymous), each with its
+device name. Everything between them crosses the bridge: hellos, statuses and stats and the workers' updates up;
+the retained plan, codec policies and model (chunked) and the acks down.
+
+A cloud-side client of a site (``broker.topic_prefix``) publishes and subscribes under the prefix alone, and its
+routes parse what comes in as the job's own topics. A second site's bridge reaches its own prefix alone: what is
+published on that site appears on the cloud under ``sites/site2/`` and nowhere else, only what is published there
+comes down, and the first site's bridge user may not write the second site's topics (its control commands, its job
+commands) nor the cloud's own.
 """
 
 from __future__ import annotations
@@ -18,11 +25,21 @@ from typing import Any
 
 import pytest
 from helpers import WAIT_S, inbox, running, until
-from production import Client, ProductionBroker, SiteBroker, mosquitto, production_broker, site_broker_conf
+from production import (
+    SHIPPED_SITE,
+    Client,
+    ProductionBroker,
+    SiteBroker,
+    mosquitto,
+    production_broker,
+    site_broker_conf,
+)
 
+from edgemesh.common import wire
+from edgemesh.common.acl import OPERATOR, SITES, bridge_client_id, bridge_user
 from edgemesh.common.config import Config, load_config
-from edgemesh.common.messages import ModelSnapshot, Plan
-from edgemesh.common.topics import Topics
+from edgemesh.common.messages import ControlCommand, ControlReply, ModelSnapshot, Plan
+from edgemesh.common.topics import ANY, Topics, site_prefix
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
@@ -51,9 +68,9 @@ def cloud(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProductionBroker
 
 
 @contextlib.contextmanager
-def bridged_site(cloud: ProductionBroker, directory: Path) -> Iterator[SiteBroker]:
-    """The site broker running, its bridge to ``cloud`` connected (the retained state it reports is ``1``)."""
-    site = site_broker_conf(cloud)
+def bridged_site(cloud: ProductionBroker, directory: Path, name: str = SHIPPED_SITE) -> Iterator[SiteBroker]:
+    """Site ``name``'s broker running, its bridge to ``cloud`` connected (the retained state it reports is ``1``)."""
+    site = site_broker_conf(cloud, name)
     with mosquitto(site.conf, directory, [site.port]):
         watcher = Client(site.port)
         try:
@@ -78,11 +95,12 @@ def settings(topics: Topics, tmp_path: Path, **more: object) -> Config:
     return load_config(env={}, overrides={k: str(v) for k, v in overrides.items()})
 
 
-def on_cloud(cloud: ProductionBroker, user: str, topics: Topics, tmp_path: Path) -> Config:
-    """A service on the cloud broker: TLS, its role user and password."""
+def on_cloud(cloud: ProductionBroker, site: SiteBroker, user: str, topics: Topics, tmp_path: Path) -> Config:
+    """A service of ``site``'s job on the cloud broker: TLS, its role user and password, the site's prefix."""
     broker = cloud.broker_config(user)
     return settings(topics, tmp_path, **{"broker.url": broker.url, "broker.username": user,
-                                         "broker.password": broker.password, "broker.ca_file": broker.ca_file})
+                                         "broker.password": broker.password, "broker.ca_file": broker.ca_file,
+                                         "broker.topic_prefix": site.prefix})
 
 
 def on_site(site: SiteBroker, device: str, topics: Topics, tmp_path: Path) -> Config:
@@ -110,9 +128,9 @@ async def test_a_job_trains_across_the_site_bridge(cloud: ProductionBroker, tmp_
     nobody rejected a message (but a resent update the PS holds already), and the bridge connected once."""
     topics = Topics("bridged-job")
     with bridged_site(cloud, tmp_path / "site") as site:
-        planner = Planner(on_cloud(cloud, "planner", topics, tmp_path))
-        ps = ParameterServer(on_cloud(cloud, "ps", topics, tmp_path))
-        compressor = Compressor(on_cloud(cloud, "compressor", topics, tmp_path))
+        planner = Planner(on_cloud(cloud, site, "planner", topics, tmp_path))
+        ps = ParameterServer(on_cloud(cloud, site, "ps", topics, tmp_path))
+        compressor = Compressor(on_cloud(cloud, site, "compressor", topics, tmp_path))
         workers = [Worker(on_site(site, d, topics, tmp_path)) for d in DEVICES]
         async with running(planner, ps, compressor):
             async with running(*workers):
@@ -158,4 +176,68 @@ async def test_a_job_trains_across_the_site_bridge(cloud: ProductionBroker, tmp_
                 for s in (planner, ps, compressor)} == {"planner": 0, "ps": 0, "compressor": 0}
         assert set(rejections(planner, ps, compressor, *workers)) <= {"ps grad/queued"}, \
             rejections(planner, ps, compressor, *workers)
-    assert cloud.log.read_text().count("New bridge connected") == 1
+    assert cloud.log.read_text().count(f"as {bridge_client_id(SHIPPED_SITE)} ") == 1  # "New bridge connected ... as"
+
+
+async def test_a_cloud_side_client_of_a_site_speaks_under_its_prefix_alone(cloud: ProductionBroker,
+                                                                           tmp_path: Path) -> None:
+    """With ``broker.topic_prefix``, what the bus publishes goes out under the prefix, its routes take what comes in
+    under it (a reply on the job's own reply topic, parsed without the prefix), and not what comes outside it."""
+    topics = Topics("prefixed")
+    prefix = site_prefix(SHIPPED_SITE)
+    broker = cloud.broker_config(OPERATOR)
+    config = settings(topics, tmp_path, **{"broker.url": broker.url, "broker.username": OPERATOR,
+                                           "broker.password": broker.password, "broker.ca_file": broker.ca_file,
+                                           "broker.topic_prefix": prefix})
+    watcher, ps = cloud.client(OPERATOR), cloud.client("ps")
+    try:
+        watcher.subscribe(f"{topics.root}/#", f"{prefix}{topics.root}/#")
+        async with inbox(config, (topics.reply_filter("op"), ControlReply), name="prefixed") as box:
+            await box.publish(topics.control("ps"), ControlCommand(command="status", requester="op"))
+            assert watcher.next_message()[0] == prefix + topics.control("ps")
+            for where, request in ((topics.control_reply("op"), "outside"), (prefix + topics.control_reply("op"),
+                                                                               "inside")):
+                assert not ps.publish(where, wire.encode(ControlReply(request_id=request, source="ps",
+                                                                      command="status", ok=True))).is_failure
+            reply = await box.next(ControlReply)  # the one outside the prefix, published first, did not come
+            assert reply.request_id == "inside"
+            assert [match.topic for match, _ in box.received] == [topics.control_reply("op")]
+    finally:
+        watcher.close()
+        ps.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_sites_bridge_reaches_its_own_prefix_alone(cloud: ProductionBroker, tmp_path: Path) -> None:
+    """Site 2's bridge carries what is published there up under ``sites/site2/`` alone, and down only what is
+    published under that prefix; the first site's bridge user writes its own prefix alone, not site 2's control or
+    job commands, nor the cloud's own. (A refused publish did not arrive: a marker the same client published after
+    it did, first.)"""
+    topics = Topics("two-sites")
+    first, second = SITES
+    command = b'{"command": "stop"}'
+    with bridged_site(cloud, tmp_path / "site2", second) as site:
+        local = Client(site.port)
+        operator = cloud.client(OPERATOR)
+        impostor = cloud.client(bridge_user(first))
+        try:
+            operator.subscribe(f"{topics.root}/#", f"{site_prefix(ANY)}{topics.root}/#")
+            local.subscribe(f"{topics.root}/#")
+            # up: a command published on site 2 reaches the cloud under site 2's prefix, and nowhere else
+            assert not local.publish(topics.control("ps"), command).is_failure
+            assert local.next_message() == (topics.control("ps"), command)  # its own, from the site broker
+            assert operator.next_message() == (site.prefix + topics.control("ps"), command)
+            # bridge-site1's credentials: site 2's control and job commands, the cloud's own jobs' refused
+            for topic in (site.prefix + topics.control("ps"), site.prefix + topics.control("job"),
+                          site.prefix + topics.control("all"), topics.control("ps")):
+                assert impostor.publish(topic, command).is_failure, topic
+            mine = site_prefix(first) + topics.control("ps")
+            assert not impostor.publish(mine, b"marker").is_failure
+            assert operator.next_message() == (mine, b"marker")
+            # down: the cloud's command for site 1 does not reach site 2; the one for site 2 does
+            assert not operator.publish(site_prefix(first) + topics.control("all"), command).is_failure
+            assert not operator.publish(site.prefix + topics.control("all"), b"marker").is_failure
+            assert local.next_message() == (topics.control("all"), b"marker")
+        finally:
+            for client in (local, operator, impostor):
+                client.close()

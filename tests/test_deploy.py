@@ -471,7 +471,8 @@ def test_production_acl_roles(production_broker: ProductionBroker) -> None:
         assert allowed(worker, topics.hello("pi-01"), retain=True)
         assert allowed(worker, Topics.chunk(topics.hello("pi-01"), 0), retain=True)
         assert allowed(worker, topics.grad("c0", "pi-01"))
-        assert allowed(worker, topics.control_reply("ctl-1234"))
+        assert allowed(worker, topics.device_reply(topics.control_reply("ctl-1234"), "pi-01"))  # answers as itself
+        assert not allowed(worker, topics.control_reply("ctl-1234"))
         assert not allowed(worker, topics.status("pi-02"), retain=True)
         assert not allowed(worker, topics.grad("c0", "pi-02"))
         # model-parallel slices: sent as itself, backward ones to another member (denied before)
@@ -585,12 +586,12 @@ def test_bridge_forwards_both_ways(production_broker: ProductionBroker, tmp_path
             site.subscribe(site_broker.state_topic, f"{topics.root}/control/#")
             while site.next_message() != (site_broker.state_topic, b"1"):  # the bridge reports itself connected
                 pass
-            cloud.subscribe(f"{topics.root}/#")
+            cloud.subscribe(f"{site_broker.prefix}{topics.root}/#")  # the site's topics, under its prefix
             # site to cloud: a device's hello
             assert not site.publish(topics.hello("pi-09"), b"hello", retain=True).is_failure
-            assert cloud.next_message() == (topics.hello("pi-09"), b"hello")
+            assert cloud.next_message() == (site_broker.prefix + topics.hello("pi-09"), b"hello")
             # cloud to site: an operator's command (the bridge subscribed before it forwarded the hello)
-            assert not cloud.publish(topics.control("ps"), b'{"command": "pause"}').is_failure
+            assert not cloud.publish(site_broker.prefix + topics.control("ps"), b'{"command": "pause"}').is_failure
             assert site.next_message() == (topics.control("ps"), b'{"command": "pause"}')
         finally:
             site.close()
