@@ -63,10 +63,15 @@ class DeviceStatus:
     """Version of a plan whose share this device refused (it does not fit its memory); 0 = none."""
     reason: str = ""
     """Why it refused, for operators (``needs 812 MiB for batch 128, has 700 MiB``)."""
+    validation_samples: int = 0
+    """Samples of the job's validation share this device holds (``evaluation.local_share``), once it loaded the
+    job's data; 0 = none (or a sender from before this field). The parameter server refuses an evaluation report
+    claiming more."""
 
     def validate(self) -> None:
         check_name("device", self.device)
         nonneg("refused_plan", self.refused_plan)
+        nonneg("validation_samples", self.validation_samples)
 
 
 @message("stats")

@@ -151,7 +151,7 @@ class LocalEvaluation:
 
     def validate(self) -> None:
         check_name("device", self.device)
-        for name in ("version", "samples", "correct"):
+        for name in ("version", "samples", "correct", "loss_sum"):
             nonneg(name, getattr(self, name))
         if self.correct > self.samples:
             raise ValueError("correct exceeds samples")

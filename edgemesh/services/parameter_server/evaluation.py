@@ -11,6 +11,15 @@ The held-out set is the configured data set's test split, or a submitted job's `
 this host. A job evaluated where its data lives (``evaluation.local_share``) has no set here: each device
 reports its accuracy on its own validation share (``LocalEvaluation``), and :meth:`Evaluator.combine`
 weighs the latest report of every device in the plan by its sample count.
+
+No device decides alone (docs/synchronization.md#what-the-parameter-server-refuses). A report is refused (counted on
+``rejected_total{route="evaluation"}``, logged, the service goes on) from a device the plan does not name
+(``unknown_device``), for a version the model has not reached (``future``), or claiming more samples than the
+validation share the device announced in its retained status (``DeviceStatus.validation_samples``), or from a device
+that announced none (``samples``). And the devices' accuracy ends a job at its target only when a quorum of them
+agree (:meth:`Evaluator.quorum`): at least ``QUORUM_MIN_DEVICES``, and more than half of the plan's devices that
+evaluate (each alone in its cluster: a model-parallel member holds a slice of the model and does not), each with its
+own latest report at or above the target.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,14 +37,39 @@ import torch
 from edgemesh.common import models
 from edgemesh.common.config import Config
 from edgemesh.common.data import load_dataset, load_local
+from edgemesh.common.errors import WireError
 from edgemesh.common.jobs import JobSpec, resolve
-from edgemesh.common.messages import LocalEvaluation
+from edgemesh.common.messages import DeviceStatus, LocalEvaluation, Plan
 from edgemesh.services.parameter_server.guard import Evaluated
 
 Report = Callable[[int, float, float], Awaitable[None]]
 """``report(version, loss, accuracy)``."""
 Assemble = Callable[[int, dict[str, np.ndarray]], Awaitable[dict[str, np.ndarray] | None]]
 """``assemble(version, rows)``: a sharded server's whole model at ``version`` from its own rows (None: not now)."""
+QUORUM_MIN_DEVICES = 2
+"""Fewest devices whose own reports must reach a job's target before their accuracy ends it: never one alone (a job
+evaluated on a single device ends at its other limits)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Quorum:
+    """How many of the plan's evaluating devices agree that the target is reached, and how many must."""
+
+    agreeing: int
+    needed: int
+    devices: int
+
+    @property
+    def met(self) -> bool:
+        return self.agreeing >= self.needed
+
+    def __str__(self) -> str:
+        return f"{self.agreeing} of {self.devices} devices agree, {self.needed} needed"
+
+
+def quorum_of(devices: int) -> int:
+    """Devices that must agree among ``devices`` that evaluate: more than half, and at least QUORUM_MIN_DEVICES."""
+    return max(QUORUM_MIN_DEVICES, devices // 2 + 1)
 
 
 class Evaluator:
@@ -50,6 +85,12 @@ class Evaluator:
         self.last: Evaluated | None = None
         """The latest evaluation, with the state evaluated when it was this server's own."""
         self._reports: dict[str, LocalEvaluation] = {}
+        self.shares: dict[str, tuple[int, int]] = {}
+        """Device -> (incarnation, samples of its validation share), from its latest ``online`` status."""
+        self.planned: frozenset[str] = frozenset()
+        """The devices of the current plan."""
+        self.evaluating: frozenset[str] = frozenset()
+        """Those of them that evaluate: alone in their cluster."""
         self._model: Any = None
         self.buffers: dict[str, bool] = {}
         """The model's buffers (``load``): name -> whether it holds integers."""
@@ -82,11 +123,40 @@ class Evaluator:
             _, self._test_set = load_dataset(t.dataset, t.dataset_path or None, seed=t.seed)
         return models.get_params(self._model)
 
-    def combine(self, report: LocalEvaluation, devices: set[str]) -> tuple[int, float, float] | None:
-        """(version, loss, accuracy) over the latest report of every device in ``devices``, weighted by their
-        samples, once ``report`` is in; None while no device of the plan has reported."""
+    def replanned(self, plan: Plan) -> None:
+        """The plan whose devices' reports count; a device's report from before it is kept while it stays."""
+        self.planned = frozenset(d.device for d in plan.devices)
+        self.evaluating = frozenset(d.device for d in plan.devices
+                                    if len(c.members if (c := plan.cluster(d.cluster)) else ()) <= 1)
+        for gone in set(self._reports) - self.planned:
+            del self._reports[gone]
+
+    def know(self, status: DeviceStatus) -> None:
+        """A device's retained status: an ``online`` one gives the samples of its validation share (a later
+        incarnation's replaces an earlier's; ``offline`` and ``left`` change nothing: the share is the same)."""
+        known = self.shares.get(status.device)
+        if status.state == "online" and (known is None or status.incarnation >= known[0]):
+            self.shares[status.device] = (status.incarnation, status.validation_samples)
+
+    def check(self, report: LocalEvaluation, version: int) -> None:
+        """Raise WireError unless ``report`` may count while the model is at ``version`` (module docstring)."""
+        if report.device not in self.planned:
+            raise WireError(f"an evaluation from {report.device}, which the plan does not name", "unknown_device")
+        if report.version > version:
+            raise WireError(f"{report.device} evaluated version {report.version}; the model is at {version}",
+                            "future")
+        share = self.shares.get(report.device, (0, 0))[1]
+        if report.samples > share:
+            raise WireError(f"{report.device} claims {report.samples} evaluated samples; its status announced "
+                            + (f"{share} in its validation share" if share else "no validation share"), "samples")
+
+    def combine(self, report: LocalEvaluation, version: int) -> tuple[int, float, float] | None:
+        """(version, loss, accuracy) over the latest report of every device in the plan, weighted by their samples,
+        once ``report`` is in; None while no device of the plan has reported. A report that may not count
+        (:meth:`check`, at model ``version``) raises WireError and changes nothing."""
+        self.check(report, version)
         self._reports[report.device] = report
-        latest = [r for name, r in self._reports.items() if name in devices and r.samples]
+        latest = [r for name, r in self._reports.items() if name in self.planned and r.samples]
         if not latest:
             return None
         samples = sum(r.samples for r in latest)
@@ -94,6 +164,15 @@ class Evaluator:
         self.last_accuracy, self.last_loss = accuracy, loss
         self.last = Evaluated(min(r.version for r in latest), loss, accuracy)
         return self.last.version, loss, accuracy
+
+    def quorum(self, target: float) -> Quorum | None:
+        """Under local evaluation, how many of the plan's evaluating devices report ``target`` reached on their own
+        shares, and how many must (None: this server evaluates the model itself, and its accuracy counts)."""
+        if not self.local:
+            return None
+        agreeing = sum(1 for name, r in self._reports.items()
+                       if name in self.evaluating and r.samples and r.correct / r.samples >= target)
+        return Quorum(agreeing, quorum_of(len(self.evaluating)), len(self.evaluating))
 
     def offer(self, version: int, params: Mapping[str, np.ndarray]) -> None:
         """Hand ``params`` over if an evaluation is due at ``version`` (and there is a held-out set here)."""

@@ -44,6 +44,7 @@ from edgemesh.common.messages.jobs import EVALUATIONS_KEPT, MAX_REASON_CHARS, Jo
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
 from edgemesh.services.host import ActiveJob, JobHost
+from edgemesh.services.parameter_server.evaluation import Quorum
 from edgemesh.services.parameter_server.guard import Evaluated
 from edgemesh.services.parameter_server.service import ParameterServer
 
@@ -148,7 +149,7 @@ class JobBoard:
         if self.host.states.get(state.name, state).state == "paused" and not ps.paused:
             await ps.control(ControlCommand(command="pause", requester="jobs"))  # a restarted PS resumes paused
         progress = self._progress(state, ps)
-        reason = _stop_reason(progress, now)
+        reason = _stop_reason(progress, now, ps.evaluator.quorum(progress.target_accuracy))
         if reason and state.state == "running":
             await self._end(progress, "finished", reason)
             return
@@ -373,10 +374,12 @@ def _progress(state: JobState) -> tuple[Any, ...]:
             state.rollbacks, state.warning)
 
 
-def _stop_reason(state: JobState, now: float) -> str:
-    """Why the job's stop rule ends it now ('' while it goes on)."""
-    if state.target_accuracy and state.accuracy is not None and state.accuracy >= state.target_accuracy:
-        return f"{REACHED}: {state.accuracy:.4f} >= {state.target_accuracy:g}"
+def _stop_reason(state: JobState, now: float, quorum: Quorum | None = None) -> str:
+    """Why the job's stop rule ends it now ('' while it goes on). An accuracy the devices reported reaches the target
+    only with their ``quorum`` (None: the parameter server's own evaluation)."""
+    if state.target_accuracy and state.accuracy is not None and state.accuracy >= state.target_accuracy and (
+            quorum is None or quorum.met):
+        return f"{REACHED}: {state.accuracy:.4f} >= {state.target_accuracy:g}" + (f" ({quorum})" if quorum else "")
     if state.max_versions and state.version >= state.max_versions:
         return f"reached model version {state.version} (job.max_versions = {state.max_versions})"
     if state.max_minutes and state.started_at and now - state.started_at >= state.max_minutes * 60:

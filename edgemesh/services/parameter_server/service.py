@@ -40,13 +40,20 @@ from edgemesh.common.codecs import quick_to_decode
 from edgemesh.common.config import Config
 from edgemesh.common.errors import WireError
 from edgemesh.common.jobs import JobSpec
-from edgemesh.common.messages import ControlCommand, GradientUpdate, LocalEvaluation, Plan, SnapshotRequest
+from edgemesh.common.messages import (
+    ControlCommand,
+    DeviceStatus,
+    GradientUpdate,
+    LocalEvaluation,
+    Plan,
+    SnapshotRequest,
+)
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.shards import Division
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy, payload_reason
 from edgemesh.services.parameter_server.acks import Acks
-from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, compensated_momentum
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
 from edgemesh.services.parameter_server.assembly import Assembly, Outcome, members_in
 from edgemesh.services.parameter_server.evaluation import Evaluator
 from edgemesh.services.parameter_server.guard import Evaluated, Guard, Rollback
@@ -225,7 +232,8 @@ class ParameterServer:
         self.acks.bus = bus
         bus.route(self.topics.plan_filter(), Plan, self._on_plan)
         bus.route(self.topics.grad_filter(), GradientUpdate, self._on_gradient)
-        if self.evaluator.local:
+        if self.evaluator.local:  # the devices' statuses bound their reports (their validation shares' samples)
+            bus.route(self.topics.status_filter(), DeviceStatus, self._on_status)
             bus.route(self.topics.evaluation_filter(), LocalEvaluation, self._on_local_evaluation)
         if self.peers is not None:
             self.peers.attach(bus, self.topics)
@@ -253,16 +261,20 @@ class ParameterServer:
         if self.plan is not None and plan.version < self.plan.version:
             raise WireError(f"plan version {plan.version} is older than {self.plan.version}", "replayed")
         self.plan = plan
+        self.evaluator.replanned(plan)
         if plan.devices and self.broadcast.skipped:
             self._request_snapshot()  # the model moved while no plan named a device: nothing went out
         self.rule.retain((d.device for d in plan.devices), plan.cluster_names)
         await self._settle(self.assembly.replanned(plan.version))
         self._wake.set()  # a cluster may have left: an open round may now be complete
 
+    async def _on_status(self, status: DeviceStatus, _: TopicMatch) -> None:
+        self.evaluator.know(status)
+
     async def _on_local_evaluation(self, report: LocalEvaluation, _: TopicMatch) -> None:
-        """A device's accuracy on its own validation share: combined with the others' by sample count."""
-        devices = {d.device for d in self.plan.devices} if self.plan is not None else set()
-        combined = self.evaluator.combine(report, devices)
+        """A device's accuracy on its own validation share: combined with the others' by sample count (a report that
+        may not count raises WireError: counted and logged by the bus)."""
+        combined = self.evaluator.combine(report, self.version)
         if combined is not None:
             await self._evaluated(*combined)
 
@@ -337,14 +349,6 @@ class ParameterServer:
     def _fleet(self) -> Fleet:
         return Fleet.of(self.plan, self.bound, time.monotonic())
 
-    def _momentum(self, plan: Plan | None) -> float:
-        """The momentum of the next steps: ``training.momentum``, less under ``async`` and ``ssp`` by the momentum
-        the asynchrony of the plan's clusters adds with ``ps.async_momentum = "compensated"``."""
-        momentum = self.cfg.training.momentum
-        if self.cfg.ps.async_momentum != "compensated" or self.policy not in ("async", "ssp") or plan is None:
-            return momentum
-        return compensated_momentum(momentum, len({d.cluster for d in plan.devices}))
-
     async def _step_loop(self) -> None:
         while True:
             fleet = self._fleet()
@@ -407,7 +411,6 @@ class ParameterServer:
         listens under ``plan``, the one they were judged under (one thread hop for all)."""
         assert self.state is not None
         t, state, version = self.cfg.training, self.state, steps[-1].version
-        momentum = self._momentum(plan)
         with self._state_lock:
             combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far,  # the rule's
                                                 chosen=step.chosen)  # gradients
@@ -417,12 +420,12 @@ class ParameterServer:
 
             def apply_and_encode() -> ModelMessage | None:
                 for step, summed, c in zip(steps, sums, combined, strict=True):
-                    refused = state.apply(summed, lr=self.lr, momentum=momentum, weight_decay=t.weight_decay)
+                    refused = state.apply(summed, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
                     if refused is not None:  # the model stays as it was: the version moves on, nothing else
                         self.aggregator.step_refused(step.version, refused, c)
                 return self.broadcast.to_plan(state.params, version, self.policy, plan)
 
-            written, message = self.recovery.log_beside(steps, Optimizer(self.lr, momentum, t.weight_decay),
+            written, message = self.recovery.log_beside(steps, Optimizer(self.lr, t.momentum, t.weight_decay),
                                                         combined, [s.grads for s in sums], apply_and_encode)
             self.m_wal.inc(written)
             self.ledger.record(steps)  # before any of their acks

@@ -198,11 +198,13 @@ class Worker:
             profile=b.profile_name, downlink_rate_bps=b.downlink_bps, latency_s=b.latency_s), retain=True)
 
     async def _publish_status(self) -> None:
-        """The retained ``online`` status, naming the plan this device refused if it did."""
+        """The retained ``online`` status, naming the plan this device refused if it did, and the samples of its
+        validation share (the parameter server bounds this device's evaluation reports by them)."""
         assert self.bus is not None
         await self.bus.publish(self.topics.status(self.device), DeviceStatus(
             device=self.device, state="online", incarnation=self.incarnation, time=time.time(),
-            refused_plan=self._refused, reason=self._refusal), retain=True)
+            refused_plan=self._refused, reason=self._refusal,
+            validation_samples=len(self.validation) if self.validation is not None else 0), retain=True)
 
     # ------------------------------------------------------------------ consuming
     async def _on_plan(self, plan: Plan, _: TopicMatch) -> None:
