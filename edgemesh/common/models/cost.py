@@ -12,6 +12,10 @@ the model allows, so nothing is computed):
   upper bound with ``LeanReLU``/``LeanMaxPool2d``).
 * **Parameters** are every parameter of the module (all of them travel).
 * **Layer figures** (``costs.LayerCost``) for a model ``mesh_stages`` can divide, else none.
+
+A host checks a job's model against its memory budget before it builds it (``meta_costs``: the spec built on
+the meta device, so a model of a billion parameters costs no memory to measure) with the estimates of
+``worker_memory`` and ``server_memory``.
 """
 
 from __future__ import annotations
@@ -26,11 +30,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from edgemesh.common import costs
-from edgemesh.common.costs import LayerCost, ModelCost
+from edgemesh.common.costs import ACTIVATION_COPIES, FLOAT32_BYTES, PARAM_COPIES, RUNTIME_BYTES, LayerCost, ModelCost
 from edgemesh.common.errors import ModelError
 from edgemesh.common.models.lean import GlobalAvgPool, Residual, Standardize
 from edgemesh.common.models.probe import Forward, on_sample
-from edgemesh.common.models.specs import build_model, get_spec
+from edgemesh.common.models.specs import ModelSpec, build_model, get_spec
 
 CHANNELWISE: Final = (nn.ReLU, nn.LeakyReLU, nn.Tanh, nn.Sigmoid, nn.GELU, nn.Hardtanh, nn.Hardswish, nn.SiLU,
                       nn.MaxPool2d, nn.AvgPool2d, GlobalAvgPool)
@@ -39,6 +43,12 @@ REPLICATED: Final = (Standardize, nn.Flatten, nn.Identity)
 """Parameterless modules that mix channels or positions: every member runs them on the whole input."""
 FLOPS_PER_MAC_COUNTED: Final = 2
 """FlopCounterMode counts a multiply-accumulate as 2 FLOPs."""
+SERVER_PARAM_COPIES: Final = 6
+"""float32 copies of the parameters a parameter server holds: the weights, their momentum, a step's combined
+gradient, the broadcast's reference (what the workers hold), the copy handed to the evaluation and the divergence
+guard's best model. The decoded updates waiting in its queue come on top (at most ``ps.max_batch`` of them)."""
+SERVER_EVAL_BATCH: Final = 512
+"""Samples a parameter server evaluates at once (``models.evaluate``'s batch), without gradients."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,3 +232,78 @@ def measure_layers(name: str) -> tuple[LayerCost, ...]:
     model = build_model(name)
     stages = mesh_stages(model)
     return _layer_costs(model, stages, on_sample(model, spec.input_shape, _watch(model, spec.input_shape)))
+
+
+# --------------------------------------------------------------------------- memory a host needs for a model
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryNeed:
+    """A training process's estimated peak memory for one model: its parameters (in copies), the activations of a
+    batch, and the process itself (``costs.RUNTIME_BYTES``)."""
+
+    params: int
+    param_copies: int
+    batch: int
+    activations_per_sample: int
+    activation_copies: int
+
+    @property
+    def param_bytes(self) -> int:
+        return self.param_copies * FLOAT32_BYTES * self.params
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.activation_copies * FLOAT32_BYTES * self.batch * self.activations_per_sample
+
+    @property
+    def total_bytes(self) -> int:
+        return RUNTIME_BYTES + self.param_bytes + self.activation_bytes
+
+    def describe(self) -> str:
+        """``1234 MiB (1,000,000 parameters x 4 copies: 15 MiB; activations of 32 samples: 3 MiB; the process: 260
+        MiB)``."""
+        return (f"{_mib(self.total_bytes)} MiB ({self.params:,} parameters x {self.param_copies} copies: "
+                f"{_mib(self.param_bytes)} MiB; activations of {self.batch} samples: {_mib(self.activation_bytes)} "
+                f"MiB; the process: {_mib(RUNTIME_BYTES)} MiB)")
+
+
+def _mib(n: int) -> int:
+    return math.ceil(n / 2**20)
+
+
+def worker_memory(cost: ModelCost, batch: int) -> MemoryNeed:
+    """What a worker training ``cost``'s model at ``batch`` samples a step holds (``costs.training_memory_bytes``'s
+    accounting: the weights, their gradients, the error-feedback residual and the model view; every layer's output
+    and its gradient)."""
+    return MemoryNeed(params=cost.params, param_copies=PARAM_COPIES, batch=batch,
+                      activations_per_sample=cost.activations_per_sample, activation_copies=ACTIVATION_COPIES)
+
+
+def server_memory(cost: ModelCost, shards: int = 1) -> MemoryNeed:
+    """What one of ``shards`` parameter server processes holds for ``cost``'s model: its rows of the parameters in
+    ``SERVER_PARAM_COPIES`` copies, and the outputs of an evaluation batch (``SERVER_EVAL_BATCH``, no gradients)."""
+    return MemoryNeed(params=math.ceil(cost.params / max(shards, 1)), param_copies=SERVER_PARAM_COPIES,
+                      batch=SERVER_EVAL_BATCH, activations_per_sample=cost.activations_per_sample,
+                      activation_copies=1)
+
+
+def meta_costs(spec: ModelSpec) -> tuple[ModelCost, tuple[LayerCost, ...] | None, str]:
+    """The figures of ``spec``'s model built on the meta device: its parameters counted, one sample's forward pass
+    watched, and nothing allocated: (cost, layer figures or None, why there are none). ModelError if the model does
+    not build there or rejects the sample (a module without meta support: build it for real, ``derive_costs``)."""
+    try:
+        with torch.device("meta"):
+            model = spec.builder()
+    except ModelError:
+        raise
+    except Exception as exc:  # whatever the model's builder raises on the meta device
+        raise ModelError(f"model {spec.name!r} does not build on the meta device: {type(exc).__name__}: {exc}") \
+            from exc
+    return _derive(model, spec.input_shape)
+
+
+def built_costs(spec: ModelSpec, seed: int = 0) -> tuple[ModelCost, tuple[LayerCost, ...] | None, str]:
+    """``meta_costs``'s figures of ``spec``'s model built for real (memory and all), for a model the meta device
+    cannot build."""
+    return _derive(build_model(spec.name, seed=seed), spec.input_shape)
