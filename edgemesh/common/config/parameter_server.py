@@ -165,12 +165,17 @@ class ParameterServerConfig:
     shard_wait_s: float = 30.0
     """A shard other than 0: how long a step of shard 0 waits for an update it took that has not reached this
     shard (its sender died between the two publishes); then it is taken without it."""
+    memory_limit_mb: int = 0
+    """This host's memory budget for a job's model (MiB): a job whose model, measured here on the meta device,
+    needs more by the parameter server's estimate (its parameters in 6 copies, an evaluation batch) fails before
+    it is built (docs/jobs.md#memory-budget). 0 = 80 % of the host's RAM. A job file may not set it."""
 
     def __post_init__(self) -> None:
         _require(self.shards >= 1, "ps.shards", "must be >= 1")
         _require(0 <= self.shard < self.shards, "ps.shard", f"must be in [0, ps.shards = {self.shards})")
         _require(self.mesh_assembly_timeout_s > 0, "ps.mesh_assembly_timeout_s", "must be > 0")
         _require(self.shard_wait_s > 0, "ps.shard_wait_s", "must be > 0")
+        _require(self.memory_limit_mb >= 0, "ps.memory_limit_mb", "must be >= 0 (0 = a share of the host's RAM)")
         _require(self.clip_factor > 0, "ps.clip_factor", "must be > 0")
         _require(0 <= self.trim_fraction < 0.5, "ps.trim_fraction", "must be in [0, 0.5)")
         _require(self.krum_f >= 0, "ps.krum_f", "must be >= 0")

@@ -291,7 +291,13 @@ class WorkerConfig:
     """Stop after this many accepted updates (0 = run until stopped)."""
     state_dir: str = ""
     """Where the worker keeps its last incarnation, so a device whose clock went back (a Pi has no real-time
-    clock) still restarts with a larger one; empty: systemd's ``$STATE_DIRECTORY`` if set, else the clock alone."""
+    clock) still restarts with a larger one; empty: systemd's ``$STATE_DIRECTORY`` if set, else the clock alone.
+    Its host's crash memory (a marker naming the job it serves: docs/reliability.md#crash-memory) is kept here too;
+    empty: ``$STATE_DIRECTORY``, else ``edgemesh-state/worker-{device}`` under the working directory."""
+    memory_limit_mb: int = 0
+    """This host's memory budget for a job's model (MiB): a job whose model, measured here on the meta device,
+    needs more to train at ``training.batch_size`` (parameters in 4 copies, every layer's output and its gradient)
+    is left before it is built (docs/jobs.md#memory-budget). 0 = 80 % of the host's RAM."""
     ack_log: str = ""
     """A file the worker appends ``incarnation seq status version`` to for every update acked applied (an audit
     against the parameter server's ledger, ``{ps.state_dir}/ledger.log``); empty: none."""
@@ -342,6 +348,7 @@ class WorkerConfig:
         _require(not self.device or valid_name(self.device), "worker.device",
                  f"{self.device!r}: use 1-64 characters of A-Z a-z 0-9 _ . -")
         _require(self.memory_bytes >= 0, "worker.memory_bytes", "must be >= 0")
+        _require(self.memory_limit_mb >= 0, "worker.memory_limit_mb", "must be >= 0 (0 = a share of the host's RAM)")
         _require(self.threads >= 1, "worker.threads", "must be >= 1")
         _require(self.ack_timeout_s > 0, "worker.ack_timeout_s", "must be > 0")
         _require(self.mesh_timeout_s > 0, "worker.mesh_timeout_s", "must be > 0")
