@@ -9,9 +9,10 @@ the rest, the same way for all four:
 3. the bus, with ``control/{target}`` and ``control/all`` routed to the control protocol
    (:class:`Control`: expiry, apply, reply, audit event); ``service.attach(bus, events)``
    declares what the service consumes;
-4. the ``up`` gauge, ``READY=1`` to systemd, then the bus, the watchdog, the host's health readings
-   (``edgemesh_device_*``, unless a job host reads them) and ``service.jobs()`` in one TaskGroup until
-   ``stop`` is set or one of them fails (its error ends ``serve``);
+4. the ``up`` gauge (and ``on_up()``: a job host marks the job running), ``READY=1`` to systemd, then the bus,
+   the watchdog, the host's health readings (``edgemesh_device_*``, unless a job host reads them) and
+   ``service.jobs()`` in one TaskGroup until ``stop`` is set or one of them fails (its error ends ``serve``:
+   an EdgeMeshError as itself, anything else, ``MemoryError`` or ``RecursionError`` in a step, in its group);
 5. ``STOPPING=1`` and ``service.close()``.
 """
 
@@ -120,11 +121,13 @@ class Control:
             self.service.stop.set()
 
 
-async def serve(service: Service, config: Config, *, signals: bool = False, health: DeviceHealth | None = None) -> None:
+async def serve(service: Service, config: Config, *, signals: bool = False, health: DeviceHealth | None = None,
+                on_up: Callable[[], Awaitable[None]] | None = None) -> None:
     """Run ``service`` until its ``stop`` is set (with ``signals``: or SIGINT/SIGTERM).
 
     ``health``: the host's health readings, exported and kept fresh by a job host serving this service; without
-    it the service exports and reads its own.
+    it the service exports and reads its own. ``on_up``: awaited once the service is prepared and attached, before
+    its jobs run.
     """
     if signals:
         install_stop_signals(service.stop)
@@ -146,8 +149,10 @@ async def serve(service: Service, config: Config, *, signals: bool = False, heal
             bus.route(topics.control_filter(target), ControlCommand, control.on_command, json_body=True)
         service.attach(bus, events)
         service.metrics.up.set(1)
-        readings = [health.watch(config.metrics.health_interval_s)] if reads_health else []
         try:
+            if on_up is not None:
+                await on_up()
+            readings = [health.watch(config.metrics.health_interval_s)] if reads_health else []
             await supervise(service.stop, *service.jobs(), *readings, transport=bus.run(), close=service.close)
         finally:
             service.metrics.up.set(0)

@@ -43,7 +43,7 @@ from edgemesh.common.messages import (
 from edgemesh.common.messages.jobs import EVALUATIONS_KEPT, MAX_REASON_CHARS, JobEvaluation, JobPhase
 from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
-from edgemesh.services.host import ActiveJob, JobHost
+from edgemesh.services.host import ActiveJob, JobHost, describe, survivable
 from edgemesh.services.parameter_server.evaluation import Quorum
 from edgemesh.services.parameter_server.guard import Evaluated
 from edgemesh.services.parameter_server.service import ParameterServer
@@ -138,6 +138,9 @@ class JobBoard:
         """Progress of the active job this host serves; its end at the stop rule or on failure."""
         host = self.host
         ps = host.service if host.current == (state.name, state.sha256) else None
+        if host.current == (state.name, state.sha256) and host.died:  # it died with this job before: not again
+            await self._end(state, "failed", host.died)
+            return
         if host.current == (state.name, state.sha256) and host.failure is not None:
             await self._end(state, "failed", f"the parameter server failed: {host.failure}")
             return
@@ -186,7 +189,13 @@ class JobBoard:
             if isinstance(ps, ParameterServer) and self.host.current == (state.name, state.sha256) \
                     and ps.state is not None:
                 reached = reason.startswith(REACHED)  # its last evaluation is its last model's: kept
-                kept = await self._final(ps, state, evaluate=not reached)
+                try:
+                    kept = await self._final(ps, state, evaluate=not reached)
+                except BaseException as exc:  # the model failed its last evaluation: the job fails, the host lives
+                    if not survivable(exc):
+                        raise
+                    logger.error("job board: job %s: its final model failed: %s", state.name, describe(exc))
+                    kept, phase, reason = None, "failed", f"{reason}; then its final model failed: {describe(exc)}"
                 state = replace(state, version=ps.version)
                 if kept is not None:  # what the state says is the kept model's: what export writes
                     state = replace(state, model_version=kept.version, accuracy=kept.accuracy,
