@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import WAIT_S, gradient, inbox, make_config, plan_for, serving_ps, until
+from helpers import WAIT_S, gradient, inbox, make_config, plan_for, running, serving_ps, until
 
 from edgemesh.common.config import Config, ParameterServerConfig, load_config
 from edgemesh.common.errors import WireError
@@ -32,6 +32,7 @@ from edgemesh.common.messages import (
     PlanCluster,
     PlanDevice,
     ShardSteps,
+    UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics, all_job_states_filter
@@ -368,3 +369,48 @@ def test_a_follower_shard_leaves_out_what_shard_0_refused_by_norm() -> None:
     combined = aggregator.combine(taken.contributions(), rule=taken.rule, chosen=taken.chosen)
     assert combined.refused == 1 and len(combined.contributions) == 2
     assert all(float(np.abs(g.values).max()) == 1.0 for _, shards in combined.contributions for g in shards)
+
+
+async def test_a_sharded_server_keeps_an_update_of_1e30_out_of_every_shard(mosquitto_broker: BrokerProcess,
+                                                                          tmp_path: Path) -> None:
+    """Two shards under ``mean`` (async), after the warm-up: an update of 1e30 is left out by shard 0's norm filter,
+    and by shard 1 too, as shard 0's step record says; one huge only in shard 1's rows (shard 0 judges the norm of
+    the rows it holds) is a step shard 1's model refuses. Every shard's rows stay finite, and the next honest update
+    trains both."""
+    cfg = make_config(mosquitto_broker, job="trust-shards", **{
+        "ps.state_dir": tmp_path, "ps.shards": 2, "training.sync_policy": "async", "ps.aggregation": "mean",
+        "ps.broadcast": "snapshot", "ps.snapshot_dtype": "float32", "ps.eval_every": 0})
+    servers = [ParameterServer(dataclasses.replace(cfg, ps=dataclasses.replace(cfg.ps, shard=i))) for i in range(2)]
+    shard = [Topics(cfg.job, i) for i in range(2)]
+    async with running(*servers), inbox(cfg, *((t.ack_filter("+"), UpdateAck) for t in shard)) as box:
+        await box.publish(Topics(cfg.job).plan(), plan_for(["a", "b", "c"]), retain=True)
+        await until("both shards' plan", lambda: all(s.plan is not None and s.state is not None for s in servers))
+        spans = [[(r.param, r.start, r.stop) for r in s.division.spans] for s in servers]  # type: ignore[union-attr]
+
+        async def push(device: str, seq: int, scales: tuple[float, float]) -> list[dict[str, np.ndarray]]:
+            """``device``'s update (each shard its rows, of the scale given for it), once both shards stepped on it;
+            each shard's rows then."""
+            version = servers[0].version
+            for i in range(2):
+                await box.publish(shard[i].grad(f"c-{device}", device),
+                                  gradient(device, seq, version, scale=scales[i], spans=spans[i]))
+            await until(f"version {version + 1} on both shards", lambda: all(s.version == version + 1
+                                                                             for s in servers))
+            return [{k: v.copy() for k, v in s.state.params.items()} for s in servers if s.state is not None]
+
+        for seq in range(1, 5):
+            for device in "ab":
+                rows = await push(device, seq, (0.01, 0.01))
+        left_out = await push("c", 1, (HUGE, HUGE))
+        assert servers[0].metrics.value("edgemesh_ps_robust_refused_total", reason="norm") == 1
+        refused = await push("c", 2, (0.01, HUGE))
+        assert servers[1].metrics.value("edgemesh_ps_steps_refused_total", reason="growth") == 1
+        trained = await push("a", 5, (0.01, 0.01))
+    for name in rows[1]:
+        np.testing.assert_array_equal(left_out[1][name], rows[1][name], err_msg=name)  # left out on shard 1 too
+        np.testing.assert_array_equal(refused[1][name], left_out[1][name], err_msg=name)  # refused there
+    assert any(not np.array_equal(refused[0][k], left_out[0][k]) for k in rows[0])  # shard 0 took c's honest rows
+    for i in range(2):
+        assert all(np.isfinite(v).all() for v in trained[i].values())
+        assert any(not np.array_equal(trained[i][k], refused[i][k]) for k in trained[i])
+        assert model_norm(trained[i]) == pytest.approx(model_norm(rows[i]), rel=0.1)
