@@ -9,7 +9,8 @@ The roles are broker user names:
 
 * **a device** logs in as its device name (``worker.device``). Its grants are Mosquitto ``pattern`` lines, where
   ``%u`` stands for the user name, so a device writes only topics that name it. Pattern lines apply to every user,
-  the services' too; for a service they name a device called like the service, which no device may be;
+  the services', the operator's and the bridges' too: for them they name a device called like them, which no
+  device may be (and a bridge user may read the cloud broker's own jobs as a device would);
 * **planner**, **ps** (every parameter server, and every shard of a sharded one: one user), **compressor** and
   **operator** have ``user`` blocks. On a cloud broker the same grants hold under every bridged site's prefix
   (``sites/+/``), for the cloud-side services of a site's jobs (``broker.topic_prefix``);
@@ -87,7 +88,7 @@ class Grant:
 
     @property
     def filters(self) -> tuple[str, ...]:
-        return Filter(self.topic, "job").patterns if self.retained else (self.topic,)
+        return Filter(self.topic, "job").patterns if self.retained else (self.topic,)  # any kind: its patterns
 
 
 def publish(topic: str, *, retained: bool = False) -> Grant:
