@@ -29,12 +29,12 @@ layers = [{conv2d = 8, kernel = 3, padding = 1}, "relu", {maxpool2d = 2}, "flatt
 
 [data]
 format = "image-folder"
-path = "/var/lib/edgemesh/data/shapes"
+path = "shapes"
 mean = [0.5]
 std = [0.25]
 
 [evaluation]
-path = "/srv/shapes-eval"
+path = "shapes-eval"
 
 [training]
 lr = 0.05

@@ -295,9 +295,9 @@ classes = ["a", "b"]
 layers = ["flatten", {linear = 2}]
 [data]
 format = "csv"
-path = "/srv/data.csv"
+path = "data.csv"
 [evaluation]
-path = "/srv/eval.csv"
+path = "eval.csv"
 [ps]
 aggregation = "%s"
 krum_f = 2

@@ -21,10 +21,11 @@ import hashlib
 import json
 import math
 import os
+import sys
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from edgemesh.common.config import Config, ModelsConfig
@@ -49,6 +50,8 @@ SET_BY_THE_JOB: Final = {"training.model_spec", "training.dataset", "training.da
 """Settings a job file may not give: the job sets them from its other sections, or they belong to the host (its
 state, its memory budget)."""
 MAX_JOB_FILE_BYTES: Final = 256 * 1024
+MAX_INPUT_VALUES: Final = 2**22
+"""Most values one sample may be (``model.input_shape``): 16 MiB as float32, 3 x 1182 x 1182."""
 DIGITS_SHAPE: Final = (1, 8, 8)
 DIGITS_CLASSES: Final = tuple(str(d) for d in range(10))
 DEFAULT_EVAL_EVERY: Final = 5
@@ -75,7 +78,8 @@ class DataDef:
 
     format: DataFormat
     path: str = ""
-    """The directory (image-folder) or file (csv, npz) on each device; unused for digits."""
+    """The directory (image-folder) or file (csv, npz) on each device, relative to its ``worker.data_dir`` (never
+    absolute, never through ``..``); unused for digits."""
     mean: tuple[float, ...] = ()
     """Per-channel (or per-feature) mean subtracted from inputs in [0, 1]; empty = none."""
     std: tuple[float, ...] = ()
@@ -93,7 +97,7 @@ class EvaluationDef:
     """``[evaluation]``: where the model's accuracy is measured."""
 
     path: str = ""
-    """A held-out set on the parameter server's host, in the data's format."""
+    """A held-out set on the parameter server's host, in the data's format, relative to its ``ps.data_dir``."""
     local_share: float = 0.0
     """Each device keeps this share of its data for validation and reports on it (the data never leaves)."""
     every: int = DEFAULT_EVAL_EVERY
@@ -151,7 +155,21 @@ class _Errors:
 
 
 def parse_job(text: str | bytes, *, origin: str = "job file") -> JobSpec:
-    """Read and validate a job file; :class:`JobError` lists every problem (each named by its key)."""
+    """Read and validate a job file; :class:`JobError` lists every problem (each named by its key). A job file comes
+    from the network: nothing else escapes, not a file nested too deeply for the TOML reader, nor one that trips a
+    check in a way no rule foresaw."""
+    try:
+        return _read_job(text, origin)
+    except JobError:
+        raise
+    except RecursionError:
+        raise JobError(origin, ["not valid TOML: its lists and tables nest too deeply"]) from None
+    except Exception as exc:  # a last resort: the problem is named, the file refused
+        raise JobError(origin, [f"cannot be read: {type(exc).__name__}: {str(exc)[:200]}"]) from None
+
+
+def _read_job(text: str | bytes, origin: str) -> JobSpec:
+    """:func:`parse_job`, but for its last resort."""
     raw = text.encode() if isinstance(text, str) else bytes(text)
     if len(raw) > MAX_JOB_FILE_BYTES:
         raise JobError(origin, [f"the file is larger than {MAX_JOB_FILE_BYTES} bytes"])
@@ -219,7 +237,7 @@ def _known_keys(table: Mapping[str, Any], section: str, known: Sequence[str], er
 def _number(table: Mapping[str, Any], section: str, key: str, default: float, errors: _Errors, *,
             low: float | None = None, high: float | None = None) -> float:
     value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
         errors.add(f"{section}.{key}", f"expected a number, got {value!r}")
         return default
     if (low is not None and value < low) or (high is not None and value > high):
@@ -237,10 +255,26 @@ def _integer(table: Mapping[str, Any], section: str, key: str, default: int, err
     return value
 
 
+def _finite(value: float) -> bool:
+    """A float, or an int a float holds (TOML integers have no bound; ``math.isfinite`` overflows on a huge one)."""
+    return abs(value) <= sys.float_info.max
+
+
+def _relative_path(path: str, key: str, errors: _Errors) -> None:
+    """A job's data path is relative to each host's data folder (``worker.data_dir``, ``ps.data_dir``): never
+    absolute, never through ``..`` (each host checks again where it leads, links included)."""
+    parts = PurePosixPath(path).parts
+    if "\0" in path:
+        errors.add(key, "holds a NUL character")
+    elif PurePosixPath(path).is_absolute() or ".." in parts:
+        errors.add(key, f"{path[:200]!r} must be a path relative to each host's data folder (worker.data_dir, "
+                        "ps.data_dir), without '..'")
+
+
 def _floats(table: Mapping[str, Any], section: str, key: str, errors: _Errors) -> tuple[float, ...]:
     value = table.get(key, [])
     if not isinstance(value, list) or not all(isinstance(v, int | float) and not isinstance(v, bool)
-                                              and math.isfinite(v) for v in value):
+                                              and _finite(v) for v in value):
         errors.add(f"{section}.{key}", f"expected a list of numbers, got {value!r}")
         return ()
     return tuple(float(v) for v in value)
@@ -254,7 +288,8 @@ def _data(table: Mapping[str, Any], errors: _Errors) -> DataDef | None:
         errors.add("data.format", f"{table.get('format')!r} is not one of {', '.join(DATA_FORMATS)}")
         return None
     path = table.get("path", "")
-    errors.check(isinstance(path, str), "data.path", "expected a string")
+    if errors.check(isinstance(path, str), "data.path", "expected a string") and path:
+        _relative_path(path, "data.path", errors)
     errors.check(fmt == "digits" or bool(path), "data.path", f"format {fmt!r} needs the data's path on each device")
     mean, std = _floats(table, "data", "mean", errors), _floats(table, "data", "std", errors)
     errors.check(len(mean) == len(std), "data.std", f"give as many values as data.mean ({len(mean)}), got {len(std)}")
@@ -277,6 +312,10 @@ def _model(table: Mapping[str, Any], data: DataDef | None, errors: _Errors) -> M
         and all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape),
         "model.input_shape", f"expected 1 to 4 positive integers ([channels, height, width] or [features]), "
         f"got {shape!r}")
+    values = math.prod(shape) if shape_ok and isinstance(shape, list) else 0
+    if values > MAX_INPUT_VALUES:
+        shape_ok = errors.check(False, "model.input_shape", f"{shape} is {values:,} values per sample, more than the "
+                                f"{MAX_INPUT_VALUES:,} a job may give")
     classes = table.get("classes")
     classes_ok = errors.check(
         isinstance(classes, list) and len(classes) >= 2 and all(isinstance(c, str) and c for c in classes)
@@ -313,7 +352,9 @@ def _model(table: Mapping[str, Any], data: DataDef | None, errors: _Errors) -> M
 def _evaluation(table: Mapping[str, Any], data: DataDef | None, errors: _Errors) -> EvaluationDef | None:
     _known_keys(table, "evaluation", ("path", "local_share", "every"), errors)
     path = table.get("path", "")
-    errors.check(isinstance(path, str), "evaluation.path", "expected a path on the parameter server's host")
+    if errors.check(isinstance(path, str), "evaluation.path", "expected a path on the parameter server's host") \
+            and path:
+        _relative_path(path, "evaluation.path", errors)
     share = _number(table, "evaluation", "local_share", 0.0, errors, low=0.0, high=0.9)
     every = _integer(table, "evaluation", "every", DEFAULT_EVAL_EVERY, errors, low=1)
     if data is not None and data.format != "digits":
@@ -387,6 +428,8 @@ def check_model(job: JobSpec, *, search_path: Sequence[str] = (),
         cost, layers = models.derive_costs(module, spec.input_shape)
     except EdgeMeshError as exc:
         raise JobError(job.name, [f"model: {exc}"]) from None
+    except Exception as exc:  # torch's own errors (an allocation, an overflow): the job is refused, not a traceback
+        raise JobError(job.name, [f"model: does not build: {type(exc).__name__}: {str(exc)[:200]}"]) from None
     refusal = ""
     try:
         models.mesh_stages(module)
