@@ -471,11 +471,6 @@ def _toml(value: Any) -> str:
 # --------------------------------------------------------------------------- configuration
 
 
-def resolve(path: str, directory: str) -> str:
-    """A job's data path on this host: absolute as written, relative under the host's data directory."""
-    return str(Path(directory) / path) if directory and not Path(path).is_absolute() else path
-
-
 def run_name(job: JobSpec, submitted_at: float) -> str:
     """One run of a job (a submission): the directory of its parameter server's state under the job's."""
     return f"{int(submitted_at * 1000)}-{job.sha256[:12]}"

@@ -11,7 +11,9 @@ Modules: ``dataset`` (:class:`Dataset`, the registry of named sets and :func:`lo
 ``digits``, ``mnist`` (IDX files), ``cifar`` (CIFAR-10 batches, the restricted unpickler, the
 synthetic set), ``partitions`` (:func:`split_indices`, :func:`shard`) and ``batches``
 (:class:`BatchIterator`, :func:`batch_at`). Importing the package registers every data set.
-``local`` reads a device's own data (:func:`load_local`: image folders, CSV, npz) into :class:`LocalData`.
+``local`` reads a device's own data (:func:`load_local`: image folders, CSV, npz) into :class:`LocalData`, from
+inside the host's data folder (:func:`data_path`) and within stated bounds (``MAX_DATA_BYTES``, ``MAX_CSV_BYTES``,
+:func:`image_pixel_limit`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,13 @@ from edgemesh.common.data.digits import DIGITS_COLUMNS, DIGITS_PIXEL_MAX, strati
 from edgemesh.common.data.local import (
     DATA_FORMATS,
     IMAGE_SUFFIXES,
+    MAX_CSV_BYTES,
+    MAX_DATA_BYTES,
+    MAX_IMAGE_PIXELS,
     MAX_SKIPPED_SHARE,
     LocalData,
+    data_path,
+    image_pixel_limit,
     load_local,
     read_image,
 )
@@ -53,6 +60,9 @@ __all__ = [
     "DIGITS_COLUMNS",
     "DIGITS_PIXEL_MAX",
     "IMAGE_SUFFIXES",
+    "MAX_CSV_BYTES",
+    "MAX_DATA_BYTES",
+    "MAX_IMAGE_PIXELS",
     "MAX_SKIPPED_SHARE",
     "MNIST_FILES",
     "MNIST_IMAGE_SHAPE",
@@ -66,6 +76,8 @@ __all__ = [
     "LocalData",
     "RestrictedUnpickler",
     "batch_at",
+    "data_path",
+    "image_pixel_limit",
     "load_dataset",
     "load_local",
     "parse_idx",

@@ -38,7 +38,7 @@ from edgemesh.common import models
 from edgemesh.common.config import Config
 from edgemesh.common.data import load_dataset, load_local
 from edgemesh.common.errors import WireError
-from edgemesh.common.jobs import JobSpec, resolve
+from edgemesh.common.jobs import JobSpec
 from edgemesh.common.messages import DeviceStatus, LocalEvaluation, Plan
 from edgemesh.services.parameter_server.guard import Evaluated
 
@@ -116,9 +116,9 @@ class Evaluator:
         self._model = models.build_model(t.model_spec, seed=t.seed)
         self.buffers = models.buffer_kinds(self._model)
         if job is not None and job.evaluation.path:
-            path = resolve(job.evaluation.path, self.cfg.ps.data_dir)
-            self._test_set = load_local(job.data.format, path, input_shape=job.model.input_shape,
-                                        classes=job.model.classes, label_column=job.data.label_column).train
+            self._test_set = load_local(job.data.format, job.evaluation.path, data_dir=self.cfg.ps.data_dir,
+                                        input_shape=job.model.input_shape, classes=job.model.classes,
+                                        label_column=job.data.label_column).train
         elif not self.local:
             _, self._test_set = load_dataset(t.dataset, t.dataset_path or None, seed=t.seed)
         return models.get_params(self._model)

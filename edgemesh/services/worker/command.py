@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from edgemesh import cli
 from edgemesh.common.config import Config
 from edgemesh.common.data import load_local
-from edgemesh.common.jobs import host_model_spec, resolve
+from edgemesh.common.jobs import host_model_spec
 from edgemesh.services.worker.service import Worker, device_name
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ async def for_job(active: ActiveJob) -> Worker:
     local = None
     if spec.data.format != "digits":
         local = await asyncio.to_thread(
-            load_local, spec.data.format, resolve(spec.data.path, active.config.worker.data_dir),
+            load_local, spec.data.format, spec.data.path, data_dir=active.config.worker.data_dir,
             input_shape=spec.model.input_shape, classes=spec.model.classes,
             validation_share=spec.evaluation.local_share, seed=active.config.training.seed,
             label_column=spec.data.label_column,
