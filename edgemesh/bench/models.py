@@ -302,7 +302,7 @@ async def exported(fleet: Fleet, job: str) -> dict[str, Any]:
     onnxruntime; or why the export failed."""
     out = fleet.workdir / "export" / f"{job}.onnx"
     command = [sys.executable, "-m", "edgemesh", "job", "export", job, "--format", "onnx", "--out", str(out),
-               "--broker", fleet.config.broker.url, "--module-path", str(fleet.module_path)]
+               "--broker", fleet.config.broker.url, "--module-path", str(fleet.module_path), "--trust-code"]
     proc = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
                                                 stderr=asyncio.subprocess.PIPE)
     try:
@@ -346,7 +346,7 @@ def run_reference(entry: model_jobs.BenchModel, seed: int, cells: dict[str, dict
                                          max_minutes=settings.max_minutes, max_versions=settings.max_versions,
                                          module_path=module_path))
     try:
-        model_spec(spec, search_path=[str(module_path)])
+        model_spec(spec, allowed=(model_jobs.ENTRY_POINT_MODULE,), search_path=[str(module_path)])
         module = models.build_model(spec.model_key, seed=seed)
     except EdgeMeshError as exc:
         return {"failure": f"the model does not build: {exc}"}
