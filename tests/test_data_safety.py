@@ -29,7 +29,7 @@ import pytest
 from helpers import inbox, make_config
 from PIL import Image
 
-from edgemesh.common.data import local
+from edgemesh.common.data import load_dataset, local, restricted_loads
 from edgemesh.common.data.local import (
     MAX_CSV_BYTES,
     MAX_DATA_BYTES,
@@ -311,6 +311,41 @@ def test_an_error_names_where_the_data_is_broken_never_what_it_holds(tmp_path: P
     message = str(caught.value)
     assert target.name in message and str(tmp_path) not in message, message
     assert MARKER not in message and MARKER[:4] not in message, message
+
+
+def test_the_built_in_data_sets_name_a_broken_file_never_what_it_holds(tmp_path: Path) -> None:
+    """MNIST's and CIFAR-10's readers (a host's own configured data sets) say what is wrong with a file, not its bytes:
+    the old ones quoted an IDX file's first bytes in hex, gzip's view of them, a pickle's global names and codec."""
+    marked = MARKER.encode()
+    mnist = tmp_path / "mnist"
+    mnist.mkdir()
+    (mnist / "train-images-idx3-ubyte").write_bytes(marked)
+    (mnist / "train-labels-idx1-ubyte").write_bytes(marked)
+    cifar = tmp_path / "cifar"
+    cifar.mkdir()
+    (cifar / "data_batch_1").write_bytes(b"\x80\x02c" + marked + b"\n" + marked + b"\nq\x00.")  # a global's name
+    (cifar / "test_batch").write_bytes(b"")
+    seen = []
+    for name, folder in (("mnist-idx", mnist), ("cifar10", cifar)):
+        with pytest.raises(DataError) as caught:
+            load_dataset(name, folder)
+        seen.append(str(caught.value))
+    (mnist / "train-labels-idx1-ubyte").unlink()
+    (mnist / "train-labels-idx1-ubyte.gz").write_bytes(marked)
+    with pytest.raises(DataError) as caught:  # the gzip file, when no plain one is there
+        load_dataset("mnist-idx", mnist)
+    seen.append(str(caught.value))
+    with pytest.raises(DataError) as caught:
+        restricted_loads(b"\x80\x02c_codecs\nencode\nq\x00X\x01\x00\x00\x00xX\x05\x00\x00\x00" + marked[:5]
+                         + b"\x86q\x01Rq\x02.")
+    seen.append(str(caught.value))
+    with pytest.raises(DataError) as caught:  # not a pickle: the unpickler's message quotes a byte of it
+        restricted_loads(b"\x80\x02" + marked)
+    seen.append(str(caught.value))
+    for message, must in zip(seen, ("magic", "forbidden global", "corrupt gzip", "codec", "not a readable pickle"),
+                             strict=True):
+        assert must in message, message
+        assert MARKER[:5] not in message and marked[:4].hex() not in message, message
 
 
 # --------------------------------------------------------------------------- B: data bombs

@@ -1,7 +1,8 @@
 """``"cifar10"`` and ``"synthetic-cifar"``: CIFAR-10's python batches, and generated CIFAR-shaped images.
 
 CIFAR-10's python batches are pickles, so they are read with a restricted unpickler that can
-rebuild numpy arrays and plain containers and nothing else.
+rebuild numpy arrays and plain containers and nothing else. Errors name the file and the rule broken, never
+what the pickle holds (a global's name, a codec, the unpickler's message).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ CIFAR_NUM_CLASSES: Final = 10
 def _latin1_encode(text: str, encoding: str = "latin1") -> bytes:
     """Stand-in for ``_codecs.encode`` (protocol-2 pickles of bytes); only latin-1 allowed."""
     if encoding.lower().replace("-", "").replace("_", "") != "latin1":
-        raise DataError(f"pickle asked for codec {encoding!r}; only latin1 is allowed")
+        raise DataError("pickle asked for a codec other than latin1, the only one allowed")
     if not isinstance(text, str):
         raise DataError("pickle passed a non-string to _codecs.encode")
     return text.encode("latin1")
@@ -89,7 +90,8 @@ class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         resolver = _PICKLE_ALLOWED.get((module, name))
         if resolver is None:
-            raise DataError(f"pickle refers to forbidden global {module}.{name}")
+            raise DataError("pickle refers to a forbidden global (only numpy arrays and plain containers are "
+                            "rebuilt)")
         return resolver()
 
 
@@ -100,7 +102,7 @@ def restricted_loads(data: bytes, *, source: str = "<bytes>") -> Any:
     except DataError as exc:
         raise DataError(f"{source}: {exc}") from exc
     except Exception as exc:  # any garbled pickle: UnpicklingError, EOFError, ValueError, ...
-        raise DataError(f"{source}: not a readable pickle ({type(exc).__name__}: {exc})") from exc
+        raise DataError(f"{source}: not a readable pickle ({type(exc).__name__})") from exc
 
 
 def _batch_field(batch: dict[Any, Any], key: str) -> Any:
@@ -139,7 +141,7 @@ def _read_cifar_batch(file: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         raw = file.read_bytes()
     except OSError as exc:
-        raise DataError(f"{file}: cannot read: {exc}") from exc
+        raise DataError(f"{file}: cannot read: {exc.strerror or type(exc).__name__}") from exc
     return _parse_cifar_batch(restricted_loads(raw, source=str(file)), source=str(file))
 
 

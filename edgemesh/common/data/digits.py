@@ -35,7 +35,7 @@ def _read_digits_csv() -> tuple[np.ndarray, np.ndarray]:
         with gzip.open(path, "rt") as fh:
             table = np.loadtxt(fh, delimiter=",", dtype=np.float32)
     except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: cannot read the digits data set: {exc}") from exc
+        raise DataError(f"{path}: cannot read the digits data set ({type(exc).__name__})") from exc
     if table.ndim != 2 or table.shape[1] != DIGITS_COLUMNS:
         raise DataError(f"{path}: expected {DIGITS_COLUMNS} columns, got shape {table.shape}")
     return np.ascontiguousarray(table[:, :-1]), table[:, -1].astype(np.int64)

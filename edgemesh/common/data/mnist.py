@@ -46,11 +46,12 @@ def parse_idx(data: bytes, *, source: str = "<bytes>") -> np.ndarray:
     if len(data) < _IDX_HEADER_SIZE:
         raise DataError(f"{source}: truncated IDX header ({len(data)} bytes)")
     if data[:2] != _IDX_MAGIC_PREFIX:
-        raise DataError(f"{source}: bad IDX magic number {data[:4].hex()}")
+        raise DataError(f"{source}: bad IDX magic number (an IDX file starts with two zero bytes)")
     dtype_code, ndims = data[2], data[3]
     dtype = _IDX_DTYPES.get(dtype_code)
     if dtype is None:
-        raise DataError(f"{source}: unknown IDX dtype code 0x{dtype_code:02x}")
+        known = ", ".join(f"0x{code:02x}" for code in _IDX_DTYPES)
+        raise DataError(f"{source}: unknown IDX dtype code in its third byte (known: {known})")
     if ndims == 0:
         raise DataError(f"{source}: IDX file declares zero dimensions")
     header_end = _IDX_HEADER_SIZE + _IDX_DIM_SIZE * ndims
@@ -77,13 +78,13 @@ def _read_maybe_gz(directory: Path, filename: str) -> tuple[bytes, str]:
         try:
             return plain.read_bytes(), str(plain)
         except OSError as exc:
-            raise DataError(f"{plain}: cannot read: {exc}") from exc
+            raise DataError(f"{plain}: cannot read: {exc.strerror or type(exc).__name__}") from exc
     if gz.is_file():
         try:
             with gzip.open(gz, "rb") as handle:
                 return handle.read(), str(gz)
         except (OSError, EOFError, gzip.BadGzipFile) as exc:
-            raise DataError(f"{gz}: corrupt gzip file: {exc}") from exc
+            raise DataError(f"{gz}: corrupt gzip file ({type(exc).__name__})") from exc
     raise DataError(f"missing file {plain} (or {gz.name}) in {directory}")
 
 
