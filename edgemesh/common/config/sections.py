@@ -312,8 +312,8 @@ class WorkerConfig:
     can_encode: bool = True
     """False: send raw float32 gradients on ``grad-raw`` and let the compressor gateway encode them."""
     data_dir: str = ""
-    """Directory a submitted job's relative ``data.path`` is read from on this device (absolute paths are
-    read as they are); empty = the working directory."""
+    """Directory a submitted job's ``data.path`` is read from on this device: the path is relative to it and
+    nothing outside it is read, links followed (docs/jobs.md); empty = the working directory."""
     emulate: str = ""
     """Emulate this device profile (``edgemesh.common.emulation``: pi3, pi4, ...): its speed, memory and
     link; empty = a real device (the default)."""
