@@ -53,7 +53,7 @@ from edgemesh.common.shards import Division
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.common.vocabulary import SYNC_POLICIES, SyncPolicy, payload_reason
 from edgemesh.services.parameter_server.acks import Acks
-from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, compensated_momentum
 from edgemesh.services.parameter_server.assembly import Assembly, Outcome, members_in
 from edgemesh.services.parameter_server.evaluation import Evaluator
 from edgemesh.services.parameter_server.guard import Evaluated, Guard, Rollback
@@ -349,6 +349,14 @@ class ParameterServer:
     def _fleet(self) -> Fleet:
         return Fleet.of(self.plan, self.bound, time.monotonic())
 
+    def _momentum(self, plan: Plan | None) -> float:
+        """The momentum of the next steps: ``training.momentum``, less under ``async`` and ``ssp`` by the momentum
+        the asynchrony of the plan's clusters adds with ``ps.async_momentum = "compensated"``."""
+        momentum = self.cfg.training.momentum
+        if self.cfg.ps.async_momentum != "compensated" or self.policy not in ("async", "ssp") or plan is None:
+            return momentum
+        return compensated_momentum(momentum, len({d.cluster for d in plan.devices}))
+
     async def _step_loop(self) -> None:
         while True:
             fleet = self._fleet()
@@ -411,6 +419,7 @@ class ParameterServer:
         listens under ``plan``, the one they were judged under (one thread hop for all)."""
         assert self.state is not None
         t, state, version = self.cfg.training, self.state, steps[-1].version
+        momentum = self._momentum(plan)
         with self._state_lock:
             combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far,  # the rule's
                                                 chosen=step.chosen)  # gradients
@@ -420,12 +429,12 @@ class ParameterServer:
 
             def apply_and_encode() -> ModelMessage | None:
                 for step, summed, c in zip(steps, sums, combined, strict=True):
-                    refused = state.apply(summed, lr=self.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+                    refused = state.apply(summed, lr=self.lr, momentum=momentum, weight_decay=t.weight_decay)
                     if refused is not None:  # the model stays as it was: the version moves on, nothing else
                         self.aggregator.step_refused(step.version, refused, c)
                 return self.broadcast.to_plan(state.params, version, self.policy, plan)
 
-            written, message = self.recovery.log_beside(steps, Optimizer(self.lr, t.momentum, t.weight_decay),
+            written, message = self.recovery.log_beside(steps, Optimizer(self.lr, momentum, t.weight_decay),
                                                         combined, [s.grads for s in sums], apply_and_encode)
             self.m_wal.inc(written)
             self.ledger.record(steps)  # before any of their acks
