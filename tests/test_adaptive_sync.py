@@ -145,9 +145,9 @@ FIRST_DEADLINE_S = 1.5
 async def test_adaptive_round_closes_at_the_deadline_and_bounds_late_updates(
         broker: BrokerProcess, tmp_path: Path) -> None:
     cfg = ps_config(broker, tmp_path, **{
-        "training.sync_policy": "adaptive", "training.staleness_bound": "2",
+        "training.sync_policy": "adaptive", "training.staleness_bound": "2", "ps.round_scaling": "none",
         "ps.adaptive.min_deadline_s": str(DEADLINE_S), "ps.adaptive.max_deadline_s": str(FIRST_DEADLINE_S)})
-    async with serving_ps(cfg, ["a", "b"]) as (c, ps):
+    async with serving_ps(cfg, ["a", "b"]) as (c, ps):  # the weights below are the rounds' own (no scaling)
         # round 1: only a sends; b is silent. No cycle measured yet: the round waits the longest deadline for b
         sent = time.monotonic()
         ack_a = await c.push(gradient("a", 1, 0))

@@ -246,3 +246,8 @@ def test_a_rounds_step_grows_with_the_batches_it_averages_under_round_scaling() 
     assert round_scale("none", 64, fleet) == 1.0
     assert round_scale("linear", 8, fleet) == 1.0  # never below one batch's step
     assert round_scale("linear", 64, Fleet()) == 1.0  # no plan yet
+    # the gradual warm-up: from one batch's step at version 0 to the full scale at the warm-up's end
+    assert round_scale("linear", 64, fleet, version=0, warmup=20) == 1.0
+    assert round_scale("linear", 64, fleet, version=10, warmup=20) == 2.5
+    assert round_scale("linear", 64, fleet, version=20, warmup=20) == 4.0 == round_scale("linear", 64, fleet,
+                                                                                          version=500, warmup=20)

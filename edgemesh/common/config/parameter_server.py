@@ -116,11 +116,13 @@ class ParameterServerConfig:
     staleness_rule: StalenessRule = "inverse"
     """How: ``inverse`` scales it by 1/(1+d), ``sqrt`` by 1/(1+sqrt(d)) (FedBuff's); measured in
     docs/synchronization.md."""
-    round_scaling: RoundScaling = "none"
+    round_scaling: RoundScaling = "linear"
     """Under sync and adaptive, how a round's step grows with the batches (of the plan's mean size per cluster) it
-    averages: ``none`` (one step of training.lr whatever the round holds: the rate is per round), ``linear`` (k
-    batches, k times the step: per sample, training.lr as in one process at one batch) or ``sqrt`` (the square root
-    of k). With ``linear``, a rate tuned per round is k times too high (docs/synchronization.md)."""
+    averages: ``linear`` (k batches, k times the step: per sample, training.lr means what it means in one process
+    at one batch), ``sqrt`` (the square root of k) or ``none`` (one step of training.lr whatever the round holds:
+    the rate is per round). Measured in docs/synchronization.md."""
+    round_warmup: int = 20
+    """Versions over which that growth ramps up from none, a step per version (0: at once)."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
     """The ``adaptive`` policy's rule (``[ps.adaptive]``)."""
     guard: GuardConfig = field(default_factory=GuardConfig)
@@ -175,6 +177,7 @@ class ParameterServerConfig:
         _require(0 <= self.shard < self.shards, "ps.shard", f"must be in [0, ps.shards = {self.shards})")
         _require(self.mesh_assembly_timeout_s > 0, "ps.mesh_assembly_timeout_s", "must be > 0")
         _require(self.shard_wait_s > 0, "ps.shard_wait_s", "must be > 0")
+        _require(self.round_warmup >= 0, "ps.round_warmup", "must be >= 0")
         _require(self.memory_limit_mb >= 0, "ps.memory_limit_mb", "must be >= 0 (0 = a share of the host's RAM)")
         _require(self.clip_factor > 0, "ps.clip_factor", "must be > 0")
         _require(0 <= self.trim_fraction < 0.5, "ps.trim_fraction", "must be in [0, 0.5)")

@@ -176,13 +176,15 @@ class Scheduler:
     """Whether an accepted update's sender fetches the model before its next one (round policies)."""
 
     def __init__(self, clock: Clock, *, staleness_weighting: bool = True, round_scaling: RoundScaling = "none",
-                 staleness_rule: StalenessRule = "inverse") -> None:
+                 staleness_rule: StalenessRule = "inverse", round_warmup: int = 0) -> None:
         self.clock = clock
         self.staleness_weighting = staleness_weighting
         self.staleness_rule: StalenessRule = staleness_rule
         """How an applied update is damped by its delay (``ps.staleness_rule``)."""
         self.round_scaling: RoundScaling = round_scaling
         """Round policies: how a round's step grows with the batches it averages (``ps.round_scaling``)."""
+        self.round_warmup = round_warmup
+        """Versions over which that growth ramps up from none (``ps.round_warmup``)."""
         self.deferred: list[Candidate] = []
 
     def take(self, batch: Sequence[Candidate], fleet: Fleet) -> Decision:
@@ -292,9 +294,9 @@ class RoundScheduler(Scheduler):
     resyncs = True
 
     def __init__(self, clock: Clock, *, staleness_weighting: bool = True, round_scaling: RoundScaling = "none",
-                 staleness_rule: StalenessRule = "inverse") -> None:
+                 staleness_rule: StalenessRule = "inverse", round_warmup: int = 0) -> None:
         super().__init__(clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling,
-                         staleness_rule=staleness_rule)
+                         staleness_rule=staleness_rule, round_warmup=round_warmup)
         self.round: dict[str, Candidate] = {}
 
     def pending(self) -> list[Candidate]:
@@ -343,7 +345,7 @@ class SyncScheduler(RoundScheduler):
 
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
         total = sum(item.update.samples for item in step.items)
-        scale = round_scale(self.round_scaling, total, fleet)
+        scale = round_scale(self.round_scaling, total, fleet, version=step.version, warmup=self.round_warmup)
         return [item.update.samples / total * scale for item in step.items]
 
 
@@ -355,9 +357,10 @@ class AdaptiveScheduler(RoundScheduler):
     policy = "adaptive"
 
     def __init__(self, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool = True,
-                 round_scaling: RoundScaling = "none", staleness_rule: StalenessRule = "inverse") -> None:
+                 round_scaling: RoundScaling = "none", staleness_rule: StalenessRule = "inverse",
+                 round_warmup: int = 0) -> None:
         super().__init__(clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling,
-                         staleness_rule=staleness_rule)
+                         staleness_rule=staleness_rule, round_warmup=round_warmup)
         self.rule = rule
         self.opened: float | None = None
         """When the open round began (its model went out, or its first update came); its deadline runs from here."""
@@ -392,7 +395,8 @@ class AdaptiveScheduler(RoundScheduler):
 
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
         samples = [i.update.samples for i in step.items]
-        scale = round_scale(self.round_scaling, max(fleet.planned_samples, sum(samples)), fleet)
+        scale = round_scale(self.round_scaling, max(fleet.planned_samples, sum(samples)), fleet, version=step.version,
+                            warmup=self.round_warmup)
         return [w * scale for w in round_weights(samples, [step.delay(i) for i in step.items], fleet.planned_samples,
                                                     self.staleness_rule)]
 
@@ -446,26 +450,30 @@ SCHEDULERS: Mapping[SyncPolicy, type[Scheduler]] = {
     "sync": SyncScheduler, "async": AsyncScheduler, "ssp": SSPScheduler, "adaptive": AdaptiveScheduler}
 
 
-def round_scale(scaling: RoundScaling, samples: int, fleet: Fleet) -> float:
-    """What a round step of ``samples`` samples is scaled by: the batches of the plan's mean size per cluster it
-    averages (``linear``, the linear scaling rule of large-batch SGD), their square root (``sqrt``), or 1."""
+def round_scale(scaling: RoundScaling, samples: int, fleet: Fleet, *, version: int = 0, warmup: int = 0) -> float:
+    """What a round step of ``samples`` samples making ``version`` is scaled by: the batches of the plan's mean size
+    per cluster it averages (``linear``, the linear scaling rule of large-batch SGD), their square root (``sqrt``),
+    or 1; over the first ``warmup`` versions the scale ramps from 1 up to that, a step per version (Goyal et al.'s
+    gradual warm-up: the early steps, where the loss moves fastest, are those a scaled rate overshoots)."""
     if scaling == "none" or not fleet.clusters or not fleet.planned_samples:
         return 1.0
     batches = max(1.0, samples / (fleet.planned_samples / len(fleet.clusters)))
-    return batches if scaling == "linear" else math.sqrt(batches)
+    full = batches if scaling == "linear" else math.sqrt(batches)
+    return full if warmup <= 0 or version >= warmup else 1.0 + (full - 1.0) * max(0, version) / warmup
 
 
 def make_scheduler(policy: SyncPolicy, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool,
                    round_scaling: RoundScaling = "none", staleness_rule: StalenessRule = "inverse",
-                   carry: Iterable[Candidate] = ()) -> Scheduler:
+                   round_warmup: int = 0, carry: Iterable[Candidate] = ()) -> Scheduler:
     """The scheduler of ``policy``; updates another one held (``carry``) are judged again under it."""
     scheduler: Scheduler
     if policy == "adaptive":
         scheduler = AdaptiveScheduler(clock, rule, staleness_weighting=staleness_weighting,
-                                      round_scaling=round_scaling, staleness_rule=staleness_rule)
+                                      round_scaling=round_scaling, staleness_rule=staleness_rule,
+                                      round_warmup=round_warmup)
     else:
         scheduler = SCHEDULERS[policy](clock, staleness_weighting=staleness_weighting, round_scaling=round_scaling,
-                                       staleness_rule=staleness_rule)
+                                       staleness_rule=staleness_rule, round_warmup=round_warmup)
     scheduler.deferred = list(carry)
     return scheduler
 

@@ -132,7 +132,8 @@ class ParameterServer:
         self.acks = Acks(self.topics, m)
         self.scheduler = (Follower(self.clock, p.shard_wait_s, m) if self.sharded and p.shard else
                           make_scheduler(self.policy, self.clock, self.rule, staleness_weighting=p.staleness_weighting,
-                                         round_scaling=p.round_scaling, staleness_rule=p.staleness_rule))
+                                         round_scaling=p.round_scaling, staleness_rule=p.staleness_rule,
+                                         round_warmup=p.round_warmup))
         self.leader = Leader(self.topics, self._wake.set, p.shards, p.shard_wait_s, m) if self.sharded and not p.shard \
             else None
         """Shard 0: the steps and discards every other shard follows (a follower's scheduler is a ``Follower``)."""
@@ -219,7 +220,8 @@ class ParameterServer:
                 self.scheduler = make_scheduler(kept.policy, self.clock, self.rule, carry=self.scheduler.pending(),
                                                 staleness_weighting=self.cfg.ps.staleness_weighting,
                                                 round_scaling=self.cfg.ps.round_scaling,
-                                                staleness_rule=self.cfg.ps.staleness_rule)
+                                                staleness_rule=self.cfg.ps.staleness_rule,
+                                                round_warmup=self.cfg.ps.round_warmup)
         self.bound = kept.bound if kept.bound is not None else self.bound
         self.lr = kept.lr if kept.lr is not None else self.lr
         self.paused = kept.paused if kept.paused is not None else self.paused
