@@ -58,8 +58,8 @@ logger = logging.getLogger(__name__)
 
 POLICY = "adaptive"
 LR = 0.1
-"""The learning rate the kept reports were measured at (a version of every device's batch holds it; the
-default, 0.05, is for iterations of one batch in all)."""
+"""The learning rate the kept reports were measured at, per round (``ps.round_scaling = none``: a version of every
+device's batch takes one step of it; the default, 0.05 per batch, grows with the round's batches)."""
 DEFAULT_FLEET = ("pi4", "pi4", "pi5", "pi5")
 DEFAULT_KILL_EVERY_S = (20.0, 40.0)
 DEFAULT_RESTART_AFTER_S = (2.0, 6.0)
@@ -248,7 +248,7 @@ def run_config(base: dict[str, str], *, job: str, broker_url: str, host_gflops: 
     overrides = {
         "job": job, "broker.url": broker_url, "log_level": "INFO",
         "training.sync_policy": POLICY, "training.lr": str(LR), "training.staleness_bound": str(2 * devices),
-        "training.seed": str(seed),
+        "training.seed": str(seed), "ps.round_scaling": "none",
         "ps.eval_every": "0", "ps.eval_interval_s": str(EVAL_INTERVAL_S),
         "worker.emulation_host_gflops": str(host_gflops), "worker.emulation_seed": str(seed),
     }
