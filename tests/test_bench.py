@@ -319,3 +319,34 @@ def test_soak_rss_growth_is_the_last_minute_over_the_first_minute_after_warm_up(
     warming = [(float(t), 50.0 if t < 60 else 100.0 if t < 900 else 105.0) for t in range(0, 1801, 10)]
     assert growth(warming, 1800) == 1.05  # the warm-up's 50 MiB left out
     assert growth([(t, 100.0) for t in (0.0, 70.0)], 1800) is None  # never sampled in the last minute
+
+
+def test_bench_ideal_trains_each_variant_and_its_reference_is_bench_models(tmp_path: Path) -> None:
+    """Ideal data parallel in one process: every variant's curve, and its one-process reference the very run
+    ``bench models`` compares the fleet with (same model, data, batches and evaluations)."""
+    from edgemesh.bench import ideal, model_jobs, reference
+
+    report = tmp_path / "ideal.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh", "bench", "ideal", "--models", "plain-cnn", "--variants",
+         "reference,sync-linear,async-inverse", "--samples", "480", "--every", "160", "--per-class", "8",
+         "--held-out-per-class", "6", "--report", str(report)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    runs = data["runs"]["plain-cnn/s0"]
+    assert set(runs) == {"reference", "sync-linear", "async-inverse"}
+    for run in runs.values():
+        samples = [seen for seen, _ in run["curve"]]
+        assert samples == sorted(samples) and samples[-1] >= 480 and len(samples) == 3
+        assert run["best"] == max(a for _, a in run["curve"]) and run["last"] == run["curve"][-1][1]
+    assert report.with_suffix(".png").stat().st_size > 1000
+
+    shards, _ = ideal.prepare(tmp_path / "data", 4, 8, 6)
+    module_path = model_jobs.write_entry_point(tmp_path / "models")
+    entry = model_jobs.catalogue()["plain-cnn"]
+    mine = ideal.train(ideal.VARIANTS["reference"], ideal.build(entry, 0, module_path), shards, lr=entry.lr,
+                       momentum=0.9, batch_size=entry.batch_size, seed=0, samples=480, every=160)
+    theirs = reference.train(ideal.build(entry, 0, module_path), shards.pooled, shards.held_out, lr=entry.lr,
+                             momentum=0.9, weight_decay=0.0, batch_size=entry.batch_size, seed=0, at=[160, 320, 480])
+    assert mine == list(theirs.points) == [tuple(point) for point in runs["reference"]["curve"]]

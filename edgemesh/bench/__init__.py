@@ -14,6 +14,8 @@ BENCHMARKS = {
     "codecs": ("edgemesh.bench.codecs", "gradient codecs: ratio, error, speed, accuracy"),
     "ddp": ("edgemesh.bench.ddp", "EdgeMesh sync beside torch DDP on the same job: time per step, final held-out loss"),
     "fleet": ("edgemesh.bench.fleet", "an emulated fleet under every sync policy: time to accuracy, delays, bytes"),
+    "ideal": ("edgemesh.bench.ideal", "ideal data parallel in one process on bench models' data: what sync and async "
+                                      "themselves cost per sample, with no system in the way"),
     "jobs": ("edgemesh.bench.jobs", "users' jobs (image folders, CSV; layer list, entry point) on one running fleet: "
                                     "time to target, bytes"),
     "mesh": ("edgemesh.bench.mesh", "single device, data parallelism and Edge Mesh: iteration delay, memory, "

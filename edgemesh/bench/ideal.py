@@ -1,0 +1,255 @@
+"""``edgemesh bench ideal``: what data parallel itself costs, with no system in the way.
+
+``bench models`` compares the fleet with one PyTorch process at the same samples seen; a gap there is the
+algorithm's (k batches averaged into one step, stale updates, devices holding different data) or the system's
+(a lossy model broadcast, compressed gradients, a race). This benchmark takes the system out: in one process, on
+the same glyph folders (:mod:`edgemesh.bench.glyphs`, one per device, non-IID) and the same models
+(:mod:`edgemesh.bench.model_jobs`), it trains
+
+* ``reference``: one process on the pooled data (``bench models``' reference);
+* ``sync``: every step the exact sum of one batch per device, each computed on the exact current model, scaled
+  as ``ps.round_scaling`` (``none``, ``sqrt``, ``linear``; warm-up left out) would;
+* ``async``: the devices in turn, each update computed on the model ``devices - 1`` versions old (what four
+  devices updating in turn see) and damped as ``ps.staleness_rule`` would (``inverse``, ``sqrt``, or ``whole``:
+  not at all), with the job's momentum or ``compensated`` (``ps.async_momentum``).
+
+Batch-norm statistics move as on the fleet: each device's change, sample-weighted. Every variant is evaluated
+on the held-out folder every ``--every`` samples; the report gives each one's curve, its best and its last. Set
+beside ``bench models``, it says how much of the fleet's gap is the algorithm's: the fleet matching its ideal
+within the spread of single runs leaves nothing to the system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgemesh import cli
+from edgemesh.bench import model_jobs
+from edgemesh.bench.glyphs import GLYPHS, device_mixes, draw_glyphs
+from edgemesh.bench.reporting import finish, pyplot, save
+from edgemesh.bench.runs import names
+from edgemesh.common.data import BatchIterator, Dataset, load_local
+from edgemesh.services.parameter_server.adaptive import compensated_momentum, staleness_weight
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "reference": {"mode": "reference"},
+    "sync-none": {"mode": "sync", "scaling": "none"},
+    "sync-sqrt": {"mode": "sync", "scaling": "sqrt"},
+    "sync-linear": {"mode": "sync", "scaling": "linear"},
+    "async-inverse": {"mode": "async", "damping": "inverse"},
+    "async-sqrt": {"mode": "async", "damping": "sqrt"},
+    "async-whole": {"mode": "async", "damping": "whole"},
+    "async-whole-compensated": {"mode": "async", "damping": "whole", "compensated": True},
+    "async-inverse-compensated": {"mode": "async", "damping": "inverse", "compensated": True},
+}
+"""Every way of training the benchmark knows, by name."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shards:
+    """The devices' training sets, their pooled set and the held-out one."""
+
+    devices: list[Dataset]
+    pooled: Dataset
+    held_out: Dataset
+
+
+def prepare(workdir: Path, devices: int, per_class: int, held_out_per_class: int) -> tuple[Shards, dict[str, Any]]:
+    """The glyph folders ``bench models`` draws, loaded; and what each device holds."""
+    names_ = [f"w{i}" for i in range(devices)]
+    mixes = device_mixes(names_, per_class)
+    for i, device in enumerate(names_):
+        draw_glyphs(workdir / device, mixes[device], seed=i)
+    draw_glyphs(workdir / "held-out", dict.fromkeys(GLYPHS, held_out_per_class), seed=1000)
+
+    def load(path: Path) -> Dataset:
+        return load_local("image-folder", path, input_shape=(3, 32, 32), classes=GLYPHS).train
+
+    parts = [load(workdir / d) for d in names_]
+    pooled = Dataset("pooled", np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]),
+                     len(GLYPHS))
+    return Shards(parts, pooled, load(workdir / "held-out")), mixes
+
+
+def build(entry: model_jobs.BenchModel, seed: int, module_path: Path) -> Any:
+    """The cell's module, built through its job spec as the fleet builds it (the same initial weights)."""
+    from edgemesh.common import models
+    from edgemesh.common.jobs import model_spec, parse_job
+
+    spec = parse_job(model_jobs.job_text(entry, policy="sync", seed=seed, target=0.0, max_minutes=1.0,
+                                         max_versions=0, module_path=module_path))
+    model_spec(spec, allowed=(model_jobs.ENTRY_POINT_MODULE,), search_path=[str(module_path)])
+    return models.build_model(spec.model_key, seed=seed)
+
+
+def train(variant: dict[str, Any], module: Any, shards: Shards, *, lr: float, momentum: float, batch_size: int,
+          seed: int, samples: int, every: int) -> list[tuple[int, float]]:
+    """Train ``module`` as ``variant`` says for ``samples`` samples; its held-out accuracy every ``every``."""
+    import torch
+    import torch.nn.functional as F
+
+    from edgemesh.common import models
+
+    x_held, y_held = torch.tensor(shards.held_out.x), torch.tensor(shards.held_out.y)
+    buffers = list(models.buffer_kinds(module))
+    devices = len(shards.devices)
+    if variant.get("compensated"):
+        momentum = compensated_momentum(momentum, devices)
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
+    own = [BatchIterator(d, batch_size, seed=seed + i) for i, d in enumerate(shards.devices)]
+    pooled = BatchIterator(shards.pooled, batch_size, seed=seed)
+
+    def state() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def gradient(batches: Iterator[tuple[np.ndarray, np.ndarray]], at: dict[str, torch.Tensor]) -> tuple[
+            list[torch.Tensor], dict[str, torch.Tensor], int]:
+        """One batch's gradient and buffer change, computed on the model ``at``."""
+        module.load_state_dict(at)
+        x, y = next(batches)
+        module.train()
+        module.zero_grad(set_to_none=True)
+        F.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        after = module.state_dict()
+        return ([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()],
+                {b: after[b].double() - at[b].double() for b in buffers}, len(y))
+
+    def step(now: dict[str, torch.Tensor], grads: list[torch.Tensor], moved: dict[str, torch.Tensor]) -> None:
+        """One optimizer step from ``now`` on ``grads``, the buffers moved by ``moved``."""
+        module.load_state_dict(now)
+        for p, g in zip(module.parameters(), grads, strict=True):
+            p.grad = g
+        optimizer.step()
+        with torch.no_grad():
+            current = module.state_dict()
+            for b in buffers:
+                current[b].copy_((now[b].double() + moved[b]).to(current[b].dtype))
+
+    history: deque[dict[str, torch.Tensor]] = deque(maxlen=devices)
+    curve: list[tuple[int, float]] = []
+    seen, turn, due = 0, 0, every
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # dropout's draws
+        while seen < samples:
+            if variant["mode"] == "reference":
+                grads, moved, n = gradient(pooled, state())
+                step(state(), grads, moved)
+            elif variant["mode"] == "sync":
+                now = state()
+                parts = [gradient(batches, now) for batches in own]
+                n = sum(part[2] for part in parts)
+                scale = {"none": 1.0, "sqrt": devices ** 0.5, "linear": float(devices)}[variant["scaling"]]
+                grads = [torch.stack([part[0][i] * part[2] for part in parts]).sum(0) / n * scale
+                         for i in range(len(parts[0][0]))]
+                moved = {b: torch.stack([part[1][b] * part[2] for part in parts]).sum(0) / n for b in buffers}
+                step(now, grads, moved)
+            else:
+                now = state()
+                history.append(now)
+                delay = len(history) - 1  # the oldest kept: devices - 1 once the fleet is going
+                grads, moved, n = gradient(own[turn % devices], history[0])
+                turn += 1
+                damping = 1.0 if variant["damping"] == "whole" else staleness_weight(delay, variant["damping"])
+                step(now, [g * damping for g in grads], moved)
+            seen += n
+            if seen >= due or seen >= samples:
+                module.eval()
+                with torch.no_grad():
+                    curve.append((seen, round(float((module(x_held).argmax(dim=1) == y_held).float().mean()), 4)))
+                due += every
+    return curve
+
+
+def plot(result: dict[str, Any], png: Path) -> bool:
+    """Each variant's held-out accuracy against samples, one panel per model and seed."""
+    plt = pyplot()
+    runs = result.get("runs") or {}
+    if plt is None or not runs:
+        return False
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
+    for ax, (key, variants) in zip(axes[0], runs.items(), strict=True):
+        for name, run in variants.items():
+            if run["curve"]:
+                xs, ys = zip(*run["curve"], strict=True)
+                ax.plot(xs, ys, label=name, linewidth=2.5 if name == "reference" else 1.2)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("samples seen")
+        ax.set_ylabel("held-out accuracy")
+        ax.set_ylim(0, 1)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("ideal data parallel in one process, beside one process on the pooled data", fontsize=10)
+    return save(fig, png)
+
+
+def run(report: Path, args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    catalogue = model_jobs.catalogue()
+    chosen, variants = names(args.models), names(args.variants)
+    unknown = [m for m in chosen if m not in catalogue] + [v for v in variants if v not in VARIANTS]
+    if unknown or args.samples < 1 or args.every < 1 or args.seeds < 1 or args.devices < 2:
+        print(f"edgemesh bench ideal: unknown {', '.join(unknown)}; models: {', '.join(catalogue)}; variants: "
+              f"{', '.join(VARIANTS)}" if unknown else "edgemesh bench ideal: --samples, --every, --seeds >= 1, "
+              "--devices >= 2", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(1)  # the fleet's devices train on one thread each
+    workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-ideal-"))
+    started = time.monotonic()
+    shards, mixes = prepare(workdir, args.devices, args.per_class, args.held_out_per_class)
+    module_path = model_jobs.write_entry_point(workdir / "models")
+    result: dict[str, Any] = {
+        "command": " ".join(["edgemesh", *sys.argv[1:]]),
+        "settings": {"models": chosen, "variants": variants, "seeds": args.seeds, "devices": args.devices,
+                     "samples": args.samples, "every": args.every, "per_class": args.per_class,
+                     "held_out_per_class": args.held_out_per_class,
+                     "async_delay": f"{args.devices - 1} versions (each update on the model devices - 1 steps old)"},
+        "data": {"devices": mixes}, "runs": {}, "summary": {}}
+    for seed in range(args.seeds):
+        for name in chosen:
+            entry, key = catalogue[name], f"{name}/s{seed}"
+            result["runs"][key] = {}
+            for variant in variants:
+                began = time.perf_counter()
+                curve = train(VARIANTS[variant], build(entry, seed, module_path), shards, lr=entry.lr,
+                              momentum=0.9, batch_size=entry.batch_size, seed=seed, samples=args.samples,
+                              every=args.every)
+                best, last = max(a for _, a in curve), curve[-1][1]
+                result["runs"][key][variant] = {"best": best, "last": last, "curve": curve,
+                                                "seconds": round(time.perf_counter() - began, 1)}
+                result["summary"].setdefault(name, {}).setdefault(variant, []).append(best)
+                progress(f"  {key} {variant}: best {best:.3f}, last {last:.3f}")
+    result["wall_seconds"] = round(time.monotonic() - started, 1)
+    finish(report, result, plot, progress, workdir, keep_logs=False)
+    return 0
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh bench ideal``."""
+    parser.add_argument("--report", default="bench/reports/ideal.json", help="JSON report path (PNG beside it)")
+    parser.add_argument("--models", default="plain-cnn,bn-cnn",
+                        help="comma-separated subset of " + ", ".join(model_jobs.catalogue()))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of "
+                                                                        + ", ".join(VARIANTS))
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per model (default 1)")
+    parser.add_argument("--devices", type=int, default=4, help="devices, each its own glyph folder (default 4)")
+    parser.add_argument("--per-class", type=int, default=80, help="images of a device's two main classes")
+    parser.add_argument("--held-out-per-class", type=int, default=60, help="held-out images per class")
+    parser.add_argument("--samples", type=int, default=12000, help="samples each variant trains on (default 12,000)")
+    parser.add_argument("--every", type=int, default=800, help="evaluate every this many samples (default 800)")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    cli.setup_logging(args.log_level or "WARNING")
+    return run(Path(args.report), args, progress=lambda line: print(line, file=sys.stderr, flush=True))
