@@ -116,11 +116,12 @@ class ParameterServerConfig:
     staleness_rule: StalenessRule = "inverse"
     """How: ``inverse`` scales it by 1/(1+d), ``sqrt`` by 1/(1+sqrt(d)) (FedBuff's); measured in
     docs/synchronization.md."""
-    round_scaling: RoundScaling = "linear"
+    round_scaling: RoundScaling = "none"
     """Under sync and adaptive, how a round's step grows with the batches (of the plan's mean size per cluster) it
-    averages: ``linear`` (k batches, k times the step: per sample, training.lr means what it means in one process
-    at one batch), ``sqrt`` (the square root of k) or ``none`` (one step of training.lr whatever the round holds:
-    the rate is per round). Measured in docs/synchronization.md."""
+    averages: ``none`` (one step of training.lr whatever the round holds: the rate is per round), ``linear`` (k
+    batches, k times the step: per sample, training.lr means what it means in one process at one batch) or
+    ``sqrt`` (the square root of k). Measured in docs/synchronization.md: ``linear`` trains more per sample, but
+    a rate tuned per round (the examples', the demo's) is k times too high under it."""
     round_warmup: int = 20
     """Versions over which that growth ramps up from none, a step per version (0: at once)."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
