@@ -421,8 +421,10 @@ async def test_a_batch_norm_model_trains_and_exports_the_accuracy_the_job_report
     held = load_local("image-folder", tmp_path / "ps" / "shapes-eval", input_shape=(3, 24, 24), classes=CLASSES).train
     with torch.no_grad():
         recomputed = float((module(torch.tensor(held.x)).argmax(1).numpy() == held.y).mean())
-    # within a few of the 90 held-out images (the bug this guards against cost 50 points: 0.377 against 0.873)
-    assert recomputed <= done.accuracy + 0.06, (recomputed, done.accuracy)
+    # the bug this guards against cost 50 points (0.377 against 0.873). Up to 8 points remain: the PS averages each
+    # device's variance change, the within-device variance, and misses the spread of the devices' means (their
+    # data differ), so statistics recomputed on the pooled images may score better
+    assert recomputed <= done.accuracy + 0.1, (recomputed, done.accuracy)
 
 
 async def test_an_entry_point_module_with_batch_norm_a_residual_and_a_depthwise_conv_trains_and_exports(
