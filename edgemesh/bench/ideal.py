@@ -22,6 +22,7 @@ within the spread of single runs leaves nothing to the system.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -135,33 +136,42 @@ def train(variant: dict[str, Any], module: Any, shards: Shards, *, lr: float, mo
             for b in buffers:
                 current[b].copy_((now[b].double() + moved[b]).to(current[b].dtype))
 
+    def one_process() -> int:
+        grads, moved, n = gradient(pooled, state())
+        step(state(), grads, moved)
+        return n
+
+    def in_sync() -> int:
+        """One batch per device on the current model, their sample-weighted mean, scaled."""
+        now = state()
+        parts = [gradient(batches, now) for batches in own]
+        n = sum(part[2] for part in parts)
+        scale = {"none": 1.0, "sqrt": devices ** 0.5, "linear": float(devices)}[variant["scaling"]]
+        grads = [torch.stack([part[0][i] * part[2] for part in parts]).sum(0) / n * scale
+                 for i in range(len(parts[0][0]))]
+        step(now, grads, {b: torch.stack([part[1][b] * part[2] for part in parts]).sum(0) / n for b in buffers})
+        return n
+
     history: deque[dict[str, torch.Tensor]] = deque(maxlen=devices)
+    turns = itertools.cycle(own)
+
+    def in_turn() -> int:
+        """The next device's batch on the model ``devices - 1`` versions old (fewer at the start), damped."""
+        now = state()
+        history.append(now)
+        grads, moved, n = gradient(next(turns), history[0])
+        delay = len(history) - 1
+        damping = 1.0 if variant["damping"] == "whole" else staleness_weight(delay, variant["damping"])
+        step(now, [g * damping for g in grads], moved)
+        return n
+
+    advance = {"reference": one_process, "sync": in_sync, "async": in_turn}[variant["mode"]]
     curve: list[tuple[int, float]] = []
-    seen, turn, due = 0, 0, every
+    seen, due = 0, every
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # dropout's draws
         while seen < samples:
-            if variant["mode"] == "reference":
-                grads, moved, n = gradient(pooled, state())
-                step(state(), grads, moved)
-            elif variant["mode"] == "sync":
-                now = state()
-                parts = [gradient(batches, now) for batches in own]
-                n = sum(part[2] for part in parts)
-                scale = {"none": 1.0, "sqrt": devices ** 0.5, "linear": float(devices)}[variant["scaling"]]
-                grads = [torch.stack([part[0][i] * part[2] for part in parts]).sum(0) / n * scale
-                         for i in range(len(parts[0][0]))]
-                moved = {b: torch.stack([part[1][b] * part[2] for part in parts]).sum(0) / n for b in buffers}
-                step(now, grads, moved)
-            else:
-                now = state()
-                history.append(now)
-                delay = len(history) - 1  # the oldest kept: devices - 1 once the fleet is going
-                grads, moved, n = gradient(own[turn % devices], history[0])
-                turn += 1
-                damping = 1.0 if variant["damping"] == "whole" else staleness_weight(delay, variant["damping"])
-                step(now, [g * damping for g in grads], moved)
-            seen += n
+            seen += advance()
             if seen >= due or seen >= samples:
                 module.eval()
                 with torch.no_grad():
