@@ -29,9 +29,9 @@ from edgemesh.common.config import Config, describe, load_config
 from edgemesh.common.errors import EdgeMeshError
 
 COMMANDS: Mapping[str, tuple[str, str]] = {
-    "planner": ("edgemesh.services.planner.service", "device registry, mesh layout, plan"),
+    "planner": ("edgemesh.services.planner.command", "device registry, mesh layout, plan"),
     "ps": ("edgemesh.services.parameter_server.command", "parameter server: global model, versions, checkpoints"),
-    "compressor": ("edgemesh.services.compressor.service", "codec policy per device, and the gateway"),
+    "compressor": ("edgemesh.services.compressor.command", "codec policy per device, and the gateway"),
     "worker": ("edgemesh.services.worker.command", "one device: trains its share of the model"),
     "broker": ("edgemesh.local.embedded", "run the embedded MQTT broker (amqtt, MQTT 3.1.1)"),
     "demo": ("edgemesh.local.demo", "a whole local cluster: broker, planner, PS, compressor, N workers"),
@@ -40,6 +40,7 @@ COMMANDS: Mapping[str, tuple[str, str]] = {
     "job": ("edgemesh.operator.job", "submit a training job to the running services, follow, steer, export it"),
     "predict": ("edgemesh.operator.predict", "classify images with an exported model (ONNX runs without torch)"),
     "bench": ("edgemesh.bench", "benchmarks that write JSON reports and PNG plots"),
+    "simulate": ("edgemesh.simulate.command", "a fleet under each sync policy on a virtual clock: time to accuracy"),
 }
 """Subcommand -> (module with ``register(parser)``, one-line help)."""
 COMMON_KEYS = {"broker": "broker.url", "job": "job", "metrics": "metrics.address", "log_level": "log_level"}

@@ -11,8 +11,15 @@ Brokers
     * ``amqtt_broker`` - the embedded amqtt broker in a child process (MQTT 3.1.1 only).
     * ``broker`` - both of the above, one test run each (ids ``mosquitto`` and ``amqtt``).
 
-    The Mosquitto fixtures fail (not skip) when the ``mosquitto`` binary is missing:
-    CI machines have it, and a silently skipped broker would hide a gap.
+    Without the ``mosquitto`` binary the Mosquitto fixtures skip their test, saying what to install
+    (``requires_binary`` below).
+
+Programs outside Python
+    A test that runs one (``mosquitto_pub``, ``prometheus``, ``ip``, ...) says so with
+    ``@pytest.mark.requires_binary(name, ...)``, one that needs root with ``@pytest.mark.requires_root(what)``
+    (helpers: ``require_binary``, ``require_root``): when it is missing the test is reported as skipped with
+    the reason and the package to install, and fails under ``CI=true`` (CI must run them all). Run as root
+    where ``apt-get`` is, the test run first installs the missing packages, once (``TESTS_INSTALL=0`` opts out).
 
 Add new shared fixtures below, grouped under a comment header with a one-line docstring each.
 """
@@ -30,6 +37,7 @@ from collections.abc import Iterator
 # a run of tests that never imported it.
 import hypothesis  # noqa: F401
 import pytest
+from helpers import install_programs, missing_packages, require_binary, require_root, what_missing_does
 
 from edgemesh.common.bus import forget_protocols
 from edgemesh.local.broker import BrokerProcess
@@ -43,6 +51,7 @@ BROKER_KINDS = ("mosquitto", "amqtt")
 def _new_broker(kind: str) -> BrokerProcess:
     """A new broker of ``kind`` on a free port, not yet started (BrokerError if unavailable)."""
     if kind == "mosquitto":
+        require_binary("mosquitto")
         return BrokerProcess.mosquitto()
     if kind == "amqtt":
         return BrokerProcess.embedded()
@@ -68,6 +77,46 @@ def broker(request: pytest.FixtureRequest) -> Iterator[BrokerProcess]:
     """Each broker kind in turn (ids ``mosquitto``, ``amqtt``), started for this test alone."""
     with _new_broker(request.param) as started:
         yield started
+
+
+# --- programs outside Python ----------------------------------------------------------------
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The markers of required programs; the run's first process (not an xdist worker) installs missing ones."""
+    config.addinivalue_line("markers", "requires_binary(*names): programs the test runs; skipped without them "
+                                       "(failed under CI=true)")
+    config.addinivalue_line("markers", "requires_root(what): the test needs root; skipped without it "
+                                       "(failed under CI=true)")
+    if hasattr(config, "workerinput") or config.option.help:
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+
+    def log(line: str) -> None:
+        if reporter is not None:
+            reporter.write_line(f"tests/conftest.py: {line}")
+        else:
+            print(f"tests/conftest.py: {line}", file=sys.stderr)
+
+    install_programs(log)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which packages of the tests' programs are missing, and what that does to the tests that need them."""
+    missing = missing_packages()
+    if not missing:
+        return "programs: every one the tests run is installed"
+    return f"programs: packages {' '.join(missing)} not installed: {what_missing_does()}"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A test's ``requires_binary`` and ``requires_root`` markers, checked before any of its fixtures starts."""
+    for marker in item.iter_markers("requires_root"):
+        require_root(*marker.args)
+    for marker in item.iter_markers("requires_binary"):
+        for name in marker.args:
+            require_binary(name)
 
 
 # --- diagnosis of a hung test ----------------------------------------------------------------

@@ -60,8 +60,8 @@ from edgemesh.common.messages import (
     SyncState,
     UpdateAck,
 )
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import CHUNK_SEGMENT, TopicKind, Topics
+from edgemesh.common.wire.tensors import Tensor
 from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION
 
 T = TypeVar("T")
@@ -183,30 +183,31 @@ WRONG_VALUES: tuple[Any, ...] = (None, True, 3, -2.5, "x", b"\x01", [1, 2], {"k"
 
 def fits(hint: Any, value: Any) -> bool:
     """Whether ``value`` has a type a field declared ``hint`` could take (its outer type only)."""
-    origin = get_origin(hint)
     if hint is Any:
         return True
+    origin = get_origin(hint)
     if origin is Literal:
         return value in get_args(hint)
     if origin is Union or origin is types.UnionType:
         return any(fits(a, value) for a in get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is bytes:
-        return isinstance(value, bytes)
     if origin in (tuple, list):
         return isinstance(value, list)
     if origin is dict or hint is Tensor or dataclasses.is_dataclass(hint):
         return isinstance(value, dict)
-    raise TypeError(f"no rule for {hint!r}")
+    if hint not in PLAIN_FITS:
+        raise TypeError(f"no rule for {hint!r}")
+    return PLAIN_FITS[hint](value)
+
+
+PLAIN_FITS: dict[Any, Callable[[Any], bool]] = {
+    type(None): lambda v: v is None,
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    bytes: lambda v: isinstance(v, bytes),
+}
+"""The values a plain field type takes."""
 
 
 def wrong_for(hint: Any) -> list[Any]:
@@ -675,103 +676,168 @@ def _msg(topic: str, family: str, *, counts: int = 1, uncounted: frozenset[str] 
 def semantic(scene: Scene, kind: TopicKind) -> list[st.SearchStrategy[Junk]]:
     """Valid messages a service must still refuse (replays, unknown devices, future versions, commands it
     refuses), for the topics of ``kind``."""
+    return SEMANTIC[kind](scene) if kind in SEMANTIC else []
+
+
+def _grad_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """Gradients the parameter server refuses: from an unknown device, replays, from the future, a model-parallel
+    part alone."""
     t, m, inc = scene.topics, scene.member, scene.incarnation
-    if kind == "grad":
-        replay = st.one_of(st.tuples(st.just(inc), st.integers(0, 1)), st.tuples(st.integers(0, inc - 1),
-                                                                                 st.integers(0, 10**6)))
-        bad_payloads = st.one_of(
-            shards(scene),
-            st.sampled_from(sorted(scene.layout)).flatmap(lambda p: st.sampled_from([
-                ShardUpdate(param=p, start=0, stop=scene.layout[p][0] + 1, codec="none", data=b""),
-                ShardUpdate(param=p, start=0, stop=1, codec="none", data=b"\0" * 3),
-                ShardUpdate(param=p, start=0, stop=1, codec="fp16", data=b"\0"),
-                ShardUpdate(param=p, start=0, stop=1, codec="none",
-                            data=np.full(math.prod(scene.layout[p][1:]), np.nan, np.float32).tobytes()),
-                ShardUpdate(param="nope", start=0, stop=1, codec="none", data=b"\0" * 4),
-            ])).map(lambda s: (s,)),
-            shards(scene).map(lambda s: (*s, s[0])),  # a shard twice
-            st.tuples(st.sampled_from(["topk", "threshold", "qsgd", "grid"]), st.binary(max_size=64)).map(
-                lambda cb: (ShardUpdate(param="fc2.bias", start=0, stop=10, codec=cb[0], data=cb[1]),)),
-        )
-        return [
-            # an update from a device the plan does not name
-            gradient(scene, "zz", incarnation=st.integers(0, 9), seq=st.integers(0, 99), base=st.integers(0, 1),
-                     shard_tuple=bad_payloads).map(_msg(t.grad("c-zz", "zz"), "unknown_device")),
-            # a replay of the member's applied update (or one of an older incarnation), any payload
-            replay.flatmap(lambda iq: gradient(scene, m, incarnation=st.just(iq[0]), seq=st.just(iq[1]),
-                                               base=st.integers(0, 1), shard_tuple=bad_payloads)
-                           ).map(_msg(t.grad(f"c-{m}", m), "replay")),
-            # computed on a model version the server has not reached
-            gradient(scene, m, incarnation=st.just(inc), seq=st.integers(2, 10**6), base=st.integers(2, FUTURE),
-                     shard_tuple=bad_payloads).map(_msg(t.grad(f"c-{m}", m), "future")),
-            # a model-parallel part of a step whose other members never come (the biases alone)
-            gradient(scene, m, incarnation=st.just(inc), seq=st.integers(2, 10**6), base=st.just(1),
-                     mesh_step=st.integers(1, 10**6), plan_version=st.sampled_from([0, scene.plan_version]),
-                     shard_tuple=shards(scene)).map(_msg(t.grad(f"c-{m}", m), "mesh_partial")),
-        ]
-    if kind == "grad_raw":
-        g = scene.gateway
-        raw_bad = st.one_of(
-            shards(scene).map(lambda s: (dataclasses.replace(s[0], codec="fp16"), *s[1:])),
-            shards(scene).map(lambda s: (dataclasses.replace(s[0], data=s[0].data + b"\0"), *s[1:])),
-            shards(scene).map(lambda s: (*s, s[0])),
-        )
-        return [
-            # raw updates from devices the gateway does not serve (their hello says they encode, or none came)
-            st.sampled_from([m, scene.worker, "zz"]).flatmap(lambda dev: gradient(
-                scene, dev, incarnation=st.just(inc), seq=st.integers(2, 99), base=st.just(1)).map(
-                _msg(t.grad_raw(f"c-{dev}", dev), "unknown_device"))),
-            # from an older incarnation of the gateway device
-            gradient(scene, g, incarnation=st.integers(0, inc - 1), seq=st.integers(0, 99), base=st.just(1)).map(
-                _msg(t.grad_raw(f"c-{g}", g), "incarnation")),
-            gradient(scene, g, incarnation=st.just(inc), seq=st.integers(0, 99), base=st.just(1),
-                     shard_tuple=raw_bad).map(_msg(t.grad_raw(f"c-{g}", g), "raw_payload")),
-        ]
-    if kind == "plan":  # an older plan: replayed (the planner drops its own topic's old plans uncounted)
-        return [plan(scene, version=0).map(_msg(t.plan(), "replay", uncounted=frozenset({"planner"})))]
-    if kind == "codec":  # an older policy (the compressor drops its own topic's old policies uncounted)
-        return [st.sampled_from(scene.known).flatmap(lambda dev: codec_policy(dev, version=0).map(
-            _msg(t.codec(dev), "replay", uncounted=frozenset({"compressor"}))))]
-    if kind == "stats":
-        return [stats("zz").map(_msg(t.stats("zz"), "unknown_device")),
-                stats(m, incarnation=inc - 1).filter(lambda s: s.incarnation > 0).map(
-                    _msg(t.stats(m), "old_incarnation", counts=0))]
-    if kind == "hello":  # a late hello of an older incarnation
-        return [hello(m, incarnation=inc - 2).map(_msg(t.hello(m), "old_incarnation", counts=0))]
-    if kind == "status":
-        return [status(m, incarnation=inc - 2, state="offline").map(_msg(t.status(m), "old_incarnation", counts=0))]
-    if kind == "model":
-        return [
-            snapshot(scene, version=0, whole=True).map(_msg(t.model(), "replay", counts=0)),
-            snapshot(scene).map(lambda s: dataclasses.replace(s, model_spec="cifar-cnn")).map(
-                _msg(t.model(), "other_model")),
-            snapshot(scene).map(lambda s: dataclasses.replace(s, tensors={
-                k: Tensor(dtype="float32", shape=(1,), data=b"\0" * 4) for k in s.tensors})).map(
-                _msg(t.model(), "shape")),
-        ]
-    if kind == "delta":
-        return [
-            delta(scene, version=1, base=0).map(_msg(t.model_delta(), "replay", counts=0)),
-            delta(scene, version=FUTURE, base=FUTURE - 1).map(_msg(t.model_delta(), "gap", counts=0)),
-            delta(scene, version=scene.model_version + 1, base=scene.model_version).map(
-                lambda dl: dataclasses.replace(dl, model_spec="cifar-cnn")).map(_msg(t.model_delta(), "other_model")),
-            delta(scene, version=scene.model_version + 1, base=scene.model_version).map(
-                lambda dl: dataclasses.replace(dl, shards=(dataclasses.replace(dl.shards[0], data=b"\0\0\0"),))).map(
-                _msg(t.model_delta(), "codec")),
-        ]
-    if kind == "ack":
-        return [ack(scene.worker).map(_msg(t.ack(scene.worker), "stray_ack", counts=0))]
-    if kind == "job":
-        name = scene.job
-        return [
-            st.builds(lambda: submission(name, job_source(name), "0" * 64)).map(_msg(t.job_file(), "forged_hash")),
-            st.binary(max_size=300).map(lambda src: submission(name, src)).map(_msg(t.job_file(), "job_file")),
-            st.builds(lambda: submission(name, job_source("other"))).map(_msg(t.job_file(), "names_another")),
-            st.builds(lambda: submission("other", job_source("other"))).map(_msg(t.job_file(), "topic")),
-        ]
-    if kind == "job_state":
-        return [job_state("other").map(_msg(t.job_state(), "topic"))]
-    return []
+    replay = st.one_of(st.tuples(st.just(inc), st.integers(0, 1)), st.tuples(st.integers(0, inc - 1),
+                                                                             st.integers(0, 10**6)))
+    bad_payloads = st.one_of(
+        shards(scene),
+        st.sampled_from(sorted(scene.layout)).flatmap(lambda p: st.sampled_from([
+            ShardUpdate(param=p, start=0, stop=scene.layout[p][0] + 1, codec="none", data=b""),
+            ShardUpdate(param=p, start=0, stop=1, codec="none", data=b"\0" * 3),
+            ShardUpdate(param=p, start=0, stop=1, codec="fp16", data=b"\0"),
+            ShardUpdate(param=p, start=0, stop=1, codec="none",
+                        data=np.full(math.prod(scene.layout[p][1:]), np.nan, np.float32).tobytes()),
+            ShardUpdate(param="nope", start=0, stop=1, codec="none", data=b"\0" * 4),
+        ])).map(lambda s: (s,)),
+        shards(scene).map(lambda s: (*s, s[0])),  # a shard twice
+        st.tuples(st.sampled_from(["topk", "threshold", "qsgd", "grid"]), st.binary(max_size=64)).map(
+            lambda cb: (ShardUpdate(param="fc2.bias", start=0, stop=10, codec=cb[0], data=cb[1]),)),
+    )
+    return [
+        # an update from a device the plan does not name
+        gradient(scene, "zz", incarnation=st.integers(0, 9), seq=st.integers(0, 99), base=st.integers(0, 1),
+                 shard_tuple=bad_payloads).map(_msg(t.grad("c-zz", "zz"), "unknown_device")),
+        # a replay of the member's applied update (or one of an older incarnation), any payload
+        replay.flatmap(lambda iq: gradient(scene, m, incarnation=st.just(iq[0]), seq=st.just(iq[1]),
+                                           base=st.integers(0, 1), shard_tuple=bad_payloads)
+                       ).map(_msg(t.grad(f"c-{m}", m), "replay")),
+        # computed on a model version the server has not reached
+        gradient(scene, m, incarnation=st.just(inc), seq=st.integers(2, 10**6), base=st.integers(2, FUTURE),
+                 shard_tuple=bad_payloads).map(_msg(t.grad(f"c-{m}", m), "future")),
+        # a model-parallel part of a step whose other members never come (the biases alone)
+        gradient(scene, m, incarnation=st.just(inc), seq=st.integers(2, 10**6), base=st.just(1),
+                 mesh_step=st.integers(1, 10**6), plan_version=st.sampled_from([0, scene.plan_version]),
+                 shard_tuple=shards(scene)).map(_msg(t.grad(f"c-{m}", m), "mesh_partial")),
+    ]
+
+
+def _grad_raw_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """Raw updates the gateway refuses: from devices it does not serve, an older incarnation, bad shards."""
+    t, m, inc = scene.topics, scene.member, scene.incarnation
+    g = scene.gateway
+    raw_bad = st.one_of(
+        shards(scene).map(lambda s: (dataclasses.replace(s[0], codec="fp16"), *s[1:])),
+        shards(scene).map(lambda s: (dataclasses.replace(s[0], data=s[0].data + b"\0"), *s[1:])),
+        shards(scene).map(lambda s: (*s, s[0])),
+    )
+    return [
+        # raw updates from devices the gateway does not serve (their hello says they encode, or none came)
+        st.sampled_from([m, scene.worker, "zz"]).flatmap(lambda dev: gradient(
+            scene, dev, incarnation=st.just(inc), seq=st.integers(2, 99), base=st.just(1)).map(
+            _msg(t.grad_raw(f"c-{dev}", dev), "unknown_device"))),
+        # from an older incarnation of the gateway device
+        gradient(scene, g, incarnation=st.integers(0, inc - 1), seq=st.integers(0, 99), base=st.just(1)).map(
+            _msg(t.grad_raw(f"c-{g}", g), "incarnation")),
+        gradient(scene, g, incarnation=st.just(inc), seq=st.integers(0, 99), base=st.just(1),
+                 shard_tuple=raw_bad).map(_msg(t.grad_raw(f"c-{g}", g), "raw_payload")),
+    ]
+
+
+def _plan_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """An older plan: replayed (the planner drops its own topic's old plans uncounted)."""
+    t = scene.topics
+    return [plan(scene, version=0).map(_msg(t.plan(), "replay", uncounted=frozenset({"planner"})))]
+
+
+def _codec_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """An older policy (the compressor drops its own topic's old policies uncounted)."""
+    t = scene.topics
+    return [st.sampled_from(scene.known).flatmap(lambda dev: codec_policy(dev, version=0).map(
+        _msg(t.codec(dev), "replay", uncounted=frozenset({"compressor"}))))]
+
+
+def _stats_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """Stats of a device that never said hello, and of an older incarnation."""
+    t, m, inc = scene.topics, scene.member, scene.incarnation
+    return [stats("zz").map(_msg(t.stats("zz"), "unknown_device")),
+            stats(m, incarnation=inc - 1).filter(lambda s: s.incarnation > 0).map(
+                _msg(t.stats(m), "old_incarnation", counts=0))]
+
+
+def _hello_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """A late hello of an older incarnation."""
+    t, m, inc = scene.topics, scene.member, scene.incarnation
+    return [hello(m, incarnation=inc - 2).map(_msg(t.hello(m), "old_incarnation", counts=0))]
+
+
+def _status_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """A late offline status of an older incarnation."""
+    t, m, inc = scene.topics, scene.member, scene.incarnation
+    return [status(m, incarnation=inc - 2, state="offline").map(_msg(t.status(m), "old_incarnation", counts=0))]
+
+
+def _model_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """Model snapshots a worker refuses: a replay, another model, the wrong shapes."""
+    t = scene.topics
+    return [
+        snapshot(scene, version=0, whole=True).map(_msg(t.model(), "replay", counts=0)),
+        snapshot(scene).map(lambda s: dataclasses.replace(s, model_spec="cifar-cnn")).map(
+            _msg(t.model(), "other_model")),
+        snapshot(scene).map(lambda s: dataclasses.replace(s, tensors={
+            k: Tensor(dtype="float32", shape=(1,), data=b"\0" * 4) for k in s.tensors})).map(
+            _msg(t.model(), "shape")),
+    ]
+
+
+def _delta_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """Model deltas a worker refuses: a replay, a gap, another model, a shard its codec cannot decode."""
+    t = scene.topics
+    return [
+        delta(scene, version=1, base=0).map(_msg(t.model_delta(), "replay", counts=0)),
+        delta(scene, version=FUTURE, base=FUTURE - 1).map(_msg(t.model_delta(), "gap", counts=0)),
+        delta(scene, version=scene.model_version + 1, base=scene.model_version).map(
+            lambda dl: dataclasses.replace(dl, model_spec="cifar-cnn")).map(_msg(t.model_delta(), "other_model")),
+        delta(scene, version=scene.model_version + 1, base=scene.model_version).map(
+            lambda dl: dataclasses.replace(dl, shards=(dataclasses.replace(dl.shards[0], data=b"\0\0\0"),))).map(
+            _msg(t.model_delta(), "codec")),
+    ]
+
+
+def _ack_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """An ack of an update the worker never sent."""
+    t = scene.topics
+    return [ack(scene.worker).map(_msg(t.ack(scene.worker), "stray_ack", counts=0))]
+
+
+def _job_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """Job files the hosts refuse: a forged hash, a broken file, one naming another job, another job's."""
+    t = scene.topics
+    name = scene.job
+    return [
+        st.builds(lambda: submission(name, job_source(name), "0" * 64)).map(_msg(t.job_file(), "forged_hash")),
+        st.binary(max_size=300).map(lambda src: submission(name, src)).map(_msg(t.job_file(), "job_file")),
+        st.builds(lambda: submission(name, job_source("other"))).map(_msg(t.job_file(), "names_another")),
+        st.builds(lambda: submission("other", job_source("other"))).map(_msg(t.job_file(), "topic")),
+    ]
+
+
+def _job_state_junk(scene: Scene) -> list[st.SearchStrategy[Junk]]:
+    """Another job's state on this job's topic."""
+    t = scene.topics
+    return [job_state("other").map(_msg(t.job_state(), "topic"))]
+
+
+SEMANTIC: dict[str, Callable[[Scene], list[st.SearchStrategy[Junk]]]] = {
+    "grad": _grad_junk,
+    "grad_raw": _grad_raw_junk,
+    "plan": _plan_junk,
+    "codec": _codec_junk,
+    "stats": _stats_junk,
+    "hello": _hello_junk,
+    "status": _status_junk,
+    "model": _model_junk,
+    "delta": _delta_junk,
+    "ack": _ack_junk,
+    "job": _job_junk,
+    "job_state": _job_state_junk,
+}
+"""Topic kind -> valid messages a service must still refuse on its topics."""
 
 
 def commands(scene: Scene, target: str) -> st.SearchStrategy[Junk]:

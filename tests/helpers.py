@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import shutil
+import subprocess
 import time
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 import pytest
@@ -46,8 +49,11 @@ from edgemesh.common.tasks import cancel_all
 from edgemesh.common.topics import Filter, TopicMatch, Topics
 from edgemesh.common.vocabulary import CodecName
 from edgemesh.local.broker import BrokerProcess
+from edgemesh.services.parameter_server.optimizer import ShardGrad
+from edgemesh.services.parameter_server.scheduler import Candidate
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.mesh import DeviceInfo, Division, cluster_iteration_s, member_memory, member_time
+from edgemesh.services.worker.mesh.member import MeshStep
 
 T = TypeVar("T")
 
@@ -166,7 +172,7 @@ async def inbox(config: Config, *routes: tuple[Filter, type | tuple[type, ...]],
     box = Inbox(bus, Topics(config.job))
     for filter_, kind in routes:
         bus.route(filter_, kind, box.keep)
-    async with bus.running():
+    async with bus:
         yield box
 
 
@@ -262,7 +268,7 @@ async def devices(config: Config, names: list[str], requester: str = "tester") -
     bus.route(topics.reply_filter(requester), ControlReply, box.keep)
     for name in names:
         bus.route(topics.ack_filter(name), UpdateAck, box.keep)
-    async with bus.running():
+    async with bus:
         yield box
 
 
@@ -465,6 +471,34 @@ def member_update(device: str, index: int, seq: int, base: int, *, step: int = 1
                           shards=tuple(shards), mesh_step=step, plan_version=1)
 
 
+
+def assert_buffers_match(results: list[MeshStep], moved: dict[str, np.ndarray]) -> None:
+    """The members' buffer rows tile every running statistic's change once, and the counters come once, from the
+    first member."""
+    covered = {name: np.zeros(change.shape[0], bool) for name, change in moved.items()}
+    for index, r in enumerate(results):
+        for name, (start, stop, change) in r.buffers.items():
+            assert not covered[name][start:stop].any(), f"{name}[{start}:{stop}] sent twice"
+            covered[name][start:stop] = True
+            np.testing.assert_allclose(change, moved[name][start:stop], rtol=1e-4, atol=1e-6, err_msg=name)
+            if name.endswith("num_batches_tracked"):
+                assert index == 0
+    assert all(c.all() for c in covered.values()), "some buffer rows were sent by no member"
+
+
+def member_part(device: str, step: MeshStep, samples: int, mesh_step: int) -> Candidate:
+    """A member's update for model-parallel step ``mesh_step`` as the parameter server decodes it: its gradient rows
+    and buffer rows."""
+    def shard(name: str, start: int, stop: int, values: np.ndarray) -> ShardUpdate:
+        return ShardUpdate(param=name, start=start, stop=stop, codec="none", data=values.astype(np.float32).tobytes())
+
+    u = GradientUpdate(device=device, cluster="m-a", incarnation=1, seq=1, base_version=0, samples=samples,
+                       shards=tuple(shard(n, *v) for n, v in step.grads.items()),
+                       buffers=tuple(shard(n, *v) for n, v in step.buffers.items()), mesh_step=mesh_step,
+                       plan_version=1)
+    return Candidate(u, [ShardGrad(n, a, b, g) for n, (a, b, g) in step.grads.items()], 0.0,
+                     buffers=[ShardGrad(n, a, b, g) for n, (a, b, g) in step.buffers.items()])
+
 # --- device health ----------------------------------------------------------------
 
 def write_thermal_zones(root: Path, zones: dict[str, float]) -> Path:
@@ -489,3 +523,101 @@ def write_vcgencmd(directory: Path, *, throttled: str = "0x50005", temp: str = "
                     "esac\n")
     path.chmod(0o755)
     return path
+
+
+# --- programs outside Python ---------------------------------------------------------
+
+PROGRAMS = {
+    "mosquitto": "mosquitto",
+    "mosquitto_passwd": "mosquitto",
+    "mosquitto_pub": "mosquitto-clients",
+    "prometheus": "prometheus",
+    "ip": "iproute2",
+    "openssl": "openssl",
+    "pgrep": "procps",
+    "systemd-analyze": "systemd",
+}
+"""Every program outside Python a test runs, and the Debian/Ubuntu package that installs it (``.ci/run`` installs
+the same packages; tests/test_ci.py checks it)."""
+SBIN_PATH = "/usr/local/sbin:/usr/sbin:/sbin"
+"""Where a program is looked for after PATH: Debian installs daemons (``mosquitto``) in sbin, off a user's PATH."""
+INSTALL_SWITCH = "TESTS_INSTALL"
+"""Set to ``0``, a test run as root installs nothing (``install_programs``)."""
+APT_TIMEOUT_S = 900.0
+"""Longest one ``apt-get`` call of ``install_programs`` may take."""
+
+
+def in_ci() -> bool:
+    """``CI=true`` (as CI services set it, and ``.ci/run``): a test that lacks a program fails instead of skipping."""
+    return os.environ.get("CI", "").lower() in ("true", "1", "yes")
+
+
+def what_missing_does() -> str:
+    """What happens to the tests whose program is missing: skipped, or failed under ``CI=true``."""
+    return "the tests that need them " + ("fail (CI=true)" if in_ci() else "are skipped")
+
+
+def find_binary(name: str) -> str | None:
+    """The path of program ``name``: PATH first, then ``SBIN_PATH``."""
+    return shutil.which(name) or shutil.which(name, path=SBIN_PATH)
+
+
+def missing_requirement(reason: str) -> NoReturn:
+    """Skip the running test for ``reason``; under ``CI=true`` fail it, as CI must run every test."""
+    if in_ci():
+        pytest.fail(f"{reason} (CI=true: every test must run)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_binary(name: str) -> str:
+    """The path of program ``name``; without it the test is skipped, naming the package to install (failed under
+    ``CI=true``). The marker ``@pytest.mark.requires_binary(name, ...)`` calls it before the test's fixtures."""
+    found = find_binary(name)
+    if found is None:
+        missing_requirement(f"{name} not installed: apt-get install {PROGRAMS.get(name, name)}")
+    return found
+
+
+def require_root(what: str) -> None:
+    """Skip the running test unless it runs as root (failed under ``CI=true``); ``what`` is what needs root. The
+    marker ``@pytest.mark.requires_root(what)`` calls it before the test's fixtures."""
+    if os.geteuid() != 0:
+        missing_requirement(f"{what} needs root")
+
+
+def missing_packages() -> list[str]:
+    """The packages of the ``PROGRAMS`` not installed here, sorted."""
+    return sorted({package for name, package in PROGRAMS.items() if find_binary(name) is None})
+
+
+def install_programs(log: Callable[[str], None]) -> list[str]:
+    """Install the packages of the missing ``PROGRAMS`` with ``apt-get``, as root only, unless ``TESTS_INSTALL=0``;
+    ``log`` hears what is done and, if it failed, why. The packages still missing afterwards."""
+    missing = missing_packages()
+    apt = shutil.which("apt-get")
+    if not missing or os.environ.get(INSTALL_SWITCH) == "0" or os.geteuid() != 0 or apt is None:
+        return missing
+    log(f"installing {' '.join(missing)} with apt-get for the tests that run them ({INSTALL_SWITCH}=0 skips this)")
+    lock = ["-o", "DPkg::Lock::Timeout=120"]  # another apt-get (another test run) is waited for, not failed on
+    install = [apt, "install", "-y", "-qq", "--no-install-recommends", *lock, *missing]
+    error = _apt(install)
+    if error is not None:  # the package lists are stale, or there are none: update them and try again
+        error = _apt([apt, "update", "-qq", *lock]) or _apt(install)
+    still = missing_packages()
+    log(f"installed {' '.join(sorted(set(missing) - set(still))) or 'nothing'}"
+        + (f"; {error}" if error else "")
+        + (f"; still missing {' '.join(still)}: {what_missing_does()}" if still else ""))
+    return still
+
+
+def _apt(command: list[str]) -> str | None:
+    """Run one ``apt-get`` command non-interactively; what went wrong, or None."""
+    what = " ".join(["apt-get", *command[1:2]])
+    try:
+        done = subprocess.run(command, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, capture_output=True,
+                              text=True, timeout=APT_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return f"{what} did not finish within {APT_TIMEOUT_S:g} s"
+    if done.returncode != 0:
+        return f"{what} failed (exit code {done.returncode}): {(done.stderr.strip().splitlines() or [''])[-1]}"
+    return None

@@ -17,7 +17,6 @@ import hashlib
 import os
 import queue
 import re
-import shutil
 import subprocess
 import uuid
 from collections.abc import Iterable, Iterator
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from helpers import require_binary
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
@@ -33,7 +33,7 @@ from edgemesh.common.acl import OPERATOR, SERVICES, SITES, bridge_client_id, bri
 from edgemesh.common.config import BrokerConfig, Config, load_config
 from edgemesh.common.errors import BrokerError
 from edgemesh.common.topics import site_prefix
-from edgemesh.local.broker import find_mosquitto, free_port, wait_port
+from edgemesh.local.broker import free_port, wait_port
 from edgemesh.local.processes import parent_death_signal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,9 +68,7 @@ def mosquitto(conf: str, directory: Path, ports: list[int]) -> Iterator[Path]:
     As root, Mosquitto would switch to the mosquitto user and lose the parent-death
     signal; ``user root`` keeps it (as BrokerProcess does).
     """
-    binary = find_mosquitto()
-    if binary is None:
-        pytest.fail("the mosquitto binary is not installed (apt-get install mosquitto)")
+    binary = require_binary("mosquitto")
     if os.geteuid() == 0:
         conf += "\nuser root\n"
     directory.mkdir(parents=True, exist_ok=True)
@@ -191,9 +189,7 @@ class ProductionBroker:
 def make_certificates(directory: Path, clients: Iterable[str] = ()) -> None:
     """A test CA, a server certificate for 127.0.0.1 / localhost, and one client certificate per name in
     ``clients`` (its common name); EC keys: fast."""
-    openssl = shutil.which("openssl")
-    if openssl is None:
-        pytest.fail("openssl is needed to make the test certificates")
+    openssl = require_binary("openssl")
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     (directory / "server.ext").write_text(
         "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n"

@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from helpers import running, until
+from helpers import SPLIT, mesh_plan, running, until
 from production import (
     DEVICES,
     SHIPPED_SITE,
@@ -49,9 +49,11 @@ from edgemesh.common.acl import (
     render,
     roles,
 )
+from edgemesh.common.bus import Bus
 from edgemesh.common.config import BrokerConfig
 from edgemesh.common.errors import ConfigError
 from edgemesh.common.messages import ControlReply
+from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import ANY, PREFIX, SITES_SEGMENT, EveryJob, TopicMatch, Topics, parse, site_prefix
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.parameter_server.service import ParameterServer
@@ -359,4 +361,29 @@ async def test_a_sharded_parameter_server_trains_under_the_shipped_acl(shipped: 
     assert servers[0].metrics.value("edgemesh_ps_shard_norms_missing_total") == 0
     refused = {getattr(s, "device", "") or f"{s.name}{i}": s.metrics.value(f"edgemesh_{s.name}_broker_refused_total")
                for i, s in enumerate((planner, compressor, *servers, *workers))}
+    assert not any(refused.values()), refused
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(240)
+async def test_a_model_parallel_cluster_trains_under_the_shipped_acl(shipped: ProductionBroker, tmp_path: Path) -> None:
+    """Two devices, each with its own credentials, in one model-parallel cluster: their readiness, the step's start,
+    its batch from the member that owns it, forward and backward slices all pass the broker, and the cluster's
+    steps reach the parameter server; the broker refused none of their publishes."""
+    job = "mesh-acl"
+    settings = {"ps.state_dir": tmp_path / "ps", "ps.eval_every": 0, "ps.broadcast": "delta",
+                "training.sync_policy": "sync", "worker.ack_timeout_s": 5, "worker.codec_wait_s": 0.5,
+                "worker.mesh_timeout_s": 10}
+    names = list(DEVICES[:2])
+    ps = ParameterServer(role_config(shipped, "ps", job, **settings))
+    workers = [Worker(role_config(shipped, device, job, **settings, **{"worker.state_dir": tmp_path / device}))
+               for device in names]
+    planner = role_config(shipped, "planner", job, **settings)
+    bus = Bus(planner.broker, client_id="planner-mesh-acl", metrics=ServiceMetrics("planner"))
+    async with bus, running(ps, *workers):
+        await bus.publish(Topics(job).plan(), mesh_plan(names, SPLIT, cluster="m-acl", batch=16), retain=True)
+        await until("five cluster steps", lambda: ps.version >= 5 and all(w.accepted >= 5 for w in workers), TRAIN_S)
+    assert all(w.metrics.value("edgemesh_worker_mesh_steps_total", outcome="done") >= 5 for w in workers)
+    refused = {w.device: w.metrics.value("edgemesh_worker_broker_refused_total") for w in workers}
+    refused["ps"] = ps.metrics.value("edgemesh_ps_broker_refused_total")
     assert not any(refused.values()), refused

@@ -15,8 +15,8 @@ from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, compensated_momentum, quantile, round_weights
-from edgemesh.services.parameter_server.recovery import OperatorSettings
 from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.parameter_server.settings import OperatorSettings
 
 
 def ps_config(broker: BrokerProcess, state_dir: Path, **settings: object) -> Config:

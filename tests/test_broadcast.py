@@ -35,7 +35,6 @@ from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config, ParameterServerConfig
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import (
-    CodecPolicy,
     ControlCommand,
     GradientUpdate,
     ModelDelta,
@@ -46,8 +45,8 @@ from edgemesh.common.messages import (
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.shards import Division
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.common.wire.tensors import Tensor
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.worker.mesh.member import MeshMember
@@ -344,8 +343,22 @@ def test_a_delta_is_cut_at_most_into_max_delta_blocks_and_members_get_little_bey
     assert delta_cuts(256, range(1, 256), 64) == [0, *range(4, 256, 4), 256]  # evenly spaced
 
 
-def test_grid_delta_policy_is_valid() -> None:
-    CodecPolicy(device="ps", codec="grid", density=0.3).validate()
+def test_by_default_a_delta_carries_the_largest_share_of_the_change_grid_coded() -> None:
+    config = ParameterServerConfig(broadcast="delta")
+    assert (config.delta_codec, config.delta_density) == ("grid", 0.3)  # the defaults a fleet runs with
+    broadcaster = Broadcaster(config, "m")
+    follower = ModelView()
+    follower.load(wire.decode(broadcaster.after_step({"w": np.zeros((64, 32), np.float32)}, 0, "async",
+                                                     None).payload, ModelSnapshot))
+    change = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+    step = wire.decode(broadcaster.after_step({"w": change}, 1, "async", None).payload, ModelDelta)
+    assert [s.codec for s in step.shards] == ["grid"]
+    assert follower.apply(step) and follower.params is not None and broadcaster.view is not None
+    assert np.array_equal(follower.params["w"], broadcaster.view["w"])  # the PS knows what the workers hold
+    moved = follower.params["w"] != 0
+    assert moved.sum() == pytest.approx(0.3 * change.size, rel=0.02)  # ps.delta_density of the entries
+    assert np.abs(change[moved]).min() >= np.abs(change[~moved]).max()  # the largest ones
+    assert np.abs(follower.params["w"][moved] - change[moved]).max() < 0.5 * np.abs(change[moved]).min()
 
 
 # --------------------------------------------------------------------------- the parameter server and its followers
@@ -374,7 +387,7 @@ async def follower(config: Config) -> AsyncIterator[tuple[ModelView, Inbox]]:
 
     bus.route(topics.model_filter(), ModelSnapshot, follow)
     bus.route(topics.delta_filter(), ModelDelta, follow)
-    async with bus.running():
+    async with bus:
         yield view, box
 
 

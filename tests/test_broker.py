@@ -236,6 +236,7 @@ def test_embedded_process_prints_ready_line_and_exits_cleanly_on_sigterm(amqtt_b
 # --- BrokerProcess errors and helpers --------------------------------------------------------
 
 
+@pytest.mark.requires_binary("mosquitto")
 def test_start_fails_loudly_with_the_broker_log() -> None:
     broker = BrokerProcess.mosquitto(extra_config="no_such_option 1")
     with pytest.raises(BrokerError, match="no_such_option"):
@@ -300,5 +301,6 @@ async def test_mosquitto_passes_megabyte_packets_on_without_faulting_their_pages
     assert faults < 1000, f"{faults} page faults for 20 packets of 1 MiB"
 
 
+@pytest.mark.requires_binary("mosquitto")
 def test_default_prefers_mosquitto() -> None:
     assert BrokerProcess.default().kind == "mosquitto"

@@ -15,14 +15,15 @@ from pathlib import Path
 import pytest
 from helpers import WAIT_S, until
 
-from edgemesh.common import chunks, wire
-from edgemesh.common.bus import Bus
-from edgemesh.common.bus_routes import UNSUBSCRIBED_GRACE_S, Route, Routes
+from edgemesh.common import wire
+from edgemesh.common.bus import Bus, router
+from edgemesh.common.bus.router import UNSUBSCRIBED_GRACE_S, Route, Routes
 from edgemesh.common.config import BrokerConfig, Config, load_config
 from edgemesh.common.errors import BusError
 from edgemesh.common.messages import DeviceHello, Event, Plan
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.common.topics import PREFIX, Filter, TopicError, TopicMatch, Topics, match
+from edgemesh.common.wire import chunks
 from edgemesh.local.broker import BrokerProcess, free_port
 
 JOB = "bus"
@@ -60,7 +61,7 @@ async def routed(cfg: Config, name: str = "bus") -> AsyncIterator[tuple[Bus, Rec
     seen = Recorder()
     bus.route(T.hello_filter(), DeviceHello, seen)
     bus.route(T.events_filter(), Event, seen)
-    async with bus.running():
+    async with bus:
         yield bus, seen
 
 
@@ -91,6 +92,7 @@ async def test_a_body_that_contradicts_its_topic_never_reaches_the_handler(broke
         assert rejected(bus, "hello", "topic") == 1 and rejected(bus, "hello", "kind") == 1
 
 
+@pytest.mark.requires_binary("mosquitto_pub")
 async def test_junk_is_counted_on_its_route(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
     cfg = config(mosquitto_broker, **{"broker.max_message_bytes": str(1 << 20), "broker.chunk_bytes": "1024"})
     async with routed(cfg) as (bus, seen), routed(cfg, "sender") as (sender, _):
@@ -124,7 +126,7 @@ async def test_messages_waiting_for_a_busy_handler_show_on_the_inbox_gauge(broke
     def waiting() -> float:
         return bus.metrics.value("edgemesh_test_inbox_messages")
 
-    async with bus.running(), routed(cfg, "sender") as (sender, _):
+    async with bus, routed(cfg, "sender") as (sender, _):
         for device in ("pi-1", "pi-2", "pi-3"):
             await sender.publish(T.hello(device), hello(device))
         await until("two hellos waiting behind the first", lambda: handled == ["pi-1"] and waiting() == 2)
@@ -148,13 +150,14 @@ async def test_a_partial_chunked_message_times_out_on_an_idle_bus_counted_on_its
         assert not seen.seen
 
 
+@pytest.mark.requires_binary("mosquitto")
 async def test_every_route_goes_out_in_one_subscribe_and_again_on_reconnect(tmp_path: Path) -> None:
     with BrokerProcess.mosquitto(extra_config="log_type all\n", workdir=tmp_path) as broker:
         cfg = config(broker)
         bus = Bus(cfg.broker, client_id="one-subscribe", metrics=ServiceMetrics("test"))
         for filter_ in (T.plan_filter(), T.hello_filter(), T.status_filter(), T.grad_filter(), T.events_filter()):
             bus.route(filter_, (Plan, DeviceHello, Event), Recorder())
-        async with bus.running():
+        async with bus:
             await until("the subscription", lambda: f"one-subscribe 1 {T.root}/events/chunk/+" in broker.log_text())
             assert len(re.findall(r"Received SUBSCRIBE from one-subscribe\b", broker.log_text())) == 1
             broker.kill()
@@ -164,6 +167,7 @@ async def test_every_route_goes_out_in_one_subscribe_and_again_on_reconnect(tmp_
             assert len(re.findall(r"Received SUBSCRIBE from one-subscribe\b", broker.log_text())) == 1
 
 
+@pytest.mark.requires_binary("mosquitto")
 async def test_a_publish_the_crashed_broker_never_acked_goes_out_again_on_the_next_connection(
         tmp_path: Path) -> None:
     """A gradient in flight when the broker died waited out ``operation_timeout_s`` (10 s) for a PUBACK the old
@@ -183,6 +187,7 @@ async def test_a_publish_the_crashed_broker_never_acked_goes_out_again_on_the_ne
             await until("the hello through the new broker", lambda: [m for _, m in seen.seen] == [hello("pi-1")])
 
 
+@pytest.mark.requires_binary("mosquitto")
 async def test_a_connection_lost_while_a_hook_runs_is_seen_and_the_hook_runs_again_on_the_next(
         tmp_path: Path) -> None:
     """A device's announce hook waited on a broker that had died: the loss went unseen while the hook ran, and
@@ -200,7 +205,7 @@ async def test_a_connection_lost_while_a_hook_runs_is_seen_and_the_hook_runs_aga
 
         bus = Bus(cfg.broker, client_id="hooked", metrics=ServiceMetrics("test"))
         bus.on_connect(announce)
-        async with bus.running(), routed(cfg) as (_, seen):
+        async with bus, routed(cfg) as (_, seen):
             await until("the first hook running", lambda: calls == [1])
             broker.kill()
             broker.start()
@@ -219,7 +224,7 @@ async def test_a_hook_that_fails_is_logged_and_the_bus_goes_on(broker: BrokerPro
     seen = Recorder()
     bus.route(T.hello_filter(), DeviceHello, seen)
     bus.on_connect(fails)
-    async with bus.running(), routed(cfg, "sender") as (sender, _):
+    async with bus, routed(cfg, "sender") as (sender, _):
         await until("the hook's failure logged", lambda: "fails after connecting failed: could not publish"
                     in caplog.text)
         await sender.publish(T.hello("pi-1"), hello("pi-1"))
@@ -236,7 +241,10 @@ async def test_a_chunked_publish_that_finds_no_broker_fails_as_a_single_one_does
             await bus.publish("edgemesh/v1/x/events", b"\x00" * size)
 
 
-async def test_a_refused_login_ends_run_with_an_error_instead_of_retrying(tmp_path: Path) -> None:
+@pytest.mark.requires_binary("mosquitto", "mosquitto_passwd")
+async def test_a_refused_login_ends_the_bus_with_an_error_instead_of_retrying(tmp_path: Path) -> None:
+    """Entering a bus the broker refuses raises; a bus entered without waiting for its connection (a service's)
+    ends the block it was entered in, and leaving the block raises the refusal."""
     passwords = tmp_path / "passwords"
     passwords.write_text("")
     subprocess.run(["mosquitto_passwd", "-b", str(passwords), "ops", "secret"], check=True, timeout=WAIT_S)
@@ -246,28 +254,60 @@ async def test_a_refused_login_ends_run_with_an_error_instead_of_retrying(tmp_pa
             broker_cfg = BrokerConfig(url=broker.url, username=username, password=password, backoff_initial_s=0.05)
             bus = Bus(broker_cfg, client_id="refused", metrics=ServiceMetrics("test"))
             with pytest.raises(BusError, match=re.escape(broker.url)):
-                async with asyncio.timeout(WAIT_S):  # a retry loop would run into this timeout instead
-                    await bus.run()
+                async with asyncio.timeout(WAIT_S), bus:  # a retry loop would run into this timeout instead
+                    pass
             assert bus.connections == 0
+            serving = Bus(broker_cfg, client_id="refused-service", metrics=ServiceMetrics("test"), connect_first=False)
+            with pytest.raises(BusError, match=re.escape(broker.url)):
+                async with asyncio.timeout(WAIT_S), serving:
+                    supervisor = asyncio.create_task(serving.wait_closed())  # what a service's supervisor awaits
+                    await asyncio.Event().wait()  # a service's jobs: the refusal ends them
+            assert isinstance(supervisor.exception(), BusError) and serving.connections == 0
+            assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]  # its cancel taken back
         # the right password connects
         bus = Bus(BrokerConfig(url=broker.url, username="ops", password="secret"), client_id="ok",
                   metrics=ServiceMetrics("test"))
-        async with bus.running():
+        async with bus:
             assert bus.is_connected
 
 
-async def test_cancelling_run_leaves_no_task_behind(broker: BrokerProcess) -> None:
+@pytest.mark.requires_binary("mosquitto")
+@pytest.mark.requires_binary("mosquitto")
+async def test_a_bus_started_before_its_broker_connects_once_the_broker_is_up(tmp_path: Path) -> None:
+    """A service may start before its broker: entering returns at once, the connection loop tries on, and what the
+    service published meanwhile goes out once the broker is up."""
+    port = free_port()
+    cfg = BrokerConfig(url=f"mqtt://127.0.0.1:{port}", backoff_initial_s=0.05, backoff_max_s=0.2)
+    seen = Recorder()
+    bus = Bus(cfg, client_id="early", metrics=ServiceMetrics("test"), connect_first=False)
+    bus.route(T.hello_filter(), DeviceHello, seen)
+    async with bus:
+        assert not bus.is_connected
+        publishing = asyncio.create_task(bus.publish(T.hello("pi-1"), hello("pi-1"), retain=True))
+        with BrokerProcess.mosquitto(port=port, workdir=tmp_path):
+            await bus.wait_connected(WAIT_S)
+            await publishing
+            await until("its own hello back", lambda: [m for _, m in seen.seen] == [hello("pi-1")],
+                        changed=seen.changed)
+
+
+async def test_leaving_the_bus_leaves_no_task_behind(broker: BrokerProcess) -> None:
     before = set(asyncio.all_tasks())
     bus = Bus(config(broker).broker, client_id="tasks", metrics=ServiceMetrics("test"))
     bus.route(T.hello_filter(), DeviceHello, Recorder())
-    async with asyncio.TaskGroup() as group:
-        task = group.create_task(bus.run())
-        await bus.wait_connected(WAIT_S)
-        assert len(set(asyncio.all_tasks()) - before) >= 2  # the reader and the router, under the caller's group
-        task.cancel()
+    async with bus:
+        assert bus.is_connected
+        assert len(set(asyncio.all_tasks()) - before) >= 2  # the connection loop and the router
+        closed = asyncio.create_task(bus.wait_closed())
+    await asyncio.wait_for(closed, WAIT_S)  # returns once the bus is left
     leftover = {t for t in set(asyncio.all_tasks()) - before if not t.done()}
     assert not leftover, leftover
     assert not bus.is_connected
+    with pytest.raises(BusError, match="no connection"):  # entered again: connects again, here to no broker
+        async with Bus(BrokerConfig(url=f"mqtt://127.0.0.1:{free_port()}", connect_timeout_s=0.3),
+                       client_id="nowhere", metrics=ServiceMetrics("test")):
+            pass
+    assert not {t for t in set(asyncio.all_tasks()) - before if not t.done()}
 
 
 async def test_a_bus_ends_when_a_handler_drops_the_cancellation(broker: BrokerProcess) -> None:
@@ -284,7 +324,12 @@ async def test_a_bus_ends_when_a_handler_drops_the_cancellation(broker: BrokerPr
 
     bus = Bus(cfg.broker, client_id=f"drops-{uuid.uuid4().hex[:6]}", metrics=ServiceMetrics("test"))
     bus.route(T.hello_filter(), DeviceHello, answered_as_cancelled)
-    run = asyncio.create_task(bus.run())
+
+    async def owner() -> None:
+        async with bus:
+            await asyncio.Event().wait()
+
+    run = asyncio.create_task(owner())
     async with routed(cfg, "sender") as (sender, _):
         await bus.wait_connected(WAIT_S)
         await sender.publish(T.hello("pi-1"), hello("pi-1"))
@@ -332,11 +377,11 @@ async def test_a_process_probes_a_3_1_1_broker_for_mqtt_5_once(amqtt_broker: Bro
     will = (T.status("pi-1"), b"offline")
     first = Bus(cfg.broker, client_id="first", metrics=ServiceMetrics("test"), will=will)
     with caplog.at_level("INFO", logger="edgemesh.common.bus"):
-        async with first.running():
+        async with first:
             assert first.protocol == "3.1.1"
         later = Bus(cfg.broker, client_id="later", metrics=ServiceMetrics("test"), will=will)
         assert later.protocol == "3.1.1"
-        async with later.running():
+        async with later:
             assert later.is_connected
     probed = [r.getMessage().split(":")[0] for r in caplog.records if "did not take MQTT 5" in r.getMessage()]
     assert probed == ["first"]
@@ -351,7 +396,7 @@ async def test_subscribing_again_to_a_held_route_brings_its_retained_message_and
     bus = Bus(cfg.broker, client_id=f"bus-{uuid.uuid4().hex[:6]}", metrics=ServiceMetrics("test"))
     seen = Recorder()
     hellos = bus.route(T.hello_filter(), DeviceHello, seen)
-    async with routed(cfg, "sender") as (sender, _), bus.running():
+    async with routed(cfg, "sender") as (sender, _), bus:
         await sender.publish(T.hello("pi-1"), hello("pi-1"), retain=True)
         await until("the retained hello", lambda: len(seen.seen) == 1, changed=seen.changed)
 
@@ -378,7 +423,7 @@ async def test_what_was_sent_before_an_unsubscribe_still_reaches_the_dropped_rou
     seen = Recorder()
     hellos = bus.route(T.hello_filter(), DeviceHello, seen)
     bus.route(T.events_filter(), Event, seen)
-    async with routed(cfg, "sender") as (sender, _), bus.running():
+    async with routed(cfg, "sender") as (sender, _), bus:
         for _ in range(3):  # the route dropped in the middle of a stream, then taken again
             seen.seen.clear()
             streaming = asyncio.gather(*(sender.publish(T.hello(f"pi-{n}"), hello(f"pi-{n}")) for n in range(200)))
@@ -398,7 +443,7 @@ def test_a_dropped_route_takes_what_arrives_for_its_grace_period_only() -> None:
     routes = Routes(clock=lambda: now[0])
     hellos, events = Route(T.hello_filter(), DeviceHello, Recorder()), Route(T.events_filter(), Event, Recorder())
     routes.add([hellos, events])
-    assert routes.drop([T.hello_filter()]) == [hellos] and routes.held == [events]
+    assert routes.drop([T.hello_filter()]) == [hellos] and routes.held == (events,)
     now[0] = UNSUBSCRIBED_GRACE_S - 0.1
     found = routes.find(T.hello("pi-1"))
     assert found is not None and found[0] is hellos and found[1].device == "pi-1"
@@ -406,4 +451,65 @@ def test_a_dropped_route_takes_what_arrives_for_its_grace_period_only() -> None:
     assert routes.find(T.hello("pi-1")) is None
     routes.drop([T.hello_filter()])  # dropped again, then held again: found among the held
     routes.add([hellos])
-    assert routes.held == [events, hellos] and routes._dropped == []
+    assert routes.held == (events, hellos) and routes._dropped == []
+
+
+def test_the_route_kept_for_a_topic_is_the_one_a_scan_finds_as_routes_come_and_go(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router matches and parses a topic once, then keeps its route: what it keeps is what matching the topic
+    against the routes in order finds, before and after routes are added, held again and dropped, for topics of a
+    family of their own, a shard's, a chunk's, and others' under a filter that takes everything."""
+    now = [0.0]
+    routes = Routes(clock=lambda: now[0], cached=6)  # fewer than the topics: some are let go and matched again
+    shard = Topics(JOB, 1)
+    topics = [T.hello("pi-1"), T.hello("pi-2"), T.model(), T.chunk(T.model(), 3), T.grad("c0", "pi-1"),
+              shard.grad("c0", "pi-1"), shard.model(), T.control("all"), T.control("device/pi-1"),
+              T.control_reply("ops"), T.device_reply(T.control_reply("ops"), "pi-1"), T.events(), T.plan(),
+              Topics("other").plan(), f"{PREFIX}/{JOB}/unknown", "elsewhere/plan"]
+    matched: list[str] = []
+
+    def counted(topic: str, filters: list[Filter]) -> tuple[int, TopicMatch] | None:
+        matched.append(topic)
+        return match(topic, filters)
+
+    monkeypatch.setattr(router, "match", counted)
+
+    def scanned(topic: str) -> object:
+        try:
+            found = match(topic, [r.filter for r in routes.held])
+        except TopicError:
+            return TopicError
+        return None if found is None else (routes.held[found[0]], found[1])
+
+    def found(topic: str) -> object:
+        try:
+            return routes.find(topic)
+        except TopicError:
+            return TopicError
+
+    def check() -> None:
+        for _ in range(2):  # then again, from what was kept
+            for topic in topics:
+                got = found(topic)
+                assert got == scanned(topic), topic
+                assert not isinstance(got, tuple) or got[0] is scanned(topic)[0], topic  # type: ignore[index]
+
+    hellos = Route(T.hello_filter(), DeviceHello, Recorder())
+    routes.add([hellos, Route(T.model_filter(), Plan, Recorder())])
+    check()
+    matched.clear()
+    for topic in reversed(topics[-6:]):
+        routes.find(topic)
+    assert matched == []  # the last six topics seen: kept
+    routes.append(Route(shard.grad_filter(), Plan, Recorder()))
+    check()
+    routes.add([Route(Filter(f"{PREFIX}/{JOB}/#", "events"), Event, Recorder()), hellos])  # hellos: held already
+    check()
+    routes.drop([T.hello_filter()])
+    now[0] = UNSUBSCRIBED_GRACE_S + 1  # past the grace of the dropped route: the catch-all takes hellos
+    check()
+    routes.add([hellos])  # held again: after the catch-all, which takes hellos first
+    check()
+    routes.drop([Filter(f"{PREFIX}/{JOB}/#", "events")])
+    now[0] += UNSUBSCRIBED_GRACE_S + 1
+    check()

@@ -13,10 +13,9 @@ from collections.abc import AsyncIterator, Iterator
 import aiomqtt
 import numpy as np
 import pytest
-from helpers import until
+from helpers import require_binary, until
 
 from edgemesh.common.bus import Bus
-from edgemesh.common.chunks import CHUNK_HEADROOM
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.emulation.link import EmulatedLink
 from edgemesh.common.emulation.shape import LinkShape
@@ -24,6 +23,7 @@ from edgemesh.common.errors import ConfigError
 from edgemesh.common.messages import GradientUpdate, ShardUpdate
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.common.wire.chunks import CHUNK_HEADROOM
 from edgemesh.local.broker import MAX_PACKET_SIZE, BrokerProcess
 
 T = Topics("chunks")
@@ -35,6 +35,7 @@ SMALL = 64 * 1024
 def limited() -> Iterator[BrokerProcess]:
     """Mosquitto set as ``production.conf`` is (and the broker of a local cluster): packets up to 1 MiB, said
     in every MQTT 5 CONNACK."""
+    require_binary("mosquitto")
     with BrokerProcess.mosquitto(max_packet_size=MAX_PACKET_SIZE) as broker:
         yield broker
 
@@ -71,7 +72,7 @@ async def pair(cfg: Config) -> AsyncIterator[tuple[Bus, Received]]:
     receiver = Bus(cfg.broker, client_id=f"recv-{uuid.uuid4().hex[:6]}", metrics=ServiceMetrics("receiver"))
     receiver.route(T.grad_filter(), GradientUpdate, got)
     receiver.on_joined(lambda topic, nbytes, seconds: got.samples.append((topic, nbytes, seconds)))
-    async with receiver.running(), sender.running():
+    async with receiver, sender:
         yield sender, got
 
 
@@ -145,12 +146,13 @@ def test_chunk_max_bytes_below_chunk_bytes_is_refused() -> None:
         load_config(env={}, overrides={"broker.chunk_seconds": "0"})
 
 
+@pytest.mark.requires_binary("mosquitto")
 async def test_a_broker_whose_limit_is_below_chunk_bytes_is_named_at_connect(
         caplog: pytest.LogCaptureFixture) -> None:
     with BrokerProcess.mosquitto(max_packet_size=100 * 1024) as broker:
         bus = Bus(config(broker.url).broker, client_id="small-limit", metrics=ServiceMetrics("sender"))
         with caplog.at_level("WARNING", logger="edgemesh.common.bus"):
-            async with bus.running():
+            async with bus:
                 pass
     assert any("takes packets of at most 102400 bytes" in r.getMessage() and "lower broker.chunk_bytes below 36864"
                in r.getMessage() for r in caplog.records), caplog.text

@@ -31,8 +31,8 @@ from edgemesh.common.jobs import host_model_spec, parse_job, render_job
 from edgemesh.common.messages import JobState, JobSubmission, ModelSnapshot
 from edgemesh.common.models import entry_point_spec
 from edgemesh.common.models.entry_point import ANY_MODULE, module_allowed
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import Topics, all_job_states_filter
+from edgemesh.common.wire.tensors import Tensor
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION
 from edgemesh.local.processes import LocalCluster, scrape

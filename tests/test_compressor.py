@@ -39,8 +39,9 @@ from edgemesh.common.messages import CodecPolicy, ControlReply, DeviceHello, Dev
 from edgemesh.common.topics import Topics
 from edgemesh.common.vocabulary import CodecName
 from edgemesh.local.broker import BrokerProcess
+from edgemesh.services.compressor.gateway import encode_raw
 from edgemesh.services.compressor.policy import wire_bytes
-from edgemesh.services.compressor.service import Compressor, encode_raw
+from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.service import Worker
@@ -435,7 +436,7 @@ async def test_the_gateway_rejects_malformed_raw_updates_and_forwards_good_ones_
         assert shard.codec == "grid" and len(shard.data) < values.nbytes
         # error feedback ran once: what was sent plus the residual is the raw gradient (the gateway's
         # error feedback has no public view: read the compressor's own)
-        residual = comp._feedback["pi-1"][1].residual("w[0:4000]")
+        residual = comp.gateway.feedback["pi-1"][1].residual("w[0:4000]")
         assert residual is not None
         np.testing.assert_allclose(get_codec("grid").decode(shard.data, values.size) + residual, values, atol=1e-6)
 

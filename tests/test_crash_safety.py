@@ -31,7 +31,7 @@ from edgemesh.common.jobs import JobSpec, parse_job, render_job
 from edgemesh.common.messages import ControlCommand, ControlReply, DeviceStatus, JobState, JobSubmission, ModelSnapshot
 from edgemesh.common.messages.jobs import JobPhase
 from edgemesh.common.models import ModelSpec
-from edgemesh.common.models.cost import meta_costs
+from edgemesh.common.models.derived_costs import meta_costs
 from edgemesh.common.topics import Topics, all_job_states_filter
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION

@@ -29,15 +29,18 @@ import pytest
 from helpers import inbox, make_config
 from PIL import Image
 
-from edgemesh.common.data import load_dataset, local, restricted_loads
-from edgemesh.common.data.local import (
+from edgemesh.common.data import (
     MAX_CSV_BYTES,
     MAX_DATA_BYTES,
     MAX_IMAGE_PIXELS,
     data_path,
     image_pixel_limit,
+    images,
+    load_dataset,
     load_local,
+    local,
     read_image,
+    restricted_loads,
 )
 from edgemesh.common.errors import DataError, JobError
 from edgemesh.common.jobs import parse_job, render_job
@@ -391,7 +394,7 @@ def test_an_image_larger_than_its_limit_is_not_decoded(tmp_path: Path, huge_png:
     pixels = read_image(photo, (3, 32, 32))
     assert pixels.shape == (3, 32, 32) and pixels[0].min() > 0.6
     with pytest.raises(DataError, match="more than the"):  # at full size it would be 20 MP
-        local._decode(photo, (3, 4000, 4000))
+        images._decode(photo, (3, 4000, 4000))
 
 
 def test_an_image_folder_too_large_to_load_is_refused_from_its_file_count(tmp_path: Path) -> None:
@@ -447,7 +450,7 @@ def test_any_failure_while_loading_is_a_data_error_naming_the_data(tmp_path: Pat
     for error, said in ((MemoryError(), "does not fit in this device's memory"),
                         (PermissionError(13, "Permission denied"), "cannot be read: Permission denied"),
                         (IndexError(MARKER), r"cannot be loaded \(IndexError\)")):
-        monkeypatch.setattr(local, "_read_npz", fail(error))
+        monkeypatch.setitem(local.READERS, "npz", fail(error))
         with pytest.raises(DataError, match=f"data 'd.npz' {said}") as caught:
             load_local("npz", "d.npz", data_dir=tmp_path, input_shape=(4,), classes=CLASSES)
         assert MARKER not in str(caught.value)

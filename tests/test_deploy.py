@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import require_binary
 from production import Client, ProductionBroker, mosquitto, rewrite, site_broker_conf
 from production import production_broker as start_production_broker
 from prometheus_client import CollectorRegistry
@@ -37,8 +38,8 @@ from edgemesh.common.bus import Bus
 from edgemesh.common.config import BrokerConfig, load_config
 from edgemesh.common.messages import ModelSnapshot
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.common.wire.tensors import Tensor
 from edgemesh.local.broker import MOSQUITTO_MALLOC, free_port
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.host import JobHost
@@ -369,9 +370,7 @@ def test_unit_runs_a_real_subcommand(path: Path) -> None:
 
 
 def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
-        pytest.skip("systemd-analyze is not installed; the units were only parsed")
+    analyze = require_binary("systemd-analyze")
     # verify insists that ExecStart's binary exists, and cannot verify a bare template
     for path in UNIT_FILES:
         text = path.read_text().replace(EDGEMESH_BIN, sys.executable)
@@ -554,7 +553,7 @@ async def test_production_broker_carries_a_chunked_model_over_tls(
 
     ps_cfg = BrokerConfig(url=url, username="ps", password=ProductionBroker.password("ps"), publish_timeout_s=WAIT_S)
     ps_metrics = ServiceMetrics("ps")
-    async with Bus(ps_cfg, client_id="test-ps", metrics=ps_metrics).running() as ps_bus:
+    async with Bus(ps_cfg, client_id="test-ps", metrics=ps_metrics) as ps_bus:
         sent = await ps_bus.publish(topics.model(), snapshot, retain=True)
     assert sent > 3 * ps_cfg.chunk_bytes
 
@@ -567,7 +566,7 @@ async def test_production_broker_carries_a_chunked_model_over_tls(
         await got.put((where.topic, snap))
 
     worker_bus.route(topics.model_filter(), ModelSnapshot, keep)
-    async with worker_bus.running():
+    async with worker_bus:
         topic, received = await asyncio.wait_for(got.get(), WAIT_S)
     assert topic == topics.model() and received.version == 7
     assert received.tensors["w"].data == weights.tobytes()

@@ -42,14 +42,13 @@ from edgemesh.local.demo import DIGITS_MODEL, DIGITS_NORMALIZATION
 from edgemesh.operator.job import submission_of
 from edgemesh.services.host import JobHost
 from edgemesh.services.parameter_server import jobs as ps_jobs
-from edgemesh.services.parameter_server.acks import key_of
 from edgemesh.services.parameter_server.evaluation import QUORUM_MIN_DEVICES, Evaluator, Quorum, quorum_of
 from edgemesh.services.parameter_server.jobs import REACHED, JobBoard
 from edgemesh.services.parameter_server.optimizer import MAX_GROWTH, ModelState, ShardGrad
 from edgemesh.services.parameter_server.robust import CLIP_WINDOW, Aggregation, Aggregator, Combined
-from edgemesh.services.parameter_server.scheduler import Candidate, Clock, Fleet, Step
+from edgemesh.services.parameter_server.scheduler import Candidate, Clock, Fleet, Step, UpdateId
 from edgemesh.services.parameter_server.service import ParameterServer
-from edgemesh.services.parameter_server.shard_steps import Follower, Leader
+from edgemesh.services.parameter_server.shards import FollowerScheduler, Leader
 
 HUGE = 1e30
 """The forged update's every value: finite, far beyond any gradient."""
@@ -358,11 +357,11 @@ def test_a_follower_shard_leaves_out_what_shard_0_refused_by_norm() -> None:
     leader.stepped([step], [Combined([], how=Aggregation("mean", chosen=(0, 1), norm_limit=20.0))])
     (record,) = leader.steps
     assert [p.excluded for p in record.parts] == [False, False, True] and record.rule == "mean"
-    follower = Follower(Clock(), WAIT_S, ServiceMetrics("follow"))
+    follower = FollowerScheduler(Clock(), WAIT_S, ServiceMetrics("follow"))
     follower.take(list(items), Fleet(now=0.0))
     follower.follow(ShardSteps(version=1, policy="async", steps=(record,)))
     (taken,) = follower.take([], Fleet(now=0.0)).steps
-    assert taken.chosen == (0, 1) and [key_of(i.update)[0] for i in taken.items] == ["a", "b", "x"]
+    assert taken.chosen == (0, 1) and [UpdateId.of(i.update).device for i in taken.items] == ["a", "b", "x"]
     aggregator = Aggregator(ParameterServerConfig(aggregation="mean", shards=2, shard=1, norm_warmup=1),
                             ServiceMetrics("ps-1"))
     assert not aggregator.judges

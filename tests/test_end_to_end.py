@@ -37,11 +37,13 @@ def processes_of(job: str) -> list[str]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("broker_flag", ["", "--embedded-broker"], ids=["mosquitto", "amqtt"])
+@pytest.mark.requires_binary("pgrep")
+@pytest.mark.parametrize("broker_flag", [pytest.param("", marks=pytest.mark.requires_binary("mosquitto")),
+                                         "--embedded-broker"], ids=["mosquitto", "amqtt"])
 def test_demo_runs_to_its_version_limit_and_reports(tmp_path: Path, broker_flag: str) -> None:
     job = f"e2e-{uuid.uuid4().hex[:6]}"
     report = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "edgemesh", "demo", "--workers", "2", "--max-versions", "10",
+    cmd = [sys.executable, "-m", "edgemesh", "demo", "--workers", "2", "--max-versions", "20",
            "--report", str(report), "--quiet", "--job", job, "--timeout", "150"]
     if broker_flag:
         cmd.append(broker_flag)
@@ -50,11 +52,12 @@ def test_demo_runs_to_its_version_limit_and_reports(tmp_path: Path, broker_flag:
     data = json.loads(report.read_text())
     assert REPORT_KEYS <= data.keys()
     assert data["workers"] == 2
-    assert data["model_version"] >= 10
-    assert data["updates_accepted"] >= 2 * 10  # sync: both workers contribute to every version
+    assert data["model_version"] >= 20
+    assert data["updates_accepted"] >= 2 * 20  # sync: both workers contribute to every version
     assert data["bytes_published"] > 0
-    # distributed training learns: chance on digits' 10 classes is 0.1; in three runs of this setting
-    # each way the demo's two workers reached 0.44 to 0.45 held-out accuracy by version 14
+    # distributed training learns: chance on digits' 10 classes is 0.1; in three runs of this setting the demo's
+    # two workers reached 0.57 to 0.72 held-out accuracy by versions 21-26 (after 10 versions, 0.25 to 0.41: too
+    # early a point to tell learning from the spread of runs)
     assert data["final_accuracy"] >= LEARNED
     assert data["stopped_by"] in ("max_versions", "target")
     assert "final accuracy" in result.stdout
@@ -62,6 +65,24 @@ def test_demo_runs_to_its_version_limit_and_reports(tmp_path: Path, broker_flag:
 
 
 @pytest.mark.e2e
+@pytest.mark.requires_binary("mosquitto")
+def test_the_mesh_demo_trains_to_its_target_without_the_guards_help(tmp_path: Path) -> None:
+    """``planner.parallelism = mesh`` splits one iteration's batch among its clusters; a round of them is one batch
+    of the learning rate's, and steps as one. When rounds were counted by clusters the job stepped four times its
+    rate and fell to chance within 130 versions in every run, the guard's rollbacks alone saving it; here the guard
+    may not roll back, and the job must reach its target."""
+    report = tmp_path / "r.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "edgemesh", "demo", "--workers", "4", "--max-versions", "600", "--report", str(report),
+         "--quiet", "--timeout", "150", "--set", "planner.parallelism=mesh", "--set", "ps.guard.max_rollbacks=0"],
+        capture_output=True, text=True, timeout=200, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["stopped_by"] == "target" and data["final_accuracy"] >= data["target_accuracy"], data
+
+
+@pytest.mark.e2e
+@pytest.mark.requires_binary("pgrep")
 def test_ctrl_c_stops_every_process(tmp_path: Path) -> None:
     job = f"e2e-{uuid.uuid4().hex[:6]}"
     proc = subprocess.Popen(

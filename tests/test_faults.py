@@ -22,8 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -32,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers import WAIT_S, until
+from helpers import WAIT_S, require_binary, require_root, until
 
 from edgemesh.bench.audit import audit
 from edgemesh.common.bus import Bus
@@ -78,8 +76,8 @@ class Namespace:
 
 @contextlib.contextmanager
 def namespace() -> Iterator[Namespace]:
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.fail("the partition needs root and iproute2 (ip netns, veth pairs)")
+    require_root("a network namespace (the partitioned worker)")
+    require_binary("ip")
     tag = uuid.uuid4().hex[:6]
     name, host_end, ns_end = f"emf{tag}", f"emh{tag}", f"emn{tag}"
     subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
@@ -167,6 +165,8 @@ def replace(cluster: LocalCluster, child: Child, extra: list[str], prefix: list[
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
+@pytest.mark.requires_root("a network namespace (the partitioned worker)")
+@pytest.mark.requires_binary("mosquitto", "ip")
 async def test_every_acked_update_is_applied_once_through_crashes_and_a_partition(tmp_path: Path) -> None:
     ns_port = free_port()
     broker = BrokerProcess.mosquitto(extra_config=f"listener {ns_port}\n", workdir=tmp_path / "broker")
@@ -191,7 +191,7 @@ async def test_every_acked_update_is_applied_once_through_crashes_and_a_partitio
             bus.route(topics.ack_filter("+"), UpdateAck, watch.on_ack)
             bus.route(topics.plan_filter(), Plan, watch.on_plan)
             bus.route(topics.status_filter(), DeviceStatus, watch.on_status)
-            async with bus.running():
+            async with bus:
                 await run_faults(cluster, broker, ns, workers, watch, tmp_path, ps_flags, figures)
             assert cluster.failure() is None, cluster.failure()
         finally:

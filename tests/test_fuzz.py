@@ -50,8 +50,8 @@ from edgemesh.common.messages import (
     ShardUpdate,
 )
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import Filter, TopicKind, Topics, matches, parse
+from edgemesh.common.wire.tensors import Tensor
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.host import JobHost
@@ -159,7 +159,7 @@ def state_of(planner: Planner, ps: ParameterServer, compressor: Compressor, work
     return {
         "planner": (planner.version, planner.plan, sorted(planner.registry.drained), sorted(planner.registry.live())),
         "ps": (ps.version, ps.plan, ps.paused, ps.policy, ps.bound, ps.lr, digest(ps.state.params)),
-        "compressor": (dict(compressor.policies), dict(compressor.operator), sorted(compressor.gateway)),
+        "compressor": (dict(compressor.policies), dict(compressor.operator), sorted(compressor.gateway.devices)),
         "worker": (worker.plan.version, worker.policy, worker.view.version, worker.accepted),
         "host": (dict(host.submissions), dict(host.states), sorted(host.specs), host.current),
     }
@@ -307,13 +307,14 @@ async def test_the_gateway_refuses_raw_updates_of_devices_it_does_not_serve(mosq
     async with inbox(cfg, (t.grad_filter(), GradientUpdate)) as box, running(compressor):
         for name, encodes in (("enc", True), ("gw", False)):
             await box.publish(t.hello(name), dataclasses.replace(device_hello(name), can_encode=encodes), retain=True)
-        await until("the gateway device", lambda: "gw" in compressor.gateway and "enc" in compressor.incarnations)
+        await until("the gateway device",
+                    lambda: "gw" in compressor.gateway.devices and "enc" in compressor.incarnations)
         for name in ("enc", "ghost", "gw"):
             await box.publish(t.grad_raw(f"c-{name}", name), gradient(name, 1, 0))
         forwarded = await box.next(GradientUpdate)
         assert forwarded.device == "gw"  # the others came first, and were not forwarded
         assert rejections(compressor, "compressor", "grad_raw", "unknown_device") == 2
-        assert set(compressor._feedback) == {"gw"}
+        assert set(compressor.gateway.feedback) == {"gw"}
 
 
 async def test_an_older_plan_is_counted_as_replayed_and_not_taken(mosquitto_broker: BrokerProcess, tmp_path: Path

@@ -1,4 +1,4 @@
-"""float32 <-> float16 (``edgemesh.common.half``): bit for bit numpy's ``astype``, for every float16 pattern and
+"""float32 <-> float16 (``edgemesh.common.wire.half``): bit for bit numpy's ``astype``, for every float16 pattern and
 for float32 values of every size, subnormal range, signed zeros, the rounding boundaries and NaN included; and the
 ``fp16`` codec, snapshots and mesh slices that use it."""
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from edgemesh.common.codecs import get_codec
-from edgemesh.common.half import from_half, to_half
+from edgemesh.common.wire.half import from_half, to_half
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 

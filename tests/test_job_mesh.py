@@ -1,5 +1,6 @@
 """A submitted job in mesh mode: a user's layer-list model, divided unevenly among three members of one
-model-parallel cluster, trained by hosts that serve submitted jobs (on a real broker, in this process)."""
+model-parallel cluster, trained by hosts that serve submitted jobs (on a real broker, in this process); also on
+members holding different classes in their own npz files, each step on one member's batch, in turn."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 from helpers import inbox, make_config, mesh_plan
 
 from edgemesh.common import costs
 from edgemesh.common.config import Config
+from edgemesh.common.data import load_dataset
 from edgemesh.common.jobs import parse_job, render_job
-from edgemesh.common.messages import JobState, Plan
+from edgemesh.common.messages import JobState, MeshSlice, Plan
 from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.operator.job import submission_of
@@ -34,12 +37,17 @@ DIVISION = {"conv1": (2, 7, 3), "fc1": (12, 1, 11), "fc2": (3, 3, 4)}
 """Uneven: a member with 2 of 12 filters, another with 1 of 24 features."""
 
 
+CLASSES = {"m0": (0, 1, 2), "m1": (3, 4, 5, 6), "m2": (7, 8, 9)}
+"""The digits each device holds in its own data."""
+
+
 @contextlib.asynccontextmanager
-async def hosts(config: Config) -> AsyncIterator[dict[str, JobHost]]:
+async def hosts(config: Config, data_dirs: dict[str, str] | None = None) -> AsyncIterator[dict[str, JobHost]]:
     ps = JobHost("ps", config, ps_jobs.for_job)
     board = JobBoard(ps)
     workers = {d: JobHost("worker", dataclasses.replace(config, worker=dataclasses.replace(
-        config.worker, device=d)), worker_command.for_job, device=d) for d in DEVICES}
+        config.worker, device=d, data_dir=(data_dirs or {}).get(d, config.worker.data_dir))),
+        worker_command.for_job, device=d) for d in DEVICES}
     tasks = [asyncio.create_task(ps.run(extra=board.attach))] + [asyncio.create_task(w.run()) for w in workers.values()]
     try:
         yield {"ps": ps, **workers}
@@ -83,3 +91,54 @@ async def test_a_layer_list_job_trains_in_one_model_parallel_cluster_of_uneven_m
     assert all(d >= 10 for d in done)
     # each member pushed its own rows only: together, the whole model once
     assert sum(sizes) == costs.cost(spec.model_key).params * 4
+
+
+def write_npz(path: Path, x: np.ndarray, y: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, x=x.astype(np.float32), y=y.astype(np.int64))
+
+
+async def test_a_cluster_of_members_holding_different_classes_trains_on_each_members_batches_in_turn(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    train, held_out = load_dataset("digits", seed=0)
+    for d, classes in CLASSES.items():  # each device its own classes, in its own file
+        mine = np.isin(train.y, classes)
+        write_npz(tmp_path / d / "own.npz", train.x[mine], train.y[mine])
+    write_npz(tmp_path / "ps-data" / "held.npz", held_out.x, held_out.y)  # every class
+    config = make_config(mosquitto_broker, job="", **{
+        "ps.state_dir": tmp_path / "ps", "ps.data_dir": tmp_path / "ps-data", "worker.ack_timeout_s": "5",
+        "worker.codec_wait_s": "0.1", "worker.mesh_timeout_s": "10"})
+    spec = parse_job(render_job({
+        "job": {"name": "mesh-own", "max_versions": 100000}, "model": MODEL,
+        "data": {"format": "npz", "path": "own.npz", "mean": [0.3055], "std": [0.3761]},
+        "evaluation": {"path": "held.npz", "every": 5},
+        "training": {"sync_policy": "sync", "lr": 0.05}, "planner": {"parallelism": "mesh"}}))
+    submission = dataclasses.replace(submission_of(spec, search_path=[]), submitted_at=time.time())
+    client = dataclasses.replace(config, job="mesh-own")
+    topics = Topics("mesh-own")
+    async with hosts(config, {d: str(tmp_path / d) for d in DEVICES}) as running, inbox(
+            client, (topics.job_state_filter(), JobState),
+            (topics.mesh_filter("m-m0", "+", "input", "+"), MeshSlice)) as box:
+        await box.publish(topics.job_file(), submission, retain=True)
+        await box.next(JobState, lambda s: s.state == "running")
+        plan = dataclasses.replace(mesh_plan(list(DEVICES), DIVISION, cluster="m-m0", batch=16),
+                                   model_spec=spec.model_key)
+        await box.publish(topics.plan(), plan, retain=True)
+        ps = running["ps"]
+
+        def accuracy() -> float:
+            return getattr(ps.service, "last_accuracy", None) or 0.0
+
+        # chance is 0.1 on held-out digits of every class; no device holds more than four of them
+        await box.until("accuracy well above chance", lambda: accuracy() >= 0.6, 3 * TRAIN_S)
+        workers = [w for d in DEVICES if isinstance(w := running[d].service, Worker)]
+        inputs = [(t.device, m) for t, m in box.received if isinstance(m, MeshSlice)]
+    assert len(workers) == 3
+    # each step's batch came from one member, member step % 3 in turn, and held that member's classes alone
+    steps = [m.step for _, m in inputs]
+    assert len(steps) == len(set(steps)) >= 10
+    for device, msg in inputs:
+        assert device == DEVICES[msg.sender] and msg.sender == msg.step % 3, (device, msg.step)
+        assert msg.labels is not None and set(msg.labels.to_numpy().tolist()) <= set(CLASSES[device])
+        assert msg.tensor.shape == (16, 1, 8, 8)
+    assert {d for d, _ in inputs} == set(DEVICES)

@@ -107,13 +107,26 @@ def test_an_entry_point_model_from_the_job_files_directory(tmp_path: Path) -> No
     assert submission.layers and submission.refusal == ""
 
 
-def test_mesh_parallelism_refuses_a_model_it_cannot_divide_naming_the_layer(tmp_path: Path) -> None:
+def test_mesh_parallelism_divides_depthwise_convolutions_and_residual_blocks_and_refuses_a_nested_one_by_name(
+        tmp_path: Path) -> None:
     job = tmp_path / "job.toml"
-    job.write_text(GOOD.replace('"flatten", {linear = 3}', '"flatten", {dropout = 0.5}, {linear = 3}')
+    depthwise = '"relu", {conv2d = 16, kernel = 3, groups = 8, bias = false}, {maxpool2d = 2}'
+    job.write_text(GOOD.replace('"relu", {maxpool2d = 2}', depthwise)
                    .replace('parallelism = "data"', 'parallelism = "mesh"'))
-    with pytest.raises(JobError) as caught:
+    _, submission = prepare(job)  # two filters a channel, without bias: divided in whole groups of 2
+    conv2 = submission.layers[1]
+    assert (conv2.name, conv2.units, conv2.group, conv2.bias, conv2.params_per_unit) == ("conv2", 16, 2, False, 9)
+    residual = '"relu", {residual = [{conv2d = 8, kernel = 3, padding = 1}]}, {maxpool2d = 2}'
+    job.write_text(GOOD.replace('"relu", {maxpool2d = 2}', residual)
+                   .replace('parallelism = "data"', 'parallelism = "mesh"'))
+    _, submission = prepare(job)  # a residual block: its body's layers divide by their paths
+    assert "res1.body.conv1" in [layer.name for layer in submission.layers]
+    nested = '"relu", {residual = [{residual = [{conv2d = 8, kernel = 3, padding = 1}]}]}, {maxpool2d = 2}'
+    job.write_text(GOOD.replace('"relu", {maxpool2d = 2}', nested)
+                   .replace('parallelism = "data"', 'parallelism = "mesh"'))
+    with pytest.raises(JobError) as caught:  # a block inside a block: not divided
         prepare(job)
-    assert "drop1" in str(caught.value)
+    assert "res1.body.res1" in str(caught.value) and "Residual" in str(caught.value)
 
 
 def test_settings_the_job_sets_itself_are_refused() -> None:

@@ -405,9 +405,10 @@ async def test_a_batch_norm_model_trains_and_exports_the_accuracy_the_job_report
     mean, var = into.mean(dim=(0, 2, 3)).numpy(), into.var(dim=(0, 2, 3)).numpy()
     running_mean, running_var = module.bn1.running_mean.numpy().copy(), module.bn1.running_var.numpy().copy()
     assert int(module.bn1.num_batches_tracked) > 10
-    # an average of the latest batches' statistics while the weights still move: within a fraction of a standard
-    # deviation (the initial 0 and 1 are 0.5-1 of one away here)
-    assert float(np.mean(np.abs(running_mean - mean) / np.sqrt(var))) <= 0.25, (running_mean, mean)
+    # an average of the latest batches' statistics while the weights still move: within a third of a standard
+    # deviation (the initial 0 and 1, the bug this guards against, are 0.5-1 of one away here; a correct run was
+    # once 0.27 off, the non-IID devices' means spreading: docs/synchronization.md)
+    assert float(np.mean(np.abs(running_mean - mean) / np.sqrt(var))) <= 0.35, (running_mean, mean)
     assert np.all((running_var > 0.4 * var) & (running_var < 2.5 * var)), (running_var, var)  # 2.07x once
     # what the user relies on: the statistics recomputed on the devices' images score no better
     for bn in (module.bn1, module.bn2):

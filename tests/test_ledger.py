@@ -41,7 +41,7 @@ def test_a_step_logged_but_not_in_the_ledger_is_added_on_open(tmp_path: Path) ->
     ledger.open()
     first, second = step(1, ("a", 1, 1)), step(2, ("a", 1, 2), ("b", 1, 1))
     for s in (first, second):
-        recovery.log_beside([s], Optimizer(0.1, 0.0), [Combined([], how=Aggregation())], [[]], lambda: None)
+        recovery.log([s], Optimizer(0.1, 0.0), [Combined([], how=Aggregation())], [[]]).durable()
     ledger.record([first])  # the crash: second never reached the ledger
     ledger.close()
     recovery.close()
@@ -63,22 +63,20 @@ def test_a_torn_last_line_is_not_an_entry(tmp_path: Path) -> None:
     assert read_ledger(tmp_path / FILE) == [Entry(1, "a", 1, 1), Entry(2, "a", 1, 2)]
 
 
-def test_steps_logged_beside_the_encoding_are_durable_when_it_returns_even_if_the_encoding_fails(
+def test_steps_logged_beside_the_encoding_are_durable_when_its_block_ends_even_if_the_encoding_fails(
         tmp_path: Path) -> None:
-    """``log_beside``: the step is written in the log's own thread while the caller encodes the broadcast; both
-    are done when it returns, and an encoding that raised still leaves its step logged (its acks may go)."""
+    """``Recovery.log``: the step is written in the log's own thread while the caller encodes the broadcast in the
+    ``with`` block; the block's end waits until it is durable, and an encoding that raised still leaves its step
+    logged (its acks may go)."""
     recovery = Recovery(tmp_path, fsync=True)
     recovery.resume("digits-cnn", {"w": np.zeros((1,), np.float32)}, Clock())
     combined = [Combined([], how=Aggregation())]
-    written, encoded = recovery.log_beside([step(1, ("a", 1, 1))], Optimizer(0.1, 0.0), combined, [[]],
-                                           lambda: "encoded")
-    assert written > 0 and encoded == "encoded"
-
-    def failing() -> None:
+    with recovery.log([step(1, ("a", 1, 1))], Optimizer(0.1, 0.0), combined, [[]]) as logged:
+        encoded = "encoded"
+    assert logged.written > 0 and encoded == "encoded"
+    with pytest.raises(RuntimeError, match="encoding failed"), \
+            recovery.log([step(2, ("a", 1, 2))], Optimizer(0.1, 0.0), combined, [[]]):
         raise RuntimeError("encoding failed")
-
-    with pytest.raises(RuntimeError, match="encoding failed"):
-        recovery.log_beside([step(2, ("a", 1, 2))], Optimizer(0.1, 0.0), combined, [[]], failing)
     recovery.close()
     clock = Clock()
     resumed = Recovery(tmp_path, fsync=False).resume("digits-cnn", {"w": np.zeros((1,), np.float32)}, clock)

@@ -177,7 +177,7 @@ def test_an_unreadable_image_is_skipped_and_counted_up_to_the_share(tmp_path: Pa
     for i in range(9):
         _solid(root / "square" / f"{i}.jpg", COLOURS["square"])
     (root / "square" / "broken.jpg").write_bytes(b"\xff\xd8 a JPEG cut short by a full SD card")
-    with caplog.at_level("WARNING", logger="edgemesh.common.data.local"):
+    with caplog.at_level("WARNING", logger="edgemesh.common.data.images"):
         local = load_local("image-folder", root, input_shape=(3, 4, 6), classes=CLASSES)
     assert MAX_SKIPPED_SHARE == 0.05
     assert local.train.y.tolist() == [0] * 10 + [1] * 9 and local.class_counts == {"circle": 10, "square": 9}

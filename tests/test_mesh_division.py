@@ -12,9 +12,9 @@ from helpers import CLASSES, GIGABIT, check_division, dev, full, held, share_mem
 from edgemesh.common import costs
 from edgemesh.common.costs import slices
 from edgemesh.common.errors import ModelError
-from edgemesh.services.planner.mesh import cost_model
-from edgemesh.services.planner.mesh.cost_model import FLOAT32_WIRE, cluster_iteration_s
+from edgemesh.services.planner.mesh import member_cost
 from edgemesh.services.planner.mesh.division import divide_filters
+from edgemesh.services.planner.mesh.member_cost import FLOAT32_WIRE, cluster_iteration_s
 
 
 def largest_remainder(units: int, weights: list[float]) -> tuple[int, ...]:
@@ -107,7 +107,7 @@ def test_every_layer_is_balanced_among_the_members_that_hold_it() -> None:
         for batch in (8, 32):
             division = divide_filters("cifar-cnn", members, batch)
             k = len(members)
-            per_layer = [cost_model._layer_seconds(layers, d, held(division, "cifar-cnn", i), batch, k, FLOAT32_WIRE)
+            per_layer = [member_cost._layer_seconds(layers, d, held(division, "cifar-cnn", i), batch, k, FLOAT32_WIRE)
                          for i, d in enumerate(members)]
             slow = fast = 0.0
             for li, layer in enumerate(layers):

@@ -48,7 +48,7 @@ async def member_buses(broker: BrokerProcess, job: str, cluster: str, devices: l
                 if other != device:
                     bus.route(topics.mesh_filter(cluster, "+", "fwd", other), MeshSlice, deliver)
             bus.route(topics.backward_filter(cluster, device), MeshSlice, deliver)
-            await stack.enter_async_context(bus.running())
+            await stack.enter_async_context(bus)
             exchanges.append(ex)
         yield exchanges
 

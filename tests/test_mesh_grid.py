@@ -15,16 +15,14 @@ from edgemesh.common.errors import ModelError
 from edgemesh.common.messages import Plan, PlanCluster, PlanDevice
 from edgemesh.common.topics import valid_name
 from edgemesh.services.planner.mesh import grid as grid_mod
-from edgemesh.services.planner.mesh.cost_model import FLOAT32_WIRE, member_memory, member_time
 from edgemesh.services.planner.mesh.devices import DeviceInfo, cluster_name, sample_fleet
 from edgemesh.services.planner.mesh.grid import (
     Grid,
     grid_iteration_s,
-    links_moved,
-    needs_replan,
     time_layout,
     training_grid,
 )
+from edgemesh.services.planner.mesh.member_cost import FLOAT32_WIRE, member_memory, member_time
 from edgemesh.services.worker.profile import share_refusal
 
 
@@ -251,49 +249,6 @@ def test_grid_rejects_bad_input() -> None:
         training_grid("cifar-cnn", [*fleet, replace(fleet[0], device="c", link_rate_bps=math.nan)], batch=32)
     with pytest.raises(ModelError):
         training_grid("no-such-model", fleet, batch=32)
-
-
-def test_replanning_on_join_leave_and_slowdown() -> None:
-    fleet = [dev(f"pi5-{i}", "pi5", link=GIGABIT) for i in range(4)] + [
-        dev(f"small-{i}", "pi4", link=GIGABIT, memory=share_memory("cifar-cnn", 0.5, 32)) for i in range(2)]
-    grid = training_grid("cifar-cnn", fleet, batch=64)
-    assert not needs_replan(grid, fleet, "cifar-cnn", 64)
-    assert needs_replan(grid, [*fleet, dev("pi5-new", "pi5", link=GIGABIT)], "cifar-cnn", 64)  # join
-    assert needs_replan(grid, fleet[1:], "cifar-cnn", 64)  # leave
-    noisy = [replace(d, flops=d.flops * 0.97) if i == 0 else d for i, d in enumerate(fleet)]
-    assert not needs_replan(grid, noisy, "cifar-cnn", 64)
-    slowed = [replace(d, flops=d.flops / 8) if i == 0 else d for i, d in enumerate(fleet)]
-    assert needs_replan(grid, slowed, "cifar-cnn", 64)
-    assert not needs_replan(training_grid("cifar-cnn", slowed, batch=64), slowed, "cifar-cnn", 64)
-    # a member whose memory no longer holds its share
-    member = next(m for c in grid.clusters if len(c.members) > 1 for m in c.members)
-    shrunk = [replace(d, memory_bytes=share_memory("cifar-cnn", 0.05, 64)) if d.device == member else d
-              for d in fleet]
-    assert needs_replan(grid, shrunk, "cifar-cnn", 64)
-
-
-def test_replanning_when_measured_links_move_the_predicted_iteration() -> None:
-    """A hello without links plans with 100 Mbit/s: measuring a slow Wi-Fi link moves the layout's prediction past
-    the threshold even where no other layout wins by it; noise in a fast link, or a change of speed, does not."""
-    memory = share_memory("digits-cnn", 0.7, 16)
-    hellos = [DeviceInfo(device=d, flops=20e9, memory_bytes=memory) for d in ("a", "b")]  # no links declared
-    grid = training_grid("digits-cnn", hellos, batch=16, min_batch=4)
-    assert [len(c.members) for c in grid.clusters] == [2]
-    assert not links_moved(grid, hellos, hellos, "digits-cnn")
-    loopback = [replace(d, link_rate_bps=60e6, downlink_rate_bps=90e6, latency_s=1e-4) for d in hellos]
-    faster = training_grid("digits-cnn", loopback, batch=16, min_batch=4)
-    jitter = [replace(d, link_rate_bps=d.link_rate_bps * 3, latency_s=2e-4) for d in loopback]  # noise
-    assert not links_moved(faster, loopback, jitter, "digits-cnn")
-    slowed = [replace(d, flops=d.flops / 8) for d in loopback]  # speeds are needs_replan's
-    assert not links_moved(faster, loopback, slowed, "digits-cnn")
-    wifi = [replace(loopback[0], link_rate_bps=200e3, downlink_rate_bps=800e3, latency_s=0.005), loopback[1]]
-    assert links_moved(faster, loopback, wifi, "digits-cnn")
-    again = training_grid("digits-cnn", wifi, batch=16, min_batch=4)
-    assert again.clusters[0].division.counts != faster.clusters[0].division.counts  # "a" takes less of the model
-    assert not links_moved(again, wifi, wifi, "digits-cnn")
-    assert links_moved(again, wifi, loopback, "digits-cnn")  # the link got fast again
-    # a device it was not laid out with is needs_replan's
-    assert not links_moved(faster, loopback, wifi[:1], "digits-cnn")
 
 
 def test_a_lone_member_the_grid_sizes_is_not_refused_by_its_device() -> None:

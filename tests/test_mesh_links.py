@@ -1,7 +1,7 @@
 """Measured links in the plan (issue 15, item 7): two real workers, one reaching the broker through an emulated
 slow link and one straight, in one model-parallel cluster. Their stats carry the uplink, downlink and latency
 they measure; the planner divides the model by those figures (the slow link gets fewer filters than it would
-with the fast one's link), and lays the grid out again when the link changes."""
+with the fast one's link), and, when the link changes, lays the grid out again only for the gain its rule asks."""
 
 from __future__ import annotations
 
@@ -42,10 +42,12 @@ TRAIN_S = 40.0
 
 def config(broker: BrokerProcess, tmp_path: Path, **settings: object) -> Config:
     """Every service's configuration: mesh planning of 16-sample iterations, checked against the stats every
-    half second, 16 KiB chunks (a snapshot of the model comes in ten: a downlink sample)."""
+    half second (the median of the last three, any gain over 5 %, no interval: the measured slow link gains about
+    10 %), 16 KiB chunks (a snapshot of the model comes in ten: a downlink sample)."""
     return make_config(broker, job=JOB, **{
         "planner.parallelism": "mesh", "planner.round_samples": SAMPLES, "planner.min_devices": 2,
         "planner.replan_debounce_s": 0.05, "planner.rebalance_interval_s": 0.5, "training.sync_policy": "sync",
+        "planner.replan_threshold": 0.05, "planner.replan_min_interval_s": 0, "planner.smoothing_window": 3,
         "broker.chunk_bytes": 16 * 1024, "ps.state_dir": tmp_path / "ps", "ps.eval_every": 0,
         "ps.broadcast": "delta", "worker.stats_interval_s": 0.5, "worker.memory_bytes": MEMORY,
         "worker.ack_timeout_s": 5, "worker.codec_wait_s": 0.1, "worker.mesh_timeout_s": 10, **settings})
@@ -65,7 +67,7 @@ def units_in(grid: mesh.Grid, device: str) -> int:
 
 
 def planned(planner: Planner, device: str) -> DeviceInfo | None:
-    return next((d for d in planner.grid_devices if d.device == device), None)
+    return next((d for d in planner.parallelism.grid_devices if d.device == device), None)
 
 
 MEASURED_STEPS = 3
@@ -89,7 +91,7 @@ def describe(name: str, up: float, down: float, latency: float) -> str:
 async def test_the_division_follows_the_links_the_workers_measure(mosquitto_broker: BrokerProcess,
                                                                  tmp_path: Path) -> None:
     """The plan from the hellos knows no links; the measured ones make a grid that gives the relayed worker less of
-    the model than the direct one's link would; the link made faster, they make another."""
+    the model than the direct one's link would; the link made faster, the grid gives way only for the margin."""
     cfg = config(mosquitto_broker, tmp_path)
     planner, ps = Planner(cfg), ParameterServer(cfg)
     async with EmulatedLink(SLOW, upstream_host=mosquitto_broker.host, upstream_port=mosquitto_broker.port,
@@ -111,15 +113,17 @@ async def test_the_division_follows_the_links_the_workers_measure(mosquitto_brok
             await box.until("measured links in both workers' stats", lambda: all(
                 latest_measured(box, d) is not None for d in (RELAYED, DIRECT)))
             slow, fast = latest_measured(box, RELAYED), latest_measured(box, DIRECT)
-            plan, grid, devices = planner.plan, planner.grid, planner.grid_devices  # the same moment
+            # the same moment
+            plan, grid, devices = planner.plan, planner.parallelism.grid, planner.parallelism.grid_devices
             before = planned(planner, RELAYED)
             assert slow is not None and fast is not None and plan is not None and grid is not None
             assert before is not None
 
             link.set_rates(SPEEDUP)  # both directions, latency kept
-            replanned = await box.next(Plan, lambda p: p.version > plan.version and p.reason == "links" and (
+            await until("the planner weighed the faster link", lambda: (
                 (info := planned(planner, RELAYED)) is not None and info.link_rate_bps > 2 * before.link_rate_bps),
                 TRAIN_S)
+            now, kept_grid, weighed = planner.plan, grid, planner.parallelism.grid_devices
             plans = box.of(Plan)
 
     # what the workers measured: the relayed one its emulated link, the direct one the loopback
@@ -134,7 +138,7 @@ async def test_the_division_follows_the_links_the_workers_measure(mosquitto_brok
     equal = [dataclasses.replace(d, link_rate_bps=other.link_rate_bps, downlink_rate_bps=other.downlink_rate_bps,
                                  latency_s=other.latency_s) if d.device == RELAYED else d for d in devices]
     p = cfg.planner
-    counterfactual = mesh.training_grid(cfg.training.model_spec, equal, batch=SAMPLES, wire=planner.wire,
+    counterfactual = mesh.training_grid(cfg.training.model_spec, equal, batch=SAMPLES, wire=planner.parallelism.wire,
                                         max_cluster_size=p.max_cluster_size, slack=p.grid_slack,
                                         min_batch=p.min_batch, max_batch=p.max_batch)
     print(f"stats: {describe(RELAYED, slow.link_rate_bps, slow.downlink_rate_bps, slow.latency_s)}; "
@@ -144,8 +148,17 @@ async def test_the_division_follows_the_links_the_workers_measure(mosquitto_brok
           f"units of {RELAYED} of {units(plan, RELAYED) + units(plan, DIRECT)}: "
           f"{', '.join(f'v{q.version} {q.reason} {units(q, RELAYED)} ({q.round_time_s:.3f} s)' for q in plans)}; "
           f"{units_in(counterfactual, RELAYED)} with {DIRECT}'s link")
-    assert plan.reason == "links"  # the hellos said nothing of the links: the measurements made this grid
+    # the hellos said nothing of the links: the measurements made this grid (``slowdown`` when the measured speeds
+    # moved with them; ``join`` when the other worker joined after the relayed one's links were measured)
+    assert plan.reason in ("links", "slowdown", "join")
     assert units(plan, RELAYED) == units_in(grid, RELAYED) < units_in(counterfactual, RELAYED)
 
-    # the faster link moved the figures past the threshold: a new grid, predicted faster
-    assert replanned.round_time_s < (1 - p.replan_threshold) * plan.round_time_s
+    # the faster link moved the figures beyond the band: the grid gave way only if a new one, on the same figures,
+    # predicts an iteration shorter by the margin (docs/mesh.md#re-planning)
+    assert now is not None
+    kept_s = mesh.grid_iteration_s(cfg.training.model_spec, kept_grid, weighed, planner.parallelism.wire)
+    if now.version > plan.version:
+        assert now.reason == "links" and kept_s > (1 + p.replan_threshold) * now.round_time_s
+    else:
+        best = planner.parallelism.rule.lay_out(weighed)
+        assert kept_s <= (1 + p.replan_threshold) * best.predicted_iteration_s

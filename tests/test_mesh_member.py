@@ -4,6 +4,7 @@ compute what one process does; the models and divisions a member refuses; the ba
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from edgemesh.common.costs import slices
 from edgemesh.common.data import batch_at, synthetic_cifar
 from edgemesh.common.errors import ModelError
 from edgemesh.common.jobs import check_model, parse_job
+from edgemesh.common.models.lean import Residual
 from edgemesh.services.worker.mesh.exchange import LocalHub
 from edgemesh.services.worker.mesh.member import MeshMember
 
@@ -72,10 +74,20 @@ def test_layer_figures_match_the_modules() -> None:
 
 
 def test_models_that_cannot_be_divided_are_refused() -> None:
-    with pytest.raises(ModelError, match="BatchNorm2d"):
-        models.mesh_stages(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
-    with pytest.raises(ModelError, match="Dropout"):
-        models.mesh_stages(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2)))
+    with pytest.raises(ModelError, match="'bn1' .BatchNorm2d that follows no conv"):
+        models.mesh_stages(nn.Sequential(OrderedDict(bn1=nn.BatchNorm2d(1), conv1=nn.Conv2d(1, 4, 3))))
+    with pytest.raises(ModelError, match="'bn1' .BatchNorm1d that follows no conv"):  # a flatten ended the stage
+        models.mesh_stages(nn.Sequential(OrderedDict(conv1=nn.Conv2d(1, 4, 3), flat=nn.Flatten(),
+                                                     bn1=nn.BatchNorm1d(16), fc1=nn.Linear(16, 2))))
+    with pytest.raises(ModelError, match="'bn1' .BatchNorm2d of 8 features after 'conv1' of 4 units"):
+        models.mesh_stages(nn.Sequential(OrderedDict(conv1=nn.Conv2d(1, 4, 3), bn1=nn.BatchNorm2d(8))))
+    with pytest.raises(ModelError, match="'2' .AlphaDropout"):
+        models.mesh_stages(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.AlphaDropout(0.5), nn.Linear(4, 2)))
+    with pytest.raises(ModelError, match="'0' .Conv2d with padding_mode = 'reflect'"):
+        models.mesh_stages(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect")))
+    nested = Residual(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), Residual(nn.Sequential(nn.Conv2d(4, 4, 1)))))
+    with pytest.raises(ModelError, match=r"'1.body.1' \(Residual inside a residual block"):
+        models.mesh_stages(nn.Sequential(nn.Conv2d(1, 4, 3), nested))
     with pytest.raises(ModelError, match="sequential"):
         models.mesh_stages(nn.Linear(4, 2))
 

@@ -94,7 +94,7 @@ async def test_the_planner_lays_out_a_training_grid_and_re_plans_when_a_member_l
 
         def every_board(p: Plan) -> bool:
             """``p`` is the planner's grid, and it plans or leaves idle all five boards."""
-            grid = planner.grid
+            grid = planner.parallelism.grid
             return grid is not None and {d.device for d in p.devices} == {
                 m for c in grid.clusters for m in c.members} and len(p.devices) + len(grid.idle) == 5
 
@@ -157,12 +157,13 @@ async def test_under_adaptive_the_grid_gives_a_cluster_of_slow_members_a_smaller
 
 async def test_the_grid_plans_with_the_links_devices_measure_where_their_hellos_declare_none(
         mosquitto_broker: BrokerProcess) -> None:
-    """A real device's hello carries no links: the links in its stats replace the cost model's 100 Mbit/s, and
-    moving the predicted iteration past the threshold they make a new grid (``links``). A declared figure wins over
-    a measured one; a previous incarnation's stats count for nothing."""
+    """A real device's hello carries no links: the links in its stats replace the cost model's 100 Mbit/s, and a
+    grid laid out for them that predicts an iteration shorter by the margin goes out (``links``). A declared figure
+    wins over a measured one; a previous incarnation's stats count for nothing."""
     cfg = make_config(mosquitto_broker, job="meshmeasured", **{
         "planner.parallelism": "mesh", "planner.round_samples": "16", "planner.min_devices": "2",
-        "planner.replan_debounce_s": "0.05", "planner.rebalance_interval_s": "0.1"})
+        "planner.replan_debounce_s": "0.05", "planner.rebalance_interval_s": "0.1",
+        "planner.replan_threshold": "0.02"})  # two members that must share the model: a new division gains 4 %
     memory = share_memory("digits-cnn", 0.7, 16)  # neither holds the model alone: one cluster of the two
     hellos = {"real": DeviceHello(device="real", incarnation=2, flops=20e9, memory_bytes=memory),
               "declared": DeviceHello(device="declared", incarnation=1, flops=20e9, memory_bytes=memory,
@@ -179,7 +180,7 @@ async def test_the_grid_plans_with_the_links_devices_measure_where_their_hellos_
                 device=name, incarnation=incarnation, link_rate_bps=200e3 * incarnation, downlink_rate_bps=800e3,
                 latency_s=0.005))
         second = await box.next(Plan, lambda p: p.version > first.version, PLAN_WAIT_S)
-    planned = {d.device: d for d in planner.grid_devices}
+    planned = {d.device: d for d in planner.parallelism.grid_devices}
     assert second.reason == "links"
     assert (planned["real"].link_rate_bps, planned["real"].downlink_rate_bps, planned["real"].latency_s) == (
         400e3, 800e3, 0.005)

@@ -1,25 +1,27 @@
 """Workers training model-parallel end to end (``worker/mesh/session.py`` with the worker and the
 parameter server, on real brokers): a cluster of three trains one model, then each member alone, also
-when the new plan reaches the server in the middle of a step; the first member starts a plan only once
-every member is ready."""
+when the new plan reaches the server in the middle of a step; a cluster trains a model with batch norm and
+the server's running statistics move; the first member starts a plan only once every member is ready."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import SPLIT, devices, inbox, make_config, mesh_plan, running
 
-from edgemesh.common import costs
+from edgemesh.common import costs, models
 from edgemesh.common.config import Config
 from edgemesh.common.messages import MeshBegin, MeshReady, Plan, PlanCluster, PlanDevice
 from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.parameter_server.step import Stepper
 from edgemesh.services.worker.service import Worker
 
 JOB = "meshe2e"
@@ -74,6 +76,40 @@ async def test_three_workers_train_one_model_parallel_cluster(broker: BrokerProc
     assert all(w.trainer.gradient_bytes == costs.cost("digits-cnn").params * 4 for w in workers)
 
 
+BN_MODEL = "digits-bn-mesh"
+"""A digits CNN with batch norm and dropout, registered by the test below (every service runs in its process)."""
+BN_SPLIT3: dict[str, tuple[int, ...]] = {"conv1": (5, 2, 1), "conv2": (3, 9, 4), "fc1": (4, 3, 3)}
+"""An uneven division of ``BN_MODEL`` among three members."""
+
+
+async def test_three_workers_train_a_batch_norm_model_and_the_server_keeps_its_running_statistics(
+        broker: BrokerProcess, tmp_path: Path) -> None:
+    models.register_spec(models.layer_list_spec(
+        BN_MODEL, [{"conv2d": 8, "kernel": 3, "padding": 1}, "batchnorm", "relu", {"dropout": 0.2},
+                   {"conv2d": 16, "kernel": 3, "padding": 1}, "batchnorm", "relu", "globalavgpool",
+                   {"linear": 10}], (1, 8, 8), 10, *models.DIGITS_MEAN_STD))
+    names = ["w0", "w1", "w2"]
+    cfg = make_config(broker, job=JOB, **{"ps.state_dir": tmp_path / "ps", "ps.eval_every": 0,
+                                          "training.sync_policy": "sync", "ps.broadcast": "delta",
+                                          "training.model_spec": BN_MODEL})
+    ps = ParameterServer(cfg)
+    workers = [Worker(worker_config(broker, d, **{"training.model_spec": BN_MODEL})) for d in names]
+    plan = replace(mesh_plan(names, BN_SPLIT3, cluster="m-w0", batch=16), model_spec=BN_MODEL)
+    async with devices(cfg, []) as c, running(ps, *workers):
+        await c.publish(c.topics.plan(), plan, retain=True)
+        await c.until("ten cluster steps", lambda: ps.version >= 10 and all(w.accepted >= 10 for w in workers),
+                      TRAIN_S)
+    assert ps.state is not None  # read once the services stopped: a step applies in a thread of its own
+    state = {name: value.copy() for name, value in ps.state.params.items()}
+    version = ps.version
+    assert all(w.metrics.value("edgemesh_worker_mesh_steps_total", outcome="done") >= 10 for w in workers)
+    # the members' rows of the running statistics were joined: every channel moved from its initial value
+    for bn in ("bn1", "bn2"):
+        assert (state[f"{bn}.running_mean"] != 0).all() and (state[f"{bn}.running_var"] != 1).all()
+    # each cluster step counted once (the first member alone sends the counters)
+    assert state["bn1.num_batches_tracked"].tolist() == state["bn2.num_batches_tracked"].tolist() == [version]
+
+
 async def test_a_plan_that_lands_while_the_server_applies_a_cluster_step_leaves_no_member_waiting(
         broker: BrokerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """CI, once: the plan that made each member its own cluster reached the parameter server while it applied a
@@ -82,15 +118,15 @@ async def test_a_plan_that_lands_while_the_server_applies_a_cluster_step_leaves_
     version to the members of the plan it was judged under. (The workers' own fallback, a snapshot request after
     ``worker.ack_timeout_s``, is kept out of the way here: test_broadcast.py tests it.)"""
     applying, go_on = threading.Event(), threading.Event()
-    apply = ParameterServer._apply
+    apply = Stepper._step
 
-    def held(ps: ParameterServer, steps: list[Any], *args: Any) -> Any:  # in the server's thread
+    def held(stepper: Stepper, steps: list[Any], *args: Any) -> Any:  # in the server's thread
         if steps[-1].version == HELD:
             applying.set()
             go_on.wait(TRAIN_S)
-        return apply(ps, steps, *args)
+        return apply(stepper, steps, *args)
 
-    monkeypatch.setattr(ParameterServer, "_apply", held)
+    monkeypatch.setattr(Stepper, "_step", held)
     names = ["w0", "w1", "w2"]
     cfg = ps_config(broker, tmp_path)
     ps = ParameterServer(cfg)

@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -210,16 +211,20 @@ def test_bad_inputs_are_refused(shape: tuple[int, ...], classes: int, kwargs: di
         layer_list_spec("bad", ["flatten", {"linear": 3}], shape, classes, **kwargs)
 
 
-def test_a_layer_list_cnn_is_divided_by_mesh_and_dropout_is_refused_by_name() -> None:
+def test_a_layer_list_cnn_is_divided_by_mesh_and_a_grouped_convolution_by_whole_groups() -> None:
     assert mesh_stages(build_model_of(_small())) == (
         Stage("conv1", ("input",), ("relu1", "pool1")), Stage("fc1", ("flatten1",), ("relu2",)), Stage("fc2", (), ()))
     dropped = layer_list_spec("list-dropout", [*SMALL[:5], {"dropout": 0.5}, {"linear": 3}], (1, 6, 6), 3)
-    with pytest.raises(ModelError, match=r"cannot divide module 'drop1' \(Dropout\)"):
-        mesh_stages(build_model_of(dropped))
-    register_spec(dropped)
-    assert costs.cost("list-dropout").params == 143  # whole-model figures still derive
-    with pytest.raises(ModelError, match=r"no layer figures for model 'list-dropout': .*'drop1' \(Dropout\)"):
-        costs.layers("list-dropout")
+    assert mesh_stages(build_model_of(dropped))[1] == Stage("fc1", ("flatten1",), ("drop1",))  # a shared mask
+    grouped = layer_list_spec("list-grouped", [{"conv2d": 4, "kernel": 3, "groups": 2, "bias": False}, *SMALL[1:]],
+                              (2, 6, 6), 3)
+    assert mesh_stages(build_model_of(grouped))[0] == Stage("conv1", (), ("relu1", "pool1"))  # no mean or std
+    register_spec(grouped)
+    conv1 = costs.layers("list-grouped")[0]
+    # two groups of two filters, each filter on one input channel: 9 MACs per output value, 9 weights, no bias
+    assert (conv1.units, conv1.group, conv1.bias) == (4, 2, False)
+    assert (conv1.macs_per_unit, conv1.params_per_unit) == (16 * 9, 9)
+    assert costs.member_rows([conv1], {"conv1": (2, 2)}, 1) == {"conv1.weight": (2, 4)}
 
 
 async def test_members_of_a_layer_list_model_compute_what_one_process_does() -> None:
@@ -489,24 +494,23 @@ def test_residual_costs_by_hand(activation: dict[str, str]) -> None:
         # input, body conv, projection, the sum (or the activation of it), pooled, fc
         activations_per_sample=16 + 8 + 8 + 8 + 2 + 3,
     )
-    assert layers_figures is None  # model parallelism cannot divide a residual block
+    # model parallelism divides the block: its projection's figures count with the body's last (here only) conv
+    assert layers_figures is not None and layers_figures[0].name == "res1.body.conv1"
+    # per unit: 4 outputs of a 3x3 conv and of the 1x1 projection; the projection has no bias
+    assert (layers_figures[0].macs_per_unit, layers_figures[0].params_per_unit) == (4 * 9 + 4, (9 + 1) + 1)
 
 
 def test_model_parallelism_refuses_what_it_cannot_divide_naming_the_module() -> None:
-    with_bn = layer_list_spec("res-bn", [{"residual": [{"conv2d": 1, "kernel": 3, "padding": 1}, "batchnorm"]},
-                                         "flatten", {"linear": 3}], (1, 6, 6), 3)
-    with pytest.raises(ModelError, match=r"model parallelism cannot divide module 'res1' \(Residual\)"):
-        mesh_stages(build_model_of(with_bn))
-    grouped = layer_list_spec("grouped", [{"conv2d": 4, "kernel": 3}, {"conv2d": 4, "kernel": 1, "groups": 4},
-                                          "flatten", {"linear": 3}], (1, 6, 6), 3)
-    with pytest.raises(ModelError, match=r"cannot divide module 'conv2' \(Conv2d with groups = 4\)"):
-        mesh_stages(build_model_of(grouped))
-    unbiased = layer_list_spec("unbiased", ["flatten", {"linear": 5, "bias": False}, {"linear": 3}], (1, 6, 6), 3)
-    with pytest.raises(ModelError, match=r"cannot divide module 'fc1' \(Linear without bias\)"):
-        mesh_stages(build_model_of(unbiased))
-    register_spec(with_bn)
+    nested = layer_list_spec("res-bn", [{"residual": [{"residual": [{"conv2d": 1, "kernel": 3, "padding": 1}]},
+                                                      "batchnorm"]}, "flatten", {"linear": 3}], (1, 6, 6), 3)
+    with pytest.raises(ModelError, match=r"'res1.body.res1' \(Residual inside a residual block"):
+        mesh_stages(build_model_of(nested))
+    reflected = nn.Sequential(OrderedDict(conv1=nn.Conv2d(1, 4, 3, padding=1, padding_mode="circular")))
+    with pytest.raises(ModelError, match=r"cannot divide module 'conv1' \(Conv2d with padding_mode = 'circular'\)"):
+        mesh_stages(reflected)
+    register_spec(nested)
     assert costs.cost("res-bn").params == (9 + 1) + 2 + (36 * 3 + 3)  # whole-model figures still derive
-    with pytest.raises(ModelError, match=r"no layer figures for model 'res-bn': .*'res1' \(Residual\)"):
+    with pytest.raises(ModelError, match=r"no layer figures for model 'res-bn': .*'res1.body.res1' \(Residual"):
         costs.layers("res-bn")
 
 
@@ -531,7 +535,7 @@ async def test_members_divide_a_model_with_the_new_channel_wise_layers_as_one_pr
 def test_the_edge_cnn_examples_build_and_train_a_step(example: str) -> None:
     job = read_job_file(EXAMPLES / example)
     cost, layers, refusal = check_model(job)
-    assert cost.params < EDGE_MAX_PARAMS and layers is None and "cannot divide" in refusal
+    assert cost.params < EDGE_MAX_PARAMS and layers is not None and refusal == ""  # model parallelism divides it
     model = build_model(job.model_key, seed=1)
     assert cost.params == sum(p.numel() for p in model.parameters())
     assert model(torch.zeros((2, *job.model.input_shape))).shape == (2, job.num_classes)
@@ -749,6 +753,30 @@ def test_the_plain_form_round_trips(name: str) -> None:
     assert undivided["layers"] is None and costs.cost_from_plain(undivided) == (cost, None)
 
 
+def test_a_layer_without_bias_or_in_groups_round_trips_and_older_figures_still_decode() -> None:
+    cost = ModelCost(params=143, macs_per_sample=671, activations_per_sample=245)
+    layers = (LayerCost("conv1", 4, 144, 10, 16, 4, 36, bias=False, group=2), LayerCost("conv2", 5, 16, 17, 1, 1, 16))
+    plain = costs.cost_to_plain(cost, layers)
+    assert plain["layers"][0]["bias"] is False and plain["layers"][0]["group"] == 2
+    assert "bias" not in plain["layers"][1] and "group" not in plain["layers"][1]  # defaults are not written
+    assert costs.cost_from_plain(plain) == (cost, layers)
+    assert costs.cost_from_plain(_plain())[1] == (LayerCost("conv1", 4, 144, 10, 16, 4, 36),  # as older figures were
+                                                  LayerCost("conv2", 5, 16, 17, 1, 1, 16))
+
+
+def test_a_submission_whose_groups_do_not_divide_a_layer_is_refused() -> None:
+    from edgemesh.common.messages import JobSubmission
+
+    def submission(group: int) -> JobSubmission:
+        return JobSubmission(name="grouped", source=b"x", sha256="0" * 64, submitted_at=1.0,
+                             layers=(LayerCost("conv1", 4, 144, 10, 16, 4, 36, bias=False, group=group),))
+
+    submission(2).validate()
+    for bad in (3, 0):
+        with pytest.raises(ValueError, match="conv1"):
+            submission(bad).validate()
+
+
 def _plain(**changes: Any) -> dict[str, Any]:
     plain = costs.cost_to_plain(ModelCost(params=143, macs_per_sample=671, activations_per_sample=245), (
         LayerCost("conv1", 4, 144, 10, 16, 4, 36), LayerCost("conv2", 5, 16, 17, 1, 1, 16)))
@@ -777,6 +805,9 @@ def _layer(**changes: Any) -> dict[str, Any]:
     (_layer(name="conv1"), "layer names repeat"),
     (_layer(in_values="many"), "layer 1: in_values must be an integer"),
     (_layer(extra=1), r"layer 1: missing \[\], unexpected \['extra'\]"),
+    (_layer(bias=0), r"layer 1 \(conv2\): bias must be true or false, got 0"),
+    (_layer(group=2), r"layer 1 \(conv2\): group must be an integer >= 1 that divides the units, got 2"),
+    (_layer(group=0), "group must be an integer >= 1"),
 ])
 def test_a_bad_plain_form_is_refused(plain: Any, match: str) -> None:
     with pytest.raises(ModelError, match=match):

@@ -1,6 +1,7 @@
-"""``edgemesh.common.paho_decode``: the PUBLISH decoding the bus puts in paho's place decodes what paho's own does,
-and refuses what it refuses; its packet reader reads a packet in pieces into one buffer and ends as paho's does; its
-writer sends a long packet from views of it; a real broker's messages come through them."""
+"""``edgemesh.common.bus.paho_layer``: the PUBLISH decoding a zero-copy bus puts in paho's place decodes what paho's
+own does, and refuses what it refuses; its packet reader reads a packet in pieces into one buffer and ends as paho's
+does; its writer sends a long packet from views of it; a real broker's messages come through them. It is put in place
+only for a bus that asks, and only on the paho it was written for: elsewhere paho stays as it is."""
 
 from __future__ import annotations
 
@@ -21,11 +22,15 @@ from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edgemesh.common import paho_decode
+from edgemesh.common.bus import Bus, paho_layer
+from edgemesh.common.config import BrokerConfig
+from edgemesh.common.messages import DeviceHello
+from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
 
-OURS = _packet.convert_exception(paho_decode.decode_publish)
-PAHO = paho_decode.PAHO_DECODE
+OURS = _packet.convert_exception(paho_layer.decode_publish)
+PAHO = paho_layer.PAHO_DECODE
 V5, V311 = MQTTProtocolVersion.MQTTv5, MQTTProtocolVersion.MQTTv311
 
 
@@ -73,14 +78,28 @@ def test_it_decodes_what_paho_decodes_and_refuses_what_paho_refuses(
 def test_a_chunk_sized_payload_is_decoded_whole() -> None:
     payload = bytes(range(256)) * 1024
     packet = _packet_bytes(b"edgemesh/v1/j/grad/c/d", 1, 7, Properties(PacketTypes.PUBLISH), payload)
-    out = paho_decode.decode_publish(0x32, packet, V5)
+    out = paho_layer.decode_publish(0x32, packet, V5)
     assert (out.topic, out.mid, out.qos, out.payload) == (b"edgemesh/v1/j/grad/c/d", 7, 1, payload)
     packet += b"x"  # no view of paho's buffer is left behind (a resize would raise BufferError)
 
 
-async def test_messages_from_a_real_broker_come_through_it(broker: BrokerProcess) -> None:
-    paho_decode.install()
-    assert _packet.decode_publish is not PAHO
+def test_installed_it_decodes_only_what_its_reader_read_and_leaves_other_clients_to_paho() -> None:
+    """paho calls one decoder for every client of the process: a body ``read_packet`` read (a client that opted in)
+    is decoded by the layer, its payload that very buffer; any other packet by paho's own, as stock paho would."""
+    paho_layer.install()
+    assert _packet.decode_publish is paho_layer.dispatch
+    packet = _packet_bytes(b"edgemesh/v1/j/grad/c/d", 1, 7, Properties(PacketTypes.PUBLISH), b"payload")
+    body = paho_layer.Body(packet)
+    ours = paho_layer.dispatch(0x32, body, V5)
+    assert ours.payload == b"payload" and ours.payload is body  # the buffer read into, its header dropped
+    theirs = paho_layer.dispatch(0x32, bytearray(packet), V5)
+    assert theirs.payload == b"payload" and type(theirs.payload) is bytes  # paho's own copy
+    with pytest.raises(MalformedPacket):
+        paho_layer.dispatch(0x32, paho_layer.Body(b"\x00"), V5)
+
+
+async def test_messages_from_a_real_broker_reach_a_client_that_did_not_opt_in(broker: BrokerProcess) -> None:
+    paho_layer.install()
     payload = bytes(range(256)) * 2048  # 512 KiB, in several reads off the socket
     # amqtt refuses an MQTT 5 CONNECT (the bus falls back to 3.1.1 there)
     v311, v5 = aiomqtt.ProtocolVersion.V311, aiomqtt.ProtocolVersion.V5
@@ -115,12 +134,11 @@ def _publish_packet(topic: bytes, payload: bytes, *, v5: bool) -> bytes:
 
 def _reading_client(v5: bool) -> tuple[mqtt.Client, socket.socket, list[mqtt.MQTTMessage]]:
     """A paho client reading with ``read_packet`` from one end of a socket pair; the test writes the other."""
-    paho_decode.install()
     client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5 if v5 else mqtt.MQTTv311)
     ours, theirs = socket.socketpair()
     ours.setblocking(False)
     client._sock = ours  # noqa: SLF001 - as if connected
-    paho_decode.read_into_buffers(client)
+    assert paho_layer.enable(client)
     got: list[mqtt.MQTTMessage] = []
     client.on_message = lambda _c, _u, message: got.append(message)
     return client, theirs, got
@@ -142,7 +160,7 @@ def test_a_packet_read_in_pieces_is_handled_once_whole_its_payload_the_buffer_re
         assert rc == mqtt.MQTT_ERR_SUCCESS and len(got) == 1
         message = got[0]
         assert (message.topic, message.payload) == ("edgemesh/v1/j/grad/c/d", payload)
-        assert isinstance(message.payload, paho_decode.Body)  # no copy: the buffer the kernel wrote
+        assert isinstance(message.payload, paho_layer.Body)  # no copy: the buffer the kernel wrote
         assert client._in_packet["command"] == 0  # noqa: SLF001 - ready for the next packet
     finally:
         theirs.close()
@@ -167,13 +185,13 @@ def test_a_long_packet_is_sent_from_views_of_itself_whole_through_partial_sends(
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)  # the packet goes in many sends
     ours.setblocking(False)
     client._sock = ours  # noqa: SLF001 - as if connected
-    paho_decode.write_from_buffers(client)
+    paho_layer.write_from_buffers(client)
     packet = bytearray(_publish_packet(b"edgemesh/v1/j/model/delta", np.random.default_rng(1).bytes(400_000), v5=True))
     got = bytearray()
     try:
         client._packet_queue(mqtt.PUBLISH, packet, 0, 1)  # noqa: SLF001 - as _send_publish queues it (QoS 1)
         queued = client._out_packet[0]["packet"]  # noqa: SLF001
-        assert isinstance(queued, paho_decode.Unsliced) and isinstance(queued[10:], memoryview)
+        assert isinstance(queued, paho_layer.Unsliced) and isinstance(queued[10:], memoryview)
         while len(got) < len(packet):
             client.loop_write()
             got += theirs.recv(1 << 20)
@@ -197,13 +215,13 @@ def test_a_long_publish_goes_as_its_header_and_its_payload_the_bytes_paho_would_
         mine.setblocking(False)
         client._sock = mine  # noqa: SLF001 - as if connected
         if ours_too:
-            paho_decode.write_from_buffers(client)
+            paho_layer.write_from_buffers(client)
         got = bytearray()
         try:
             info = mqtt.MQTTMessageInfo(7)
             client._send_publish(7, b"edgemesh/v1/j/grad/c/d", payload, qos, False, False, info, None)  # noqa: SLF001
             if ours_too:
-                assert isinstance(client._out_packet[0]["packet"], paho_decode.Pieces)  # noqa: SLF001 - not joined
+                assert isinstance(client._out_packet[0]["packet"], paho_layer.Pieces)  # noqa: SLF001 - not joined
             while client._out_packet or not got:  # noqa: SLF001
                 client.loop_write()
                 with contextlib.suppress(BlockingIOError):
@@ -225,8 +243,7 @@ async def test_a_bus_client_reads_large_and_small_messages_from_a_real_broker(br
     v311, v5 = aiomqtt.ProtocolVersion.V311, aiomqtt.ProtocolVersion.V5
     for protocol in [v311] if broker.kind == "amqtt" else [v311, v5]:
         client = aiomqtt.Client(broker.host, broker.port, protocol=protocol)
-        paho_decode.read_into_buffers(client._client)  # noqa: SLF001 - as the bus does
-        paho_decode.write_from_buffers(client._client)  # noqa: SLF001 - its 3 MB publish sent from views
+        assert paho_layer.enable(client._client)  # noqa: SLF001 - as a zero-copy bus does: its 3 MB publish sent from views
         async with client:
             await client.subscribe("edgemesh/v1/paho-read/#", qos=1)
             for topic, body in (("a", payload), ("b", b""), ("c", b"ok")):
@@ -239,3 +256,63 @@ async def test_a_bus_client_reads_large_and_small_messages_from_a_real_broker(br
                         break
         assert got == [("edgemesh/v1/paho-read/a", payload), ("edgemesh/v1/paho-read/b", b""),
                        ("edgemesh/v1/paho-read/c", b"ok")], protocol
+
+
+# --------------------------------------------------------------------------- opt-in, on the paho it was written for
+
+
+def test_the_installed_paho_is_one_the_layer_was_written_for() -> None:
+    """Fails when paho-mqtt changes: read the new paho's reader, writer and decoder against this module's before
+    widening ``PAHO_VERSIONS`` (outside them a zero-copy bus copies as paho does)."""
+    assert paho_layer.written_for(paho_layer.PAHO_VERSION), paho_layer.PAHO_VERSION
+    assert [paho_layer.written_for(v) for v in ("2.1.0", "2.2.0", "2.2.7", "2.3.0", "3.0", "", "2.x")] == [
+        False, True, True, False, False, False, False]
+
+
+def test_on_a_paho_it_was_not_written_for_the_layer_stays_off_and_says_so_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(paho_layer, "PAHO_VERSION", "2.3.0")
+    monkeypatch.setattr(paho_layer, "_warned", False)
+    clients = [mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5) for _ in range(2)]
+    with caplog.at_level("WARNING", logger="edgemesh.common.bus.paho_layer"):
+        assert [paho_layer.enable(c) for c in clients] == [False, False]
+    for client in clients:  # paho's own reader and writer
+        assert client._packet_read.__func__ is mqtt.Client._packet_read  # type: ignore[attr-defined]  # noqa: SLF001
+        assert client._send_publish.__func__ is mqtt.Client._send_publish  # type: ignore[attr-defined]  # noqa: SLF001
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "2.3.0" in caplog.records[0].getMessage()
+
+
+@pytest.mark.parametrize("zero_copy,version,layered", [(False, None, False), (True, None, True),
+                                                       (True, "9.0.0", False)])
+async def test_a_bus_reads_with_the_layer_only_when_it_asks_and_paho_is_the_one_it_was_written_for(
+        broker: BrokerProcess, monkeypatch: pytest.MonkeyPatch, zero_copy: bool, version: str | None,
+        layered: bool) -> None:
+    """Only a bus built with ``zero_copy`` puts the layer in paho's place, and on an unknown paho it does not: its
+    messages come through paho's own reader all the same."""
+    if version is not None:
+        monkeypatch.setattr(paho_layer, "PAHO_VERSION", version)
+        monkeypatch.setattr(paho_layer, "_warned", False)
+    readers: list[object] = []
+    read_into_buffers = paho_layer.read_into_buffers
+    monkeypatch.setattr(paho_layer, "read_into_buffers", lambda client: (readers.append(client),
+                                                                         read_into_buffers(client)))
+    topics = Topics("paho-layer")
+    got: list[DeviceHello] = []
+    arrived = asyncio.Event()
+
+    async def keep(msg: DeviceHello, _: TopicMatch) -> None:
+        got.append(msg)
+        arrived.set()
+
+    cfg = BrokerConfig(url=broker.url)
+    bus = Bus(cfg, client_id=f"layer-{zero_copy}-{version}", metrics=ServiceMetrics("test"), zero_copy=zero_copy)
+    bus.route(topics.hello_filter(), DeviceHello, keep)
+    hello = DeviceHello(device="pi-1", incarnation=1, flops=1e9, memory_bytes=1 << 30)
+    sender = Bus(cfg, client_id=f"layer-sender-{zero_copy}-{version}", metrics=ServiceMetrics("sender"))
+    async with bus, sender:
+        await sender.publish(topics.hello("pi-1"), hello)
+        async with asyncio.timeout(20):
+            await arrived.wait()
+    assert got == [hello]
+    assert bool(readers) == layered

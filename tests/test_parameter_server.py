@@ -148,6 +148,7 @@ async def test_bad_updates_are_rejected_counted_and_acked(broker: BrokerProcess,
         assert (await c.push(gradient("a", 2, 0))).status == "accepted"
 
 
+@pytest.mark.requires_binary("mosquitto_pub")
 async def test_malformed_and_oversized_payloads_are_counted(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
     cfg = ps_config(mosquitto_broker, tmp_path, **{"training.sync_policy": "async",
                                                      "broker.max_message_bytes": str(1 << 20)})
@@ -425,7 +426,8 @@ async def test_pause_resume_and_set_lr_change_what_the_ps_applies(broker: Broker
     held (the version and the weights stay); resume applies them; set-lr changes the step each update makes."""
     cfg = ps_config(broker, tmp_path, **{
         "training.sync_policy": "async", "training.lr": "0.1", "training.momentum": "0",
-        "training.weight_decay": "0", "ps.staleness_weighting": "false", "ps.snapshot_dtype": "float32"})
+        "training.weight_decay": "0", "ps.staleness_weighting": "false", "ps.snapshot_dtype": "float32",
+        "training.batch_size": "8"})  # the updates' batch: each one step of training.lr
     async with serving_ps(cfg, ["a"]) as (c, ps):
         ctl = c.topics.control("ps")
 

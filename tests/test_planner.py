@@ -251,7 +251,7 @@ async def device(name: str, config: Config) -> AsyncIterator[Bus]:
         await dev.publish(TOPICS.hello(name), device_hello(name), retain=True)
 
     dev.on_connect(announce)
-    async with dev.running():
+    async with dev:
         yield dev
 
 

@@ -50,7 +50,7 @@ async def test_a_publish_the_acl_refuses_is_counted_and_logged(shipped: Producti
     metrics = ServiceMetrics("worker")
     bus = Bus(shipped.broker_config("pi-01"), client_id="refused-pi-01", metrics=metrics)
     with caplog.at_level(logging.ERROR, logger="edgemesh.common.bus"):
-        async with bus.running():
+        async with bus:
             await bus.publish(TOPICS.hello("pi-01"), DeviceHello(device="pi-01", incarnation=1, flops=1e9,
                                                                  memory_bytes=1 << 30))
             await bus.publish(TOPICS.control("ps"), ControlCommand(command="pause", requester="pi-01"))
@@ -66,7 +66,7 @@ async def test_an_anonymous_client_is_refused(shipped: ProductionBroker) -> None
     bus = Bus(BrokerConfig(url=f"mqtt://127.0.0.1:{shipped.plain_port}"), client_id="anonymous",
               metrics=ServiceMetrics("worker"))
     with pytest.raises(BusError, match="refused the login of an anonymous client"):
-        async with bus.running():
+        async with bus:
             pass
 
 
@@ -79,7 +79,7 @@ async def test_a_device_logs_in_with_its_client_certificate(shipped: ProductionB
     bus = Bus(BrokerConfig(url=url, ca_file=str(shipped.ca), cert_file=str(cert), key_file=str(key),
                            connect_timeout_s=5),
               client_id=CERT_DEVICE, metrics=metrics)
-    async with bus.running():
+    async with bus:
         await bus.publish(TOPICS.hello(CERT_DEVICE), DeviceHello(device=CERT_DEVICE, incarnation=1, flops=1e9,
                                                                  memory_bytes=1 << 30), retain=True)
         await bus.publish(TOPICS.hello("pi-01"), DeviceHello(device="pi-01", incarnation=1, flops=1e9,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import struct
 import zlib
 from pathlib import Path
@@ -9,7 +10,9 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+import torch
 
+from edgemesh.common import models
 from edgemesh.common.codecs import get_codec
 from edgemesh.common.errors import CheckpointError, WireError
 from edgemesh.common.messages import GradientUpdate, ShardUpdate
@@ -214,6 +217,27 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
     assert not list((tmp_path / "ps").glob("*.tmp"))
 
 
+def _rewrite(path: Path, change: object) -> None:
+    """The checkpoint at ``path`` with its body changed by ``change`` (given the unpacked body), checksum renewed."""
+    body = msgpack.unpackb(path.read_bytes()[8:], raw=False)
+    change(body)  # type: ignore[operator]
+    data = msgpack.packb(body, use_bin_type=True)
+    path.write_bytes(struct.pack("<II", len(data), zlib.crc32(data)) + data)
+
+
+def test_a_checkpoint_names_each_devices_high_water_mark_and_reads_the_earlier_lists(tmp_path: Path) -> None:
+    path = store.write_checkpoint(tmp_path, _snapshot())
+    kept = msgpack.unpackb(path.read_bytes()[8:], raw=False)["high_water"]
+    assert kept == {"pi-a": {"incarnation": 2, "seq": 17}, "pi-b": {"incarnation": 0, "seq": 3}}
+    _rewrite(path, lambda body: body.update(high_water={"pi-a": [2, 17], "pi-b": [0, 3]}))  # as written before
+    got = store.read_checkpoint(tmp_path)
+    assert got is not None and got.high_water == {"pi-a": (2, 17), "pi-b": (0, 3)}
+    for bad in ({"incarnation": 2}, [2], "x", 7):
+        _rewrite(path, lambda body, bad=bad: body.update(high_water={"pi-a": bad}))
+        with pytest.raises(CheckpointError):
+            store.read_checkpoint(tmp_path)
+
+
 def test_a_missing_checkpoint_reads_as_none(tmp_path: Path) -> None:
     assert store.read_checkpoint(tmp_path) is None
 
@@ -401,6 +425,7 @@ def _with_buffers() -> dict[str, np.ndarray]:
 
 
 BUFFERS = {"bn.running_mean": False, "bn.running_var": False, "bn.num_batches_tracked": True}
+MOMENTA = {"bn.running_mean": 0.1, "bn.running_var": 0.1}
 
 
 def test_a_step_adds_the_sample_weighted_mean_of_the_buffers_changes_without_lr_or_momentum() -> None:
@@ -425,6 +450,49 @@ def test_a_step_adds_the_sample_weighted_mean_of_the_buffers_changes_without_lr_
     assert buffer_mean([(5, [])]) == []  # an update that moved no buffer weighs nothing
 
 
+def _bn_changes(bn: torch.nn.BatchNorm1d, batches: list[torch.Tensor]) -> list[tuple[int, list[ShardGrad]]]:
+    """Each batch's change to ``bn``'s running statistics, every one from ``bn`` as it is (devices on one version)."""
+    changes = []
+    for x in batches:
+        device = copy.deepcopy(bn).train()
+        before = {k: v.clone() for k, v in device.state_dict().items()}
+        device(x)
+        changes.append((len(x), [ShardGrad(f"bn.{k}", 0, 2, (v - before[k]).numpy().reshape(2).astype(np.float32))
+                                 for k, v in device.state_dict().items() if k.startswith("running")]))
+    return changes
+
+
+@pytest.mark.parametrize("devices", [2, 4, 10])
+def test_a_round_moves_running_statistics_as_its_batches_would_in_one_process(devices: int) -> None:
+    """A synchronous round of ``devices`` updates moves batch norm's running statistics as those batches, one after
+    another, move them in one process: exactly when the batches have the same statistics, and far closer than their
+    mean change alone when they differ (which would make the statistics trail the weights ``devices`` times as
+    far)."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(2, momentum=0.1)
+    momenta = models.buffer_momenta(bn)
+    assert momenta == {"running_mean": 0.1, "running_var": 0.1}
+    momenta = {f"bn.{k}": m for k, m in momenta.items()}
+    start = {"bn.running_mean": np.zeros(2, np.float32), "bn.running_var": np.ones(2, np.float32)}
+    kinds = {"bn.running_mean": False, "bn.running_var": False}
+    same = [torch.randn(16, 2) * 3 + 5] * devices
+    varied = [torch.randn(16, 2) * (1 + k) + k for k in range(devices)]
+    for batches, close in ((same, 1e-5), (varied, None)):
+        one = copy.deepcopy(bn).train()
+        for x in batches:
+            one(x)
+        fleet, plain = (ModelState(start, buffers=kinds, momenta=momenta), ModelState(start, buffers=kinds))
+        for state in (fleet, plain):
+            state.step([], lr=0.1, momentum=0.9, buffers=buffer_mean(_bn_changes(bn, batches)))
+        for stat in ("running_mean", "running_var"):
+            want = getattr(one, stat).numpy()
+            off, mean_off = (np.abs(s.params[f"bn.{stat}"] - want).max() for s in (fleet, plain))
+            if close:
+                assert off < close and mean_off > 0.5
+            else:
+                assert off < mean_off / 3
+
+
 def test_gradients_and_buffer_changes_travel_apart_and_neither_may_stand_for_the_other() -> None:
     state = ModelState(_with_buffers(), buffers=BUFFERS)
     none = get_codec("none")
@@ -446,7 +514,7 @@ def test_a_replay_of_the_log_restores_the_buffers_as_the_steps_moved_them(tmp_pa
     rng = np.random.default_rng(3)
     initial = _with_buffers()
     live = Recovery(tmp_path, fsync=False)
-    state = live.resume("spec", initial, Clock(), buffers=BUFFERS).state
+    state = live.resume("spec", initial, Clock(), buffers=BUFFERS, momenta=MOMENTA).state
     for version, count in enumerate([1, 3, 1, 2], start=1):  # a single update, then rounds of several
         items = []
         for k in range(count):
@@ -461,10 +529,10 @@ def test_a_replay_of_the_log_restores_the_buffers_as_the_steps_moved_them(tmp_pa
                                    buffers=state.decode(update.buffers, buffers=True)))
         step = Step(tuple(items), version, tuple(1 / count for _ in items))
         summed = state.step(step.contributions(), lr=0.1, momentum=0.9, buffers=step.buffer_contributions())
-        live.log_beside([step], Optimizer(0.1, 0.9), [Combined(step.contributions())], [summed], lambda: None)
+        live.log([step], Optimizer(0.1, 0.9), [Combined(step.contributions())], [summed]).durable()
     live.close()
     assert not np.allclose(state.params["bn.running_mean"], 0)
-    resumed = Recovery(tmp_path, fsync=False).resume("spec", initial, Clock(), buffers=BUFFERS)
+    resumed = Recovery(tmp_path, fsync=False).resume("spec", initial, Clock(), buffers=BUFFERS, momenta=MOMENTA)
     assert resumed.replayed == 4
     for name in initial:
         np.testing.assert_array_equal(resumed.state.params[name], state.params[name])

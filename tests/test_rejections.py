@@ -32,6 +32,7 @@ def rejected(port: int, service: str, reason: str, route: str = "") -> float:
                and dict(labels).get("reason") == reason and (not route or dict(labels).get("route") == route))
 
 
+@pytest.mark.requires_binary("mosquitto_pub")
 async def test_garbage_on_every_consumed_topic_is_counted_and_training_goes_on(
         mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
     cfg = make_config(mosquitto_broker, job="rej", **{"ps.state_dir": tmp_path / "ps", "training.sync_policy": "async"})

@@ -243,7 +243,7 @@ def test_a_replay_of_the_log_reproduces_the_model_a_robust_rule_made(tmp_path: P
         clipped += combined.clipped
         summed = state.step(combined.contributions, lr=0.1, momentum=0.9)
         mean.step(step.contributions(), lr=0.1, momentum=0.9)
-        live.log_beside([step], Optimizer(0.1, 0.9), [combined], [summed], lambda: None)
+        live.log([step], Optimizer(0.1, 0.9), [combined], [summed]).durable()
     live.close()
     assert clipped >= 6  # "bad" at least, every clip step
     # six dense updates a step: the log keeps each step's sum, smaller than they are, and names every update

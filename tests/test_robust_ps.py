@@ -36,6 +36,7 @@ def command(name: str, request_id: str, value: str | None = None) -> bytes:
 
 async def test_set_aggregation_switches_the_rule_the_next_round_uses(broker: BrokerProcess, tmp_path: Path) -> None:
     cfg = robust_config(broker, tmp_path)
+    cfg.ps.round_scaling = "none"  # one step of training.lr per round: the arithmetic below
     async with serving_ps(cfg, ["a", "b", "c"]) as (c, ps):
         ctl = c.topics.control("ps")
         await c.bus.publish(ctl, command("set-aggregation", "bad", "average"))

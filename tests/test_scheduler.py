@@ -10,14 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgemesh.common.config import AdaptiveConfig
-from edgemesh.common.messages import GradientUpdate, ShardUpdate
+from edgemesh.common.messages import GradientUpdate, Plan, ShardUpdate
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, staleness_weight
 from edgemesh.services.parameter_server.optimizer import ShardGrad
 from edgemesh.services.parameter_server.scheduler import (
+    AsyncScheduler,
     Candidate,
     Clock,
     Decision,
     Fleet,
+    Step,
     Verdict,
     judge,
     make_scheduler,
@@ -251,3 +253,20 @@ def test_a_rounds_step_grows_with_the_batches_it_averages_under_round_scaling() 
     assert round_scale("linear", 64, fleet, version=10, warmup=20) == 2.5
     assert round_scale("linear", 64, fleet, version=20, warmup=20) == 4.0 == round_scale("linear", 64, fleet,
                                                                                           version=500, warmup=20)
+
+
+def test_a_round_counts_batches_of_the_learning_rates_batch_not_clusters() -> None:
+    """Model parallelism splits one iteration's ``training.batch_size`` among its clusters: a round of four
+    clusters of 8 samples is one batch of 32, a step of the learning rate (counted by clusters it was four, and
+    the demo's mesh job diverged at 0.05); data parallelism's four batches of 32 stay four."""
+    mesh = Fleet(clusters=("a", "b", "c", "d"), planned_samples=32, lr_batch=32)
+    assert round_scale("linear", 32, mesh) == 1.0
+    assert round_scale("linear", 32, dataclasses.replace(mesh, lr_batch=0)) == 4.0  # none given: the mean batch
+    data = Fleet(clusters=("a", "b", "c", "d"), planned_samples=4 * 32, lr_batch=32)
+    assert round_scale("linear", 128, data) == 4.0
+    assert round_scale("linear", 96, data) == 3.0  # a cluster missing from an adaptive round
+    plan = Plan(version=1, created=0.0, model_spec="digits-cnn", dataset="digits")
+    assert Fleet.of(plan, 2, 0.0, lr_batch=32).lr_batch == Fleet.of(None, 2, 0.0, lr_batch=32).lr_batch == 32
+    # under async a cluster's update of 8 samples moves the model a quarter of a batch of 32's step, as one process
+    async_ = AsyncScheduler(Clock(), staleness_weighting=False)
+    assert async_.weights(Step((update("a", 1, 0),), 1), mesh) == [0.25]

@@ -9,9 +9,11 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,8 +26,10 @@ from edgemesh.common.config import Config, ParameterServerConfig
 from edgemesh.common.errors import ConfigError, WireError
 from edgemesh.common.messages import (
     GradientUpdate,
+    LayerDivision,
     ModelDelta,
     ModelSnapshot,
+    Plan,
     PlanCluster,
     PlanDevice,
     ShardNorms,
@@ -37,13 +41,14 @@ from edgemesh.common.messages import (
 )
 from edgemesh.common.models import layer_list_spec, register_spec
 from edgemesh.common.shards import Division, ShardedView, cut, divide
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicError, Topics, parse
+from edgemesh.common.wire.tensors import Tensor
 from edgemesh.local.broker import BrokerProcess
-from edgemesh.local.processes import LocalCluster
+from edgemesh.local.processes import Child, LocalCluster, scrape
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
+from edgemesh.services.worker.mesh import session
 from edgemesh.services.worker.service import Worker
 
 MODEL = "digits-cnn"
@@ -335,6 +340,15 @@ async def test_krum_on_shards_scores_a_model_parallel_clusters_update_beside_dev
     assert all(s.metrics.value("edgemesh_ps_rejected_total") == 0 for s in servers)
 
 
+async def norms_missing(shard_0: Child) -> float:
+    """``edgemesh_ps_shard_norms_missing_total`` of a running shard 0 process: the updates (or pairs) its rule
+    judged without another shard's part of their norm (or distance)."""
+    samples = await asyncio.to_thread(scrape, shard_0.port_file)
+    counted = [v for (name, _), v in samples.items() if name == "edgemesh_ps_shard_norms_missing_total"]
+    assert len(counted) == 1, "shard 0 has no edgemesh_ps_shard_norms_missing_total"
+    return counted[0]
+
+
 @pytest.mark.parametrize(("victim", "rule"), [(1, "mean"), (0, "mean"), (0, "clip")])
 async def test_a_shard_killed_with_9_under_a_model_parallel_cluster_recovers_and_the_cluster_trains_on(
         mosquitto_broker: BrokerProcess, tmp_path: Path, victim: int, rule: str) -> None:
@@ -364,6 +378,8 @@ async def test_a_shard_killed_with_9_under_a_model_parallel_cluster_recovers_and
             async with running(*workers):
                 await box.until(f"shard {victim} past its first checkpoint", lambda: versions()[victim] >= 9, TRAIN_S)
                 killed = next(c for c in cluster.children if c.name == f"ps-{victim}")
+                # clip: shard 0 judges no update on a part of its norm; a shard 0 about to be killed says so first
+                unmeasured = await norms_missing(killed) if victim == 0 else 0.0
                 killed.proc.send_signal(signal.SIGKILL)
                 await asyncio.to_thread(killed.proc.wait, 30)
                 at_kill = min(w.accepted for w in workers)
@@ -372,9 +388,10 @@ async def test_a_shard_killed_with_9_under_a_model_parallel_cluster_recovers_and
                 await until("ten more cluster steps", lambda: all(w.accepted >= at_kill + 10 for w in workers),
                             TRAIN_S)
             await box.until("both shards at the same version", lambda: versions()[0] == versions()[1])
+            shard_0 = next(c for c in reversed(cluster.children) if c.name == "ps-0")  # the one running now
+            assert unmeasured + await norms_missing(shard_0) == 0
         logs = [(tmp_path / f"{cfg.job}-ps-{i}.log").read_text() for i in range(2)]
         assert "resumed from checkpoint" in logs[victim]
-        assert "without every shard's part" not in logs[0]  # clip: no update judged on a part of its norm
     finally:
         cluster.stop()
 
@@ -448,3 +465,49 @@ async def test_a_shard_killed_with_9_recovers_alone_and_the_model_is_still_exact
     two = view.assemble(parts)
     for name in one:
         np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+def mixed_plan(version: int = 1) -> Plan:
+    """``w0`` and ``w1`` one model-parallel cluster divided by ``SPLIT_TWO``, ``w2`` a cluster of its own: the
+    demo's shape under ``planner.parallelism = mesh``."""
+    return Plan(version=version, created=time.time(), model_spec=MODEL, dataset="digits", sync_policy="sync",
+                devices=(PlanDevice(device="w0", cluster="m-w0", shard_index=0, shard_count=2, batch_size=16),
+                         PlanDevice(device="w1", cluster="m-w0", shard_index=0, shard_count=2, batch_size=16),
+                         PlanDevice(device="w2", cluster="c-w2", shard_index=1, shard_count=2, batch_size=16)),
+                clusters=(PlanCluster(cluster="m-w0", members=("w0", "w1"), division=tuple(
+                    LayerDivision(layer=k, counts=v) for k, v in SPLIT_TWO.items())),
+                          PlanCluster(cluster="c-w2", members=("w2",))))
+
+
+SPLIT_TWO: dict[str, tuple[int, ...]] = {"conv1": (10, 6), "conv2": (12, 20), "fc1": (40, 24), "fc2": (6, 4)}
+
+
+async def train_mixed(cfg: Config, tmp_path: Path) -> dict[str, np.ndarray]:
+    """Every shard and three workers under ``mixed_plan`` until each made STEPS accepted steps; the whole model."""
+    servers = [ParameterServer(replace(cfg, ps=replace(cfg.ps, shard=i))) for i in range(cfg.ps.shards)]
+    workers = [Worker(replace(cfg, worker=replace(cfg.worker, device=d, state_dir=str(tmp_path / f"{cfg.job}-{d}"))))
+               for d in ("w0", "w1", "w2")]
+    async with inbox(cfg) as box, running(*servers, *workers):
+        await box.publish(box.topics.plan(), mixed_plan(), retain=True)
+        await until("every worker's steps", lambda: all(w.stop.is_set() for w in workers), TRAIN_S)
+    assert [s.version for s in servers] == [STEPS] * cfg.ps.shards
+    view = ShardedView(cfg.ps.shards)
+    view.know(shapes_of(MODEL))
+    return view.assemble([s.state.params for s in servers if s.state is not None])
+
+
+@pytest.mark.parametrize("scaling", ["linear", "none"])
+async def test_a_model_parallel_cluster_beside_a_device_trains_on_shards_exactly_what_one_server_trains(
+        mosquitto_broker: BrokerProcess, tmp_path: Path, scaling: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's shape under ``planner.parallelism = mesh`` (a cluster of two beside a device alone): two shards
+    end with the model one server ends with. The cluster's leader numbers its steps from a fixed clock here, so that
+    both runs draw the same batches."""
+    monkeypatch.setattr(session, "time", SimpleNamespace(time_ns=lambda: 1_000_000_000_000,
+                                                         perf_counter=time.perf_counter))
+    extra = {"ps.round_scaling": scaling, "worker.codec_wait_s": 0.1, "worker.mesh_timeout_s": 10}
+    one = await train_mixed(sharded_config(mosquitto_broker, tmp_path / "one", 1, **extra), tmp_path / "one")
+    two = await train_mixed(sharded_config(mosquitto_broker, tmp_path / "two", 2, **extra), tmp_path / "two")
+    initial = models.get_params(models.build_model(MODEL, seed=5))
+    assert any(not np.allclose(one[k], initial[k]) for k in one)
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-5, err_msg=name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,6 +12,7 @@ from edgemesh.common.topics import (
     PREFIX,
     Filter,
     TopicError,
+    TopicKind,
     TopicMatch,
     Topics,
     base_topic,
@@ -17,6 +20,7 @@ from edgemesh.common.topics import (
     match,
     matches,
     parse,
+    parse_as,
     valid_name,
     valid_topic,
 )
@@ -231,6 +235,31 @@ def test_a_device_cluster_or_job_named_chunk_is_not_mistaken_for_a_chunk_suffix(
 def test_parse_refuses_a_topic_that_is_not_edgemeshs(topic: str) -> None:
     with pytest.raises(TopicError):
         parse(topic)
+
+
+EVERY_FAMILY = [T.plan(), T.sync(), T.model(), T.events(), T.hello("pi-1"), T.status("pi-1"), T.stats("pi-1"),
+                T.evaluation("pi-1"), T.snapshot_request("pi-1"), T.probe("pi-1"), T.codec("pi-4"), T.ack("pi-5"),
+                T.model_delta(), T.model_delta_for("w1"), T.grad("c0", "pi-1"), T.grad_raw("c1", "pi-7"),
+                T.mesh("m-a", "conv1", "fwd", "a"), T.mesh_backward("m-a", "conv1", "b", "c"), T.control("ps"),
+                T.control("device/pi-1"), T.control_reply("ops"), T.device_reply(T.control_reply("ops"), "pi-1"),
+                T.job_file(), T.job_state(), T.job_model(), T.steps(), T.for_shard(2).norms(),
+                T.for_shard(1).grad("c", "d"), T.for_shard(1).ack("d"), T.for_shard(3).model(),
+                T.for_shard(1).model_delta(), T.chunk(T.model(), 2)]
+"""A topic of every family, a shard's among them."""
+
+
+def test_every_family_is_parsed_and_parsing_by_a_family_gives_what_parse_gives() -> None:
+    """The router parses a topic by the kind of the filter it fell under: for a topic of that family the parser of
+    its family alone, for any other (a filter whose pattern takes others' topics) as ``parse`` does."""
+    kinds = set(typing.get_args(TopicKind))
+    assert {parse(topic).kind for topic in EVERY_FAMILY} == kinds
+    for topic in EVERY_FAMILY:
+        for kind in kinds:
+            assert parse_as(kind, topic) == parse(topic), (kind, topic)
+    for bad in (ROOT + "unknown", ROOT + "control/nobody", ROOT + "shard/1/plan", ROOT + "steps"):
+        for kind in ("plan", "control", "steps"):
+            with pytest.raises(TopicError):
+                parse_as(kind, bad)
 
 
 def test_match_finds_the_first_filter_a_topic_falls_under_and_parses_it_once() -> None:

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from edgemesh.common import wire
-from edgemesh.common.chunks import Arrival, Chunk, Reassembler, Receiver, in_place, split
 from edgemesh.common.costs import LayerCost
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import (
@@ -55,7 +54,8 @@ from edgemesh.common.messages import (
     SyncState,
     UpdateAck,
 )
-from edgemesh.common.tensor import MAX_TENSOR_DIMS, TENSOR_DTYPES, Tensor
+from edgemesh.common.wire.chunks import Arrival, Chunk, Reassembler, Receiver, in_place, split
+from edgemesh.common.wire.tensors import MAX_TENSOR_DIMS, TENSOR_DTYPES, Tensor
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 """Hypothesis settings that keep the whole file well under a few seconds."""

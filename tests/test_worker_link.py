@@ -16,8 +16,8 @@ from edgemesh.common.emulation.link import EmulatedLink
 from edgemesh.common.emulation.shape import LinkShape
 from edgemesh.common.messages import LinkProbe, ModelSnapshot
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.common.wire.tensors import Tensor
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.worker.link import DownlinkMeter, LatencyMeter, LinkMeter, probe_round_trip
 
@@ -81,7 +81,7 @@ async def test_a_device_measures_its_downlink_and_latency_through_an_emulated_li
     # the connect is not what is measured: it may take as long as any event here (CI, once, on amqtt at the end of
     # a full run: the last connect took over the default 10 s)
     config = BrokerConfig(url=broker.url, chunk_bytes=16 * 1024, connect_timeout_s=WAIT_S)
-    async with Bus(config, client_id="ps", metrics=ServiceMetrics("ps")).running() as ps:
+    async with Bus(config, client_id="ps", metrics=ServiceMetrics("ps")) as ps:
         await ps.publish(topics.model(), snapshot, retain=True)
     shape = LinkShape(uplink_bps=1e6, downlink_bps=1e6, latency_s=0.02)
     async with EmulatedLink(shape, upstream_host=broker.host, upstream_port=broker.port) as link:
@@ -106,7 +106,7 @@ async def _measure(config: BrokerConfig, topics: Topics) -> tuple[float, float]:
 
     bus.route(topics.model_filter(), ModelSnapshot, keep)
     bus.on_joined(lambda _, nbytes, seconds: downlink.observe(nbytes, seconds))
-    async with bus.running():
+    async with bus:
         await asyncio.wait_for(got.wait(), WAIT_S)
         for _ in range(5):
             round_trip = await probe_round_trip(bus, topics.probe(device), LinkProbe(device=device))

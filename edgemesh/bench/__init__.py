@@ -22,6 +22,8 @@ BENCHMARKS = {
                                     "accuracy, load balance"),
     "models": ("edgemesh.bench.models", "your model on the fleet beside one plain PyTorch process on the pooled data: "
                                         "exported accuracy per model x sync policy, the same samples seen"),
+    "policies": ("edgemesh.bench.policies", "every sync policy and FedBuff (a peer's reference) on the simulator over "
+                                            "seeds: time to target, divergence, share of the headroom over sync"),
     "robust": ("edgemesh.bench.robust", "a fleet with faulty devices under each robust aggregation rule: "
                                         "accuracy against a clean run"),
     "scale": ("edgemesh.bench.scale", "many light load-generating devices on one broker for minutes: updates/s, "

@@ -295,6 +295,9 @@ def run_edgemesh(cfg: Config, workdir: Path, broker_pid: int | None, *, steps: i
     mean, median, timed = mean_per_version(run.versions, warmup, steps)
     final = run.final_version(steps)
     batches = {d.device: d.batch_size for d in run.plan.devices} if run.plan else {}
+    # the curve ends at the final version, as DDP's does: a loaded host may step on, and evaluate again, before the
+    # services stop
+    curve = [(v, kept) for v, kept in sorted(run.losses.items()) if final is None or v <= final]
     if run.failure is None and set(batches.values()) != {cfg.training.batch_size}:
         run.failure = f"the plan's batches are {batches}, not {cfg.training.batch_size} for every worker"
     entry: dict[str, Any] = {
@@ -306,8 +309,7 @@ def run_edgemesh(cfg: Config, workdir: Path, broker_pid: int | None, *, steps: i
                  "shards": {d.device: d.shard_index for d in run.plan.devices}} if run.plan else None,
         "breakdown": breakdown(run, workers),
         "updates_discarded": int(cluster.total("edgemesh_ps_updates_total", "ps", status="discarded")),
-        "curve": [[v, round(loss, FIGURES_DIGITS), round(acc, FIGURES_DIGITS)]
-                  for v, (loss, acc) in sorted(run.losses.items())],
+        "curve": [[v, round(loss, FIGURES_DIGITS), round(acc, FIGURES_DIGITS)] for v, (loss, acc) in curve],
         "failure": run.failure,
     }
     return entry, run

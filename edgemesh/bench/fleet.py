@@ -7,7 +7,8 @@ board's speed, its MQTT traffic through the board's link) under the run's scenar
 ``steady``, ``dynamic``, ``harsh`` of ``scenarios.toml``: throttling, link stalls, drop-outs and a varying
 link rate, seeded so that every policy meets the same events). Runs:
 
-* ``single``: one ``pi4`` alone (the same services, one device; it meets the fleet's ``pi4-0``'s events);
+* ``single``: one device of the fleet alone, its ``pi4-0`` if it has one, else its first (the same services,
+  one device; it meets that device's events);
 * ``sync``, ``async``, ``ssp``, ``adaptive``: the whole fleet (default: 2 x pi3, 2 x pi4, 2 x pi5, a
   jetson-nano and a laptop) under that policy, with balanced batches (every device's batch sized to its
   measured speed, so that ``sync`` waits for no one in a steady fleet).
@@ -128,7 +129,13 @@ class Bench:
     progress: Callable[[str], None]
 
     def members(self, policy: str) -> list[tuple[str, str]]:
-        return [(f"{SINGLE_PROFILE}-0", SINGLE_PROFILE)] if policy == "single" else self.fleet
+        return [single_device(self.fleet)] if policy == "single" else self.fleet
+
+
+def single_device(fleet: list[tuple[str, str]]) -> tuple[str, str]:
+    """The device the ``single`` run trains on alone: the fleet's first ``SINGLE_PROFILE`` board, else its first
+    (a fleet without a Pi 4 still has a baseline that meets one of its own devices' events)."""
+    return next((d for d in fleet if d[1] == SINGLE_PROFILE), fleet[0])
 
 
 def run_config(bench: Bench, spec: RunSpec, *, devices: int, job: str) -> Config:
@@ -375,6 +382,7 @@ def run_bench(report: Path, *, fleet: list[str], policies: list[str], scenario: 
         raise ConfigError(f"unknown polic(ies) {', '.join(bad)}; known: {', '.join(POLICIES)}")
     host = measure_host_gflops(1)
     devices = device_names(fleet)
+    single = single_device(devices)
     progress(f"fleet of {len(devices)}: {', '.join(fleet)}; scenario {scenario}; host {host:.1f} GFLOP/s per "
              f"thread; time dilation {dilation:g}; {len(policies)} runs of {budget_s:g} board seconds")
     workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-fleet-"))
@@ -387,7 +395,7 @@ def run_bench(report: Path, *, fleet: list[str], policies: list[str], scenario: 
         "scenario": scenarios[scenario].summary(),
         "target_accuracy": target,
         "fleet": [{"device": name, **profiles[p].summary()} for name, p in devices],
-        "single": {"device": f"{SINGLE_PROFILE}-0", **profiles[SINGLE_PROFILE].summary()},
+        "single": {"device": single[0], **profiles[single[1]].summary()},
         "budget_s": budget_s,
         "time_dilation": dilation,
         "times": "board seconds (wall seconds / time_dilation)",

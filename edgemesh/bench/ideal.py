@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import names
 from edgemesh.common.data import BatchIterator, Dataset, load_local
 from edgemesh.services.parameter_server.adaptive import compensated_momentum, staleness_weight
+
+if TYPE_CHECKING:
+    import torch
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "reference": {"mode": "reference"},
@@ -93,29 +96,73 @@ def build(entry: model_jobs.BenchModel, seed: int, module_path: Path) -> Any:
     return models.build_model(spec.model_key, seed=seed)
 
 
-def train(variant: dict[str, Any], module: Any, shards: Shards, *, lr: float, momentum: float, batch_size: int,
-          seed: int, samples: int, every: int) -> list[tuple[int, float]]:
-    """Train ``module`` as ``variant`` says for ``samples`` samples; its held-out accuracy every ``every``."""
-    import torch
-    import torch.nn.functional as F
+class Fleet:
+    """The fleet in one process: one module computes every device's gradient on the model it is given, and one
+    optimizer (the server's) steps on what they send. Each way of training is a step of its own (``one_process``,
+    ``in_sync``, ``in_turn``) that returns the samples it trained."""
 
-    from edgemesh.common import models
+    def __init__(self, variant: dict[str, Any], module: Any, shards: Shards, *, lr: float, momentum: float,
+                 batch_size: int, seed: int) -> None:
+        import torch
 
-    x_held, y_held = torch.tensor(shards.held_out.x), torch.tensor(shards.held_out.y)
-    buffers = list(models.buffer_kinds(module))
-    devices = len(shards.devices)
-    if variant.get("compensated"):
-        momentum = compensated_momentum(momentum, devices)
-    optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
-    own = [BatchIterator(d, batch_size, seed=seed + i) for i, d in enumerate(shards.devices)]
-    pooled = BatchIterator(shards.pooled, batch_size, seed=seed)
+        from edgemesh.common import models
 
-    def state() -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        self.variant, self.module = variant, module
+        self.buffers = list(models.buffer_kinds(module))
+        self.devices = len(shards.devices)
+        if variant.get("compensated"):
+            momentum = compensated_momentum(momentum, self.devices)
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
+        self.own = [BatchIterator(d, batch_size, seed=seed + i) for i, d in enumerate(shards.devices)]
+        self.pooled = BatchIterator(shards.pooled, batch_size, seed=seed)
+        self.history: deque[dict[str, torch.Tensor]] = deque(maxlen=self.devices)
+        """The latest versions of the model, oldest first: what ``in_turn``'s updates are computed on."""
+        self.turns = itertools.cycle(self.own)
 
-    def gradient(batches: Iterator[tuple[np.ndarray, np.ndarray]], at: dict[str, torch.Tensor]) -> tuple[
+    def step_of(self, mode: str) -> Callable[[], int]:
+        return {"reference": self.one_process, "sync": self.in_sync, "async": self.in_turn}[mode]
+
+    def one_process(self) -> int:
+        """One batch of the pooled data."""
+        grads, moved, n = self.gradient(self.pooled, self.state())
+        self.step(self.state(), grads, moved)
+        return n
+
+    def in_sync(self) -> int:
+        """One batch per device on the current model, their sample-weighted mean, scaled."""
+        import torch
+
+        now = self.state()
+        parts = [self.gradient(batches, now) for batches in self.own]
+        n = sum(part[2] for part in parts)
+        scale = {"none": 1.0, "sqrt": self.devices ** 0.5, "linear": float(self.devices)}[self.variant["scaling"]]
+        grads = [torch.stack([part[0][i] * part[2] for part in parts]).sum(0) / n * scale
+                 for i in range(len(parts[0][0]))]
+        self.step(now, grads, {b: torch.stack([part[1][b] * part[2] for part in parts]).sum(0) / n
+                               for b in self.buffers})
+        return n
+
+    def in_turn(self) -> int:
+        """The next device's batch on the model ``devices - 1`` versions old (fewer at the start), damped."""
+        now = self.state()
+        self.history.append(now)
+        grads, moved, n = self.gradient(next(self.turns), self.history[0])
+        delay = len(self.history) - 1
+        damping = self.variant["damping"]
+        weight = 1.0 if damping == "whole" else staleness_weight(delay, damping)
+        self.step(now, [g * weight for g in grads], moved)
+        return n
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def gradient(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], at: dict[str, torch.Tensor]) -> tuple[
             list[torch.Tensor], dict[str, torch.Tensor], int]:
         """One batch's gradient and buffer change, computed on the model ``at``."""
+        import torch
+        import torch.nn.functional as F
+
+        module = self.module
         module.load_state_dict(at)
         x, y = next(batches)
         module.train()
@@ -123,49 +170,30 @@ def train(variant: dict[str, Any], module: Any, shards: Shards, *, lr: float, mo
         F.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).backward()
         after = module.state_dict()
         return ([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()],
-                {b: after[b].double() - at[b].double() for b in buffers}, len(y))
+                {b: after[b].double() - at[b].double() for b in self.buffers}, len(y))
 
-    def step(now: dict[str, torch.Tensor], grads: list[torch.Tensor], moved: dict[str, torch.Tensor]) -> None:
+    def step(self, now: dict[str, torch.Tensor], grads: list[torch.Tensor], moved: dict[str, torch.Tensor]) -> None:
         """One optimizer step from ``now`` on ``grads``, the buffers moved by ``moved``."""
-        module.load_state_dict(now)
-        for p, g in zip(module.parameters(), grads, strict=True):
+        import torch
+
+        self.module.load_state_dict(now)
+        for p, g in zip(self.module.parameters(), grads, strict=True):
             p.grad = g
-        optimizer.step()
+        self.optimizer.step()
         with torch.no_grad():
-            current = module.state_dict()
-            for b in buffers:
+            current = self.module.state_dict()
+            for b in self.buffers:
                 current[b].copy_((now[b].double() + moved[b]).to(current[b].dtype))
 
-    def one_process() -> int:
-        grads, moved, n = gradient(pooled, state())
-        step(state(), grads, moved)
-        return n
 
-    def in_sync() -> int:
-        """One batch per device on the current model, their sample-weighted mean, scaled."""
-        now = state()
-        parts = [gradient(batches, now) for batches in own]
-        n = sum(part[2] for part in parts)
-        scale = {"none": 1.0, "sqrt": devices ** 0.5, "linear": float(devices)}[variant["scaling"]]
-        grads = [torch.stack([part[0][i] * part[2] for part in parts]).sum(0) / n * scale
-                 for i in range(len(parts[0][0]))]
-        step(now, grads, {b: torch.stack([part[1][b] * part[2] for part in parts]).sum(0) / n for b in buffers})
-        return n
+def train(variant: dict[str, Any], module: Any, shards: Shards, *, lr: float, momentum: float, batch_size: int,
+          seed: int, samples: int, every: int) -> list[tuple[int, float]]:
+    """Train ``module`` as ``variant`` says for ``samples`` samples; its held-out accuracy every ``every``."""
+    import torch
 
-    history: deque[dict[str, torch.Tensor]] = deque(maxlen=devices)
-    turns = itertools.cycle(own)
-
-    def in_turn() -> int:
-        """The next device's batch on the model ``devices - 1`` versions old (fewer at the start), damped."""
-        now = state()
-        history.append(now)
-        grads, moved, n = gradient(next(turns), history[0])
-        delay = len(history) - 1
-        damping = 1.0 if variant["damping"] == "whole" else staleness_weight(delay, variant["damping"])
-        step(now, [g * damping for g in grads], moved)
-        return n
-
-    advance = {"reference": one_process, "sync": in_sync, "async": in_turn}[variant["mode"]]
+    x_held, y_held = torch.tensor(shards.held_out.x), torch.tensor(shards.held_out.y)
+    advance = Fleet(variant, module, shards, lr=lr, momentum=momentum, batch_size=batch_size,
+                    seed=seed).step_of(variant["mode"])
     curve: list[tuple[int, float]] = []
     seen, due = 0, every
     with torch.random.fork_rng(devices=[]):

@@ -177,7 +177,7 @@ async def run_jobs(config: Config, workdir: Path, devices: list[str], target: fl
     result: dict[str, Any] = {"jobs": {}, "failure": None}
     try:
         started = spawn_fleet(cluster, workdir, devices)
-        async with bus.running():
+        async with bus:
             for text in (SHAPES_JOB.format(target=target),
                          VIBRATION_JOB.format(target=target, module_path=workdir / "models")):
                 run = await submit_and_follow(config, watch, text, search_path=[str(workdir / "models")],

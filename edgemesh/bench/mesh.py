@@ -36,7 +36,8 @@ of the model a worker keeps in its view and trains, their gradients and error-fe
 (the optimizer's momentum lives on the parameter server), and every activation autograd saved
 for the backward pass (torch saved-tensor hooks; the weights it saves are the parameters, counted
 once) plus the layer outputs kept for it.
-``planner_1000_devices_s`` times the training grid of 1,000 devices.
+``planner_1000_devices_s`` times the training grid of 1,000 devices. ``limits`` says how the workers were held to
+their boards (docs/emulation.md): ``cgroup-v1``, the kernel's memory limit and CPU quota, or ``stretched``.
 
 Emulation runs ``dilation`` times slower than the boards (``worker.emulation_dilation``: compute
 and links alike), so that two host cores can stand in for eight boards; times in the report are
@@ -160,7 +161,9 @@ def run_config(base: dict[str, str], *, mode: str, job: str, broker_url: str, sp
         "training.sync_policy": "sync", "planner.batching": "uniform",
         "planner.parallelism": "mesh" if mode == "edge_mesh" else "data",
         "ps.eval_every": str(eval_every), "ps.eval_interval_s": "0",
-        **({"training.lr": str(ACCURACY_LR)} if eval_every else {}),
+        # ACCURACY_LR is the rate of a batch of ``batch``: a data-parallel device's batch is a part of it, and its
+        # round of them is scaled back up to the whole (``ps.round_scaling = linear``)
+        **({"training.lr": str(ACCURACY_LR * per_device / batch)} if eval_every else {}),
         "worker.emulation_host_gflops": str(host_gflops), "worker.emulation_seed": str(seed),
         "worker.emulation_dilation": str(dilation),
     }
@@ -268,8 +271,18 @@ def summarize(run: Run, cluster: LocalCluster, *, spec: str, batch: int) -> dict
         "updates_discarded": int(cluster.total("edgemesh_ps_updates_total", "ps", status="discarded")),
         "bytes_published": cluster.over_services("_published_bytes_total"),
         "emulation_overrun_share": round(overruns / steps, 4) if steps else None,
+        "limits": limits_in_force(workers),
         "failure": run.failure,
     }
+
+
+def limits_in_force(workers: list[Any]) -> str | None:
+    """How the run's emulated boards were held to them (``edgemesh_worker_emulation_limits``): ``cgroup-v1``
+    (the kernel's memory limit and CPU quota), ``stretched`` (compute held to the board's time alone), ``mixed``,
+    or None where no worker said."""
+    modes = {dict(labels).get("mode") for samples in workers for (name, labels), value in samples.items()
+             if name == "edgemesh_worker_emulation_limits" and value == 1}
+    return None if not modes else str(modes.pop()) if len(modes) == 1 else "mixed"
 
 
 def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, float | None]:
@@ -408,32 +421,67 @@ def _plot(result: dict[str, Any], path: Path) -> bool:
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    """``edgemesh bench mesh``."""
+    """``edgemesh bench mesh``: the built-in models, or with ``--job`` a user's (:mod:`edgemesh.bench.mesh_jobs`)."""
     a = parser.add_argument
     a("--report", default="bench/reports/mesh.json", help="JSON report path (PNG beside it)")
-    a("--fleet", default=",".join(DEFAULT_FLEET), help="device profiles, comma-separated")
+    a("--job", dest="job_file", metavar="FILE", help="a user's job file (a layer list on image folders of 32x32 "
+      "RGB images, e.g. examples/mobilenetv2-32.toml): trained on glyph folders drawn for it, a different "
+      "class mix per device; default: the built-in cifar-cnn (time) and digits CNN (accuracy)")
+    a("--quick", action="store_true", help="with --job: a short run of every part (what the tests run)")
+    a("--oom", action="store_true", help="with --job: also a model no Pi 3 trains alone, one Pi 3 (killed by the "
+      "kernel at its memory limit) against a mesh of Pi 3s")
+    a("--fleet", help="device profiles, comma-separated (default: " + ",".join(DEFAULT_FLEET) + "; with --job "
+      "pi3,pi4,jetson-nano)")
     a("--modes", default=",".join(MODES), help="runs, comma-separated")
-    a("--batch", type=int, default=DEFAULT_BATCH, help="samples per iteration in every mode (a multiple of the fleet "
-      "size)")
-    a("--dilation", type=float, default=DEFAULT_DILATION, help="emulated boards run this many times slower (compute "
-      "and links), so the host keeps up")
-    a("--iterations", type=int, default=DEFAULT_ITERATIONS, help="timed model versions per mode (after a warm-up)")
-    a("--accuracy-iterations", type=int, default=DEFAULT_ACCURACY_ITERATIONS,
-      help="model versions of each digits accuracy run (0 = skip accuracy)")
+    a("--batch", type=int, help=f"samples per iteration in every mode (a multiple of the fleet size; default "
+      f"{DEFAULT_BATCH}; with --job the job's batch_size x the fleet size)")
+    a("--dilation", type=float, help="emulated boards run this many times slower (compute "
+      f"and links), so the host keeps up (default {DEFAULT_DILATION:g})")
+    a("--iterations", type=int, help=f"timed model versions per mode, after a warm-up (default {DEFAULT_ITERATIONS})")
+    a("--accuracy-iterations", type=int, help="model versions of each accuracy run (0 = skip accuracy; default "
+      f"{DEFAULT_ACCURACY_ITERATIONS})")
+    a("--per-class", type=int, help="with --job: images of a device's two main classes (its others get half)")
+    a("--oom-iterations", type=int, help="with --oom: most model versions of the mesh of Pi 3s")
+    a("--oom-target", type=float, help="with --oom: the mesh of Pi 3s stops at this held-out accuracy (0: none)")
     cluster_flags(parser, seed="seed of the emulated links and the 1,000-device fleet")
     parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     cli.setup_logging(args.log_level or "WARNING")
+    progress: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        result = run_bench(Path(args.report), fleet=names(args.fleet), modes=names(args.modes), batch=args.batch,
-                           dilation=args.dilation, iterations=args.iterations,
-                           accuracy_iterations=args.accuracy_iterations, seed=args.seed,
-                           overrides=cli.overrides(args), keep_logs=args.keep_logs,
-                           progress=lambda line: print(line, file=sys.stderr, flush=True))
+        if args.job_file:
+            return _main_job(args, progress)
+        if args.quick or args.oom:
+            raise ConfigError("--quick and --oom go with --job FILE")
+        result = run_bench(Path(args.report), fleet=names(args.fleet or ",".join(DEFAULT_FLEET)),
+                           modes=names(args.modes), batch=args.batch or DEFAULT_BATCH,
+                           dilation=args.dilation or DEFAULT_DILATION, iterations=args.iterations or DEFAULT_ITERATIONS,
+                           accuracy_iterations=DEFAULT_ACCURACY_ITERATIONS if args.accuracy_iterations is None
+                           else args.accuracy_iterations, seed=args.seed,
+                           overrides=cli.overrides(args), keep_logs=args.keep_logs, progress=progress)
     except EdgeMeshError as exc:
         print(f"edgemesh bench mesh: {exc}", file=sys.stderr)
         return 2
     failures = [e.get("failure") or e.get("accuracy_failure") for e in result["modes"].values()]
+    return 1 if any(failures) else 0
+
+
+def _main_job(args: argparse.Namespace, progress: Callable[[str], None]) -> int:
+    """``--job FILE``: the user's model on image folders (:mod:`edgemesh.bench.mesh_jobs`)."""
+    from edgemesh.bench import mesh_jobs
+
+    settings = mesh_jobs.settings_of(args.job_file, fleet=args.fleet, modes=names(args.modes), dilation=args.dilation,
+                                     iterations=args.iterations, accuracy_iterations=args.accuracy_iterations,
+                                     per_class=args.per_class, oom=args.oom, oom_iterations=args.oom_iterations,
+                                     oom_target=args.oom_target, quick=args.quick)
+    if args.batch:
+        raise ConfigError("--batch does not go with --job: an iteration is the job's batch_size on every device")
+    result = mesh_jobs.run_bench(Path(args.report), settings, seed=args.seed, overrides=cli.overrides(args),
+                                 command=" ".join(["edgemesh", *sys.argv[1:]]), progress=progress,
+                                 keep_logs=args.keep_logs)
+    failures = [result.get("failure"), *(e.get("failure") or e.get("accuracy_failure")
+                                         for e in result["modes"].values()),
+                result.get("oom", {}).get("mesh", {}).get("failure")]
     return 1 if any(failures) else 0

@@ -15,7 +15,8 @@ from edgemesh.bench.reporting import pyplot, save
 MEDIAN_FIELDS = ("reported_accuracy", "exported_accuracy", "last_evaluated_accuracy", "reference_accuracy",
                  "reference_best_accuracy", "gap_pt", "gap_last_pt", "time_to_target_s", "training_s", "model_version",
                  "versions", "samples_seen", "samples_to_target", "reference_samples_to_target", "accepted_updates",
-                 "gradient_bytes_received", "bytes_published_by_services")
+                 "gradient_bytes_received", "bytes_published_by_services", "round_batch_reference_best_accuracy",
+                 "gap_round_batch_pt")
 """The figures of a cell's seed whose median over the seeds the cell gives."""
 WITHIN_PT = 2.0
 """A cell is within reach of the reference when its median gap is at most this many points either way."""
@@ -54,6 +55,7 @@ def summary(cells: dict[str, dict[str, Any]], classes: int) -> dict[str, Any]:
     which seeds failed and whether every export scored what its job reported."""
     chance = round(1.0 / classes + CHANCE_MARGIN, 4)
     gaps: dict[str, float] = {}
+    round_gaps: dict[str, float] = {}  # round policies' gaps to one process at the round's batch
     at_chance, failed = [], {}
     exported_equal, exported = 0, 0
     for model, policies in cells.items():
@@ -62,6 +64,8 @@ def summary(cells: dict[str, dict[str, Any]], classes: int) -> dict[str, Any]:
             middle = cell["median"]
             if middle["gap_pt"] is not None:
                 gaps[key] = middle["gap_pt"]
+            if middle.get("gap_round_batch_pt") is not None:
+                round_gaps[key] = middle["gap_round_batch_pt"]
             if middle["exported_accuracy"] is not None and middle["exported_accuracy"] <= chance:
                 at_chance.append(key)
             for seed, run in cell["seeds"].items():
@@ -77,6 +81,10 @@ def summary(cells: dict[str, dict[str, Any]], classes: int) -> dict[str, Any]:
         f"within_{WITHIN_PT:g}pt": sorted(k for k, g in gaps.items() if abs(g) <= WITHIN_PT),
         f"below_reference_by_over_{WITHIN_PT:g}pt": sorted(k for k, g in gaps.items() if g < -WITHIN_PT),
         f"above_reference_by_over_{WITHIN_PT:g}pt": sorted(k for k, g in gaps.items() if g > WITHIN_PT),
+        f"round_policies_within_{WITHIN_PT:g}pt_of_the_round_batch_reference": sorted(
+            k for k, g in round_gaps.items() if abs(g) <= WITHIN_PT),
+        f"round_policies_below_the_round_batch_reference_by_over_{WITHIN_PT:g}pt": sorted(
+            k for k, g in round_gaps.items() if g < -WITHIN_PT),
         "chance_accuracy": chance,
         "at_chance": sorted(at_chance),
         "worst_gap": {"cell": worst, "gap_pt": gaps[worst]} if worst is not None else None,

@@ -74,7 +74,7 @@ START_TIMEOUT_S = 120.0
 def clip_factor(workers: int, attackers: int) -> float:
     """Half the factor at which ``attackers`` sign-flipped updates, each clipped to factor x the median norm,
     pull the model up the loss as hard as the honest ones pull it down: (n - f) / 2f. (The default 3.0 is
-    that very balance for 2 of 8, and the model diverged: bench/reports/robust-clip3.json.)"""
+    that very balance for 2 of 8, and the model diverged: robust-clip3.json, in git history at 2262601.)"""
     return (workers - attackers) / (2 * attackers)
 
 

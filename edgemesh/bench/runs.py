@@ -129,11 +129,12 @@ class Timeline:
 
 async def observe(cfg: Config, *routes: Route[Any]) -> None:
     """Watch a run's topics through ``routes`` until cancelled."""
-    bus = Bus(cfg.broker, client_id=f"edgemesh-bench-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("bench"))
+    bus = Bus(cfg.broker, client_id=f"edgemesh-bench-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("bench"),
+              connect_first=False)
     for route in routes:
         bus.route(route.filter, route.message, route.handler)
     async with bus:
-        await bus.run()
+        await asyncio.Event().wait()  # routed until cancelled
 
 
 def names(text: str) -> list[str]:

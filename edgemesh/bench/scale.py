@@ -162,21 +162,14 @@ class LoadDevice:
 
     async def run(self) -> None:
         async with self.bus:
-            runner = asyncio.create_task(self.bus.run())
-            try:
-                await self.bus.wait_connected(self.cfg.broker.connect_timeout_s)
-                await self.bus.publish(self.topics.status(self.name), DeviceStatus(
-                    device=self.name, state="online", incarnation=self.incarnation, time=time.time()), retain=True)
-                await self.bus.publish(self.topics.hello(self.name), DeviceHello(
-                    device=self.name, incarnation=self.incarnation, flops=PI4_FLOPS, memory_bytes=PI4_MEMORY,
-                    cores=4, platform="load", profile="pi4"), retain=True)
-                async with asyncio.TaskGroup() as group:
-                    group.create_task(self._report())
-                    group.create_task(self._train())
-            finally:
-                runner.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await runner
+            await self.bus.publish(self.topics.status(self.name), DeviceStatus(
+                device=self.name, state="online", incarnation=self.incarnation, time=time.time()), retain=True)
+            await self.bus.publish(self.topics.hello(self.name), DeviceHello(
+                device=self.name, incarnation=self.incarnation, flops=PI4_FLOPS, memory_bytes=PI4_MEMORY,
+                cores=4, platform="load", profile="pi4"), retain=True)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._report())
+                group.create_task(self._train())
 
     async def _report(self) -> None:
         while True:

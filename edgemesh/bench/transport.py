@@ -62,15 +62,15 @@ from edgemesh import cli
 from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import names
 from edgemesh.bench.trials import MB, Pooled, Trial, cpu_now
-from edgemesh.common import models, paho_decode
-from edgemesh.common.bus import Bus
-from edgemesh.common.chunks import CHUNK_HEADROOM
+from edgemesh.common import models
+from edgemesh.common.bus import Bus, paho_layer
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.messages import GradientUpdate, ModelSnapshot, ShardUpdate, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.shards import divide
-from edgemesh.common.topics import Topics
+from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.common.wire.chunks import CHUNK_HEADROOM
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.local.processes import LocalCluster
 
@@ -110,12 +110,12 @@ def payload_bytes(spec: str, gradient_bytes: int) -> int:
 
 # ------------------------------------------------------------------ the broker alone
 def _client(host: str, port: int, identifier: str) -> aiomqtt.Client:
-    """An aiomqtt client as EdgeMesh's bus makes one: MQTT 5, TCP_NODELAY (without it every answer waits out Nagle
-    and the broker's delayed ACK, ~40 ms), packets read into buffers of their size."""
+    """An aiomqtt client as a service's bus makes one: MQTT 5, TCP_NODELAY (without it every answer waits out Nagle
+    and the broker's delayed ACK, ~40 ms), packets read into buffers of their size (``paho_layer``, on the paho it
+    was written for)."""
     client = aiomqtt.Client(host, port, identifier=identifier, protocol=aiomqtt.ProtocolVersion.V5,
                             socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    paho_decode.read_into_buffers(client._client)  # noqa: SLF001 - as the bus reads and writes
-    paho_decode.write_from_buffers(client._client)  # noqa: SLF001
+    paho_layer.enable(client._client)  # noqa: SLF001 - as a service's bus reads and writes (``zero_copy``)
     return client
 
 
@@ -161,7 +161,6 @@ def _subscriber_main(host: str, port: int, run: str, stream: bool, conn: Connect
     """The raw side's subscriber (its own process): answers each payload (raw), or counts them (stream), until
     the devices say stop; then reports the messages and payload bytes received, and its CPU seconds since it
     subscribed."""
-    paho_decode.install()  # it decodes as EdgeMesh's bus does
 
     async def subscribe() -> tuple[int, int, float]:
         messages = payload = 0
@@ -259,65 +258,78 @@ def ps_config(broker_url: str, workdir: Path, overrides: dict[str, str], max_in_
         "ps.shards": str(shards), "ps.eval_every": "0", **overrides})
 
 
-async def _ps_trial(cfg: Config, parts: list[tuple[ShardUpdate, ...]], n: int, seconds: float, run: str) -> Trial:
-    """``n`` devices each sending every shard its part of the replayed gradient and waiting for every ack."""
-    trial = Trial()
-    count = len(parts)
-    topics = [Topics(cfg.job, i if count > 1 else None) for i in range(count)]
-    devices = [f"d{run}-{i}" for i in range(n)]
-    bus = Bus(cfg.broker, client_id=f"bench-devices-{run}", metrics=ServiceMetrics("bench"))
-    acks: dict[tuple[str, int], asyncio.Queue[UpdateAck]] = {(d, i): asyncio.Queue() for d in devices
-                                                             for i in range(count)}
-    modelled: set[int] = set()
-    first_models = asyncio.Event()
+class _LoadDevices:
+    """``n`` devices on one bus, as a service's (``zero_copy``), each sending every shard of the parameter server its
+    part of the replayed gradient and waiting for every shard's ack."""
 
-    async def on_ack(ack: UpdateAck, match: Any) -> None:
-        queue = acks.get((ack.device, max(match.shard, 0)))
+    def __init__(self, cfg: Config, parts: list[tuple[ShardUpdate, ...]], n: int, run: str) -> None:
+        self.parts = parts
+        shards = len(parts)
+        self.topics = [Topics(cfg.job, i if shards > 1 else None) for i in range(shards)]
+        self.names = [f"d{run}-{i}" for i in range(n)]
+        self.size = sum(len(s.data) for part in parts for s in part)
+        """Payload bytes of one update: every shard's part."""
+        self.bus = Bus(cfg.broker, client_id=f"bench-devices-{run}", metrics=ServiceMetrics("bench"), zero_copy=True)
+        self.acks: dict[tuple[str, int], asyncio.Queue[UpdateAck]] = {
+            (d, i): asyncio.Queue() for d in self.names for i in range(shards)}
+        self.seqs = dict.fromkeys(self.names, 0)
+        self.bases = dict.fromkeys(self.acks, 0)
+        """The version each device's last ack from each shard named: what its next update is computed on."""
+        self.first_models = asyncio.Event()
+        """Set once every shard's first model is in."""
+        self._modelled: set[int] = set()
+        for t in self.topics:
+            for d in self.names:
+                self.bus.route(t.ack_filter(d), UpdateAck, self._on_ack)
+            self.bus.route(t.model_filter(), ModelSnapshot, self._on_model)
+
+    async def _on_ack(self, ack: UpdateAck, match: TopicMatch) -> None:
+        queue = self.acks.get((ack.device, max(match.shard, 0)))
         if queue is not None:
             queue.put_nowait(ack)
 
-    async def on_model(_: ModelSnapshot, match: Any) -> None:
-        modelled.add(max(match.shard, 0))
-        if len(modelled) == count:
-            first_models.set()
+    async def _on_model(self, _: ModelSnapshot, match: TopicMatch) -> None:
+        self._modelled.add(max(match.shard, 0))
+        if len(self._modelled) == len(self.parts):
+            self.first_models.set()
 
-    for t in topics:
-        for d in devices:
-            bus.route(t.ack_filter(d), UpdateAck, on_ack)
-        bus.route(t.model_filter(), ModelSnapshot, on_model)
-    async with bus.running():
+    async def run(self, until: float, into: Trial) -> None:
+        """Every device sends updates until ``until`` (one each at least), counted into ``into``."""
+        await asyncio.gather(*(self._device(d, until, into) for d in self.names))
+
+    async def _device(self, name: str, until: float, into: Trial) -> None:
+        while True:
+            self.seqs[name] += 1
+            sent = time.perf_counter()
+            answers = await asyncio.gather(*(self._send(name, shard) for shard in range(len(self.parts))))
+            into.latencies.append(time.perf_counter() - sent)
+            if all(ack.status == "accepted" for ack in answers):
+                into.messages += 1
+                into.payload_bytes += self.size
+            if time.perf_counter() >= until:
+                return
+
+    async def _send(self, name: str, shard: int) -> UpdateAck:
+        """One update to ``shard`` and its ack."""
+        update = GradientUpdate(device=name, cluster=f"c-{name}", incarnation=1, seq=self.seqs[name],
+                                base_version=self.bases[name, shard], samples=32, shards=self.parts[shard],
+                                sent_at=time.time(), plan_version=1)
+        await self.bus.publish(self.topics[shard].grad(update.cluster, name), update, qos=1, kind="grad")
+        async with asyncio.timeout(ACK_TIMEOUT_S):
+            ack = await self.acks[name, shard].get()
+        self.bases[name, shard] = max(self.bases[name, shard], ack.version)
+        return ack
+
+
+async def _ps_trial(cfg: Config, parts: list[tuple[ShardUpdate, ...]], n: int, seconds: float, run: str) -> Trial:
+    """``n`` devices each sending every shard its part of the replayed gradient and waiting for every ack."""
+    devices, trial = _LoadDevices(cfg, parts, n, run), Trial()
+    async with devices.bus:
         async with asyncio.timeout(PS_START_TIMEOUT_S):
-            await first_models.wait()
-        size = sum(len(s.data) for part in parts for s in part)
-        seqs = dict.fromkeys(devices, 0)
-        bases = {(d, i): 0 for d in devices for i in range(count)}
-
-        async def send(name: str, shard: int) -> UpdateAck:
-            update = GradientUpdate(device=name, cluster=f"c-{name}", incarnation=1, seq=seqs[name],
-                                    base_version=bases[name, shard], samples=32, shards=parts[shard],
-                                    sent_at=time.time(), plan_version=1)
-            await bus.publish(topics[shard].grad(update.cluster, name), update, qos=1, kind="grad")
-            async with asyncio.timeout(ACK_TIMEOUT_S):
-                ack = await acks[name, shard].get()
-            bases[name, shard] = max(bases[name, shard], ack.version)
-            return ack
-
-        async def device(name: str, until: float, into: Trial) -> None:
-            while True:
-                seqs[name] += 1
-                sent = time.perf_counter()
-                answers = await asyncio.gather(*(send(name, shard) for shard in range(count)))
-                into.latencies.append(time.perf_counter() - sent)
-                if all(ack.status == "accepted" for ack in answers):
-                    into.messages += 1
-                    into.payload_bytes += size
-                if time.perf_counter() >= until:
-                    return
-
-        # one update from each device first: the plan has reached the PS, its buffers are allocated
-        await asyncio.gather(*(device(d, 0.0, Trial()) for d in devices))
+            await devices.first_models.wait()
+        await devices.run(0.0, Trial())  # one update from each first: the plan reached the PS, its buffers are in
         start = time.perf_counter()
-        await asyncio.gather(*(device(d, start + seconds, trial) for d in devices))
+        await devices.run(start + seconds, trial)
         trial.seconds = time.perf_counter() - start
     return trial
 
@@ -339,12 +351,15 @@ def _measure(pool: Pooled, cfg: Config, cluster: LocalCluster, parts: list[tuple
     return pool.add(trial, busy, after, moved)
 
 
+Servers = dict[int, tuple[Config, LocalCluster]]
+"""Each shard count's parameter server: its configuration, and its processes."""
+
+
 def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], seconds: float, overrides: dict[str, str],
               progress: Callable[[str], None], keep_logs: bool = False,
               shard_counts: list[int] | None = None, rounds: int = DEFAULT_ROUNDS) -> dict[str, Any]:
     whole = gradient_bytes()
     sizes = {spec: payload_bytes(spec, whole) for spec in payloads}
-    paho_decode.install()  # the devices read as EdgeMesh's bus does (the raw subscriber's process installs it too)
     workdir = Path(tempfile.mkdtemp(prefix="edgemesh-bench-transport-"))
     broker = BrokerProcess.default(max_packet_size=MAX_PACKET_BYTES)
     broker.start()
@@ -354,62 +369,19 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
                               "raw": {}, "stream": {}, "ps": {}, "ps_cpu_s_per_update": {}, "ps_parts": {},
                               "sharded": {}, "cpu_cores": {"raw": {}, "stream": {}, "ps": {}},
                               "host_cores": os.cpu_count(), "rounds_per_key": rounds, "rounds": {}}
-    counts = sorted({1, *(shard_counts or DEFAULT_SHARDS)})
     failure = None
     try:
-        host, port = broker.host, broker.port
         # every shard count's parameter server up at once (a job each), so each pair's trials run back to back
-        servers: dict[int, tuple[Config, LocalCluster]] = {}
-        for count in counts:
-            cfg = ps_config(broker.url, workdir, overrides, max(in_flight), count)
-            cluster = LocalCluster(cfg, workdir)
-            for i in range(count):
-                cluster.spawn("ps", "ps" if count == 1 else f"ps-{i}", ["--shard", f"{i}/{count}"] if count > 1 else [])
-            servers[count] = (cfg, cluster)
-            if count > 1:
-                result["sharded"][str(count)] = {"ps": {}, "ps_cpu_s_per_update": {}, "ps_parts": {},
-                                                 "speedup_vs_1": {}, "cpu_cores": {"ps": {}}}
-        ps = servers[1][0].ps  # every shard count's server is configured alike
-        result["ps_settings"] = {"ps.eval_every": ps.eval_every, "ps.fsync": ps.fsync,
-                                 "ps.checkpoint_every": ps.checkpoint_every}
+        servers = _start_servers(result, broker, workdir, overrides, max(in_flight),
+                                 sorted({1, *(shard_counts or DEFAULT_SHARDS)}))
         try:
-            # the sides back to back (broker alone, streamed, the PS in each shard count), then again in the other
-            # order, ``rounds`` times: a host growing busier or quieter weighs on every side alike
-            sides = ["raw", "stream", *(f"ps/{count}" for count in servers)]
             for spec, size in sizes.items():
                 gradients = {count: recorded_gradient(size, count) for count in servers}
                 for n in in_flight:
                     key = f"{spec}/{n}"
-                    pooled = {side: Pooled() for side in sides}
-                    result["rounds"][key] = []
-                    for r in range(rounds):
-                        order = sides if r % 2 == 0 else sides[::-1]
-                        got: dict[str, Any] = {"first": order[0]}
-                        for side in order:
-                            if side in ("raw", "stream"):
-                                trial = _raw(host, port, size, n, seconds, stream=side == "stream",
-                                             pool=pooled[side], broker_pid=broker.pid)
-                            else:
-                                count = int(side.split("/")[1])
-                                cfg, cluster = servers[count]
-                                trial = _measure(pooled[side], cfg, cluster, gradients[count], n, seconds, broker.pid)
-                            got[side] = trial.summary()["mb_per_s"]
-                        result["rounds"][key].append(got)
-                    for side in ("raw", "stream"):
-                        result[side][key] = pooled[side].trial.summary()
-                        result["cpu_cores"][side][key] = pooled[side].cores()
-                    for count in servers:
-                        into, pool = (result if count == 1 else result["sharded"][str(count)]), pooled[f"ps/{count}"]
-                        into["ps"][key] = pool.trial.summary()
-                        into.setdefault("cpu_cores", {}).setdefault("ps", {})[key] = pool.cores()
-                        into["ps_cpu_s_per_update"][key] = pool.cpu_per_message()
-                        into["ps_parts"][key] = pool.per_update()
-                    raw, ours = result["raw"][key], result["ps"][key]
-                    shown = ", ".join(f"{c} shards {e['ps'][key]['mb_per_s']} MB/s"
-                                      for c, e in result["sharded"].items())
-                    progress(f"{key}: raw {raw['mb_per_s']} MB/s (p50 {raw['p50_ms']} ms), stream "
-                             f"{result['stream'][key]['mb_per_s']} MB/s, ps {ours['mb_per_s']} MB/s "
-                             f"(p50 {ours['p50_ms']} ms){'; ' + shown if shown else ''}")
+                    pooled = _rounds(result, key, broker, servers, gradients, size, n, seconds, rounds)
+                    _record(result, key, pooled, servers)
+                    progress(_said(result, key))
         finally:
             for _, cluster in servers.values():
                 cluster.stop()
@@ -419,6 +391,80 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
     finally:
         broker.stop()
     result["failure"] = failure
+    _ratios(result)
+    finish(report, result, plot, progress, workdir, keep_logs=keep_logs or failure is not None)
+    return result
+
+
+def _start_servers(result: dict[str, Any], broker: BrokerProcess, workdir: Path, overrides: dict[str, str],
+                   max_in_flight: int, counts: list[int]) -> Servers:
+    """A parameter server of each shard count in ``counts``, a job each, its processes spawned; their settings and
+    the sharded ones' entries in ``result``."""
+    servers: Servers = {}
+    for count in counts:
+        cfg = ps_config(broker.url, workdir, overrides, max_in_flight, count)
+        cluster = LocalCluster(cfg, workdir)
+        for i in range(count):
+            cluster.spawn("ps", "ps" if count == 1 else f"ps-{i}", ["--shard", f"{i}/{count}"] if count > 1 else [])
+        servers[count] = (cfg, cluster)
+        if count > 1:
+            result["sharded"][str(count)] = {"ps": {}, "ps_cpu_s_per_update": {}, "ps_parts": {},
+                                             "speedup_vs_1": {}, "cpu_cores": {"ps": {}}}
+    ps = servers[1][0].ps  # every shard count's server is configured alike
+    result["ps_settings"] = {"ps.eval_every": ps.eval_every, "ps.fsync": ps.fsync,
+                             "ps.checkpoint_every": ps.checkpoint_every}
+    return servers
+
+
+def _rounds(result: dict[str, Any], key: str, broker: BrokerProcess, servers: Servers,
+            gradients: dict[int, list[tuple[ShardUpdate, ...]]], size: int, n: int, seconds: float,
+            rounds: int) -> dict[str, Pooled]:
+    """Every side's ``rounds`` trials at one payload and number in flight, pooled by side: the sides back to back
+    (broker alone, streamed, the PS in each shard count), then again in the other order, so that a host growing
+    busier or quieter weighs on every side alike. Each round's MB/s go into ``result["rounds"][key]``."""
+    sides = ["raw", "stream", *(f"ps/{count}" for count in servers)]
+    pooled = {side: Pooled() for side in sides}
+    result["rounds"][key] = []
+    for r in range(rounds):
+        order = sides if r % 2 == 0 else sides[::-1]
+        got: dict[str, Any] = {"first": order[0]}
+        for side in order:
+            if side in ("raw", "stream"):
+                trial = _raw(broker.host, broker.port, size, n, seconds, stream=side == "stream", pool=pooled[side],
+                             broker_pid=broker.pid)
+            else:
+                count = int(side.split("/")[1])
+                cfg, cluster = servers[count]
+                trial = _measure(pooled[side], cfg, cluster, gradients[count], n, seconds, broker.pid)
+            got[side] = trial.summary()["mb_per_s"]
+        result["rounds"][key].append(got)
+    return pooled
+
+
+def _record(result: dict[str, Any], key: str, pooled: dict[str, Pooled], servers: Servers) -> None:
+    """Every side's pooled figures at ``key`` into ``result`` (a shard count's under ``sharded``)."""
+    for side in ("raw", "stream"):
+        result[side][key] = pooled[side].trial.summary()
+        result["cpu_cores"][side][key] = pooled[side].cores()
+    for count in servers:
+        into, pool = (result if count == 1 else result["sharded"][str(count)]), pooled[f"ps/{count}"]
+        into["ps"][key] = pool.trial.summary()
+        into.setdefault("cpu_cores", {}).setdefault("ps", {})[key] = pool.cores()
+        into["ps_cpu_s_per_update"][key] = pool.cpu_per_message()
+        into["ps_parts"][key] = pool.per_update()
+
+
+def _said(result: dict[str, Any], key: str) -> str:
+    """The progress line of one payload and number in flight."""
+    raw, ours = result["raw"][key], result["ps"][key]
+    shown = ", ".join(f"{c} shards {e['ps'][key]['mb_per_s']} MB/s" for c, e in result["sharded"].items())
+    return (f"{key}: raw {raw['mb_per_s']} MB/s (p50 {raw['p50_ms']} ms), stream "
+            f"{result['stream'][key]['mb_per_s']} MB/s, ps {ours['mb_per_s']} MB/s "
+            f"(p50 {ours['p50_ms']} ms){'; ' + shown if shown else ''}")
+
+
+def _ratios(result: dict[str, Any]) -> None:
+    """Each shard count's ``speedup_vs_1``, and the parameter server's ingest over raw's and stream's, per key."""
     for entry in result["sharded"].values():
         entry["speedup_vs_1"] = {key: round(ps["mb_per_s"] / result["ps"][key]["mb_per_s"], 3)
                                  for key, ps in entry["ps"].items() if ps["mb_per_s"]
@@ -428,8 +474,6 @@ def run_bench(report: Path, *, payloads: list[str], in_flight: list[int], second
         result[f"ps_ingest_ratio{suffix}"] = {
             key: round(ps["mb_per_s"] / result[other][key]["mb_per_s"], 3)
             for key, ps in result["ps"].items() if ps["mb_per_s"] and result[other].get(key, {}).get("mb_per_s")}
-    finish(report, result, plot, progress, workdir, keep_logs=keep_logs or failure is not None)
-    return result
 
 
 def plot(result: dict[str, Any], png: Path) -> bool:

@@ -150,13 +150,17 @@ def device(t: EveryJob, shards: EveryJob) -> Role:
         *because("its gradient updates: to the parameter server, raw to the compressor's gateway, to each shard "
                  "of a sharded parameter server",
                  publish(t.grad(ANY, me)), publish(t.grad_raw(ANY, me)), publish(shards.grad(ANY, me))),
-        *because("model-parallel clusters: what it sends its cluster (the last level names the sender)",
-                 publish(t.mesh(ANY, ANY, "fwd", me)), publish(t.mesh(ANY, "step", "begin", me)),
+        *because("model-parallel clusters: what it sends its cluster (the last level names the sender), its own "
+                 "data's batch included when it owns a step",
+                 publish(t.mesh(ANY, ANY, "fwd", me)), publish(t.mesh(ANY, ANY, "input", me)),
+                 publish(t.mesh(ANY, "step", "begin", me)),
                  publish(t.mesh(ANY, "step", "ready", me), retained=True),
                  publish(t.mesh_backward(ANY, ANY, ANY, me))),
-        *because("model-parallel clusters: forward slices and step messages go to a cluster's members, whom the "
-                 "topic does not name (every cluster's are readable); backward slices name their receiver",
-                 read(t.mesh_filter(ANY, ANY, "fwd", ANY)), read(t.mesh_filter(ANY, "step", "begin", ANY)),
+        *because("model-parallel clusters: forward slices, a step's batch and step messages go to a cluster's "
+                 "members, whom the topic does not name (every cluster's are readable); backward slices name their "
+                 "receiver",
+                 read(t.mesh_filter(ANY, ANY, "fwd", ANY)), read(t.mesh_filter(ANY, ANY, "input", ANY)),
+                 read(t.mesh_filter(ANY, "step", "begin", ANY)),
                  read(t.mesh_filter(ANY, "step", "ready", ANY), retained=True), read(t.backward_filter(ANY, me))),
         *because("the plan and its own codec policy (retained)",
                  read(t.plan_filter(), retained=True), read(t.codec_filter(me), retained=True)),

@@ -22,6 +22,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,10 +30,13 @@ from edgemesh.common import costs, wire
 from edgemesh.common.codecs import codec_for, get_codec, quick_to_decode
 from edgemesh.common.config import ParameterServerConfig
 from edgemesh.common.errors import WireError
-from edgemesh.common.half import from_half, to_half
 from edgemesh.common.messages import CodecPolicy, ModelDelta, ModelSnapshot, Plan, ShardUpdate
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.vocabulary import SyncPolicy
+from edgemesh.common.wire.half import from_half, to_half
+from edgemesh.common.wire.tensors import Tensor
+
+if TYPE_CHECKING:
+    from edgemesh.common.topics import Topics
 
 Rows = Mapping[str, tuple[int, int]]
 """``param -> (start, stop)`` along dim 0."""
@@ -155,17 +159,19 @@ def _float32(values: np.ndarray) -> np.ndarray:
 
 
 def member_rows(plan: Plan | None) -> dict[str, dict[str, tuple[int, int]]]:
-    """``device -> param -> (start, stop)``: the rows every model-parallel member of ``plan`` trains."""
+    """``device -> tensor -> (start, stop)``: the rows every model-parallel member of ``plan`` trains, by the rule its
+    own model view keeps (``costs.member_rows``: its slice of each layer and of the tensors divided with it, such as
+    batch norm's, and every counter whole), the layers it has no unit of left out."""
     out: dict[str, dict[str, tuple[int, int]]] = {}
-    for c in plan.clusters if plan is not None else ():
+    if plan is None:
+        return out
+    for c in plan.clusters:
         if len(c.members) < 2:
             continue
+        layers = costs.layers(plan.model_spec)
         for i, device in enumerate(c.members):
-            rows = out[device] = {}
-            for layer, counts in c.counts.items():
-                start, stop = costs.slices(counts)[i]
-                if stop > start:
-                    rows[f"{layer}.weight"] = rows[f"{layer}.bias"] = (start, stop)
+            out[device] = {name: (start, stop) for name, (start, stop) in costs.member_rows(layers, c.counts, i).items()
+                           if stop > start}
     return out
 
 
@@ -224,6 +230,20 @@ class ModelView:
     @property
     def ready(self) -> bool:
         return self.params is not None
+
+    @property
+    def stamp(self) -> int:
+        """What moves whenever the model this view holds moves: its version."""
+        return self.version
+
+    def shard_topics(self, topics: Topics) -> list[Topics]:
+        """The topics of the parameter servers whose model this view follows: one."""
+        return [topics]
+
+    def pieces(self, grads: Mapping[str, tuple[int, int, np.ndarray]]) -> list[tuple[str, int, int, np.ndarray]]:
+        """A model-parallel member's gradient (``param -> (start, stop, rows)``) as the pieces its parameter server
+        takes: as it is."""
+        return [(name, start, stop, rows) for name, (start, stop, rows) in grads.items()]
 
     def restrict(self, rows: Rows | None) -> bool:
         """Keep only ``rows`` of every parameter from now on (None: whole parameters).

@@ -54,7 +54,7 @@ class ModelCost:
     """Number of parameters (every one of ``named_parameters()``: all of them travel)."""
     macs_per_sample: int
     """Multiply-accumulates of the matrix multiplies (linear layers), convolutions and attention in one
-    forward pass of one sample, as torch's flop counter counts them (``models.cost``)."""
+    forward pass of one sample, as torch's flop counter counts them (``models.derived_costs``)."""
     activations_per_sample: int
     """float32 values every layer outputs for one sample (input included)."""
 
@@ -69,14 +69,16 @@ class LayerCost:
 
     Per-sample figures; a member holding ``n`` of the ``units`` does ``n x macs_per_unit`` MACs
     per sample forward, holds ``n x params_per_unit`` parameters, keeps ``n x out_per_unit``
-    values before the layer's channel-wise tail (ReLU, pooling) and sends ``n x gathered_per_unit``
-    values after it to the other members (the forward all-gather). In the backward pass it computes
+    values before the layer's channel-wise tail (ReLU, pooling; a residual block's projection's
+    output too) and sends ``n x gathered_per_unit`` values after it to the other members (the
+    forward all-gather). In the backward pass it computes
     a partial gradient of the whole input (``in_values``) and sends the other members their
     channels of it (the reduce-scatter); the first layer, whose input is the data, sends none.
     """
 
     name: str
-    """Module name in the spec (``conv1``, ``fc2``): parameters are ``<name>.weight`` and ``<name>.bias``."""
+    """Module name in the spec (``conv1``, ``fc2``): parameters are ``<name>.weight`` and, with ``bias``,
+    ``<name>.bias``."""
     units: int
     """Output filters (conv) or features (linear): what the filter division divides."""
     macs_per_unit: int
@@ -85,6 +87,44 @@ class LayerCost:
     gathered_per_unit: int
     in_values: int
     """float32 values of the layer's whole input, for one sample."""
+    divided: tuple[str, ...] = ()
+    """Tensors divided by the same rows as the layer's output units: its channel-wise tail's batch norms' weight
+    and bias (counted in ``params_per_unit``) and running mean and variance, and, for the last layer of a residual
+    block with a projection, the projection's weight (and bias) and its batch norms' (its MACs and parameters
+    counted in this layer's figures). A member holds and trains its rows of them, and sends their gradients and
+    changes as shards of those rows."""
+    counters: tuple[str, ...] = ()
+    """Integer counters of the tail (batch norm's ``num_batches_tracked``, one row): every member holds them whole,
+    and the cluster's first member alone sends their change, so that a joined update counts a step once."""
+    bias: bool = True
+    """Whether the layer has a bias (``<name>.bias``): a layer without one (``bias=False``) is divided by its weight
+    rows alone."""
+    group: int = 1
+    """Output units of one group of a grouped convolution (``out_channels / groups``; 1 for any other layer): a
+    member's count of the layer is a whole number of groups, which it computes from their input channels alone."""
+
+    def parts(self) -> tuple[str, ...]:
+        """The layer's own parameters: ``<name>.weight``, and ``<name>.bias`` when it has one."""
+        return (f"{self.name}.weight", f"{self.name}.bias") if self.bias else (f"{self.name}.weight",)
+
+
+def member_rows(layer_costs: Sequence[LayerCost], counts: Mapping[str, Sequence[int]],
+                index: int) -> dict[str, tuple[int, int]]:
+    """``tensor -> (start, stop)``: the rows of the model state member ``index`` of a filter division (``counts``:
+    layer -> units per member) holds, an empty range for a layer it has no unit of: its slice of every layer's weight
+    and bias (none for a layer without bias) and of the tensors divided with the layer (``LayerCost.divided``), and
+    every counter whole. A layer ``layer_costs`` does not list is taken to have a bias."""
+    figures = {la.name: la for la in layer_costs}
+    rows: dict[str, tuple[int, int]] = {}
+    for layer, units in counts.items():
+        span = slices(units)[index]
+        figure = figures.get(layer)
+        own = figure.parts() if figure is not None else (f"{layer}.weight", f"{layer}.bias")
+        rows.update(dict.fromkeys(own, span))
+        if figure is not None:
+            rows.update(dict.fromkeys(figure.divided, span))
+            rows.update({name: (0, 1) for name in figure.counters})
+    return rows
 
 
 def slices(counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -155,6 +195,10 @@ PLAIN_VERSION = 1
 _COST_FIELDS = ("params", "macs_per_sample", "activations_per_sample")
 _LAYER_FIELDS = ("name", "units", "macs_per_unit", "params_per_unit", "out_per_unit", "gathered_per_unit",
                  "in_values")
+_LAYER_NAMES = ("divided", "counters")
+"""Fields of a layer that list tensor names; a plain form without them (a layer with no batch norm) is whole."""
+_LAYER_DEFAULTS: dict[str, Any] = {"bias": True, "group": 1}
+"""Fields of a layer written only when they differ from these defaults, so that older figures decode unchanged."""
 
 
 def cost_to_plain(cost: ModelCost, layers: Sequence[LayerCost] | None) -> dict[str, Any]:
@@ -162,7 +206,11 @@ def cost_to_plain(cost: ModelCost, layers: Sequence[LayerCost] | None) -> dict[s
     return {
         "version": PLAIN_VERSION,
         **{f: getattr(cost, f) for f in _COST_FIELDS},
-        "layers": None if layers is None else [{f: getattr(la, f) for f in _LAYER_FIELDS} for la in layers],
+        "layers": None if layers is None else [{f: getattr(la, f) for f in _LAYER_FIELDS}
+                                               | {f: list(getattr(la, f)) for f in _LAYER_NAMES if getattr(la, f)}
+                                               | {f: getattr(la, f) for f, default in _LAYER_DEFAULTS.items()
+                                                  if getattr(la, f) != default}
+                                               for la in layers],
     }
 
 
@@ -191,16 +239,34 @@ def cost_from_plain(d: Any) -> tuple[ModelCost, tuple[LayerCost, ...] | None]:
         raise ModelError(f"cost figures: layers must be a non-empty list or null, got {top['layers']!r}")
     out = []
     for i, item in enumerate(top["layers"]):
-        la = _fields(item, _LAYER_FIELDS, _LAYER_FIELDS[1:], f"cost figures: layer {i}")
-        if not isinstance(la["name"], str) or not la["name"]:
-            raise ModelError(f"cost figures: layer {i}: name must be a non-empty string, got {la['name']!r}")
-        if la["units"] < 1:
-            raise ModelError(f"cost figures: layer {i} ({la['name']}): units must be >= 1")
-        out.append(LayerCost(**la))
+        out.append(_layer_from_plain(item, f"cost figures: layer {i}"))
     names = [la.name for la in out]
     if len(set(names)) != len(names):
         raise ModelError(f"cost figures: layer names repeat: {names}")
     return cost, tuple(out)
+
+
+def _layer_from_plain(item: Any, where: str) -> LayerCost:
+    """One layer of ``cost_from_plain``; ModelError naming the first thing wrong."""
+    given = tuple(f for f in (*_LAYER_NAMES, *_LAYER_DEFAULTS) if isinstance(item, Mapping) and f in item)
+    la = _fields(item, (*_LAYER_FIELDS, *given), _LAYER_FIELDS[1:], where)
+    if not isinstance(la["name"], str) or not la["name"]:
+        raise ModelError(f"{where}: name must be a non-empty string, got {la['name']!r}")
+    where = f"{where} ({la['name']})"
+    if la["units"] < 1:
+        raise ModelError(f"{where}: units must be >= 1")
+    for f in given:
+        if f not in _LAYER_NAMES:
+            continue
+        if not isinstance(la[f], list | tuple) or not all(isinstance(n, str) and n for n in la[f]):
+            raise ModelError(f"{where}: {f} must be a list of names")
+        la[f] = tuple(la[f])
+    if not isinstance(la.get("bias", True), bool):
+        raise ModelError(f"{where}: bias must be true or false, got {la['bias']!r}")
+    group = la.get("group", 1)
+    if not (isinstance(group, int) and not isinstance(group, bool) and group >= 1 and la["units"] % group == 0):
+        raise ModelError(f"{where}: group must be an integer >= 1 that divides the units, got {group!r}")
+    return LayerCost(**la)
 
 
 def training_memory_bytes(spec: str, batch: int) -> int:

@@ -24,6 +24,7 @@ import numpy as np
 from edgemesh.common.broadcast import ModelView
 from edgemesh.common.errors import ConfigError, WireError
 from edgemesh.common.messages import ShardUpdate
+from edgemesh.common.topics import Topics
 
 Piece = tuple[str, int, int, np.ndarray]
 """``(param, start, stop, rows)``: rows of a gradient."""
@@ -180,6 +181,19 @@ class ShardedView:
     def version(self) -> int:
         """The oldest shard's version."""
         return min(self.versions)
+
+    @property
+    def stamp(self) -> int:
+        """What moves whenever the model moves: the sum of the shards' versions (it moves shard by shard)."""
+        return sum(self.versions)
+
+    def shard_topics(self, topics: Topics) -> list[Topics]:
+        """The topics of the parameter server shards whose model this view follows, in shard order."""
+        return [topics.for_shard(i) for i in range(len(self.views))]
+
+    def pieces(self, grads: Mapping[str, tuple[int, int, np.ndarray]]) -> list[Piece]:
+        """A model-parallel member's gradient (``param -> (start, stop, rows)``) cut at the shards' rows (``cut``)."""
+        return cut(grads, self.spans)
 
     @property
     def gap(self) -> bool:

@@ -4,10 +4,12 @@ All topics live under ``edgemesh/v1/{job}/`` so several trainings can share one 
 
 * ``Topics(job)`` builds the topics a service publishes on (``topics.grad(cluster, device)``)
   and the :class:`Filter` objects it subscribes with (``topics.grad_filter()``).
-* :func:`match` finds the filter a received topic falls under and parses the topic into a
-  :class:`TopicMatch` (job, kind, device, cluster, ...) once, for the bus's router;
-  :meth:`TopicMatch.disagreement` checks a decoded body against it (the device a topic names is
-  the device in the body).
+* :func:`parse` reads a topic into a :class:`TopicMatch` (job, kind, device, cluster, ...): each family
+  of topics has its parser, found by the topic's first level after the job; :func:`parse_as` goes
+  straight to the parser of a family already known (the kind of the filter the topic fell under).
+  :func:`match` finds the filter a received topic falls under and parses the topic by that filter's
+  kind, for the bus's router; :meth:`TopicMatch.disagreement` checks a decoded body against it (the
+  device a topic names is the device in the body).
 
 A sharded parameter server (``ps.shards`` > 1) owns its gradients, acks and model broadcast under
 ``shard/{index}/`` (``Topics(job, shard=i)``); shard 0 also publishes the steps the others follow on
@@ -26,15 +28,15 @@ as filters, for the broker's ACL (``edgemesh.common.acl``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from edgemesh.common.vocabulary import MAX_TOPIC_CHARS, check_name, valid_name, valid_topic
 
 __all__ = ["MAX_TOPIC_CHARS", "CHUNK_SEGMENT", "PREFIX", "SITES_SEGMENT", "EveryJob", "Filter", "TopicError",
            "TopicMatch", "Topics", "all_job_states_filter", "all_jobs_filter", "base_topic", "check_name", "match",
-           "matches", "parse", "site_prefix", "valid_name", "valid_topic"]
+           "matches", "parse", "parse_as", "site_prefix", "valid_name", "valid_topic"]
 
 PREFIX = "edgemesh/v1"
 CHUNK_SEGMENT = "chunk"
@@ -51,6 +53,8 @@ MAX_SHARDS = 64
 """Most parameter server shards a topic may name."""
 SHARD_KINDS = ("model", "delta", "grad", "ack", "steps", "norms")
 """The families a parameter server shard has under ``shard/{index}/``."""
+SHARD_ONLY_KINDS = ("steps", "norms")
+"""The families only under ``shard/{index}/`` (nothing outside ``shard/`` is named so)."""
 SERVICE_TARGETS = ("planner", "ps", "compressor", "all", "job")
 """Control targets other than ``device/{id}``."""
 CHECKED_FIELDS = ("device", "cluster", "layer", "phase")
@@ -373,61 +377,178 @@ def all_job_states_filter() -> Filter:
     return Filter(f"{PREFIX}/+/job/state", "job_state")
 
 
+# --- parsing: one parser per family --------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Levels:
+    """A received topic split for its parsers: its job, its levels after the job (and after ``shard/{index}``), the
+    topic without a chunk suffix, and its shard (-1: not a shard's topic)."""
+
+    job: str
+    rest: list[str]
+    base: str
+    shard: int = -1
+
+    @classmethod
+    def of(cls, topic: str) -> _Levels:
+        """``topic`` split, a trailing ``chunk/{i}`` dropped; TopicError when it is not under ``edgemesh/v1/{job}/``."""
+        parts = topic.split("/")
+        if _has_chunk_suffix(parts):
+            parts = parts[:-2]
+        if len(parts) < 4 or f"{parts[0]}/{parts[1]}" != PREFIX or not valid_name(parts[2]):
+            raise TopicError(f"{topic!r} is not under {PREFIX}/{{job}}/")
+        job, rest, base = parts[2], parts[3:], "/".join(parts)
+        match rest:
+            case ["shard", index, _, *_] if index.isascii() and index.isdigit() and int(index) < MAX_SHARDS:
+                return cls(job, rest[2:], base, int(index))
+        return cls(job, rest, base)
+
+    def as_kind(self, kind: TopicKind) -> TopicMatch | None:
+        """These levels parsed as a topic of ``kind``; None when they are not one (under ``shard/{index}/``, only
+        the families a shard has)."""
+        if kind not in SHARD_KINDS if self.shard >= 0 else kind in SHARD_ONLY_KINDS:
+            return None
+        return _FAMILIES[kind][1](self)
+
+
+Parser = Callable[[_Levels], TopicMatch | None]
+"""One family's parser: the topic as a ``TopicMatch`` of that family, or None when its levels are another's."""
+
+
+def _fixed(kind: TopicKind, *levels: str) -> Parser:
+    """A family of one topic per job (``plan``, ``job/state``)."""
+    expected = list(levels)
+
+    def parse(where: _Levels) -> TopicMatch | None:
+        return TopicMatch(where.job, kind, where.base, shard=where.shard) if where.rest == expected else None
+    return parse
+
+
+def _of_device(kind: TopicKind, level: str) -> Parser:
+    """``device/{device}/{level}``: what a device says of itself."""
+    def parse(where: _Levels) -> TopicMatch | None:
+        match where.rest:
+            case ["device", device, last] if last == level:
+                return TopicMatch(where.job, kind, where.base, device=device)
+        return None
+    return parse
+
+
+def _for_device(kind: TopicKind, level: str) -> Parser:
+    """``{level}/{device}``: a device's codec policy or ack."""
+    def parse(where: _Levels) -> TopicMatch | None:
+        match where.rest:
+            case [first, device] if first == level:
+                return TopicMatch(where.job, kind, where.base, device=device, shard=where.shard)
+        return None
+    return parse
+
+
+def _from_member(kind: TopicKind, level: str) -> Parser:
+    """``{level}/{cluster}/{device}``: a gradient and its sender."""
+    def parse(where: _Levels) -> TopicMatch | None:
+        match where.rest:
+            case [first, cluster, device] if first == level:
+                return TopicMatch(where.job, kind, where.base, device=device, cluster=cluster, shard=where.shard)
+        return None
+    return parse
+
+
+def _delta(where: _Levels) -> TopicMatch | None:
+    """``model/delta``, or a model-parallel member's part of it, ``model/delta/{device}``."""
+    match where.rest:
+        case ["model", "delta"]:
+            return TopicMatch(where.job, "delta", where.base, shard=where.shard)
+        case ["model", "delta", device]:
+            return TopicMatch(where.job, "delta", where.base, device=device, shard=where.shard)
+    return None
+
+
+def _mesh(where: _Levels) -> TopicMatch | None:
+    """A forward slice or step message from its sender, or a backward slice from its sender to its receiver."""
+    match where.rest:
+        case ["mesh", cluster, layer, phase, device] if phase != "bwd":
+            return TopicMatch(where.job, "mesh", where.base, device=device, cluster=cluster, layer=layer, phase=phase)
+        case ["mesh", cluster, layer, "bwd", receiver, sender]:
+            return TopicMatch(where.job, "mesh", where.base, device=sender, cluster=cluster, layer=layer, phase="bwd",
+                              target=receiver)
+    return None
+
+
+def _control(where: _Levels) -> TopicMatch | None:
+    """``control/{service target}`` or ``control/device/{device}``."""
+    match where.rest:
+        case ["control", target] if target in SERVICE_TARGETS:
+            return TopicMatch(where.job, "control", where.base, target=target)
+        case ["control", "device", device]:
+            return TopicMatch(where.job, "control", where.base, device=device, target=f"device/{device}")
+    return None
+
+
+def _reply(where: _Levels) -> TopicMatch | None:
+    """A service's answer to ``requester``, or a device's (its name last)."""
+    match where.rest:
+        case ["control-reply", requester]:
+            return TopicMatch(where.job, "reply", where.base, target=requester)
+        case ["control-reply", requester, device]:
+            return TopicMatch(where.job, "reply", where.base, device=device, target=requester)
+    return None
+
+
+_FAMILIES: dict[TopicKind, tuple[str, Parser]] = {
+    "hello": ("device", _of_device("hello", "hello")),
+    "status": ("device", _of_device("status", "status")),
+    "stats": ("device", _of_device("stats", "stats")),
+    "evaluation": ("device", _of_device("evaluation", "evaluation")),
+    "snapshot_request": ("device", _of_device("snapshot_request", "snapshot-request")),
+    "probe": ("device", _of_device("probe", "probe")),
+    "plan": ("plan", _fixed("plan", "plan")),
+    "sync": ("sync", _fixed("sync", "sync")),
+    "model": ("model", _fixed("model", "model")),
+    "delta": ("model", _delta),
+    "events": ("events", _fixed("events", "events")),
+    "job": ("job", _fixed("job", "job")),
+    "job_state": ("job", _fixed("job_state", "job", "state")),
+    "job_model": ("job", _fixed("job_model", "job", "model")),
+    "codec": ("codec", _for_device("codec", "codec")),
+    "ack": ("ack", _for_device("ack", "ack")),
+    "grad": ("grad", _from_member("grad", "grad")),
+    "grad_raw": ("grad-raw", _from_member("grad_raw", "grad-raw")),
+    "mesh": ("mesh", _mesh),
+    "control": ("control", _control),
+    "reply": ("control-reply", _reply),
+    "steps": ("steps", _fixed("steps", "steps")),
+    "norms": ("norms", _fixed("norms", "norms")),
+}
+"""Each family: the first level of its topics after the job, and its parser."""
+
+
+def _kinds_at() -> dict[str, tuple[TopicKind, ...]]:
+    kinds: dict[str, tuple[TopicKind, ...]] = {}
+    for kind, (level, _) in _FAMILIES.items():
+        kinds[level] = (*kinds.get(level, ()), kind)
+    return kinds
+
+
+_KINDS_AT = _kinds_at()
+"""The families whose topics begin with a level (after the job): the parsers ``parse`` tries."""
+
+
 def parse(topic: str) -> TopicMatch:
     """The family and names of an EdgeMesh topic (a trailing ``chunk/{i}`` ignored); TopicError otherwise."""
-    parts = topic.split("/")
-    if _has_chunk_suffix(parts):
-        parts = parts[:-2]
-    if len(parts) < 4 or "/".join(parts[:2]) != PREFIX or not valid_name(parts[2]):
-        raise TopicError(f"{topic!r} is not under {PREFIX}/{{job}}/")
-    job, rest, base = parts[2], parts[3:], "/".join(parts)
-    match rest:
-        case ["shard", index, *inner] if index.isascii() and index.isdigit() and int(index) < MAX_SHARDS:
-            if inner in (["steps"], ["norms"]):  # a shard's families alone: nothing outside shard/ is named so
-                return TopicMatch(job, inner[0], base, shard=int(index))  # type: ignore[arg-type]
-            found = parse("/".join([*parts[:3], *inner]))
-            if found.kind in SHARD_KINDS:
-                return replace(found, topic=base, shard=int(index))
-        case ["device", device, ("hello" | "status" | "stats" | "evaluation") as kind]:
-            return TopicMatch(job, kind, base, device=device)
-        case ["device", device, "snapshot-request"]:
-            return TopicMatch(job, "snapshot_request", base, device=device)
-        case ["device", device, "probe"]:
-            return TopicMatch(job, "probe", base, device=device)
-        case ["plan" | "sync" | "model" | "events" as kind]:
-            return TopicMatch(job, kind, base)
-        case ["job"]:
-            return TopicMatch(job, "job", base)
-        case ["job", "state"]:
-            return TopicMatch(job, "job_state", base)
-        case ["job", "model"]:
-            return TopicMatch(job, "job_model", base)
-        case ["model", "delta"]:
-            return TopicMatch(job, "delta", base)
-        case ["model", "delta", device]:
-            return TopicMatch(job, "delta", base, device=device)
-        case ["codec", device]:
-            return TopicMatch(job, "codec", base, device=device)
-        case ["ack", device]:
-            return TopicMatch(job, "ack", base, device=device)
-        case ["grad", cluster, device]:
-            return TopicMatch(job, "grad", base, device=device, cluster=cluster)
-        case ["grad-raw", cluster, device]:
-            return TopicMatch(job, "grad_raw", base, device=device, cluster=cluster)
-        case ["mesh", cluster, layer, phase, device] if phase != "bwd":
-            return TopicMatch(job, "mesh", base, device=device, cluster=cluster, layer=layer, phase=phase)
-        case ["mesh", cluster, layer, "bwd", receiver, sender]:
-            return TopicMatch(job, "mesh", base, device=sender, cluster=cluster, layer=layer, phase="bwd",
-                              target=receiver)
-        case ["control", target] if target in SERVICE_TARGETS:
-            return TopicMatch(job, "control", base, target=target)
-        case ["control", "device", device]:
-            return TopicMatch(job, "control", base, device=device, target=f"device/{device}")
-        case ["control-reply", requester]:
-            return TopicMatch(job, "reply", base, target=requester)
-        case ["control-reply", requester, device]:
-            return TopicMatch(job, "reply", base, device=device, target=requester)
+    where = _Levels.of(topic)
+    for kind in _KINDS_AT.get(where.rest[0], ()):
+        found = where.as_kind(kind)
+        if found is not None:
+            return found
     raise TopicError(f"{topic!r} is not an EdgeMesh topic")
+
+
+def parse_as(kind: TopicKind, topic: str) -> TopicMatch:
+    """``parse(topic)``, its parser found by ``kind`` (the family of the filter it fell under) rather than by its
+    levels: the same answer, one parser tried. A topic of another family (a filter of a family whose pattern takes
+    others', ``#``) is parsed as ``parse`` does."""
+    found = _Levels.of(topic).as_kind(kind)
+    return found if found is not None else parse(topic)
 
 
 def match(topic: str, filters: Sequence[Filter]) -> tuple[int, TopicMatch] | None:
@@ -436,7 +557,7 @@ def match(topic: str, filters: Sequence[Filter]) -> tuple[int, TopicMatch] | Non
     base = base_topic(topic)
     for index, filter_ in enumerate(filters):
         if matches(filter_.pattern, base):
-            return index, parse(base)
+            return index, parse_as(filter_.kind, base)
     return None
 
 

@@ -5,7 +5,9 @@ planner, the parameter server, the compressor and N workers, all serving submitt
 under systemd; submits the digits job (``Demo.job``: the model of ``examples/digits.toml``) as
 ``edgemesh job submit`` does; follows the PS's evaluation events with a progress bar; stops at the
 target accuracy, the version limit or the timeout; reads every process's ``/metrics``; prints a
-summary and writes a JSON report. Ctrl-C (or SIGTERM) stops every child; none is left behind.
+summary and writes a JSON report. Ctrl-C (or SIGTERM) stops every child; none is left behind. A worker the
+kernel killed at its emulated board's memory limit (``worker.emulate``) is said on the job's topics as a device
+that left for memory (``LocalCluster.say_departures``) before the demo stops.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class Demo:
         self.progress = Progress()
         self.stop = asyncio.Event()
         self.failure: str | None = None
+        self.bus: Bus | None = None
+        """The demo's own connection (``_watch``), while it is up."""
 
     # ------------------------------------------------------------------ processes
     def _start_all(self) -> None:
@@ -128,11 +132,16 @@ class Demo:
     async def _watch(self) -> None:
         """Follow the parameter server's evaluation events until cancelled."""
         topics = Topics(self.cfg.job)
-        bus = Bus(self.cfg.broker, client_id=f"edgemesh-demo-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("demo"))
+        bus = Bus(self.cfg.broker, client_id=f"edgemesh-demo-{uuid.uuid4().hex[:8]}", metrics=ServiceMetrics("demo"),
+                  connect_first=False)
         bus.route(topics.events_filter(), Event, self._on_event)
         bus.route(topics.job_state_filter(), JobState, self._on_job_state)
         async with bus:
-            await bus.run()
+            self.bus = bus
+            try:
+                await asyncio.Event().wait()  # routed until cancelled
+            finally:
+                self.bus = None
 
     async def _on_job_state(self, state: JobState, _: TopicMatch) -> None:
         """The job ended at its stop rule: the evaluation of its last version may never come as an event (the
@@ -176,6 +185,9 @@ class Demo:
             failure = self.cluster.failure()
             if failure is not None:
                 self.failure = failure
+                if self.bus is not None:  # a worker killed for memory: the operator sees the device leave
+                    with contextlib.suppress(EdgeMeshError):
+                        await self.cluster.say_departures(self.bus)
                 self.stop.set()
                 return
             with contextlib.suppress(TimeoutError):

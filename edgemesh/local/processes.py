@@ -4,6 +4,12 @@
 process (``python -m edgemesh ROLE``) with the cluster's whole configuration in a TOML file, its
 own log, and its metrics on a free port written to a port file. Children die with the parent
 (:func:`parent_death_signal`) and are stopped with SIGTERM, then SIGKILL.
+
+An emulated worker runs in cgroups of its own under the spawner's (``emulation.limits``). When a child ends, the
+spawner reads what its memory cgroup recorded and removes it: a child killed by SIGKILL whose cgroup counted an
+OOM kill left *for memory* (``out_of_memory``). That is logged, named in :meth:`LocalCluster.failure`, and
+published by :meth:`LocalCluster.say_departures` (the device's retained ``left`` status and a ``device_left``
+event), as an operator watching the job sees a device that leaves it.
 """
 
 from __future__ import annotations
@@ -21,10 +27,16 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from edgemesh.common.config import Config, to_toml
+from edgemesh.common.emulation import limits
+from edgemesh.common.messages import DeviceStatus, Event
 from edgemesh.common.metrics import parse_metrics
+from edgemesh.common.topics import Topics
+
+if TYPE_CHECKING:
+    from edgemesh.common.bus import Bus
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +46,8 @@ SCRAPE_TIMEOUT_S = 3.0
 """Timeout of one ``/metrics`` request to a child."""
 LOG_TAIL_LINES = 15
 """Lines of a failed child's log shown in its failure."""
+OUT_OF_MEMORY = "out_of_memory"
+"""The reason a child killed by the kernel at its board's memory limit left (events, its ``left`` status)."""
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -69,6 +83,22 @@ class Child:
     peak_rss_kb: int = 0
     samples: Samples = field(default_factory=dict)
     """The child's metrics, as last scraped."""
+    device: str = ""
+    """The device a worker trains as (its ``--device``; else its name)."""
+    ending: limits.Ending | None = None
+    """What its memory cgroup recorded, once it ended (None: it had none, or runs)."""
+    reaped: bool = False
+    said: bool = False
+    """Its leaving for memory was published (``say_departures``)."""
+
+    @property
+    def out_of_memory(self) -> bool:
+        """It ended by SIGKILL, and its memory cgroup counted an OOM kill: the kernel ended it at its limit."""
+        return self.proc.returncode == -signal.SIGKILL and self.ending is not None and self.ending.out_of_memory
+
+    def memory_reason(self) -> str:
+        limit = f" of {self.ending.limit_bytes / 2**20:.0f} MiB" if self.ending is not None else ""
+        return f"{OUT_OF_MEMORY}: killed by the kernel at its board's memory limit{limit}"
 
 
 def peak_rss_kb(pid: int) -> int:
@@ -153,7 +183,9 @@ class LocalCluster:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=parent_death_signal(), env=env)
         log.close()
-        child = Child(role=role, name=name, proc=proc, port_file=port_file, log_path=log_path)
+        flags = extra or []
+        device = flags[flags.index("--device") + 1] if "--device" in flags[:-1] else name
+        child = Child(role=role, name=name, proc=proc, port_file=port_file, log_path=log_path, device=device)
         self.children.append(child)
         return child
 
@@ -181,9 +213,42 @@ class LocalCluster:
             child.peak_rss_kb = max(child.peak_rss_kb, peak_rss_kb(child.proc.pid))
             code = child.proc.poll()
             if code is not None:
+                self.reap(child)
                 tail = child.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-                return f"{child.name} exited with code {code}:\n  " + "\n  ".join(tail)
+                how = (f"left for memory ({child.memory_reason()})" if child.out_of_memory
+                       else f"exited with code {code}")
+                return f"{child.name} {how}:\n  " + "\n  ".join(tail)
         return None
+
+    def reap(self, child: Child) -> None:
+        """Once ``child`` ended: read and remove its cgroups (``emulation.limits.release``), and say loudly if the
+        kernel killed it for memory."""
+        if child.reaped or child.proc.poll() is None:
+            return
+        child.reaped = True
+        root = self.cfg.worker.emulation_cgroup_root
+        child.ending = limits.release(child.proc.pid, root=root) if root else None
+        if child.out_of_memory:
+            logger.error("%s (device %s) left for memory: %s", child.name, child.device, child.memory_reason())
+
+    async def say_departures(self, bus: Bus) -> int:
+        """Publish, for every child that left for memory and was not said yet, the device's retained ``left``
+        status (reason ``out_of_memory: ...``) and a ``device_left`` event (``data.reason = "out_of_memory"``) on
+        the job's topics; how many."""
+        topics, said = Topics(self.cfg.job), 0
+        for child in self.children:
+            self.reap(child)
+            if not child.out_of_memory or child.said:
+                continue
+            child.said, reason = True, child.memory_reason()
+            await bus.publish(topics.status(child.device), DeviceStatus(
+                device=child.device, state="left", time=time.time(), reason=reason), retain=True)
+            await bus.publish(topics.events(), Event(
+                kind="device_left", source="local", time=time.time(), message=f"{child.device} left: {reason}",
+                data={"device": child.device, "reason": OUT_OF_MEMORY,
+                      "limit_bytes": child.ending.limit_bytes if child.ending is not None else 0}))
+            said += 1
+        return said
 
     def scrape_all(self) -> None:
         """Read every running child's metrics into ``Child.samples`` (blocking: call in a thread)."""
@@ -207,6 +272,9 @@ class LocalCluster:
                 logger.warning("%s did not stop in %.0fs; killing it", child.name, STOP_GRACE_S)
                 child.proc.kill()
                 child.proc.wait()
+            self.reap(child)
+        if self.cfg.worker.emulation_cgroup_root:  # children a run stopped itself, no longer in the list
+            limits.sweep_children(root=self.cfg.worker.emulation_cgroup_root)
 
     # ------------------------------------------------------------------ reading
     def total(self, name: str, role: str | None = None, **labels: str) -> float:

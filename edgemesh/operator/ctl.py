@@ -54,7 +54,7 @@ async def send_command(config: Config, *, target: str, command: str, value: str 
     bus = Bus(config.broker, client_id=f"edgemesh-{requester}", metrics=ServiceMetrics("operator"))
     bus.route(topics.reply_filter(requester), ControlReply, on_reply)
     count, ok = 0, True
-    async with bus.running():
+    async with bus:
         await bus.publish(topics.control(target), cmd)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):

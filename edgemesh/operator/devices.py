@@ -1,11 +1,13 @@
 """``edgemesh devices``: the devices of a job, from their retained hello, status and stats, the plan
 and the codec policies; below the table, the devices out of the job and why (their status: ``left``, or a
-refused share of the plan)."""
+refused share of the plan), and why the plan was last re-planned: the planner's answer to ``status`` (which devices
+joined, left or were drained, or which smoothed figures moved, with the predicted gain), else the plan's reason."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -14,7 +16,15 @@ from edgemesh import cli
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.health import SLOWED_FLAGS, flag_state
-from edgemesh.common.messages import CodecPolicy, DeviceHello, DeviceStats, DeviceStatus, Plan
+from edgemesh.common.messages import (
+    CodecPolicy,
+    ControlCommand,
+    ControlReply,
+    DeviceHello,
+    DeviceStats,
+    DeviceStatus,
+    Plan,
+)
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
 
@@ -30,6 +40,8 @@ class Registry:
         self.stats: dict[str, DeviceStats] = {}
         self.codec: dict[str, CodecPolicy] = {}
         self.plan: Plan | None = None
+        self.planner: ControlReply | None = None
+        """The planner's answer to ``status``, if it answered within the wait."""
 
     def keep(self, into: dict[str, M]) -> Callable[[M, TopicMatch], Awaitable[None]]:
         """A route handler storing each message by the device its topic names."""
@@ -39,6 +51,10 @@ class Registry:
 
     async def keep_plan(self, plan: Plan, _: TopicMatch) -> None:
         self.plan = plan
+
+    async def keep_reply(self, reply: ControlReply, _: TopicMatch) -> None:
+        if reply.source == "planner" and reply.ok:
+            self.planner = reply
 
 
 async def list_devices(config: Config, *, wait_s: float) -> int:
@@ -51,7 +67,11 @@ async def list_devices(config: Config, *, wait_s: float) -> int:
     bus.route(topics.stats_filter(), DeviceStats, seen.keep(seen.stats))
     bus.route(topics.codec_filter(), CodecPolicy, seen.keep(seen.codec))
     bus.route(topics.plan_filter(), Plan, seen.keep_plan)
-    async with bus.running():
+    requester = f"devices-{uuid.uuid4().hex[:8]}"
+    bus.route(topics.reply_filter(requester), ControlReply, seen.keep_reply)
+    async with bus:
+        await bus.publish(topics.control("planner"), ControlCommand(
+            command="status", request_id=uuid.uuid4().hex, requester=requester, expires_at=time.time() + wait_s))
         await asyncio.sleep(wait_s)  # retained messages arrive at once; wait_s is how long to collect them
     names = sorted(set(seen.hello) | set(seen.status))
     if not names:
@@ -77,7 +97,18 @@ async def list_devices(config: Config, *, wait_s: float) -> int:
     if plan is not None:
         print(f"\nplan v{plan.version}: {len(plan.clusters)} clusters, policy {plan.sync_policy}, "
               f"bound {plan.staleness_bound}, model {plan.model_spec}")
+        print(f"re-planned: {why_replanned(plan, seen.planner)}")
     return 0
+
+
+def why_replanned(plan: Plan, planner: ControlReply | None) -> str:
+    """Why the plan went out: the planner's cause when it answered for this version (``join: pi-b joined``, ``links:
+    link moved: pi-a uplink 12.5 -> 0.4 MB/s; predicted ...``), else the plan's reason alone."""
+    if planner is not None and planner.result.get("plan_version") == plan.version:
+        cause = planner.result.get("replan_cause")
+        if isinstance(cause, str) and cause:
+            return cause
+    return plan.reason or "not given"
 
 
 def why_out(status: DeviceStatus | None) -> str:

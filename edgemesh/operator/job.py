@@ -114,7 +114,7 @@ async def submit(config: Config, spec: JobSpec, submission: JobSubmission, *, wa
     states = _Latest()
     bus = _bus(config, "submit", metrics)
     bus.route(topics.job_state_filter(), JobState, states.keep())
-    async with bus.running():
+    async with bus:
         await states.wait(lambda: spec.name in states.items, RETAINED_WAIT_S)
         old: JobState | None = states.items.get(spec.name)
         if old is not None and not old.ended and old.sha256 != spec.sha256:
@@ -147,7 +147,7 @@ async def job_states(config: Config, *, metrics: ServiceMetrics | None = None) -
     states = _Latest()
     bus = _bus(config, "list", metrics)
     bus.route(all_job_states_filter(), JobState, states.keep())
-    async with bus.running():
+    async with bus:
         await asyncio.sleep(RETAINED_WAIT_S)  # retained states arrive at once; this is how long to collect them
     return dict(states.items)
 
@@ -214,7 +214,7 @@ async def status(config: Config, name: str, *, once: bool, timeout_s: float,
     states = _Latest()
     bus = _bus(config, "status", metrics)
     bus.route(Topics(name).job_state_filter(), JobState, states.keep())
-    async with bus.running():
+    async with bus:
         if not await states.wait(lambda: name in states.items, RETAINED_WAIT_S * 3):
             print(f"no job {name!r} on {config.broker.url}", file=sys.stderr)
             return 1
@@ -292,7 +292,7 @@ async def command(config: Config, name: str, what: str, *, timeout_s: float) -> 
 
     bus = _bus(config, what)
     bus.route(topics.reply_filter(requester), ControlReply, on_reply)
-    async with bus.running():
+    async with bus:
         await bus.publish(topics.control("job"), cmd)
         try:
             async with asyncio.timeout(timeout_s):
@@ -317,7 +317,7 @@ async def fetch_model(config: Config, name: str, *, timeout_s: float) -> tuple[J
     bus.route(topics.job_model_filter(), ModelSnapshot, finals.keep())
     bus.route(topics.model_filter(), ModelSnapshot, snapshots.keep())
     bus.route(topics.job_state_filter(), JobState, states.keep())
-    async with bus.running():
+    async with bus:
         if await subs.wait(lambda: name in subs.items, RETAINED_WAIT_S * 3):  # retained: at once, or not there
             await finals.wait(lambda: name in finals.items or name in snapshots.items, timeout_s)
         await states.wait(lambda: name in states.items, RETAINED_WAIT_S)

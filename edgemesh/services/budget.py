@@ -2,7 +2,7 @@
 
 Before the parameter server's host or a worker's builds a job's model, it measures the model itself, on the
 meta device (``models.meta_costs``: parameters counted, one sample's forward pass watched, nothing allocated), and
-estimates what training it takes here (``models.cost``: the parameters in their copies, the activations of a
+estimates what training it takes here (``models.derived_costs``: the parameters in their copies, the activations of a
 batch). A model over the host's budget (``ps.memory_limit_mb``, ``worker.memory_limit_mb``; 0 = a share of the
 host's RAM) is refused, naming the budget and the estimate: the host is not the one to find out by running out of
 memory. The cost figures a submission carries are the submitter's word; a host that builds the model registers
@@ -27,7 +27,7 @@ from edgemesh.common.jobs import JobSpec, host_model_spec
 
 if TYPE_CHECKING:
     from edgemesh.common.costs import LayerCost, ModelCost
-    from edgemesh.common.models.cost import MemoryNeed
+    from edgemesh.common.models.derived_costs import MemoryNeed
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +58,12 @@ class MemoryBudget:
     def of(cls, role: str, config: Config, *, ram_bytes: int | None = None) -> MemoryBudget | None:
         """The budget of a host of ``role`` (None for a host that never builds a job's model)."""
         def server(cost: ModelCost, cfg: Config) -> MemoryNeed:
-            from edgemesh.common.models.cost import server_memory  # torch: only the hosts that build models
+            from edgemesh.common.models.derived_costs import server_memory  # torch: only the hosts that build models
 
             return server_memory(cost, cfg.ps.shards)
 
         def worker(cost: ModelCost, cfg: Config) -> MemoryNeed:
-            from edgemesh.common.models.cost import worker_memory
+            from edgemesh.common.models.derived_costs import worker_memory
 
             return worker_memory(cost, cfg.training.batch_size)
 
@@ -104,7 +104,7 @@ def job_costs(job: JobSpec, trust: ModelsConfig) -> tuple[ModelCost, tuple[Layer
     too; one whose model cannot be built on the meta device is built for real, as serving the job would."""
     import torch
 
-    from edgemesh.common.models.cost import built_costs, meta_costs
+    from edgemesh.common.models.derived_costs import built_costs, meta_costs
 
     entry = job.model.entry_point
     if not entry:

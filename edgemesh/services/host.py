@@ -145,17 +145,17 @@ class JobHost:
         async with contextlib.AsyncExitStack() as stack:
             self.metrics.serve(self.cfg.metrics.address, self.cfg.metrics.port_file)
             stack.callback(self.metrics.close)
-            bus = self.bus = await stack.enter_async_context(Bus(
-                self.cfg.broker, client_id=client_id(f"{self.role}-host", self.cfg, self.device),
-                metrics=self.metrics))
+            bus = self.bus = Bus(self.cfg.broker, client_id=client_id(f"{self.role}-host", self.cfg, self.device),
+                                 metrics=self.metrics, connect_first=False)
             bus.route(all_jobs_filter(), JobSubmission, self._on_submission)
             bus.route(all_job_states_filter(), JobState, self._on_state)
             jobs = extra(bus) if extra is not None else []
+            await stack.enter_async_context(bus)
             self.metrics.up.set(1)
             logger.info("%s: serving submitted jobs on %s", self.role, self.cfg.broker.url)
             try:
                 await supervise(self.stop, self._serve_loop(), self.health.watch(self.cfg.metrics.health_interval_s),
-                                *jobs, transport=bus.run(), close=self._stopping)
+                                *jobs, transport=bus.wait_closed(), close=self._stopping)
             finally:
                 self.metrics.up.set(0)
 

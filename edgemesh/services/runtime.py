@@ -140,20 +140,21 @@ async def serve(service: Service, config: Config, *, signals: bool = False, heal
         endpoint = await service.prepare(stack)
         service.metrics.serve(config.metrics.address, config.metrics.port_file)
         stack.callback(service.metrics.close)
-        bus = await stack.enter_async_context(Bus(
-            endpoint.broker, client_id=client_id(service.name, config, endpoint.name), metrics=service.metrics,
-            will=endpoint.will))
+        bus = Bus(endpoint.broker, client_id=client_id(service.name, config, endpoint.name), metrics=service.metrics,
+                  will=endpoint.will, connect_first=False, zero_copy=True)
         events = Events(bus, topics, service.control_target)
         control = Control(service, bus, topics, events)
         for target in (service.control_target, "all"):
             bus.route(topics.control_filter(target), ControlCommand, control.on_command, json_body=True)
         service.attach(bus, events)
+        await stack.enter_async_context(bus)  # its routes declared: connecting, while the service runs
         service.metrics.up.set(1)
         try:
             if on_up is not None:
                 await on_up()
             readings = [health.watch(config.metrics.health_interval_s)] if reads_health else []
-            await supervise(service.stop, *service.jobs(), *readings, transport=bus.run(), close=service.close)
+            await supervise(service.stop, *service.jobs(), *readings, transport=bus.wait_closed(),
+                            close=service.close)
         finally:
             service.metrics.up.set(0)
 

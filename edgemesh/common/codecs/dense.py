@@ -6,9 +6,9 @@ import numpy as np
 
 from edgemesh.common.codecs.base import check_finite, register
 from edgemesh.common.errors import CodecError
-from edgemesh.common.half import from_half, to_half
 from edgemesh.common.messages import CodecPolicy
 from edgemesh.common.vocabulary import CodecName
+from edgemesh.common.wire.half import from_half, to_half
 
 FP16_MAX = float(np.finfo(np.float16).max)
 

@@ -16,7 +16,7 @@ import math
 import os
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -27,60 +27,86 @@ ENV_PREFIX = "EDGEMESH_"
 
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
-    """Coerce a TOML value or an environment/flag string to the field type."""
-    origin = get_origin(tp)
-    from_text = isinstance(value, str)
-    if origin is Literal:
-        choices = get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+    """Coerce a TOML value or an environment/flag string to the field type (``CONVERTERS``)."""
+    converter = CONVERTERS.get(get_origin(tp) or tp)
+    if converter is None:
+        raise ConfigError(f"{key}: unsupported type {tp!r}")
+    return converter(tp, value, key)
+
+
+def _choice(tp: Any, value: Any, key: str) -> Any:
+    choices = get_args(tp)
+    if value not in choices:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+    return value
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def _boolean(_: Any, value: Any, key: str) -> bool:
+    if isinstance(value, bool):
         return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if from_text and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if tp is int:
+    if isinstance(value, str) and value.lower() in TRUE_WORDS + FALSE_WORDS:
+        return value.lower() in TRUE_WORDS
+    raise ConfigError(f"{key}: expected true/false, got {value!r}")
+
+
+def _integer(_: Any, value: Any, key: str) -> int:
+    try:
+        if isinstance(value, bool) or not isinstance(value, str | int):
+            raise ValueError
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+
+
+def _number(_: Any, value: Any, key: str) -> float:
+    try:
+        if isinstance(value, bool) or not math.isfinite(number := float(value)):
+            raise ValueError
+        return number
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected a finite number, got {value!r}") from None
+
+
+def _string(_: Any, value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def _list(tp: Any, value: Any, key: str) -> tuple[Any, ...]:
+    if isinstance(value, str):  # a JSON list, or comma-separated items
         try:
-            if isinstance(value, bool) or (not from_text and not isinstance(value, int)):
-                raise ValueError
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-    if tp is float:
+            value = json.loads(value) if value.lstrip().startswith("[") else \
+                [item.strip() for item in value.split(",") if item.strip()]
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{key}: expected a JSON list: {exc}") from None
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{key}: expected a list")
+    item_tp = get_args(tp)[0]
+    return tuple(_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
+
+
+def _table(tp: Any, value: Any, key: str) -> dict[str, Any]:
+    if isinstance(value, str):  # a JSON object
         try:
-            if isinstance(value, bool) or not math.isfinite(number := float(value)):
-                raise ValueError
-            return number
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}") from None
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    if origin is tuple:
-        if from_text:  # a JSON list, or comma-separated items
-            try:
-                value = json.loads(value) if value.lstrip().startswith("[") else \
-                    [item.strip() for item in value.split(",") if item.strip()]
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{key}: expected a JSON list: {exc}") from None
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list")
-        item_tp = get_args(tp)[0]
-        return tuple(_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        if from_text:
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{key}: expected a JSON object: {exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a table")
-        _, val_tp = get_args(tp)
-        return {str(k): _convert(val_tp, v, f"{key}.{k}") for k, v in value.items()}
-    raise ConfigError(f"{key}: unsupported type {tp!r}")
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{key}: expected a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a table")
+    _, val_tp = get_args(tp)
+    return {str(k): _convert(val_tp, v, f"{key}.{k}") for k, v in value.items()}
+
+
+CONVERTERS: dict[Any, Callable[[Any, Any, str], Any]] = {
+    Literal: _choice, bool: _boolean, int: _integer, float: _number, str: _string, tuple: _list, dict: _table,
+}
+"""A field's type (its origin for ``Literal``, ``tuple[...]`` and ``dict[...]``) -> the function that coerces a TOML
+value or a string from the environment or a flag to it, naming the key in its ``ConfigError``."""
 
 
 def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:

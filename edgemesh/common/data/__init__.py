@@ -11,8 +11,9 @@ Modules: ``dataset`` (:class:`Dataset`, the registry of named sets and :func:`lo
 ``digits``, ``mnist`` (IDX files), ``cifar`` (CIFAR-10 batches, the restricted unpickler, the
 synthetic set), ``partitions`` (:func:`split_indices`, :func:`shard`) and ``batches``
 (:class:`BatchIterator`, :func:`batch_at`). Importing the package registers every data set.
-``local`` reads a device's own data (:func:`load_local`: image folders, CSV, npz) into :class:`LocalData`, from
-inside the host's data folder (:func:`data_path`) and within stated bounds (``MAX_DATA_BYTES``, ``MAX_CSV_BYTES``,
+``local`` reads a device's own data (:func:`load_local`) into :class:`LocalData`, each format by a module of its
+own (``images``: image folders and :func:`read_image`; ``csv_file``; ``npz_file``), from inside the host's data
+folder (``source``: :func:`data_path`) and within stated bounds (``MAX_DATA_BYTES``, ``MAX_CSV_BYTES``,
 :func:`image_pixel_limit`).
 """
 
@@ -31,23 +32,20 @@ from edgemesh.common.data.cifar import (
     restricted_loads,
     synthetic_cifar,
 )
+from edgemesh.common.data.csv_file import MAX_CSV_BYTES
 from edgemesh.common.data.dataset import DATASET_NAMES, UINT8_PIXEL_MAX, Dataset, load_dataset
 from edgemesh.common.data.digits import DIGITS_COLUMNS, DIGITS_PIXEL_MAX, stratified_test_indices
-from edgemesh.common.data.local import (
-    DATA_FORMATS,
+from edgemesh.common.data.images import (
     IMAGE_SUFFIXES,
-    MAX_CSV_BYTES,
-    MAX_DATA_BYTES,
     MAX_IMAGE_PIXELS,
     MAX_SKIPPED_SHARE,
-    LocalData,
-    data_path,
     image_pixel_limit,
-    load_local,
     read_image,
 )
+from edgemesh.common.data.local import DATA_FORMATS, MAX_DATA_BYTES, LocalData, load_local
 from edgemesh.common.data.mnist import MNIST_FILES, MNIST_IMAGE_SHAPE, MNIST_NUM_CLASSES, parse_idx
 from edgemesh.common.data.partitions import SPLIT_SCHEMES, shard, split_indices
+from edgemesh.common.data.source import data_path
 
 __all__ = [
     "CIFAR_DIR_NAME",

@@ -52,6 +52,9 @@ class JobSubmission:
             if layer.units < 1 or min(layer.macs_per_unit, layer.params_per_unit, layer.out_per_unit,
                                       layer.gathered_per_unit, layer.in_values) < 0:
                 raise ValueError(f"layer figures of {layer.name!r} out of range")
+            if layer.group < 1 or layer.units % layer.group:
+                raise ValueError(f"layer figures of {layer.name!r}: groups of {layer.group} do not divide its "
+                                 f"{layer.units} units")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

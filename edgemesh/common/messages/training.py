@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edgemesh.common.messages.checks import MAX_DEVICES, MAX_SHARDS, check_name, nonneg
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.vocabulary import AckReason, AckStatus, AggregationRule, CodecName, SyncPolicy
 from edgemesh.common.wire import message
+from edgemesh.common.wire.tensors import Tensor
 
 
 @message("codec_policy")

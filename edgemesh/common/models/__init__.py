@@ -7,15 +7,18 @@ it is made and then registered (:func:`register_spec`). Costs are derived from t
 
 Modules: ``lean`` (Standardize, LeanReLU, LeanMaxPool2d), ``specs`` (ModelSpec, the registry, the
 built-ins, build_model), ``layer_list``, ``entry_point``, ``probe`` (a zero sample through a model,
-on the meta device when it can), ``cost`` (derived costs, mesh_stages) and ``training`` (parameters
+on the meta device when it can), ``derived_costs`` (from the module, mesh_stages), ``masks`` (the dropout masks a
+model-parallel cluster shares) and ``training`` (parameters
 in and out, a gradient step, evaluation). The model state (every parameter and persistent buffer) crosses
 process boundaries as ``dict[str, np.ndarray]`` (float32) keyed by ``state_dict`` names.
 """
 
 from __future__ import annotations
 
-from edgemesh.common.models.cost import (
+from edgemesh.common.models.derived_costs import (
     CHANNELWISE,
+    DROPOUTS,
+    NORMS,
     REPLICATED,
     Stage,
     derive_costs,
@@ -40,6 +43,7 @@ from edgemesh.common.models.training import (
     ParamLayout,
     Update,
     buffer_kinds,
+    buffer_momenta,
     compute_gradients,
     compute_update,
     evaluate,
@@ -53,8 +57,10 @@ __all__ = [
     "CHANNELWISE",
     "CIFAR_MEAN_STD",
     "DIGITS_MEAN_STD",
+    "DROPOUTS",
     "KINDS",
     "MODEL_SPECS",
+    "NORMS",
     "REPLICATED",
     "LeanMaxPool2d",
     "LeanReLU",
@@ -64,6 +70,7 @@ __all__ = [
     "Standardize",
     "Update",
     "buffer_kinds",
+    "buffer_momenta",
     "build_model",
     "compute_gradients",
     "compute_update",

@@ -181,35 +181,66 @@ def _option(kind: str, key: str, rule: OptionRule, option: Any) -> Any:
 
 def _parse(item: Any) -> tuple[str, Any, dict[str, Any]]:
     """(kind, value, options) of one item as written; raises ModelError with the reason alone."""
-    known = ", ".join(KINDS)
     if isinstance(item, str):
-        if item not in KINDS:
-            raise ModelError(f"unknown layer; known: {known}")
-        if KINDS[item].value is not None:
-            raise ModelError(f"{item} needs its {KINDS[item].value}: write {{{item} = ...}}")
-        return item, None, {}
+        return _bare(item), None, {}
     if not isinstance(item, Mapping):
         raise ModelError(f"a layer is a name or a table, not {type(item).__name__}")
-    kinds = [k for k in item if k in KINDS]
-    if len(kinds) != 1:
-        found = f"names {len(kinds)} layers ({', '.join(kinds)})" if kinds else "unknown layer"
-        raise ModelError(f"{found}; a table names exactly one of: {known}")
-    kind = kinds[0]
+    kind = _named_kind(item)
     spec, value = KINDS[kind], item[kind]
     if spec.value is None:
         raise ModelError(f"{kind} takes no value or options: write {kind!r}")
-    if kind == "dropout":
-        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < 1:
-            raise ModelError(f"dropout probability must be a number in [0, 1), got {_SHORT.repr(value)}")
-    elif kind == "residual":
-        if not _is_list(value) or not value:
-            raise ModelError(f"residual takes a non-empty list of layers, got {_SHORT.repr(value)}")
-    elif not _is_int(value) or value < 1:
-        raise ModelError(f"{kind} {spec.value} must be a positive integer, got {_SHORT.repr(value)}")
-    elif value > VALUE_LIMITS[kind]:
-        raise ModelError(f"{kind} {spec.value} may be at most {VALUE_LIMITS[kind]}, got {value}")
+    VALUE_RULES[kind](kind, spec.value, value)
+    return kind, value, _options(kind, item)
+
+
+def _bare(name: str) -> str:
+    """The kind of a layer written as its name alone."""
+    if name not in KINDS:
+        raise ModelError(f"unknown layer; known: {', '.join(KINDS)}")
+    if KINDS[name].value is not None:
+        raise ModelError(f"{name} needs its {KINDS[name].value}: write {{{name} = ...}}")
+    return name
+
+
+def _named_kind(table: Mapping[Any, Any]) -> str:
+    """The one layer kind a table names among its keys."""
+    kinds = [k for k in table if k in KINDS]
+    if len(kinds) != 1:
+        found = f"names {len(kinds)} layers ({', '.join(kinds)})" if kinds else "unknown layer"
+        raise ModelError(f"{found}; a table names exactly one of: {', '.join(KINDS)}")
+    return str(kinds[0])
+
+
+def _probability(kind: str, what: str, value: Any) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < 1:
+        raise ModelError(f"{kind} {what} must be a number in [0, 1), got {_SHORT.repr(value)}")
+
+
+def _layers(kind: str, what: str, value: Any) -> None:
+    if not _is_list(value) or not value:
+        raise ModelError(f"{kind} takes a non-empty list of layers, got {_SHORT.repr(value)}")
+
+
+def _positive_integer(kind: str, what: str, value: Any) -> None:
+    if not _is_int(value) or value < 1:
+        raise ModelError(f"{kind} {what} must be a positive integer, got {_SHORT.repr(value)}")
+    if value > VALUE_LIMITS[kind]:
+        raise ModelError(f"{kind} {what} may be at most {VALUE_LIMITS[kind]}, got {value}")
+
+
+VALUE_RULES: Final[dict[str, Callable[[str, str, Any], None]]] = {
+    "conv2d": _positive_integer, "linear": _positive_integer, "maxpool2d": _positive_integer,
+    "avgpool2d": _positive_integer, "dropout": _probability, "residual": _layers,
+}
+"""How the value of each kind that takes one is checked: ``rule(kind, what the value is, value)`` raises ModelError
+with the reason alone."""
+
+
+def _options(kind: str, table: Mapping[Any, Any]) -> dict[str, Any]:
+    """The options of a table naming ``kind``, each checked against what it takes."""
+    spec = KINDS[kind]
     options: dict[str, Any] = {}
-    for key, option in item.items():
+    for key, option in table.items():
         if key == kind:
             continue
         if key not in spec.options:
@@ -218,7 +249,7 @@ def _parse(item: Any) -> tuple[str, Any, dict[str, Any]]:
         options[key] = _option(kind, key, spec.options[key], option)
     if kind == "conv2d" and "kernel" not in options:
         raise ModelError("conv2d needs option kernel")
-    return kind, value, options
+    return options
 
 
 def _fit(kind: str, value: Any, options: Mapping[str, Any], shape: tuple[int, ...]) -> None:

@@ -21,6 +21,7 @@ from edgemesh.common.data import Dataset
 from edgemesh.common.errors import DataError, ModelError
 
 ParamLayout = dict[str, tuple[tuple[int, ...], str]]
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -39,6 +40,21 @@ def buffer_kinds(model: nn.Module) -> dict[str, bool]:
     params = dict(model.named_parameters())
     return {name: not (value.dtype.is_floating_point or value.dtype.is_complex)
             for name, value in model.state_dict(keep_vars=True).items() if name not in params}
+
+
+def buffer_momenta(model: nn.Module) -> dict[str, float]:
+    """The running statistics of the model's batch norm layers that move as an exponential average, by name, with
+    their momentum (``running_mean`` and ``running_var`` of a layer whose ``momentum`` is set). A layer with
+    ``momentum=None`` (a cumulative average) and a user's own buffers are not here."""
+    state = model.state_dict(keep_vars=True)
+    momenta: dict[str, float] = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, BATCH_NORMS) and module.track_running_stats and module.momentum is not None:
+            for stat in ("running_mean", "running_var"):
+                name = f"{prefix}.{stat}" if prefix else stat
+                if name in state:
+                    momenta[name] = float(module.momentum)
+    return momenta
 
 
 def param_layout(model: nn.Module) -> ParamLayout:

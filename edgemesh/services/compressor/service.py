@@ -9,35 +9,27 @@ Backbone, top to bottom:
    mode codec and density follow the device's link rate, step time and delay index) and
    publish only what changed;
 4. gateway: a device whose hello says ``can_encode = false`` gets ``gateway = true`` and sends
-   raw float32 updates on ``grad-raw/{cluster}/{device}``; the compressor encodes every shard
-   with that device's policy and its own error feedback for the device, and forwards the
-   update (same device, incarnation, seq, base version) on ``grad/{cluster}/{device}``. The PS
-   acks the device directly. A resent raw update (same incarnation and seq) is forwarded again
-   as first encoded, so error feedback is applied once;
+   raw float32 updates, which the ``gateway`` encodes with the device's policy and forwards to the PS
+   (which acks the device directly);
 5. control: status, set-codec, stop.
 
 An operator's ``set-codec`` is stored in the policy's ``reason`` (``operator``), so a restarted
 compressor restores it from the retained policies; ``set-codec`` with the value ``default``
 hands the device back to the configuration.
 
-Raw updates are encoded one at a time, in a thread, in arrival order. This module must not
-import torch.
+This module must not import torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import statistics
 from collections.abc import Iterable
 
-from edgemesh import cli
-from edgemesh.common import wire
 from edgemesh.common.bus import Bus
-from edgemesh.common.codecs import ErrorFeedback, available_codecs, codec_for, get_codec
+from edgemesh.common.codecs import available_codecs
 from edgemesh.common.config import Config
 from edgemesh.common.errors import BusError, ConfigError, WireError
 from edgemesh.common.messages import (
@@ -47,13 +39,13 @@ from edgemesh.common.messages import (
     DeviceStats,
     GradientUpdate,
     Scalar,
-    ShardUpdate,
 )
 from edgemesh.common.messages.operations import listing
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics, valid_name
 from edgemesh.common.vocabulary import CODECS, CodecName
-from edgemesh.services.compressor.policy import FP32_BYTES, REASON_OPERATOR, change_kind, choose_policy
+from edgemesh.services.compressor.gateway import Gateway
+from edgemesh.services.compressor.policy import REASON_OPERATOR, change_kind, choose_policy
 from edgemesh.services.runtime import ControlResult, Endpoint, Events, Job, serve
 
 logger = logging.getLogger(__name__)
@@ -63,8 +55,6 @@ RETAINED_SETTLE_S = 0.2
 DEFAULT_VALUE = "default"
 """``set-codec`` value that removes an operator's choice for a device."""
 COMMANDS = ("status", "set-codec", "stop")
-RAW_CODEC = "none"
-"""The only codec accepted on ``grad-raw``: float32 as is."""
 DENSITY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """Buckets of the published-density histogram."""
 
@@ -104,12 +94,6 @@ class Compressor:
         self.stats: dict[str, DeviceStats] = {}
         self.operator: dict[str, CodecName] = {}
         """Codecs an operator chose with ``set-codec``, by device."""
-        self.gateway: set[str] = set()
-        """Devices whose latest hello says they cannot encode."""
-        self._feedback: dict[str, tuple[int, ErrorFeedback]] = {}
-        """Gateway error feedback per device, with the incarnation it belongs to."""
-        self._forwarded: dict[str, tuple[tuple[int, int], bytes, int]] = {}
-        """Per gateway device, the last forwarded update: ((incarnation, seq), envelope, shard bytes)."""
         self.ready = asyncio.Event()
         """Set once retained state has settled and every device seen by then has its policy."""
         self._started = False
@@ -122,16 +106,11 @@ class Compressor:
                                    "(new, announce, codec, density, gateway, reason)", ["reason"])
         self.m_density = m.histogram("policy_density", "Density of the policies published", DENSITY_BUCKETS)
         self.m_codec_devices = m.gauge("codec_devices", "Devices whose current policy uses each codec", ["codec"])
-        self.m_gateway_bytes = m.counter("gateway_bytes", "Gradient bytes through the gateway: raw in, encoded out",
-                                         ["direction"])
-        self.m_gateway_updates = m.counter("gateway_updates", "Raw updates encoded and forwarded", ["codec"])
-        self.m_gateway_seconds = m.histogram("gateway_encode_seconds", "Time to encode one raw update",
-                                             (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0))
+        self.gateway = Gateway(m)
+        """Devices that cannot encode, whose raw updates it encodes and forwards."""
         for codec in available_codecs():
             self.m_published.labels(codec=codec)
             self.m_codec_devices.labels(codec=codec)
-        for direction in ("in", "out"):
-            self.m_gateway_bytes.labels(direction=direction)
 
     async def run(self, *, signals: bool = False) -> None:
         await serve(self, self.cfg, signals=signals)
@@ -196,10 +175,7 @@ class Compressor:
             return
         self.incarnations[hello.device] = hello.incarnation
         self.m_devices.set(len(self.incarnations))
-        if hello.can_encode:
-            self.gateway.discard(hello.device)
-        else:
-            self.gateway.add(hello.device)
+        self.gateway.hello(hello)
         if self._started:
             await self._reconcile(hello.device, announce=hello.incarnation != known)
 
@@ -219,8 +195,8 @@ class Compressor:
     # ------------------------------------------------------------------ policies
     def _choose(self, device: str) -> CodecPolicy:
         return choose_policy(device, self.cfg.compressor, previous=self.policies.get(device),
-                             stats=self.stats.get(device), operator=self.operator, gateway=device in self.gateway,
-                             reference_delay=self._reference_delay())
+                             stats=self.stats.get(device), operator=self.operator,
+                             gateway=device in self.gateway.devices, reference_delay=self._reference_delay())
 
     def _reference_delay(self) -> float:
         """The fleet's median delay index (devices that said hello and sent stats)."""
@@ -259,31 +235,8 @@ class Compressor:
         """Encode a raw update with its device's policy and forward it to the PS."""
         assert self.bus is not None
         device = update.device
-        if device not in self.gateway:
-            raise WireError(f"raw update of {device}, whose hello does not ask for the gateway", "unknown_device")
-        known = self.incarnations.get(device)
-        if known is not None and update.incarnation < known:
-            raise WireError(f"raw update of {device} from old incarnation {update.incarnation}", "incarnation")
-        raw_bytes = sum(len(s.data) for s in update.shards)
-        key = (update.incarnation, update.seq)
-        last = self._forwarded.get(device)
-        if last is not None and last[0] == key:  # a resend: the same encoding, error feedback untouched
-            payload, out_bytes = last[1], last[2]
-        else:
-            policy = self.policies.get(device) or self._choose(device)
-            feedback = self._feedback.get(device)
-            if feedback is None or feedback[0] != update.incarnation:
-                feedback = (update.incarnation, ErrorFeedback())
-                self._feedback[device] = feedback
-            started = asyncio.get_running_loop().time()
-            encoded = await asyncio.to_thread(encode_raw, update, policy, feedback[1])
-            self.m_gateway_seconds.observe(asyncio.get_running_loop().time() - started)
-            payload = wire.encode(encoded)
-            out_bytes = sum(len(s.data) for s in encoded.shards)
-            self._forwarded[device] = (key, payload, out_bytes)
-            self.m_gateway_updates.labels(codec=policy.codec).inc()
-        self.m_gateway_bytes.labels(direction="in").inc(raw_bytes)
-        self.m_gateway_bytes.labels(direction="out").inc(out_bytes)
+        payload = await self.gateway.encode(update, self.incarnations.get(device),
+                                            lambda: self.policies.get(device) or self._choose(device))
         await self.bus.publish(self.topics.grad(update.cluster, device), payload, kind="gradient")
 
     # ------------------------------------------------------------------ control
@@ -327,7 +280,7 @@ class Compressor:
             "devices": len(devices),
             "mode": self.cfg.compressor.mode,
             "default_codec": self.cfg.compressor.default_codec,
-            "gateway_devices": len(self.gateway & set(devices)),
+            "gateway_devices": len(self.gateway.devices & set(devices)),
             "policies": listing(entries),
             "operator_overrides": len(self.operator),
         }
@@ -337,37 +290,3 @@ def _describe(policy: CodecPolicy) -> str:
     """``codec@version``, with ``/density`` for a sparsifying density and ``+gw`` for gateway devices."""
     density = f"/{policy.density:g}" if policy.density < 1.0 else ""
     return f"{policy.codec}{density}{'+gw' if policy.gateway else ''}@{policy.version}"
-
-
-def encode_raw(update: GradientUpdate, policy: CodecPolicy, feedback: ErrorFeedback) -> GradientUpdate:
-    """``update`` with every raw float32 shard encoded per ``policy`` (in a thread); its buffers' changes, which
-    are not gradients, pass as they are."""
-    raw = get_codec(RAW_CODEC)
-    decoded = []
-    for s in update.shards:  # check every shard before error feedback changes for any
-        if s.codec != RAW_CODEC:
-            raise WireError(f"grad-raw shard {s.param} is {s.codec!r}, not {RAW_CODEC!r}", "codec")
-        if not s.data or len(s.data) % FP32_BYTES:
-            raise WireError(f"grad-raw shard {s.param} has {len(s.data)} bytes, not whole float32s", "codec")
-        decoded.append((s, raw.decode(s.data, len(s.data) // FP32_BYTES)))
-    keys = [(s.param, s.start, s.stop) for s, _ in decoded]
-    if len(set(keys)) != len(keys):
-        raise WireError("a grad-raw shard appears twice", "shape")
-    shards = []
-    for s, values in decoded:
-        codec = codec_for(policy.codec, values.size)
-        shards.append(ShardUpdate(param=s.param, start=s.start, stop=s.stop, codec=codec.name,
-                                  data=feedback.encode(f"{s.param}[{s.start}:{s.stop}]", values, codec, policy)))
-    return dataclasses.replace(update, shards=tuple(shards))
-
-
-def register(parser: argparse.ArgumentParser) -> None:
-    """``edgemesh compressor``: the configuration flags."""
-    cli.service_command(parser, run)
-
-
-async def run(config: Config) -> None:
-    """Run the compressor: the job of the configuration, or without one the jobs operators submit."""
-    from edgemesh.services.host import serve_or_host
-
-    await serve_or_host("compressor", config, Compressor)

@@ -1,13 +1,16 @@
 """Model-parallel shard assembly: the members' shards of one cluster step, joined into one update (pure).
 
 The members of a model-parallel cluster each push the gradient of their rows for the same step
-(``GradientUpdate.mesh_step``). The assembly holds them by ``(cluster, plan version, step)`` until
-their shards tile every parameter exactly; then the cluster's update goes to the scheduler like
-any other. On a sharded parameter server (``members`` set) a step also waits for a part from every
-member of its cluster, empty where the member has none of this shard's rows: the joined update then
-takes the identity of the same member's part on every shard, which is how shard 0's steps name it to
-the others. A step whose shards overlap is discarded (``shape``); one not complete within
-``ps.mesh_assembly_timeout_s``, or one of a plan that has been replaced, is discarded too
+(``GradientUpdate.mesh_step``), with the change of their rows of the running statistics (a batch norm divided
+with a layer) and, from the first member alone, of the batch counters (``GradientUpdate.buffers``). The assembly
+holds them by ``(cluster, plan version, step)`` until their shards tile every parameter exactly; then the
+cluster's update, the members' gradient rows and buffer rows joined, goes to the scheduler like any other (which
+moves the buffers by it as by a data-parallel worker's change). Buffer rows need not cover every buffer (constants
+stay home), but no two members may send the same row. On a sharded parameter server (``members`` set) a
+step also waits for a part from every member of its cluster, empty where the member has none of this shard's
+rows: the joined update then takes the identity of the same member's part on every shard, which is how shard
+0's steps name it to the others. A step whose shards, or buffer rows, overlap is discarded (``shape``); one
+not complete within ``ps.mesh_assembly_timeout_s``, or one of a plan that has been replaced, is discarded too
 (``incomplete``, ``replanned``: its members abandon it and resync). The last ``CLOSED_STEPS``
 steps joined or discarded are remembered, so that a member's resend of its part opens no new one.
 """
@@ -115,6 +118,8 @@ class Assembly:
         """Join step ``key`` if its parts are all in, or discard it if two overlap; else leave it waiting."""
         waiting = self._waiting[key]
         coverage = self._coverage([g for part in waiting.parts.values() for g in part.grads])
+        if _overlap([b for part in waiting.parts.values() for b in part.buffers]):
+            coverage = "overlap"  # two members sent one row of a buffer (a counter twice)
         if coverage == "partial":
             return
         if coverage == "full" and self.members is not None:
@@ -183,17 +188,28 @@ class Assembly:
 
     def _coverage(self, grads: list[ShardGrad]) -> Coverage:
         """``full`` if the shards tile every parameter exactly, ``overlap`` if two cover one row, else ``partial``."""
-        spans: dict[str, list[tuple[int, int]]] = {}
-        for g in grads:
-            spans.setdefault(g.param, []).append((g.start, g.stop))
+        if _overlap(grads):
+            return "overlap"
+        spans = _spans(grads)
         full = len(spans) == len(self.rows)
         for param, ranges in spans.items():
-            ranges.sort()
             end = 0
             for start, stop in ranges:
-                if start < end:
-                    return "overlap"
                 full = full and start == end
                 end = stop
             full = full and end == self.rows[param]
         return "full" if full else "partial"
+
+
+def _spans(shards: list[ShardGrad]) -> dict[str, list[tuple[int, int]]]:
+    """Each tensor's ``(start, stop)`` rows among ``shards``, in order."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for g in shards:
+        spans.setdefault(g.param, []).append((g.start, g.stop))
+    return {name: sorted(ranges) for name, ranges in spans.items()}
+
+
+def _overlap(shards: list[ShardGrad]) -> bool:
+    """Whether two of ``shards`` cover one row of a tensor."""
+    return any(start < stop_before for ranges in _spans(shards).values()
+               for (_, stop_before), (start, _) in zip(ranges, ranges[1:], strict=False))

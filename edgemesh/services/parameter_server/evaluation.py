@@ -35,11 +35,13 @@ import numpy as np
 import torch
 
 from edgemesh.common import models
+from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.data import load_dataset, load_local
 from edgemesh.common.errors import WireError
 from edgemesh.common.jobs import JobSpec
 from edgemesh.common.messages import DeviceStatus, LocalEvaluation, Plan
+from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.services.parameter_server.guard import Evaluated
 
 Report = Callable[[int, float, float], Awaitable[None]]
@@ -94,6 +96,8 @@ class Evaluator:
         self._model: Any = None
         self.buffers: dict[str, bool] = {}
         """The model's buffers (``load``): name -> whether it holds integers."""
+        self.momenta: dict[str, float] = {}
+        """Its running averages (``load``): name -> momentum."""
         self._test_set: Any = None
         self._last_version = -1
         self._last_time = -float("inf")
@@ -114,7 +118,7 @@ class Evaluator:
         buffers)."""
         t, job = self.cfg.training, self.job
         self._model = models.build_model(t.model_spec, seed=t.seed)
-        self.buffers = models.buffer_kinds(self._model)
+        self.buffers, self.momenta = models.buffer_kinds(self._model), models.buffer_momenta(self._model)
         if job is not None and job.evaluation.path:
             self._test_set = load_local(job.data.format, job.evaluation.path, data_dir=self.cfg.ps.data_dir,
                                         input_shape=job.model.input_shape, classes=job.model.classes,
@@ -122,6 +126,24 @@ class Evaluator:
         elif not self.local:
             _, self._test_set = load_dataset(t.dataset, t.dataset_path or None, seed=t.seed)
         return models.get_params(self._model)
+
+    def attach(self, bus: Bus, topics: Topics, *, version: Callable[[], int], report: Report) -> None:
+        """Evaluated on the devices: hear their statuses (which bound their reports) and their reports, and
+        ``report`` the devices' combined accuracy as the model's (a report that may not count raises WireError:
+        counted and logged by the bus)."""
+        if not self.local:
+            return
+
+        async def status(message: DeviceStatus, _: TopicMatch) -> None:
+            self.know(message)
+
+        async def evaluated(message: LocalEvaluation, _: TopicMatch) -> None:
+            combined = self.combine(message, version())
+            if combined is not None:
+                await report(*combined)
+
+        bus.route(topics.status_filter(), DeviceStatus, status)
+        bus.route(topics.evaluation_filter(), LocalEvaluation, evaluated)
 
     def replanned(self, plan: Plan) -> None:
         """The plan whose devices' reports count; a device's report from before it is kept while it stays."""

@@ -41,8 +41,8 @@ from edgemesh.common.messages import (
     Scalar,
 )
 from edgemesh.common.messages.jobs import EVALUATIONS_KEPT, MAX_REASON_CHARS, JobEvaluation, JobPhase
-from edgemesh.common.tensor import Tensor
 from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
+from edgemesh.common.wire.tensors import Tensor
 from edgemesh.services.host import ActiveJob, JobHost, describe, survivable
 from edgemesh.services.parameter_server.evaluation import Quorum
 from edgemesh.services.parameter_server.guard import Evaluated
@@ -223,7 +223,7 @@ class JobBoard:
         if evaluate:
             async def report(version: int, loss: float, accuracy: float) -> None:
                 self._record(state.name, version, loss, accuracy, time.time())  # in the final state, whose event
-                await ps.report_evaluation(version, loss, accuracy)  # may come back after it is published
+                await ps.divergence.report(version, loss, accuracy)  # may come back after it is published
 
             await ps.evaluator.final(version, params, report)
         kept = kept_model(ps.evaluator.last, ps.guard.best, Evaluated(version, math.nan, math.nan, params))

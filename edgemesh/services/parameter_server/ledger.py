@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, NamedTuple
 
 from edgemesh.services.parameter_server import store
-from edgemesh.services.parameter_server.scheduler import Step
+from edgemesh.services.parameter_server.scheduler import Step, UpdateId
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,8 @@ class Entry(NamedTuple):
     seq: int
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        return self.device, self.incarnation, self.seq
+    def key(self) -> UpdateId:
+        return UpdateId.of(self)
 
 
 def lines_of(path: Path, fields: int) -> list[list[str]]:

@@ -6,8 +6,9 @@ parallel) and slices (model parallel) go through the same step.
 The model state holds the module's persistent buffers beside its parameters (batch norm's running
 statistics and counter). A buffer is not a parameter: an update carries its change over the worker's
 step (:class:`edgemesh.common.models.Update`), a step combines those changes with the updates'
-sample shares (``buffer_contributions``) and adds the result as it is, with no learning rate, momentum
-or weight decay; an integer buffer (a counter) is rounded after each step (docs/synchronization.md).
+sample shares (``buffer_contributions``) and adds the result, with no learning rate, momentum or weight decay; a
+running statistic's mean change is compounded over the step's updates (``compounded``: as that many batches in turn
+would move it), an integer buffer (a counter) is rounded after each step (docs/synchronization.md).
 
 Every step is judged before it stands (:meth:`ModelState.apply`): a step whose arithmetic overflows or leaves a
 value that is not finite, or that grows a tensor's L2 norm past ``MAX_GROWTH`` times what it was (or past
@@ -86,11 +87,14 @@ class ModelState:
     """The model state (parameters and the module's buffers), momentum, and the update rule."""
 
     def __init__(self, params: Mapping[str, np.ndarray], momentum: Mapping[str, np.ndarray] | None = None, *,
-                 buffers: Mapping[str, bool] | None = None) -> None:
+                 buffers: Mapping[str, bool] | None = None, momenta: Mapping[str, float] | None = None) -> None:
         self.params = {k: np.array(v, dtype=np.float32, copy=True) for k, v in params.items()}
         self.buffers = {k: bool(v) for k, v in (buffers or {}).items() if k in self.params}
         """Which tensors of ``params`` are buffers, and whether each holds integers (a counter): stepped by adding
         their combined change, not by SGD."""
+        self.momenta = {k: float(v) for k, v in (momenta or {}).items() if k in self.buffers}
+        """Buffers that are exponential averages (batch norm's running statistics), with their momentum: a step of
+        several updates moves them as that many batches in turn would (``compounded``)."""
         self.momentum = {k: np.zeros_like(v) for k, v in self.params.items()}
         self._scratch: dict[str, np.ndarray] = {}
         """Per parameter, room for ``lr * buf``: a step allocates no model-sized temporaries."""
@@ -203,10 +207,19 @@ class ModelState:
                 covered[:] = True
         moved = list(buffers)
         if moved:  # buffers and parameters are different tensors: the sums lie side by side
-            changes = self.sum(moved)
+            changes = self._sum_buffers(moved)
             acc.update(changes.acc)
             rows.update(changes.rows)
         return Summed(acc, rows)
+
+    def _sum_buffers(self, moved: list[tuple[float, Iterable[ShardGrad]]]) -> Summed:
+        """The weighted sum of the buffers' changes, a running average's compounded over the ``moved`` updates."""
+        changes = self.sum(moved)
+        if len(moved) > 1:  # a lone change (weight 1) stands as it came
+            for name, change in changes.acc.items():
+                if name in self.momenta:
+                    change *= np.float32(compounded(self.momenta[name], len(moved)))
+        return changes
 
     def apply(self, summed: Summed, *, lr: float, momentum: float, weight_decay: float = 0.0) -> Refused | None:
         """SGD with momentum on ``summed`` (which it does not change), in place; the rows it lacks stay as they
@@ -323,6 +336,17 @@ class ModelState:
         buf += grad
         np.multiply(buf, lr, out=scratch)
         p -= scratch
+
+
+def compounded(momentum: float, batches: int) -> float:
+    """What a step of ``batches`` updates multiplies their mean change of an exponential average by, so that it moves
+    as those batches would, one after another, in one process: ``(1 - (1 - momentum)^batches) / momentum``.
+
+    Each update's change is ``momentum * (s_i - r)`` from the same average ``r``; ``batches`` averages in turn leave
+    ``r + (1 - (1 - momentum)^batches) * (mean s - r)``. Without it a synchronous round of ten devices would move
+    batch norm's running statistics as one batch does, and they would trail the weights by ten times the samples
+    they trail them by in one process (the more so as the learning rate grows with the round, ``round_scaling``)."""
+    return (1.0 - (1.0 - momentum) ** batches) / momentum if momentum > 0 else 1.0
 
 
 def _norm(values: np.ndarray) -> float:

@@ -3,49 +3,36 @@
 * ``resume``: the checkpoint (weights, momentum, clock, settings) if there is one and it is for this
   model, then every logged step newer than it replayed through the same SGD step, so the PS comes
   back exactly where its last acked step left it.
-* ``log_beside``: before any update of a step is acked, the step goes to the write-ahead log (fsynced):
-  its version, the optimizer settings, the aggregation it used (``robust``: the rule, clip's threshold)
-  and, per member update, device, cluster, incarnation, seq, the step's item it belongs to, weight and
-  the encoded shards; or, when it is smaller than all of those shards (a ``sync`` round of many dense
-  updates), the step's weighted sum in float32 (``sum``) and the norms of its contributions, which a replay
-  steps on alone, with the same result.
-* ``checkpoint``: write, fsync, rename; the log then starts afresh.
+* ``log``: before any update of a step is acked, the step goes to the write-ahead log (fsynced), in the log's own
+  thread while the caller goes on (``Logging``): its version, the optimizer settings, the aggregation it used
+  (``robust``: the rule, clip's threshold) and, per member update, device, cluster, incarnation, seq, the step's
+  item it belongs to, weight and the encoded shards; or, when it is smaller than all of those shards (a ``sync``
+  round of many dense updates), the step's weighted sum in float32 (``sum``) and the norms of its contributions,
+  which a replay steps on alone, with the same result.
+* ``checkpoint``: write, fsync, rename; the log then starts afresh. Beside the model it keeps the settings it is
+  given (``settings``: what an operator set, and what a sharded server's shard 0 keeps).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from types import TracebackType
+from typing import Any
 
 import numpy as np
 
 from edgemesh.common.errors import ConfigError
-from edgemesh.common.messages import Scalar, StepPart, StepRecord
-from edgemesh.common.vocabulary import AGGREGATION_RULES, SYNC_POLICIES, AggregationRule, SyncPolicy
+from edgemesh.common.messages import StepPart, StepRecord
 from edgemesh.services.parameter_server import store
 from edgemesh.services.parameter_server.optimizer import ModelState, ShardGrad
 from edgemesh.services.parameter_server.robust import Aggregation, Combined, combine
 from edgemesh.services.parameter_server.scheduler import Clock, Step, buffer_mean
 
-T = TypeVar("T")
-
 logger = logging.getLogger(__name__)
-
-LR_LIMIT = 10.0
-"""Learning rates ``set-lr`` (and a checkpoint) may set lie in (0, LR_LIMIT)."""
-SETTING_COMMANDS: dict[str, tuple[str, str]] = {
-    "set-sync-policy": ("policy", f"policy must be one of {', '.join(SYNC_POLICIES)}"),
-    "set-bound": ("bound", "bound must be an integer >= 0"),
-    "set-lr": ("lr", f"lr must be a number in (0, {LR_LIMIT:g})"),
-    "set-aggregation": ("aggregation", f"aggregation must be one of {', '.join(AGGREGATION_RULES)}"),
-}
-"""Operator commands that set one setting: command -> (the setting, the reply to a value it refuses)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Optimizer:
@@ -54,46 +41,6 @@ class Optimizer:
     lr: float
     momentum: float
     weight_decay: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class OperatorSettings:
-    """What an operator set that a checkpoint keeps, read back and checked (None: not kept, or not valid)."""
-
-    policy: SyncPolicy | None = None
-    bound: int | None = None
-    lr: float | None = None
-    paused: bool | None = None
-    aggregation: AggregationRule | None = None
-    delay_indices: dict[str, float] = field(default_factory=dict)
-    cycles: dict[str, list[float]] = field(default_factory=dict)
-    """``adaptive``: each cluster's last cycles (what the round deadline is learned from)."""
-    norms: list[float] = field(default_factory=list)
-    """Norms of the last contributions applied (what ``clip`` compares with)."""
-
-    @classmethod
-    def of(cls, settings: Mapping[str, Any]) -> OperatorSettings:
-        bound, lr, paused, indices, norms = (settings.get(k) for k in ("bound", "lr", "paused", "delay_indices",
-                                                                        "norms"))
-        return cls(
-            policy=next((p for p in SYNC_POLICIES if p == settings.get("policy")), None),
-            bound=bound if isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0 else None,
-            lr=float(lr) if isinstance(lr, float | int) and not isinstance(lr, bool) and 0 < lr < LR_LIMIT else None,
-            paused=paused if isinstance(paused, bool) else None,
-            aggregation=next((r for r in AGGREGATION_RULES if r == settings.get("aggregation")), None),
-            delay_indices={str(k): float(v) for k, v in indices.items()} if isinstance(indices, dict) else {},
-            cycles=_cycles(settings.get("cycles")),
-            norms=[float(v) for v in norms if isinstance(v, float | int)] if isinstance(norms, list) else [])
-
-    @classmethod
-    def command(cls, command: str, value: Scalar) -> OperatorSettings | str:
-        """The setting ``pause``, ``resume`` or a ``set-...`` command (``SETTING_COMMANDS``) asks for, checked as
-        a checkpoint's is; or the reply to a value it refuses."""
-        if command in ("pause", "resume"):
-            return cls(paused=command == "pause")
-        key, refusal = SETTING_COMMANDS[command]
-        wanted = cls.of({key: value})
-        return wanted if getattr(wanted, key) is not None else refusal
 
 
 @dataclass(slots=True)
@@ -107,6 +54,27 @@ class Resumed:
     """The replayed steps: the version each made, and its updates with their weights."""
 
 
+class Logging:
+    """Steps on their way into the write-ahead log (``Recovery.log``). As a ``with`` block: the block runs beside
+    the write, and its end waits until the steps are durable (the log's error, if any, over the block's)."""
+
+    def __init__(self, writing: Future[int]) -> None:
+        self._writing = writing
+        self.written = 0
+        """Bytes the steps took in the log, once durable."""
+
+    def durable(self) -> int:
+        """Wait until the steps are durable; the bytes written."""
+        self.written = self._writing.result()
+        return self.written
+
+    def __enter__(self) -> Logging:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.durable()
+
+
 class Recovery:
     """The checkpoint and write-ahead log in ``state_dir``."""
 
@@ -115,17 +83,17 @@ class Recovery:
         self._fsync = fsync
         self._wal: store.WriteAheadLog | None = None
         self._writer: ThreadPoolExecutor | None = None
-        """The log's own thread, for ``log_beside``."""
+        """The log's own thread, for ``log``."""
 
     def resume(self, model_spec: str, initial: Mapping[str, np.ndarray], clock: Clock, *,
-               buffers: Mapping[str, bool] | None = None) -> Resumed:
+               buffers: Mapping[str, bool] | None = None, momenta: Mapping[str, float] | None = None) -> Resumed:
         """The state to start from: ``initial`` weights (and ``buffers``: which of them are the module's buffers,
-        ``ModelState``), or the checkpoint and the log after it; ``clock`` takes their version, high-water marks
-        and cluster clocks."""
+        ``momenta``: which are running averages, ``ModelState``), or the checkpoint and the log after it; ``clock``
+        takes their version, high-water marks and cluster clocks."""
         buffers = dict(buffers or {})
         snap = store.read_checkpoint(self.state_dir)
         if snap is None:
-            resumed = Resumed(ModelState(initial, buffers=buffers))
+            resumed = Resumed(ModelState(initial, buffers=buffers, momenta=momenta))
         else:
             if snap.model_spec != model_spec:
                 raise ConfigError(f"checkpoint in {self.state_dir} is for model {snap.model_spec!r}, config says "
@@ -139,7 +107,7 @@ class Recovery:
             bad = {k for k, v in params.items() if k not in initial or v.shape != initial[k].shape}
             if bad or set(initial) - set(params):
                 raise ConfigError(f"checkpoint in {self.state_dir} does not match model {model_spec!r}")
-            resumed = Resumed(ModelState(params, snap.momentum, buffers=buffers), dict(snap.settings))
+            resumed = Resumed(ModelState(params, snap.momentum, buffers=buffers, momenta=momenta), dict(snap.settings))
             clock.version, clock.high_water, clock.clocks = snap.version, dict(snap.high_water), dict(snap.clocks)
             logger.info("resumed from checkpoint at version %d", snap.version)
         for record in store.read_wal(self.state_dir):
@@ -187,23 +155,18 @@ class Recovery:
         clock.version = int(record["version"])
         return norms
 
-    def log_beside(self, steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
-                   sums: Sequence[list[ShardGrad]], beside: Callable[[], T]) -> tuple[int, T]:
+    def log(self, steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
+            sums: Sequence[list[ShardGrad]]) -> Logging:
         """Append ``steps`` durably (each with its items' weights and the aggregation it used, or the weighted sum
-        it stepped on, ``ModelState.sum``'s, whichever is smaller, so that a replay is exact), in the log's own
-        thread while ``beside()`` runs in this one (the step is applied and the model's broadcast encoded while
-        the step is made durable: ``fdatasync`` and the write release the GIL); returns once both are done: the
-        bytes written and what ``beside`` returned (either's exception, the log's first)."""
+        it stepped on, ``ModelState.sum``'s, whichever is smaller, so that a replay is exact) in the log's own
+        thread, and return at once: the caller goes on (encodes the broadcast) while the write and its
+        ``fdatasync`` release the GIL. The steps are durable once ``Logging.durable`` returns (or its ``with``
+        block ends)."""
         assert self._wal is not None, "resume() first"
         wal, records = self._wal, self._records(steps, optimizer, combined, sums)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wal")
-        writing = self._writer.submit(wal.append, records)
-        try:
-            out = beside()
-        finally:
-            written = writing.result()  # the log's error, if any, over beside's
-        return written, out
+        return Logging(self._writer.submit(wal.append, records))
 
     @staticmethod
     def _records(steps: Sequence[Step], optimizer: Optimizer, combined: Sequence[Combined],
@@ -269,11 +232,3 @@ def _step_record(record: Mapping[str, Any]) -> StepRecord:
                  excluded=chosen is not None and int(e.get("item", -1)) not in chosen)
         for e in record["entries"]))
 
-
-def _cycles(kept: Any) -> dict[str, list[float]]:
-    """A checkpoint's cycles per cluster, each a finite, non-negative number of seconds (others are dropped)."""
-    if not isinstance(kept, dict):
-        return {}
-    return {str(c): [float(v) for v in seconds
-                     if isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) and v >= 0]
-            for c, seconds in kept.items() if isinstance(seconds, list)}

@@ -14,7 +14,9 @@ discards stays with it (an open round, an SSP wait) for the next call.
   delay indices (:mod:`edgemesh.services.parameter_server.adaptive`).
 
 Every update is applied at most once: the :class:`Clock` keeps each device's high-water mark
-``(incarnation, seq)``, advanced when a step forms, and anything at or below it is a duplicate.
+``(incarnation, seq)``, advanced when a step forms, and anything at or below it is a duplicate. An update is named
+everywhere in the parameter server (owed acks, the ledger, a sharded server's steps, norms and discards) by one
+:class:`UpdateId`.
 """
 
 from __future__ import annotations
@@ -22,12 +24,35 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple, Protocol
 
 from edgemesh.common.messages import GradientUpdate, Plan, SyncState
 from edgemesh.common.vocabulary import AckReason, AckStatus, AggregationRule, RoundScaling, StalenessRule, SyncPolicy
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, round_weights, staleness_weight
 from edgemesh.services.parameter_server.optimizer import ShardGrad
+
+
+class Named(Protocol):
+    """Anything that names one update: the update itself, a step's part, a discard, a shard's norm of it."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+
+
+class UpdateId(NamedTuple):
+    """One update, wherever the parameter server names it: its sender, the sender's incarnation and its seq."""
+
+    device: str
+    incarnation: int
+    seq: int
+
+    @classmethod
+    def of(cls, named: Named) -> UpdateId:
+        return cls(named.device, named.incarnation, named.seq)
 
 
 @dataclass(slots=True)
@@ -148,7 +173,8 @@ def judge(version: int, base_version: int, bound: int) -> Verdict:
 @dataclass(frozen=True, slots=True)
 class Fleet:
     """What the plan says, for one call: its clusters (empty: none yet), its version, its devices,
-    the configured bound and the samples it expects per round; and the time."""
+    the configured bound and the samples it expects per round; the batch the learning rate is given for; and the
+    time."""
 
     clusters: tuple[str, ...] = ()
     plan_version: int = 0
@@ -156,16 +182,28 @@ class Fleet:
     bound: int = 0
     planned_samples: int = 0
     now: float = 0.0
+    lr_batch: int = 0
+    """``training.batch_size``: the batch the learning rate is given for, the unit of ``round_scale`` (0: the
+    plan's mean batch per cluster)."""
 
     @classmethod
-    def of(cls, plan: Plan | None, bound: int, now: float) -> Fleet:
+    def of(cls, plan: Plan | None, bound: int, now: float, *, lr_batch: int = 0) -> Fleet:
         """What ``plan`` (None: none yet) says, the configured ``bound``, at ``now``."""
         if plan is None:
-            return cls(bound=bound, now=now)
+            return cls(bound=bound, now=now, lr_batch=lr_batch)
         return cls(clusters=plan.cluster_names, plan_version=plan.version,
                    devices=frozenset(d.device for d in plan.devices), bound=bound,
                    # one batch per cluster (its members share it)
-                   planned_samples=sum({d.cluster: d.batch_size for d in plan.devices}.values()), now=now)
+                   planned_samples=sum({d.cluster: d.batch_size for d in plan.devices}.values()), now=now,
+                   lr_batch=lr_batch)
+
+    @property
+    def batch_unit(self) -> float:
+        """The batch one step of the learning rate is for: ``lr_batch``, else the plan's mean batch per cluster (0:
+        no plan)."""
+        if not self.clusters or not self.planned_samples:
+            return 0.0
+        return self.lr_batch or self.planned_samples / len(self.clusters)
 
 
 class Scheduler:
@@ -174,6 +212,9 @@ class Scheduler:
     policy: ClassVar[SyncPolicy]
     resyncs: ClassVar[bool] = False
     """Whether an accepted update's sender fetches the model before its next one (round policies)."""
+    adapts: ClassVar[bool] = False
+    """Whether every batch may move what the planner hears (``adaptive``: the rule's bound, deadline and slow
+    devices): the sync state and its gauges are refreshed after each."""
 
     def __init__(self, clock: Clock, *, staleness_weighting: bool = True, round_scaling: RoundScaling = "none",
                  staleness_rule: StalenessRule = "inverse", round_warmup: int = 0) -> None:
@@ -217,14 +258,12 @@ class Scheduler:
         """The model of the last step went out."""
 
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
-        """Each item's weight in ``step``: its samples over the plan's mean batch per cluster (the batch the
+        """Each item's weight in ``step``: its samples over ``fleet.batch_unit`` (the batch the
         learning rate is for: a device the planner gave half the batch moves the model half as far, as one process
         would per sample), damped by its delay under ``ps.staleness_weighting``. Without a plan, its share of the
         step's samples."""
-        total = sum(item.update.samples for item in step.items)
-        per_cluster = fleet.planned_samples / len(fleet.clusters) if fleet.clusters and fleet.planned_samples else \
-            total
-        shares = [item.update.samples / per_cluster for item in step.items]
+        unit = fleet.batch_unit or sum(item.update.samples for item in step.items)
+        shares = [item.update.samples / unit for item in step.items]
         if not self.staleness_weighting:
             return shares
         return [w * staleness_weight(step.delay(i), self.staleness_rule)
@@ -355,6 +394,7 @@ class AdaptiveScheduler(RoundScheduler):
     and their delay; each delay moves its device's index."""
 
     policy = "adaptive"
+    adapts = True
 
     def __init__(self, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool = True,
                  round_scaling: RoundScaling = "none", staleness_rule: StalenessRule = "inverse",
@@ -451,13 +491,18 @@ SCHEDULERS: Mapping[SyncPolicy, type[Scheduler]] = {
 
 
 def round_scale(scaling: RoundScaling, samples: int, fleet: Fleet, *, version: int = 0, warmup: int = 0) -> float:
-    """What a round step of ``samples`` samples making ``version`` is scaled by: the batches of the plan's mean size
-    per cluster it averages (``linear``, the linear scaling rule of large-batch SGD), their square root (``sqrt``),
-    or 1; over the first ``warmup`` versions the scale ramps from 1 up to that, a step per version (Goyal et al.'s
-    gradual warm-up: the early steps, where the loss moves fastest, are those a scaled rate overshoots)."""
+    """What a round step of ``samples`` samples making ``version`` is scaled by: the batches of ``training.batch_size``
+    (``fleet.lr_batch``, the batch the learning rate is given for) it averages (``linear``, the linear scaling rule
+    of large-batch SGD), their square root (``sqrt``), or 1; over the first ``warmup`` versions the scale ramps from
+    1 up to that, a step per version (Goyal et al.'s gradual warm-up: the early steps, where the loss moves fastest,
+    are those a scaled rate overshoots).
+
+    The unit is the learning rate's batch, not a cluster's: model parallelism splits one iteration's batch of
+    ``training.batch_size`` among its clusters, so a round of four clusters of 8 samples is one batch of 32, not
+    four (counting clusters made the demo's mesh job step four times its rate, and diverge)."""
     if scaling == "none" or not fleet.clusters or not fleet.planned_samples:
         return 1.0
-    batches = max(1.0, samples / (fleet.planned_samples / len(fleet.clusters)))
+    batches = max(1.0, samples / fleet.batch_unit)
     full = batches if scaling == "linear" else math.sqrt(batches)
     return full if warmup <= 0 or version >= warmup else 1.0 + (full - 1.0) * max(0, version) / warmup
 

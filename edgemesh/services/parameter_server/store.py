@@ -80,6 +80,15 @@ def _array_in(d: Any, where: str) -> np.ndarray:
     return arr
 
 
+def _mark_in(mark: Any) -> tuple[int, int]:
+    """A device's high-water mark as a checkpoint keeps it, ``{"incarnation", "seq"}``, or as an earlier version
+    kept it, ``[incarnation, seq]``: ``(incarnation, seq)``."""
+    if isinstance(mark, dict):
+        return int(mark["incarnation"]), int(mark["seq"])
+    incarnation, seq = mark
+    return int(incarnation), int(seq)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -97,7 +106,7 @@ def write_checkpoint(directory: Path, snap: Snapshot) -> Path:
         "version": snap.version,
         "params": {k: _array_out(v) for k, v in snap.params.items()},
         "momentum": {k: _array_out(v) for k, v in snap.momentum.items()},
-        "high_water": {k: list(v) for k, v in snap.high_water.items()},
+        "high_water": {k: {"incarnation": v[0], "seq": v[1]} for k, v in snap.high_water.items()},
         "clocks": dict(snap.clocks),
         "settings": dict(snap.settings),
     }
@@ -136,7 +145,7 @@ def read_checkpoint(directory: Path) -> Snapshot | None:
             version=int(body["version"]),
             params={k: _array_in(v, f"{path}:{k}") for k, v in body["params"].items()},
             momentum={k: _array_in(v, f"{path}:{k}") for k, v in body["momentum"].items()},
-            high_water={k: (int(v[0]), int(v[1])) for k, v in body["high_water"].items()},
+            high_water={k: _mark_in(v) for k, v in body["high_water"].items()},
             clocks={k: int(v) for k, v in body.get("clocks", {}).items()},
             settings=dict(body.get("settings", {})),
         )

@@ -7,6 +7,9 @@ ignored. A live device is *plannable* unless an operator drained it, it refused 
 (its status names the plan), or its memory holds no batch of the model; the last two are left out
 until the device restarts with a new incarnation.
 
+What devices measure is kept as it came (``stats``, ``speeds``) and smoothed (``smoothed``: the medians of each
+device's last ``planner.smoothing_window`` measurements, what the training grid plans with).
+
 Pure state, no I/O and no torch: the planner service feeds it the messages it routes.
 """
 
@@ -18,6 +21,7 @@ from edgemesh.common import costs
 from edgemesh.common.errors import ModelError
 from edgemesh.common.messages import DeviceHello, DeviceStats, DeviceStatus
 from edgemesh.services.planner.batching import SpeedTracker
+from edgemesh.services.planner.stability import Smoother
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +29,15 @@ logger = logging.getLogger(__name__)
 class Registry:
     """The devices of one job, by name."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, smoothing_window: int = 9) -> None:
         self.hellos: dict[str, DeviceHello] = {}
         self.statuses: dict[str, DeviceStatus] = {}
         self.stats: dict[str, DeviceStats] = {}
         """Latest measurements per device."""
         self.speeds = SpeedTracker()
         """Step times and uploads each device reported, for balanced batches."""
+        self.smoother = Smoother(smoothing_window)
+        """Each device's recent speed and link measurements, for the training grid."""
         self.drained: set[str] = set()
         """Devices an operator drained out of the plan."""
         self.unfit: dict[str, int] = {}
@@ -65,8 +71,13 @@ class Registry:
         if hello is not None and 0 < stats.incarnation < hello.incarnation:
             return False
         self.stats[stats.device] = stats
+        self.smoother.observe(stats)
         self.speeds.observe(stats.device, stats.batch_size, stats.step_time_s, stats.upload_time_s)
         return True
+
+    def smoothed(self, name: str, quantile: float = 0.5) -> DeviceStats | None:
+        """The device's latest stats with its speed and link figures smoothed (``stability.Smoother``)."""
+        return self.smoother.smoothed(name, quantile)
 
     # ------------------------------------------------------------------ who is there
     def live_hello(self, name: str) -> DeviceHello | None:

@@ -18,6 +18,13 @@ the board's rates, latency and disconnects. Under a scenario (``worker.emulation
 timeline (``emulation.dynamics``) takes over from ``begin()`` on: a throttled spell slows the
 compute of the steps it overlaps, and the link stalls, drops out and changes rate on schedule
 (the scenario's drop-outs replace the profile's).
+
+Its process runs under the limits ``edgemesh worker`` put it under (``emulation.limits``: ``cgroup-v1``, the
+board's memory, or ``stretched``), exported as ``edgemesh_worker_emulation_limits{mode}``. Under cgroups the
+board also caps the process at its share of the host's CPU once it has measured the host
+(``worker.emulation_cpu_quota``). The quota is a ceiling and ``hold`` the floor: a piece waits only for what its
+real time, quota included, fell short of the board's, so the two never slow a piece twice; what measures the
+host (its GFLOP/s, the calibration steps) runs with the quota lifted.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dataclasses import replace
 
 from edgemesh.common import costs
 from edgemesh.common.config import BrokerConfig, WorkerConfig
+from edgemesh.common.emulation import limits
 from edgemesh.common.emulation.compute import ComputeStretch, measure_host_gflops
 from edgemesh.common.emulation.dynamics import Timeline
 from edgemesh.common.emulation.link import EmulatedLink
@@ -119,13 +127,28 @@ class EmulatedBoard(Board):
         self.epoch: float | None = None
         """Loop time the run's clock started (``begin``), None before."""
         self._begun = asyncio.Event()
+        self.limits = limits.current() or limits.Limits("stretched", "not started under limits (edgemesh worker)")
+        """The kernel's limits this process runs under, or none (``stretched``)."""
+        m_mode = metrics.gauge("emulation_limits", "Emulated board: how it is held to the board (1 for the mode in "
+                               "force): cgroup-v1 (the kernel's memory limit and CPU quota) or stretched (compute "
+                               "held to the board's time alone)", ["mode"])
+        for mode in ("cgroup-v1", "stretched"):
+            m_mode.labels(mode=mode).set(1 if mode == self.limits.mode else 0)
+        metrics.gauge("emulation_memory_limit_bytes", "Emulated board: the kernel's memory limit on this process "
+                      "(0 = not enforced)").set(self.limits.memory_bytes)
+        self.m_cpus = metrics.gauge("emulation_cpu_quota_cpus", "Emulated board: the kernel's CPU quota on this "
+                                    "process, in host CPUs (0 = none)")
 
     def measure(self) -> prof.Profile:
-        host = self.cfg.emulation_host_gflops or measure_host_gflops(self.cfg.threads)
+        with self.limits.cpu_lifted():  # the host's own rate, not the quota's
+            host = self.cfg.emulation_host_gflops or measure_host_gflops(self.cfg.threads)
         self.stretch = ComputeStretch.for_device(host, self.board.train_gflops)
         if self.stretch.ratio < 1:
             logger.warning("%s: this host (%.1f GFLOP/s) is slower than an emulated %s (%.1f): steps run at the "
                            "host's pace", self.device, host, self.board.name, self.board.train_gflops)
+        if self.cfg.emulation_cpu_quota and self.limits.cpu is not None:
+            cpus = limits.cpu_share(self.board.gflops, host, threads=self.cfg.threads)
+            self.m_cpus.set(self.limits.set_cpus(cpus))
         return prof.Profile(flops=self.board.train_gflops * 1e9,
                             memory_bytes=self.cfg.memory_bytes or self.board.memory_bytes,
                             cores=os.cpu_count() or 1, platform=f"emulated-{self.board.name}")
@@ -203,7 +226,8 @@ class EmulatedBoard(Board):
 
     def calibrate(self, step: Callable[[int], float]) -> None:
         assert self.stretch is not None
-        overhead, per_sample = self.stretch.calibrate(step)
+        with self.limits.cpu_lifted():  # the host's uncontended step, which the stretch multiplies
+            overhead, per_sample = self.stretch.calibrate(step)
         logger.info("%s: host step %.2f ms + %.4f ms/sample, emulated x%.1f", self.device, overhead * 1e3,
                     per_sample * 1e3, self.stretch.ratio)
 
@@ -223,7 +247,13 @@ class EmulatedBoard(Board):
 
     def describe(self) -> str:
         ratio = f": steps {self.stretch.ratio:.1f}x the host's" if self.stretch is not None else ""
-        return f" (emulating {self.board.name}{ratio})"
+        held = self.limits
+        if held.mode == "cgroup-v1":
+            quota = f", {held.cpus:.2f} CPU" if held.cpus else ""
+            under = f"; limits cgroup-v1: {held.memory_bytes / 2**20:.0f} MiB{quota}"
+        else:
+            under = f"; limits stretched: {held.reason}"
+        return f" (emulating {self.board.name}{ratio}{under})"
 
 
 def board_for(config: WorkerConfig, device: str, link: LinkMeter, metrics: ServiceMetrics,

@@ -20,6 +20,7 @@ from edgemesh.common.errors import BusError
 from edgemesh.common.messages import GradientUpdate, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch
+from edgemesh.common.vocabulary import AckStatus
 from edgemesh.services.worker.link import LinkMeter
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ logger = logging.getLogger(__name__)
 ACK_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 AVERAGE_WINDOW = 20
 """Updates over which the time to an ack is averaged for stats."""
+APPLIED: tuple[AckStatus, ...] = ("accepted", "duplicate")
+"""Ack statuses of an update the parameter server applied."""
 
 
 class Sender:
@@ -86,7 +89,7 @@ class Sender:
         finally:
             self._acks.pop((shard, update.seq), None)
             self._pending.pop(shard, None)
-        if self.ack_log is not None and ack.status in ("accepted", "duplicate"):
+        if self.ack_log is not None and ack.status in APPLIED:
             await asyncio.to_thread(_append, self.ack_log, f"{update.incarnation} {update.seq} {ack.status} "
                                                            f"{ack.version}\n")
         rtt = time.perf_counter() - started

@@ -156,9 +156,12 @@ class Trainer:
         update = models.compute_update(self._model, x, y)
         elapsed = time.perf_counter() - started
         w = self.cfg.worker
-        grads = falsify(update.grads, w.emulation_attack, w.emulation_attack_scale,  # an emulated attacker
-                        self._attack_rng)
+        grads = update.grads
+        if w.emulation_attack:  # an emulated attacker (bench robust)
+            grads = falsify(grads, w.emulation_attack, w.emulation_attack_scale, self._attack_rng)
         moved = {name: change for name, change in update.buffers.items() if change.any()}  # constants stay home
+        if moved:  # the model no longer holds the version's buffers: the next step or evaluation loads it again
+            self._stamp = -1
         return Computed(self.encode(_rows(grads, spans), policy), _exact(_rows(moved, spans)), len(y), update.loss,
                         elapsed, self._flops(plan.model_spec, len(y)))
 

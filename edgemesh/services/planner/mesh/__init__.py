@@ -5,11 +5,11 @@ Pure functions, no I/O and no torch: the planner service wires them to the bus, 
 
 * ``devices``: ``DeviceInfo`` (what the planner knows of a device), ``cluster_name`` and the
   benchmark fleet (``sample_fleet``);
-* ``cost_model``: a member's predicted step time and memory, and a cluster's iteration;
+* ``member_cost``: a member's predicted step time and memory, and a cluster's iteration;
 * ``division``: ``divide_filters`` splits every divisible layer of a model among the members of
   one cluster;
-* ``grid``: ``training_grid`` chooses the clusters of a whole fleet, ``needs_replan`` and
-  ``links_moved`` whether a grid should give way to a new one.
+* ``grid``: ``training_grid`` chooses the clusters of a whole fleet, ``grid_iteration_s`` predicts a grid's
+  iteration on given figures (whether a grid gives way to a new one is the planner's ``stability``).
 
 The names below are the package's interface. Each module imports only those listed before it,
 and none imports the planner's ``layout`` (which makes plans of grids).
@@ -17,7 +17,17 @@ and none imports the planner's ``layout`` (which makes plans of grids).
 
 from __future__ import annotations
 
-from edgemesh.services.planner.mesh.cost_model import (
+from edgemesh.services.planner.mesh.devices import FLEET_CLASSES, DeviceInfo, cluster_name, sample_fleet
+from edgemesh.services.planner.mesh.division import Division, divide_filters
+from edgemesh.services.planner.mesh.grid import (
+    DEFAULT_MAX_CLUSTER_SIZE,
+    Grid,
+    GridCluster,
+    grid_iteration_s,
+    time_layout,
+    training_grid,
+)
+from edgemesh.services.planner.mesh.member_cost import (
     DEFAULT_LINK_BPS,
     FLOAT32_WIRE,
     StepTime,
@@ -29,26 +39,12 @@ from edgemesh.services.planner.mesh.cost_model import (
     member_time,
     wire_for,
 )
-from edgemesh.services.planner.mesh.devices import FLEET_CLASSES, DeviceInfo, cluster_name, sample_fleet
-from edgemesh.services.planner.mesh.division import Division, divide_filters
-from edgemesh.services.planner.mesh.grid import (
-    DEFAULT_MAX_CLUSTER_SIZE,
-    REPLAN_THRESHOLD,
-    Grid,
-    GridCluster,
-    grid_iteration_s,
-    links_moved,
-    needs_replan,
-    time_layout,
-    training_grid,
-)
 
 __all__ = [
     "DEFAULT_LINK_BPS",
     "DEFAULT_MAX_CLUSTER_SIZE",
     "FLEET_CLASSES",
     "FLOAT32_WIRE",
-    "REPLAN_THRESHOLD",
     "DeviceInfo",
     "Division",
     "Grid",
@@ -60,11 +56,9 @@ __all__ = [
     "divide_filters",
     "grid_iteration_s",
     "layer_seconds",
-    "links_moved",
     "member_memory",
     "member_step",
     "member_time",
-    "needs_replan",
     "sample_fleet",
     "time_layout",
     "training_grid",

@@ -1,6 +1,6 @@
 """Edge Mesh planning, the filter division: how the members of one cluster divide the model.
 
-The symbols are the cost model's (``cost_model``): member *i* spends ``a_il + w_il x n_l`` seconds
+The symbols are the cost model's (``member_cost``): member *i* spends ``a_il + w_il x n_l`` seconds
 on ``n_l`` of the ``U_l`` units of layer ``l`` and needs ``m0 + sum_l q_l x n_l`` bytes of memory.
 
 Filter division (``divide_filters``)
@@ -20,6 +20,8 @@ parameter-server exchange.
    (memory permitting), make the best such move: this weighs the parameter traffic exactly, which
    step 2 only spreads over the layers.
 4. The splits by speed and the even split replace the result should they predict a shorter iteration.
+A grouped convolution (``LayerCost.group`` > 1 units a group) is divided in whole groups: steps 1 to 4 run on
+its groups as units (each with a group's figures), and a member's count is its groups times the group's size.
 If the members' memory cannot hold the model even together, the memory caps are dropped, the
 division minimises time alone and ``fits`` is False.
 """
@@ -27,12 +29,13 @@ division minimises time alone and ``fits`` is False.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from edgemesh.common import costs
 from edgemesh.common.costs import LayerCost
-from edgemesh.services.planner.mesh.cost_model import (
+from edgemesh.services.planner.mesh.devices import DeviceInfo, check_devices
+from edgemesh.services.planner.mesh.member_cost import (
     FLOAT32_WIRE,
     MIN_WEIGHT,
     Wire,
@@ -43,7 +46,6 @@ from edgemesh.services.planner.mesh.cost_model import (
     memory_coefficients,
     step_time,
 )
-from edgemesh.services.planner.mesh.devices import DeviceInfo, check_devices
 
 MIN_MOVE_GAIN = 1e-3
 """Share of the iteration a single-unit move of the local search must save: below it, members would
@@ -88,34 +90,55 @@ def divide(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], batch: in
     """``divide_filters`` on the layers of a spec, unchecked."""
     k = len(members)
     units = [la.units for la in layers]
-    m0, q = memory_coefficients(layers, batch)
-    full_memory = sum(qi * u for qi, u in zip(q, units, strict=True))
-    caps = [min(1.0, max(0.0, (d.memory_bytes - m0) / full_memory)) for d in members]
-    memory_bound = sum(caps) >= 1.0 - TOLERANCE
     if k == 1:
         counts = [[u] for u in units]  # counts[l][i]
     else:
-        if not memory_bound:
-            caps = [1.0] * k  # nothing fits: divide for time alone (fits will say so)
-        room = [d.memory_bytes - m0 if memory_bound else math.inf for d in members]
-        forms = [layer_coefficients(layers, d, batch, k, wire) for d in members]
-        fixed = [2 * link_rates(d)[2] for d in members]  # the push and the update message's latencies
-        counts = _improve(_layer_counts(units, forms, caps, q, room), forms, fixed, q, room)
-        # the splits by speed and the even split, should they do better still
-        best_s = cluster_seconds(layers, members, _by_member(counts, k), batch, wire)
-        for other in (_proportional(units, [d.flops for d in members]), _proportional(units, [1.0] * k)):
-            fits = all(sum(q[li] * other[li][i] for li in range(len(units))) <= room[i] for i in range(k))
-            other_s = cluster_seconds(layers, members, _by_member(other, k), batch, wire) if fits else math.inf
-            if other_s < best_s:
-                counts, best_s = other, other_s
-    division = {la.name: tuple(counts[li]) for li, la in enumerate(layers)}
+        shared = _shared_counts([in_groups(la) for la in layers], members, batch, wire)
+        counts = [[n * la.group for n in row] for row, la in zip(shared, layers, strict=True)]
     held = _by_member(counts, k)
     seconds = tuple(step_time(layers, d, held[i], batch, k, wire).total_s for i, d in enumerate(members))
     predicted = cluster_seconds(layers, members, held, batch, wire)
     memory = tuple(costs.member_memory_bytes(layers, held[i], batch) for i in range(k))
-    return Division(members=tuple(d.device for d in members), counts=division, member_seconds=seconds,
+    return Division(members=tuple(d.device for d in members),
+                    counts={la.name: tuple(counts[li]) for li, la in enumerate(layers)}, member_seconds=seconds,
                     predicted_s=predicted, member_memory_bytes=memory,
                     fits=all(m <= d.memory_bytes for m, d in zip(memory, members, strict=True)))
+
+
+def in_groups(layer: LayerCost) -> LayerCost:
+    """``layer`` with its groups as units (a grouped convolution's; any other layer as it is): the per-unit figures
+    of one group, so that dividing it gives every member whole groups."""
+    g = layer.group
+    if g == 1:
+        return layer
+    return replace(layer, units=layer.units // g, macs_per_unit=layer.macs_per_unit * g,
+                   params_per_unit=layer.params_per_unit * g, out_per_unit=layer.out_per_unit * g,
+                   gathered_per_unit=layer.gathered_per_unit * g, group=1)
+
+
+def _shared_counts(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], batch: int,
+                   wire: Wire) -> list[list[int]]:
+    """Units per layer and member, ``[l][i]``, of two or more members (steps 1 to 4 of the module docstring)."""
+    k = len(members)
+    units = [la.units for la in layers]
+    m0, q = memory_coefficients(layers, batch)
+    full_memory = sum(qi * u for qi, u in zip(q, units, strict=True))
+    caps = [min(1.0, max(0.0, (d.memory_bytes - m0) / full_memory)) for d in members]
+    memory_bound = sum(caps) >= 1.0 - TOLERANCE
+    if not memory_bound:
+        caps = [1.0] * k  # nothing fits: divide for time alone (fits will say so)
+    room = [d.memory_bytes - m0 if memory_bound else math.inf for d in members]
+    forms = [layer_coefficients(layers, d, batch, k, wire) for d in members]
+    fixed = [2 * link_rates(d)[2] for d in members]  # the push and the update message's latencies
+    counts = _improve(_layer_counts(units, forms, caps, q, room), forms, fixed, q, room)
+    # the splits by speed and the even split, should they do better still
+    best_s = cluster_seconds(layers, members, _by_member(counts, k), batch, wire)
+    for other in (_proportional(units, [d.flops for d in members]), _proportional(units, [1.0] * k)):
+        fits = all(sum(q[li] * other[li][i] for li in range(len(units))) <= room[i] for i in range(k))
+        other_s = cluster_seconds(layers, members, _by_member(other, k), batch, wire) if fits else math.inf
+        if other_s < best_s:
+            counts, best_s = other, other_s
+    return counts
 
 
 Forms = Sequence[tuple[Sequence[float], Sequence[float], Sequence[float]]]
@@ -162,46 +185,76 @@ def _improve(counts: list[list[int]], forms: Forms, fixed: Sequence[float], q: S
     layer's time or the parameter-server exchange, while one lowers the cluster's iteration (the sum
     of every layer's slowest member and the slowest exchange) by ``MIN_MOVE_GAIN`` of it, memory
     permitting."""
-    k, n_layers = len(forms), len(counts)
-    t = [[forms[i][0][li] + forms[i][1][li] * counts[li][i] for i in range(k)] for li in range(n_layers)]
-    ps = [fixed[i] + sum(forms[i][2][li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
-    used = [sum(q[li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
-    tops = [max(row) for row in t]
-    for _ in range(k * sum(map(sum, counts))):
-        iteration = sum(tops) + max(ps)  # every move shortens the iteration
-        ps_top = max(ps)
-        slowest_ps = ps.index(ps_top)
-        best: tuple[float, int, int, int] | None = None
-        for li in range(n_layers):
-            row, top = t[li], tops[li]
-            for i in {row.index(top), slowest_ps}:
-                if counts[li][i] == 0:
-                    continue
-                wi, pi = forms[i][1][li], forms[i][2][li]
-                for j in range(k):
-                    if j == i or used[j] + q[li] > room[j]:
-                        continue
-                    wj, pj = forms[j][1][li], forms[j][2][li]
-                    ti, tj = row[i] - wi, row[j] + wj
-                    layer = max(ti, tj, *(row[m] for m in range(k) if m != i and m != j)) if k > 2 else max(ti, tj)
-                    exchange = max(ps[i] - pi, ps[j] + pj, *(ps[m] for m in range(k) if m != i and m != j)) \
-                        if k > 2 else max(ps[i] - pi, ps[j] + pj)
-                    gain = top + ps_top - layer - exchange
-                    if gain > MIN_MOVE_GAIN * iteration and (best is None or gain > best[0]):
-                        best = (gain, li, i, j)
-        if best is None:
+    loads = _Loads(counts, forms, fixed, q)
+    for _ in range(len(forms) * sum(map(sum, counts))):
+        move = loads.best_move(room)
+        if move is None:
             break
-        _, li, i, j = best
-        counts[li][i] -= 1
-        counts[li][j] += 1
-        t[li][i] -= forms[i][1][li]
-        t[li][j] += forms[j][1][li]
-        ps[i] -= forms[i][2][li]
-        ps[j] += forms[j][2][li]
-        used[i] -= q[li]
-        used[j] += q[li]
-        tops[li] = max(t[li])
+        loads.move(*move)
     return counts
+
+
+class _Loads:
+    """What the local search weighs as it moves units (``counts[l][i]``, changed in place): every member's seconds
+    on every layer (``t[l][i]``), its parameter-server exchange (``ps[i]``) and memory (``used[i]``), and every
+    layer's slowest member's seconds (``tops[l]``)."""
+
+    def __init__(self, counts: list[list[int]], forms: Forms, fixed: Sequence[float], q: Sequence[int]) -> None:
+        k, n_layers = len(forms), len(counts)
+        self.counts, self.forms, self.q = counts, forms, q
+        self.t = [[forms[i][0][li] + forms[i][1][li] * counts[li][i] for i in range(k)] for li in range(n_layers)]
+        self.ps = [fixed[i] + sum(forms[i][2][li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
+        self.used = [sum(q[li] * counts[li][i] for li in range(n_layers)) for i in range(k)]
+        self.tops = [max(row) for row in self.t]
+
+    def best_move(self, room: Sequence[float]) -> tuple[int, int, int] | None:
+        """``(layer, from, to)`` of the move that shortens the iteration most, by more than ``MIN_MOVE_GAIN`` of it;
+        None if none does."""
+        ps_top = max(self.ps)
+        best, best_gain = None, MIN_MOVE_GAIN * (sum(self.tops) + ps_top)  # every move shortens the iteration
+        for li, i, j in self._moves(room, self.ps.index(ps_top)):
+            gain = self._gain(li, i, j, ps_top)
+            if gain > best_gain:
+                best, best_gain = (li, i, j), gain
+        return best
+
+    def _moves(self, room: Sequence[float], slowest_ps: int) -> Iterator[tuple[int, int, int]]:
+        """The moves worth weighing: one unit of a layer off the member that sets the layer's time or the slowest
+        exchange, to a member whose memory holds it."""
+        k = len(self.ps)
+        for li, row in enumerate(self.t):
+            for i in {row.index(self.tops[li]), slowest_ps}:
+                if self.counts[li][i] == 0:
+                    continue
+                for j in range(k):
+                    if j != i and self.used[j] + self.q[li] <= room[j]:
+                        yield li, i, j
+
+    def _gain(self, li: int, i: int, j: int, ps_top: float) -> float:
+        """How much one unit of layer ``li`` moved from member ``i`` to ``j`` shortens the iteration: the layer's
+        slowest member and the slowest exchange, before and after."""
+        row, ps, form_i, form_j = self.t[li], self.ps, self.forms[i], self.forms[j]
+        ti, tj = row[i] - form_i[1][li], row[j] + form_j[1][li]
+        pi, pj = ps[i] - form_i[2][li], ps[j] + form_j[2][li]
+        if len(ps) > 2:
+            others = [m for m in range(len(ps)) if m != i and m != j]
+            layer, exchange = max(ti, tj, *(row[m] for m in others)), max(pi, pj, *(ps[m] for m in others))
+        else:
+            layer, exchange = max(ti, tj), max(pi, pj)
+        return self.tops[li] + ps_top - layer - exchange
+
+    def move(self, li: int, i: int, j: int) -> None:
+        """One unit of layer ``li`` from member ``i`` to ``j``."""
+        form_i, form_j, t = self.forms[i], self.forms[j], self.t[li]
+        self.counts[li][i] -= 1
+        self.counts[li][j] += 1
+        t[i] -= form_i[1][li]
+        t[j] += form_j[1][li]
+        self.ps[i] -= form_i[2][li]
+        self.ps[j] += form_j[2][li]
+        self.used[i] -= self.q[li]
+        self.used[j] += self.q[li]
+        self.tops[li] = max(t)
 
 
 def _by_member(counts: Sequence[Sequence[int]], k: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Edge Mesh planning, the training grid: the clusters of a whole fleet and their shares of the batch.
 
-Predicted times are the cost model's (``cost_model``), and every cluster divides the model by
+Predicted times are the cost model's (``member_cost``), and every cluster divides the model by
 ``divide_filters`` (``division``).
 
 Training grid (``training_grid``)
@@ -47,25 +47,24 @@ import heapq
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
 from edgemesh.common import costs
 from edgemesh.common.costs import LayerCost
-from edgemesh.services.planner.mesh.cost_model import (
+from edgemesh.services.planner.mesh.devices import DeviceInfo, check_devices, cluster_name, sample_fleet
+from edgemesh.services.planner.mesh.division import TOLERANCE, Division, divide, water_level
+from edgemesh.services.planner.mesh.member_cost import (
     FLOAT32_WIRE,
     MIN_WEIGHT,
     Wire,
     batch_line,
     check_batch,
     cluster_iteration_s,
-    member_memory,
     memory_coefficients,
     model_memory,
 )
-from edgemesh.services.planner.mesh.devices import DeviceInfo, check_devices, cluster_name, sample_fleet
-from edgemesh.services.planner.mesh.division import TOLERANCE, Division, divide, water_level
 
 DEFAULT_MAX_CLUSTER_SIZE = 8
 """Most members of one cluster: beyond, every member spends its step receiving the others' slices."""
@@ -81,8 +80,10 @@ LARGE_FLEET = 200
 """Useful devices above which a single finalist is divided exactly (``GRID_FINALISTS``)."""
 GRID_REFINE = 6
 """Cluster counts tried again, evenly, between the ladder neighbours of the best count."""
-REPLAN_THRESHOLD = 0.25
-"""Default relative slowdown of the current layout, against the best new one, that warrants a new plan."""
+
+
+Lines = dict[tuple[str, int], tuple[float, float, float, float]]
+"""Every member's cost coefficients by (device, cluster size), affine in the batch: the quick estimate's cache."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -119,7 +120,7 @@ class Grid:
 
 
 def _estimate(layers: Sequence[LayerCost], members: Sequence[DeviceInfo], batch: int, wire: Wire,
-              lines: dict[tuple[str, int], tuple[float, float, float, float]] | None = None) -> float:
+              lines: Lines | None = None) -> float:
     """A cluster's quick iteration estimate (every member the same share of every layer, the layers'
     meetings left out: module docstring): inf if the members' memory cannot hold the model at
     ``batch``. ``lines`` caches every member's cost coefficients, which are affine in the batch."""
@@ -175,7 +176,7 @@ def _groups(devices: Sequence[DeviceInfo], k: int, max_size: int) -> list[list[D
 
 
 def _balance(layers: Sequence[LayerCost], groups: Sequence[Sequence[DeviceInfo]], total: int, wire: Wire,
-             lines: dict[tuple[str, int], tuple[float, float, float, float]],
+             lines: Lines,
              bounds: tuple[int, int] = (1, 0)) -> tuple[list[int], list[float]]:
     """Split ``total`` samples among ``groups`` so that they finish together; (batches, times).
 
@@ -265,85 +266,132 @@ def training_grid(spec: str, devices: Sequence[DeviceInfo], *, batch: int,
     a device named twice or a device with non-positive flops; ModelError for an unknown spec.
     """
     layers = costs.layers(spec)
+    _check_settings(batch, max_cluster_size, min_batch, max_batch, slack)
+    min_batch = min(min_batch, batch)
+    check_devices(devices)
+    ordered = sorted(devices, key=lambda d: d.device)
+    useful, spare = _taking_part(layers, ordered, max_cluster_size, most=batch // min_batch * max_cluster_size)
+    search = _Search(layers, useful, batch, max_cluster_size, wire, (min_batch, max_batch))
+    order = search.ranked(_sizes(len(useful), batch, max_cluster_size, min_batch))
+    if not order:
+        return Grid(clusters=(), excluded=tuple(d.device for d in ordered), idle=(), predicted_iteration_s=0.0,
+                    throughput_samples_s=0.0)
+    # the estimate leaves out the meetings at every layer: the finalists are divided exactly
+    built = [_build(layers, groups, batches, wire) for groups, batches in search.finalists(order, slack)]
+    clusters, idle = _fewest_within(built, slack)
+    clusters.sort(key=lambda c: c.name)
+    round_s = max(c.predicted_s for c in clusters)
+    kept = {d.device for d in useful} | set(spare)
+    excluded = sorted(d.device for d in ordered if d.device not in kept)
+    return Grid(clusters=tuple(clusters), excluded=tuple(excluded), idle=tuple(sorted([*spare, *idle])),
+                predicted_iteration_s=round_s, throughput_samples_s=sum(c.batch for c in clusters) / round_s)
+
+
+def _check_settings(batch: int, max_cluster_size: int, min_batch: int, max_batch: int, slack: float) -> None:
+    """ValueError for a setting of ``training_grid`` out of its range."""
     check_batch(batch)
     if max_cluster_size < 1:
         raise ValueError(f"max_cluster_size must be >= 1, got {max_cluster_size}")
     if min_batch < 1 or (max_batch and max_batch < min_batch):
         raise ValueError(f"need 1 <= min_batch <= max_batch (or max_batch 0), got {min_batch} and {max_batch}")
-    min_batch = min(min_batch, batch)
     if not slack >= 0:
         raise ValueError(f"slack must be >= 0, got {slack}")
-    check_devices(devices)
-    ordered = sorted(devices, key=lambda d: d.device)
+
+
+def _taking_part(layers: Sequence[LayerCost], ordered: Sequence[DeviceInfo], max_size: int,
+                 most: int) -> tuple[list[DeviceInfo], list[str]]:
+    """The devices whose memory holds ``1 / max_size`` of the model, in name order, and the names of those left
+    idle when there are more than ``most`` of them (the batch has work for the fastest ``most``)."""
     m0, q = memory_coefficients(layers, 1)
     full_memory = sum(qi * la.units for qi, la in zip(q, layers, strict=True))
-    useful = [d for d in ordered if (d.memory_bytes - m0) / full_memory >= 1.0 / max_cluster_size - TOLERANCE]
-    spare: list[str] = []
-    most = batch // min_batch * max_cluster_size
-    if len(useful) > most:  # more devices than the batch has work for: the fastest
-        fastest = sorted(useful, key=lambda d: (-d.flops, d.device))
-        spare = [d.device for d in fastest[most:]]
-        useful = sorted(fastest[:most], key=lambda d: d.device)
-    lines: dict[tuple[str, int], tuple[float, float, float, float]] = {}
-    tried: dict[int, tuple[float, list[list[DeviceInfo]], list[int]]] = {}
+    useful = [d for d in ordered if (d.memory_bytes - m0) / full_memory >= 1.0 / max_size - TOLERANCE]
+    if len(useful) <= most:
+        return useful, []
+    fastest = sorted(useful, key=lambda d: (-d.flops, d.device))
+    return sorted(fastest[:most], key=lambda d: d.device), [d.device for d in fastest[most:]]
 
-    def attempt(k: int) -> None:
-        if k not in tried:
-            groups = _groups(useful, k, max_cluster_size)
-            batches, times = _balance(layers, groups, batch, wire, lines, (min_batch, max_batch))
-            tried[k] = (max(times), groups, batches)
 
-    def estimate_order() -> list[int]:
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Clusters of devices, their shares of the batch, and the quick estimate of the iteration."""
+
+    groups: list[list[DeviceInfo]]
+    batches: list[int]
+    estimate_s: float
+
+
+class _Search:
+    """The layouts of the ``useful`` devices weighed by their quick estimates, one per cluster count tried (module
+    docstring), and the finalists among them that are divided exactly."""
+
+    def __init__(self, layers: Sequence[LayerCost], useful: list[DeviceInfo], batch: int, max_size: int, wire: Wire,
+                 bounds: tuple[int, int]) -> None:
+        self.layers, self.useful, self.batch, self.max_size, self.wire = layers, useful, batch, max_size, wire
+        self.bounds = bounds
+        """``(min_batch, max_batch)`` of a cluster."""
+        self.lines: Lines = {}
+        self.tried: dict[int, _Layout] = {}
+
+    def ranked(self, sizes: list[int]) -> list[int]:
+        """Try the cluster counts ``sizes``, then for a large fleet every count between the best's neighbours; the
+        counts tried, best first (``ranking``)."""
+        for k in sizes:
+            self._attempt(k)
+        order = self.ranking()
+        if order and len(sizes) > 1:
+            at = sizes.index(order[0]) if order[0] in sizes else 0
+            low, high = sizes[max(0, at - 1)], sizes[min(len(sizes) - 1, at + 1)]
+            step = max(1, (high - low) // GRID_REFINE)
+            for k in range(low, high + 1, step):
+                self._attempt(k)
+            order = self.ranking()
+        return order
+
+    def _attempt(self, k: int) -> None:
+        if k not in self.tried:
+            groups = _groups(self.useful, k, self.max_size)
+            batches, times = _balance(self.layers, groups, self.batch, self.wire, self.lines, self.bounds)
+            self.tried[k] = _Layout(groups, batches, max(times))
+
+    def ranking(self) -> list[int]:
         """Cluster counts with a finite estimate that train the most samples (all ``batch`` unless
         ``max_batch`` caps every cluster), best first (a smaller count wins a tie)."""
-        finite = [k for k, (t, _, _) in tried.items() if math.isfinite(t)]
-        most = max((sum(tried[k][2]) for k in finite), default=0)
-        finite = [k for k in finite if sum(tried[k][2]) == most]
-        best_t = min((tried[k][0] for k in finite), default=math.inf)
-        return sorted(finite, key=lambda k: (tried[k][0] > best_t * (1 + GRID_TIE), tried[k][0], k))
+        tried = self.tried
+        finite = [k for k, layout in tried.items() if math.isfinite(layout.estimate_s)]
+        most = max((sum(tried[k].batches) for k in finite), default=0)
+        finite = [k for k in finite if sum(tried[k].batches) == most]
+        best_t = min((tried[k].estimate_s for k in finite), default=math.inf)
+        return sorted(finite, key=lambda k: (tried[k].estimate_s > best_t * (1 + GRID_TIE), tried[k].estimate_s, k))
 
-    sizes = _sizes(len(useful), batch, max_cluster_size, min_batch)
-    for k in sizes:
-        attempt(k)
-    order = estimate_order()
-    if order and len(sizes) > 1:  # a large fleet: every count between the best's neighbours
-        at = sizes.index(order[0]) if order[0] in sizes else 0
-        low, high = sizes[max(0, at - 1)], sizes[min(len(sizes) - 1, at + 1)]
-        step = max(1, (high - low) // GRID_REFINE)
-        for k in range(low, high + 1, step):
-            attempt(k)
-        order = estimate_order()
-    if not order:
-        return Grid(clusters=(), excluded=tuple(d.device for d in ordered), idle=(), predicted_iteration_s=0.0,
-                    throughput_samples_s=0.0)
-    # the estimate leaves out the meetings at every layer: a small fleet has every count divided
-    # exactly, a larger one the best few
-    small = len(order) <= GRID_CANDIDATES
-    finalists = list(order) if small else order[:GRID_FINALISTS if len(useful) <= LARGE_FLEET else 1]
-    if slack > 0:  # fewer clusters within the slack: the quick estimates flatter them, so all are weighed
-        finalists += [k for k in order if k < order[0] and k not in finalists
-                      and tried[k][0] <= tried[order[0]][0] * (1 + slack)]
-    if len(useful) in order and len(useful) not in finalists:
-        finalists.append(len(useful))  # one cluster per device: exact already, the baseline to beat
-    layouts = [(tried[k][1], tried[k][2]) for k in finalists]
-    if small:
-        layouts += _fast_alone(layers, useful, order, max_cluster_size, batch, wire, lines, (min_batch, max_batch),
-                               samples=sum(tried[order[0]][2]))
-    built = [_build(layers, groups, batches, wire) for groups, batches in layouts]
+    def finalists(self, order: list[int], slack: float) -> list[tuple[list[list[DeviceInfo]], list[int]]]:
+        """The layouts to divide exactly: of a small fleet every count (and the fast boards alone), of a larger
+        one the best few; with a ``slack``, fewer clusters within it; and one cluster per device."""
+        tried, n = self.tried, len(self.useful)
+        small = len(order) <= GRID_CANDIDATES
+        chosen = list(order) if small else order[:GRID_FINALISTS if n <= LARGE_FLEET else 1]
+        if slack > 0:  # fewer clusters within the slack: the quick estimates flatter them, so all are weighed
+            within = tried[order[0]].estimate_s * (1 + slack)
+            chosen += [k for k in order if k < order[0] and k not in chosen and tried[k].estimate_s <= within]
+        if n in order and n not in chosen:
+            chosen.append(n)  # one cluster per device: exact already, the baseline to beat
+        layouts = [(tried[k].groups, tried[k].batches) for k in chosen]
+        if small:
+            layouts += _fast_alone(self.layers, self.useful, order, self.max_size, self.batch, self.wire, self.lines,
+                                   self.bounds, samples=sum(tried[order[0]].batches))
+        return layouts
+
+
+def _fewest_within(built: list[tuple[list[GridCluster], list[str]]],
+                   slack: float) -> tuple[list[GridCluster], list[str]]:
+    """Of layouts divided exactly (clusters, idle members), the one of fewest clusters whose iteration is within
+    ``slack`` of the shortest (the shortest among those)."""
     shortest = min(max(c.predicted_s for c in b[0]) for b in built)
-    clusters, idle = min((b for b in built if max(c.predicted_s for c in b[0]) <= shortest * (1 + slack)),
-                         key=lambda b: (len(b[0]), max(c.predicted_s for c in b[0])))
-    idle = [*spare, *idle]
-    clusters.sort(key=lambda c: c.name)
-    round_s = max(c.predicted_s for c in clusters)
-    kept = {d.device for d in useful} | set(spare)
-    excluded = sorted(d.device for d in ordered if d.device not in kept)
-    return Grid(clusters=tuple(clusters), excluded=tuple(excluded), idle=tuple(sorted(idle)),
-                predicted_iteration_s=round_s, throughput_samples_s=sum(c.batch for c in clusters) / round_s)
+    return min((b for b in built if max(c.predicted_s for c in b[0]) <= shortest * (1 + slack)),
+               key=lambda b: (len(b[0]), max(c.predicted_s for c in b[0])))
 
 
 def _fast_alone(layers: Sequence[LayerCost], devices: Sequence[DeviceInfo], counts: Sequence[int], max_size: int,
-                total: int, wire: Wire, lines: dict[tuple[str, int], tuple[float, float, float, float]],
+                total: int, wire: Wire, lines: Lines,
                 bounds: tuple[int, int], *, samples: int) -> list[tuple[list[list[DeviceInfo]], list[int]]]:
     """More layouts of ``counts`` clusters for a small fleet: the ``s`` fastest devices alone and the
     others in ``K - s`` clusters of about equal FLOPS, for every ``0 < s < K``, with their batches
@@ -389,52 +437,6 @@ def grid_iteration_s(spec: str, grid: Grid, devices: Sequence[DeviceInfo], wire:
     by_name = {d.device: d for d in devices}
     return max(cluster_iteration_s(spec, [by_name[m] for m in c.members], c.division.counts, batch=c.batch,
                                    wire=wire) for c in grid.clusters) if grid.clusters else 0.0
-
-
-def needs_replan(old: Grid, devices: Sequence[DeviceInfo], spec: str, batch: int,
-                 threshold: float = REPLAN_THRESHOLD, *, max_cluster_size: int = DEFAULT_MAX_CLUSTER_SIZE,
-                 wire: Wire = FLOAT32_WIRE, slack: float = 0.0, min_batch: int = 1, max_batch: int = 0) -> bool:
-    """Whether ``old`` should give way to a new grid: a device joined or left, a member's memory no
-    longer holds its share, or the old layout's predicted iteration under the new measurements is
-    more than ``threshold`` (relative) above the best new layout's (a device slowed down)."""
-    by_name = {d.device: d for d in devices}
-    if len(by_name) != len(devices):
-        raise ValueError("a device appears twice")
-    if set(by_name) != old.members | set(old.excluded) | set(old.idle):
-        return True
-    layers = costs.layers(spec)
-    for cluster in old.clusters:
-        counts = cluster.division.counts
-        for i, m in enumerate(cluster.members):
-            need = member_memory(spec, [counts[la.name][i] for la in layers], batch=cluster.batch)
-            if need > by_name[m].memory_bytes:
-                return True
-    new = training_grid(spec, devices, batch=batch, max_cluster_size=max_cluster_size, wire=wire, slack=slack,
-                        min_batch=min_batch, max_batch=max_batch)
-    if not old.clusters or not new.clusters:
-        return bool(old.clusters) != bool(new.clusters)
-    return grid_iteration_s(spec, old, devices, wire) > (1 + threshold) * new.predicted_iteration_s
-
-
-def links_moved(old: Grid, planned: Sequence[DeviceInfo], devices: Sequence[DeviceInfo], spec: str,
-                threshold: float = REPLAN_THRESHOLD, *, wire: Wire = FLOAT32_WIRE) -> bool:
-    """Whether the link figures in ``devices`` (uplink, downlink, latency) move ``old``'s predicted iteration,
-    from the one it had for the figures it was laid out with (``planned``), by more than ``threshold`` (relative,
-    either way). Speeds stay the planned ones here: a slowdown is ``needs_replan``'s to judge.
-
-    ``needs_replan`` asks whether another layout would win by the threshold; a link's cost falls on every layout
-    (a member moves the others' slices whatever its share), so a slow link measured for the first time, where
-    the hello gave none and the cost model assumed 100 Mbit/s, changes the best division while no layout wins
-    by much. Weighing a link by what it does to the iteration keeps noise in a fast link (a loopback measured at
-    50 or 500 MB/s) from re-planning. Devices ``old`` was not laid out with are ``needs_replan``'s too."""
-    now = {d.device: d for d in devices}
-    if not old.clusters or not planned or not old.members <= now.keys():
-        return False
-    relinked = [replace(d, link_rate_bps=now[d.device].link_rate_bps, downlink_rate_bps=now[d.device].downlink_rate_bps,
-                        latency_s=now[d.device].latency_s) if d.device in now else d for d in planned]
-    before = grid_iteration_s(spec, old, planned, wire)
-    after = grid_iteration_s(spec, old, relinked, wire)
-    return abs(after - before) > threshold * before
 
 
 # --------------------------------------------------------------------------- benchmark hooks

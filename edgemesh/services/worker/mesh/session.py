@@ -5,9 +5,12 @@
   the other members' forward slices and step messages and the backward slices addressed to it,
   and take its part of every model delta (``model/delta/{device}``) instead of the broadcast.
 * **A step**: the first member waits, before a plan's first step, until every other member is
-  ready (their retained ``MeshReady``), then announces the step and model version (``MeshBegin``);
-  the others follow with the same batch (``batch_at``). Each piece of compute runs in a thread and
-  is held to the board's speed; gradients leave as the member's shards.
+  ready (their retained ``MeshReady``, which says how many samples each holds), then announces the step, the
+  model version and the step's owner (``MeshBegin``): member ``step % k``, or the next in member order that holds
+  data (``owner_of``). The owner draws the batch from its own data (``batch_at``) and sends it to the others as the
+  first layer's ``input`` slice; every member computes on it. Each piece of compute runs in a thread and
+  is held to the board's speed; gradients leave as the member's shards, the change of its rows of the
+  running statistics as exact float32 shards beside them.
 * **Leave** (a plan makes it a cluster of one): whole parameters again, the broadcast again.
 * **A sharded parameter server** (``ShardedView``): each shard's view keeps the member's rows within that
   shard's, each shard sends the member its part of every delta (empty where it holds none of its rows), and
@@ -22,17 +25,17 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from edgemesh.common import costs
+from edgemesh.common import costs, models
 from edgemesh.common.broadcast import ModelView
 from edgemesh.common.bus import Bus, Route
 from edgemesh.common.config import WorkerConfig
 from edgemesh.common.data import batch_at
-from edgemesh.common.errors import ModelError
+from edgemesh.common.errors import DataError, ModelError
 from edgemesh.common.messages import (
     CodecPolicy,
     MeshBegin,
@@ -45,11 +48,11 @@ from edgemesh.common.messages import (
     ShardUpdate,
 )
 from edgemesh.common.metrics import ServiceMetrics
-from edgemesh.common.shards import ShardedView, cut
+from edgemesh.common.shards import ShardedView
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.services.worker.board import Board
 from edgemesh.services.worker.mesh.exchange import BusExchange
-from edgemesh.services.worker.mesh.member import MeshMember
+from edgemesh.services.worker.mesh.member import Batch, MeshMember, owner_of
 from edgemesh.services.worker.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -78,6 +81,9 @@ class MeshResult:
     step: int
     work: tuple[float, float] | None
     """(training FLOPs, compute seconds), when this member's share is large enough to measure speed by."""
+    buffers: list[ShardUpdate] = field(default_factory=list)
+    """The change of this member's rows of the running statistics (and, the first member's, of the batch counters)
+    as float32 shards, cut as the gradient is."""
 
 
 class MeshSession:
@@ -103,6 +109,10 @@ class MeshSession:
         """The latest step start announced by this device's cluster leader."""
         self._ready: dict[tuple[str, str], int] = {}
         """(cluster, member) -> the latest plan version that member is ready under."""
+        self._holding: dict[tuple[str, str], int] = {}
+        """(cluster, member) -> the samples that member said it holds when it was last ready (-1: not said)."""
+        self._held = -1
+        """Samples this device holds under the current plan (0: none, or its data are missing; -1: not known yet)."""
         self._ready_sent: tuple[str, int] | None = None
         """(cluster, plan version) this device last announced itself ready for."""
         self._step = 0
@@ -148,16 +158,18 @@ class MeshSession:
 
     async def on_ready(self, ready: MeshReady, _: TopicMatch) -> None:
         self._ready[(ready.cluster, ready.device)] = ready.plan_version
+        self._holding[(ready.cluster, ready.device)] = ready.samples
         self._changed.set()
 
     def _member_routes(self, cluster: PlanCluster) -> list[Route[Any]]:
-        """What a member consumes: the other members' forward slices, step starts and readiness (one
+        """What a member consumes: the other members' forward and input slices, step starts and readiness (one
         filter each, so its own do not come back), the backward slices addressed to it, and its part
         of every model delta."""
         t, c = self.topics, cluster.cluster
         others = [m for m in cluster.members if m != self.device]
-        shards = [t.for_shard(i) for i in range(len(self.view.views))] if isinstance(self.view, ShardedView) else [t]
+        shards = self.view.shard_topics(t)
         return [*(Route(t.mesh_filter(c, "+", "fwd", m), MeshSlice, self.on_slice) for m in others),
+                *(Route(t.mesh_filter(c, "+", "input", m), MeshSlice, self.on_slice) for m in others),
                 *(Route(t.mesh_filter(c, "step", "begin", m), MeshBegin, self.on_begin) for m in others),
                 *(Route(t.mesh_filter(c, "step", "ready", m), MeshReady, self.on_ready) for m in others),
                 Route(t.backward_filter(c, self.device), MeshSlice, self.on_slice),
@@ -192,11 +204,19 @@ class MeshSession:
             if self._exchange is not None:
                 self._exchange.abort(f"plan version {plan.version} replaced {self._exchange.plan_version}")
             self._step = 0  # step numbers belong to one leader and plan
+            spec = models.get_spec(plan.model_spec)
             self._exchange = BusExchange(self.bus, self.topics, cluster=cluster.cluster, device=self.device,
                                          members=cluster.members, counts=cluster.counts, order=self.member.order,
                                          plan_version=plan.version, timeout_s=self.cfg.mesh_timeout_s,
-                                         dtype=self.cfg.mesh_dtype)
-        await asyncio.to_thread(self.trainer.shard, plan, me)
+                                         dtype=self.cfg.mesh_dtype, input_shape=spec.input_shape,
+                                         classes=spec.num_classes, skips=self.member.skips)
+        try:
+            self._held = len(await asyncio.to_thread(self.trainer.shard, plan, me))
+        except DataError as exc:  # it never owns a step; the others' batches still need its slices
+            if self._held != 0:
+                logger.warning("%s: no training data (%s): other members' data give every step's batch", self.device,
+                               exc)
+            self._held = 0
 
     async def leave(self) -> None:
         """Back to training the whole model: the view needs every row again (a snapshot)."""
@@ -228,17 +248,19 @@ class MeshSession:
         if agreed is None:
             self.m_steps.labels(outcome="no_start").inc()
             return None
-        step, _ = agreed
+        step, _, owner = agreed
         self._step = step
         assert self.view.params is not None
         params, version, gap = self.view.params, self.view.version, self.view.gap
-        sharded = self.view if isinstance(self.view, ShardedView) else None
-        stamp = version if sharded is None else sum(sharded.versions)  # a sharded model moves shard by shard
+        stamp = self.view.stamp
         if member.version != stamp:
             await asyncio.to_thread(member.load, params, stamp)
-        x, y = batch_at(self.trainer.shard(plan, me), me.batch_size, seed=plan.seed + me.shard_index, step=step)
-        exchange.begin(step, len(y))
+        mine = owner in (-1, member.index)  # -1: a leader that names no owner; every member draws the batch
+        own: Batch | None = batch_at(self.trainer.shard(plan, me), me.batch_size, seed=plan.seed + me.shard_index,
+                                     step=step) if mine else None
+        exchange.begin(step, len(own[1]) if own is not None else 0, owner)
         try:
+            x, y = own if owner < 0 and own is not None else await exchange.inputs(step, owner, own)
             result = await member.step(step, x, y, exchange, run=self._run)
         except ModelError as exc:  # a member timed out, or sent what does not fit
             self.m_steps.labels(outcome="abandoned").inc()
@@ -257,9 +279,9 @@ class MeshSession:
             sent, received = exchange.layer_bytes.get(layer, (0, 0))
             busy = seconds + (sent / up if up else 0.0) + (received / down if down else 0.0)
             self.layer_busy.setdefault(layer, deque(maxlen=AVERAGE_WINDOW)).append(busy)
-        grads = result.grads if sharded is None else cut(result.grads, sharded.spans)
-        shards = await asyncio.to_thread(self.trainer.encode, grads, policy)
-        return MeshResult(shards, len(y), result.loss, elapsed, version, gap, step, work)
+        shards = await asyncio.to_thread(self.trainer.encode, self.view.pieces(result.grads), policy)
+        return MeshResult(shards, len(y), result.loss, elapsed, version, gap, step, work,
+                          _exact(self.view.pieces(result.buffers)))
 
     def layer_busy_s(self) -> dict[str, float]:
         """Median busy seconds per layer of recent steps (for stats)."""
@@ -271,24 +293,40 @@ class MeshSession:
         took = await self.board.hold(result[-1], flops)
         return (*result[:-1], took)
 
-    async def _start(self, plan: Plan, cluster: PlanCluster) -> tuple[int, int] | None:
-        """Agree on the step and model version with the cluster: the first member announces them,
-        the others wait for the announcement and that model. None if none came in time."""
+    def _holders(self, plan: Plan, cluster: PlanCluster) -> list[bool]:
+        """Which members hold training data: this device by its own, the others by what they said when ready
+        under ``plan`` (a member not ready, or silent about its data, owns no step)."""
+        return [self._held > 0 if m == self.device else (
+            self._ready.get((cluster.cluster, m)) == plan.version and self._holding.get((cluster.cluster, m), -1) > 0)
+            for m in cluster.members]
+
+    async def _start(self, plan: Plan, cluster: PlanCluster) -> tuple[int, int, int] | None:
+        """Agree on the step, model version and the step's owner with the cluster: the first member announces
+        them, the others wait for the announcement and that model. None if none came in time."""
         timeout = self.cfg.mesh_timeout_s
         if cluster.members[0] == self.device:
             if not self._step and not await self._members_ready(plan, cluster):
                 return None  # a new plan came meanwhile
             # milliseconds since the epoch at the first step: a restarted leader never reuses a step number
             step = self._step + 1 if self._step else time.time_ns() // 1_000_000
+            owner = owner_of(step, self._holders(plan, cluster))
+            if owner is None:  # none yet: wait for a member's readiness (or the timeout) before trying again
+                logger.warning("%s: no member of %s holds training data", self.device, cluster.cluster)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        self._changed.clear()
+                        await self._changed.wait()
+                return None
             version = self.view.version
             await self.bus.publish(self.topics.mesh(cluster.cluster, "step", "begin", self.device), MeshBegin(
                 cluster=cluster.cluster, device=self.device, plan_version=plan.version, step=step,
-                model_version=version))
-            return step, version
+                model_version=version, owner=owner))
+            return step, version, owner
 
         if self._ready_sent != (cluster.cluster, plan.version):  # routed and holding the model: ready
             await self.bus.publish(self.topics.mesh(cluster.cluster, "step", "ready", self.device), MeshReady(
-                cluster=cluster.cluster, device=self.device, plan_version=plan.version), retain=True)
+                cluster=cluster.cluster, device=self.device, plan_version=plan.version, samples=self._held),
+                retain=True)
             self._ready_sent = (cluster.cluster, plan.version)
 
         def announced() -> MeshBegin | None:
@@ -311,7 +349,7 @@ class MeshSession:
         except TimeoutError:
             logger.info("%s: no step start from %s within %.0fs", self.device, cluster.members[0], timeout)
             return None
-        return begin.step, begin.model_version
+        return begin.step, begin.model_version, begin.owner
 
     async def _members_ready(self, plan: Plan, cluster: PlanCluster) -> bool:
         """The first member, before a plan's first step: wait until every other member is ready under
@@ -337,3 +375,11 @@ class MeshSession:
     def _replaced(self, plan: Plan) -> bool:
         current = self._current_plan()
         return current is not None and current.version != plan.version
+
+
+def _exact(pieces: list[tuple[str, int, int, np.ndarray]]) -> list[ShardUpdate]:
+    """Buffers' changes as float32 shards, as a data-parallel worker sends them: running statistics are a few values
+    per channel, which a lossy codec and its error feedback would bias."""
+    return [ShardUpdate(param=param, start=start, stop=stop, codec="none",
+                        data=np.ascontiguousarray(change, dtype=np.float32).tobytes())
+            for param, start, stop, change in pieces]

@@ -1,0 +1,80 @@
+"""``edgemesh simulate``: policies x seeds of a simulated fleet, a JSON report and a short table (docs/simulation.md).
+
+    edgemesh simulate [--fleet pi3,pi3,pi4,...] [--scenario steady|dynamic|harsh] [--policy sync|...|all]
+                      [--seeds N] [--lr X] [--target A] [--budget-s S] [--report PATH] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import cast
+
+from edgemesh import cli
+from edgemesh.bench.fleet import DEFAULT_BUDGET_S, DEFAULT_FLEET, DEFAULT_TARGET, EVAL_INTERVAL_S
+from edgemesh.bench.runs import names
+from edgemesh.common.errors import ConfigError
+from edgemesh.common.vocabulary import SYNC_POLICIES, CodecName
+from edgemesh.simulate.engine import POLICIES, Policy, SimSettings
+from edgemesh.simulate.report import compare, table
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """``edgemesh simulate``."""
+    parser.add_argument("--fleet", default=",".join(DEFAULT_FLEET), help="device profiles, comma-separated")
+    parser.add_argument("--scenario", default="steady", help="emulation scenario: steady, dynamic, harsh "
+                        "(--set worker.emulation_scenarios=FILE for your own)")
+    parser.add_argument("--policy", default="all", help=f"{', '.join(POLICIES)}, comma-separated, or all (the "
+                        f"service's: {', '.join(SYNC_POLICIES)}); fedbuff is a peer's rule for comparison")
+    parser.add_argument("--seeds", type=int, default=1, help="runs per policy, seeds --seed, --seed + 1, ...")
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--lr", type=float, help="learning rate of every policy (default: training.lr)")
+    parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="target held-out accuracy")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="virtual seconds per run")
+    parser.add_argument("--eval-interval-s", type=float, default=EVAL_INTERVAL_S,
+                        help="evaluate the model every this many virtual seconds")
+    parser.add_argument("--codec", help="every device's gradient codec (default: compressor.default_codec)")
+    parser.add_argument("--detect-s", type=float, help="seconds from a drop-out or a return to the new plan "
+                        "(default: planner.replan_debounce_s)")
+    parser.add_argument("--report", help="JSON report path (default: bench/reports/simulate-SCENARIO.json)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a board trains on its own)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override any setting by its dotted key, e.g. --set ps.round_scaling=none")
+    parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    parser.set_defaults(func=main)
+
+
+def policies_of(text: str) -> list[Policy]:
+    """``--policy``: the policies named, or every service policy for ``all``; ConfigError for an unknown one."""
+    chosen = names(text)
+    if chosen == ["all"]:
+        return list(SYNC_POLICIES)
+    unknown = [p for p in chosen if p not in POLICIES]
+    if unknown or not chosen:
+        raise ConfigError(f"unknown policy {', '.join(unknown) or repr(text)}; known: {', '.join(POLICIES)}, "
+                          "or all")
+    return [cast(Policy, p) for p in chosen]
+
+
+def main(args: argparse.Namespace) -> int:
+    cli.setup_logging(args.log_level or "WARNING")
+    if args.seeds < 1 or args.threads < 1:
+        raise ConfigError("--seeds and --threads must be >= 1")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    base = SimSettings(fleet=tuple(names(args.fleet)), scenario=args.scenario, lr=args.lr, target=args.target,
+                       budget_s=args.budget_s, eval_interval_s=args.eval_interval_s,
+                       codec=cast(CodecName | None, args.codec), detect_s=args.detect_s,
+                       overrides=cli.overrides(argparse.Namespace(set=args.set, config_keys={})))
+    policies = policies_of(args.policy)
+    report = compare(base, policies, range(args.seed, args.seed + args.seeds),
+                     progress=lambda line: print(line, file=sys.stderr, flush=True))
+    path = Path(args.report or f"bench/reports/simulate-{args.scenario}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(table(report))
+    print(f"report written to {path}")
+    return 0

@@ -1,0 +1,446 @@
+"""``simulate``: one run of a fleet under one policy on the virtual clock, and its result.
+
+A run reads top to bottom as the fleet lives it:
+
+1. the planner's first plan names every device (the run's clock starts there, as ``bench fleet``'s does) and each
+   device holds version 0;
+2. a device starts a step on the newest model it holds (after a ``resync`` ack, one at least as new as the ack
+   names): a real gradient on a batch of its shard, the plan's batch size; the step lasts its FLOPs over the
+   board's training rate, throttled spells slowing it (``Board.step_end``);
+3. its update, encoded under its codec, goes up its link (stalls and drop-outs hold it) to the parameter server,
+   whose scheduler, aggregation and optimizer (:mod:`edgemesh.simulate.server`) judge and apply it;
+4. the acks come back; every model message goes down every device's link in turn (``Downlink``);
+5. a device that drops out is left out of a new plan once the planner notices (``detect_s``), and is planned in
+   again, with a fresh snapshot, ``detect_s`` after it is back; every ``planner.rebalance_interval_s`` the planner
+   re-balances batches to the speeds the devices' stats would report;
+6. every ``eval_interval_s`` the model, if it moved, is evaluated on the held-out split.
+
+The run is seeded: the scenario's timelines, the model's initial weights, the partition, every batch and every
+dropout draw, so the same settings give the same trajectory.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+
+from edgemesh.bench.fleet import (
+    BATCH,
+    DEFAULT_BUDGET_S,
+    DEFAULT_FLEET,
+    DEFAULT_TARGET,
+    EVAL_INTERVAL_S,
+    FINAL_EVALUATIONS,
+    MODEL,
+)
+from edgemesh.bench.runs import device_names, fleet_profiles
+from edgemesh.common.config import Config, load_config
+from edgemesh.common.data import BatchIterator, Dataset, load_dataset, split_indices
+from edgemesh.common.emulation.dynamics import Timeline
+from edgemesh.common.emulation.scenarios import Scenario, load_scenarios
+from edgemesh.common.errors import ConfigError
+from edgemesh.common.messages import Plan, PlanDevice
+from edgemesh.common.vocabulary import CODECS, SYNC_POLICIES, CodecName, SyncPolicy
+from edgemesh.services.parameter_server.scheduler import Ack
+from edgemesh.services.worker.trainer import shard_weights
+from edgemesh.simulate.events import EventQueue
+from edgemesh.simulate.fleet import Board, Downlink, Planner
+from edgemesh.simulate.model import Encoder, SharedModel
+from edgemesh.simulate.reference import FEDBUFF_SHARE, REFERENCE_POLICIES, ReferencePolicy
+from edgemesh.simulate.server import VERSIONS_KEPT, Server
+
+TIMER_SLACK_S = 1e-9
+"""Virtual seconds past a scheduler's deadline it is asked again: float rounding would leave it just short."""
+
+Policy = SyncPolicy | ReferencePolicy
+"""What a run's parameter server follows: a service policy, or a peer's rule for comparison (``reference.py``)."""
+POLICIES: tuple[Policy, ...] = (*SYNC_POLICIES, *REFERENCE_POLICIES)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimSettings:
+    """One simulated run: the fleet, its scenario and policy, the seed, and what the run measures."""
+
+    fleet: tuple[str, ...] = DEFAULT_FLEET
+    """Device profiles, one per device (``profiles.toml``)."""
+    scenario: str = "steady"
+    policy: Policy = "sync"
+    seed: int = 0
+    """Seeds the scenario's timelines, the initial weights, the partition and every batch."""
+    lr: float | None = None
+    """The learning rate (None: ``training.lr`` of the configuration)."""
+    target: float = DEFAULT_TARGET
+    budget_s: float = DEFAULT_BUDGET_S
+    """Virtual (board) seconds of training."""
+    eval_interval_s: float = EVAL_INTERVAL_S
+    """Evaluate the model, if it moved, every this many virtual seconds."""
+    codec: CodecName | None = None
+    """Every device's gradient codec (None: ``compressor.default_codec``, what a device is given before the
+    compressor's adaptive policy speaks)."""
+    detect_s: float | None = None
+    """Virtual seconds from a drop-out (or a return) to the planner's new plan (None: ``planner.replan_debounce_s``:
+    the broker publishes the will as the connection resets, and the planner debounces)."""
+    overrides: Mapping[str, str] = field(default_factory=dict)
+    """Settings by dotted key, as ``--set`` gives them (``ps.round_scaling``, ``training.momentum``, ...)."""
+    stop_at_target: bool = False
+    """End the run at the first evaluation at or above ``target`` (a search for a learning rate)."""
+    compute_scale: tuple[float, ...] = ()
+    """One factor per device on its board's training rate (empty: every board at its profile's rate): a fleet whose
+    speeds the profiles do not list, such as ``fleet.straggler_fleet``'s spread of one profile."""
+    buffer_share: float = FEDBUFF_SHARE
+    """``fedbuff``: the buffer ``K`` as a share of the plan's devices."""
+    wall_limit_s: float | None = None
+    """End the run after this many wall seconds (a scale trial that must not run for hours); None: no limit."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimRun:
+    """What one run measured (virtual seconds throughout)."""
+
+    policy: Policy
+    seed: int
+    time_to_target_s: float | None
+    final_accuracy: float | None
+    """Mean of the last ``FINAL_EVALUATIONS`` evaluations."""
+    best_accuracy: float
+    versions: int
+    updates: int
+    """Updates applied."""
+    discarded: dict[str, int]
+    """Updates discarded, by reason."""
+    steps_refused: int
+    diverged: bool
+    """The last evaluation's loss is not finite, or its accuracy fell more than ``ps.guard.accuracy_drop`` below the
+    best."""
+    curve: list[tuple[float, int, float, float]]
+    """(virtual seconds, version, accuracy, loss) of every evaluation."""
+    gradients: int
+    """Steps the devices computed (applied or not)."""
+    elapsed_s: float
+    wall_s: float
+    plans: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """The run as JSON-ready figures."""
+        return {"policy": self.policy, "seed": self.seed, "time_to_target_s": self.time_to_target_s,
+                "final_accuracy": self.final_accuracy, "best_accuracy": self.best_accuracy,
+                "versions": self.versions, "updates": self.updates, "discarded": dict(self.discarded),
+                "steps_refused": self.steps_refused, "diverged": self.diverged, "gradients": self.gradients,
+                "seconds_per_version": round(self.elapsed_s / self.versions, 4) if self.versions else None,
+                "elapsed_s": round(self.elapsed_s, 3), "wall_s": round(self.wall_s, 2), "plans": self.plans,
+                **self.details,
+                "curve": [[round(t, 3), v, round(a, 4), round(loss, 4) if math.isfinite(loss) else None]
+                          for t, v, a, loss in self.curve]}
+
+
+def sim_config(settings: SimSettings, devices: int) -> Config:
+    """The services' configuration of a run: ``bench fleet``'s (its model and batch, a staleness bound of twice the
+    devices, balanced batches), then the user's settings, then the run's policy, seed and learning rate."""
+    overrides = {"training.model_spec": MODEL, "training.batch_size": str(BATCH),
+                 "training.staleness_bound": str(2 * devices), "planner.batching": "balanced",
+                 **settings.overrides, "training.sync_policy": service_policy(settings.policy),
+                 "training.seed": str(settings.seed)}
+    if settings.lr is not None:
+        overrides["training.lr"] = repr(settings.lr)
+    return load_config(env={}, overrides=overrides)
+
+
+def service_policy(policy: Policy) -> SyncPolicy:
+    """The service policy the configuration names for ``policy`` (a reference policy's nearest: ``async``, whose
+    workers never wait for a round)."""
+    return "async" if policy in REFERENCE_POLICIES else cast(SyncPolicy, policy)
+
+
+def check(settings: SimSettings) -> None:
+    """ConfigError naming what ``settings`` get wrong that the configuration does not check."""
+    if settings.policy not in POLICIES:
+        raise ConfigError(f"unknown policy {settings.policy!r}; known: {', '.join(POLICIES)}")
+    if settings.compute_scale and (len(settings.compute_scale) != len(settings.fleet)
+                                   or not all(f > 0 for f in settings.compute_scale)):
+        raise ConfigError("compute_scale needs one factor > 0 per device of the fleet")
+    if not 0 < settings.buffer_share <= 1:
+        raise ConfigError("buffer_share must be in (0, 1]")
+    if settings.codec is not None and settings.codec not in CODECS:
+        raise ConfigError(f"unknown codec {settings.codec!r}; known: {', '.join(CODECS)}")
+    if not settings.fleet:
+        raise ConfigError("the fleet needs at least one device")
+    if not (settings.budget_s > 0 and settings.eval_interval_s > 0 and 0 < settings.target <= 1):
+        raise ConfigError("the budget and evaluation interval must be > 0, the target in (0, 1]")
+    if settings.lr is not None and not settings.lr > 0:
+        raise ConfigError("the learning rate must be > 0")
+
+
+@dataclass(slots=True)
+class Device:
+    """One simulated device: its board and downlink, its worker's codec, plan share, batches and step state."""
+
+    index: int
+    board: Board
+    downlink: Downlink
+    encoder: Encoder
+    me: PlanDevice | None = None
+    batches: BatchIterator | None = None
+    shard_key: tuple[Any, ...] | None = None
+    seq: int = 0
+    busy: bool = False
+    """A step computing, or its update not answered yet: the worker waits for its ack before the next."""
+    wanted: int = 0
+    """The version the next step must start from at least (an ack's ``resync``)."""
+    left: bool = False
+    """Out of the plans since a drop-out the planner noticed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """What a run's fleet is made of: its configuration, boards (timelines seeded), scenarios and device names.
+    ``bench policies`` replays the same boards in ``bench headroom``'s idealized fleets."""
+
+    cfg: Config
+    boards: dict[str, Board]
+    scenarios: Mapping[str, Scenario]
+    names: list[tuple[str, str]]
+    """(device, profile) of every device."""
+
+
+def hardware(settings: SimSettings) -> Hardware:
+    """The boards of ``settings``' fleet in its scenario, seeded (ConfigError for an unknown profile or scenario)."""
+    check(settings)
+    overrides = dict(settings.overrides)
+    profiles = fleet_profiles(list(settings.fleet), settings.fleet[0], overrides)
+    scenarios = load_scenarios(overrides.get("worker.emulation_scenarios") or None, profiles=set(profiles))
+    if settings.scenario not in scenarios:
+        raise ConfigError(f"unknown scenario {settings.scenario!r}; known: {', '.join(sorted(scenarios))}")
+    scenario = scenarios[settings.scenario]
+    names = device_names(list(settings.fleet))
+    cfg = sim_config(settings, len(names))
+    scale = settings.compute_scale or (1.0,) * len(names)
+    boards = {name: Board.of(name, profiles[p], Timeline.of(scenario, p, name, settings.seed),
+                             cfg.training.model_spec, scale=f)
+              for (name, p), f in zip(names, scale, strict=True)}
+    return Hardware(cfg, boards, scenarios, names)
+
+
+class Simulation:
+    """One run (module docstring)."""
+
+    def __init__(self, settings: SimSettings) -> None:
+        self.settings = settings
+        fleet = hardware(settings)
+        self.cfg = cfg = fleet.cfg
+        t = cfg.training
+        self.detect_s = cfg.planner.replan_debounce_s if settings.detect_s is None else settings.detect_s
+        codec: CodecName = settings.codec or cfg.compressor.default_codec
+        self.boards = fleet.boards
+        self.train, self.test = load_dataset(t.dataset, t.dataset_path or None, seed=t.seed)
+        self.model = SharedModel(t.model_spec, t.seed)
+        self.server = Server(cfg, settings.policy, self.model.initial(), buffers=self.model.buffers,
+                             momenta=self.model.momenta, buffer_share=settings.buffer_share)
+        self.planner = Planner(cfg, self.boards, codec)
+        self.devices = {name: Device(i, b, Downlink(b, self.server.published),
+                                     Encoder(name, codec, cfg.compressor.static_density))
+                        for i, (name, b) in enumerate(self.boards.items())}
+        self.present = set(self.devices)
+        self.plan: Plan | None = None
+        self.queue = EventQueue()
+        self.waiting: set[str] = set()
+        """Devices waiting for a version not yet published."""
+        self.timer_at: float | None = None
+        self.curve: list[tuple[float, int, float, float]] = []
+        self.gradients = 0
+        self.plans = 0
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> SimRun:
+        started = time.perf_counter()
+        s = self.settings
+        self.server.publish_snapshot(0.0)  # the retained model every device holds when the run's clock starts
+        for d in self.devices.values():
+            d.downlink.join(len(self.server.published), held=0)
+        self._replan(self.planner.plan(self.present, 0.0, "start"), 0.0)
+        for name, board in self.boards.items():
+            for drop in board.drops(s.budget_s):
+                self.queue.at(drop.start_s + self.detect_s, functools.partial(self._on_leave, name))
+        self._every(s.eval_interval_s, self._evaluate)
+        self._every(self.cfg.planner.rebalance_interval_s, self._rebalance)
+        self._evaluate(0.0)
+        deadline = math.inf if s.wall_limit_s is None else started + s.wall_limit_s
+        self.queue.run_until(s.budget_s, stop=lambda: (s.stop_at_target and self._reached() is not None)
+                             or time.perf_counter() > deadline)
+        if not self.curve or self.curve[-1][1] != self.server.version:
+            self._evaluate(self.queue.now)
+        return self._result(time.perf_counter() - started)
+
+    def _every(self, interval: float, action: Callable[[float], None]) -> None:
+        def tick(t: float) -> None:
+            action(t)
+            self.queue.at(t + interval, tick)
+        self.queue.at(interval, tick)
+
+    # ------------------------------------------------------------------ devices
+    def _start(self, name: str, t: float) -> None:
+        """``name`` starts its next step if it may: in the plan, answered, connected, holding the model it needs."""
+        d = self.devices[name]
+        if d.busy or d.me is None or self.plan is None:
+            return
+        drop = d.board.out_at(t)
+        if drop is not None:  # out: it computes nothing until it is back
+            self.queue.at(drop.end_s, functools.partial(self._start, name))
+            return
+        when = d.downlink.when(d.wanted)
+        if when is None:
+            self.waiting.add(name)
+            return
+        if when > t:
+            self.queue.at(when, functools.partial(self._start, name))
+            return
+        self._step(d, t)
+
+    def _step(self, d: Device, t: float) -> None:
+        """A real gradient on the model ``d`` holds; its update leaves when the step is done and arrives when its
+        bytes are through the link."""
+        assert d.me is not None and d.batches is not None and self.plan is not None
+        base = d.downlink.holds(t)
+        x, y = next(d.batches)
+        d.seq += 1
+        update = self.model.update(base, self.server.versions[base], x, y, _seed(self.settings.seed, d.index, d.seq))
+        message, nbytes = d.encoder.encode(update, plan=self.plan, me=d.me, seq=d.seq, base_version=base,
+                                           samples=len(y))
+        d.busy = True
+        self.gradients += 1
+        arrives = d.board.upload_end(d.board.step_end(t, len(y)), nbytes)
+        self.queue.at(arrives, lambda now: self._answer(self.server.receive(message, nbytes, now), now))
+
+    def _on_ack(self, name: str, ack: Ack, version: int, t: float) -> None:
+        d = self.devices[name]
+        if ack.update.seq == d.seq:
+            d.busy = False
+        if ack.resync:
+            d.wanted = max(d.wanted, version)
+        self._start(name, t)
+
+    def _on_leave(self, name: str, t: float) -> None:
+        """The planner noticed the drop-out of ``name`` (if it is still out): a plan without it; its return is
+        planned ``detect_s`` after it is back."""
+        drop = self.boards[name].out_at(t)
+        if drop is None or name not in self.present:
+            return
+        self.present.discard(name)
+        self.devices[name].left = True
+        self._replan(self.planner.plan(self.present, t, "leave"), t)
+        self.queue.at(drop.end_s + self.detect_s, functools.partial(self._on_join, name))
+
+    def _on_join(self, name: str, t: float) -> None:
+        """``name`` is back: it asks for the model whole (it missed deltas), and the planner plans it in."""
+        d = self.devices[name]
+        self.present.add(name)
+        d.left = False
+        d.downlink.join(self.server.publish_snapshot(t))
+        d.wanted = self.server.version
+        self._replan(self.planner.plan(self.present, t, "join"), t)
+
+    # ------------------------------------------------------------------ the planner and the parameter server
+    def _replan(self, plan: Plan, t: float) -> None:
+        """A plan reaches the devices (each takes its shard of the data) and the parameter server."""
+        self.plan = plan
+        self.plans += 1
+        members = {m.device: m for m in plan.devices}
+        indices: list[np.ndarray] | None = None
+        for name, d in self.devices.items():
+            d.me = members.get(name)
+            if d.me is None:
+                continue
+            key = (d.me.shard_index, d.me.shard_count, shard_weights(plan))
+            if key != d.shard_key:
+                if indices is None:
+                    indices = split_indices(self.train.y, d.me.shard_count, scheme=plan.partition,
+                                            alpha=plan.partition_alpha, seed=plan.seed, weights=key[2])
+                part = indices[d.me.shard_index]
+                data = Dataset(f"{self.train.name}[{key[0]}/{key[1]}]", self.train.x[part], self.train.y[part],
+                               self.train.num_classes)
+                d.batches = BatchIterator(data, d.me.batch_size, seed=_seed(self.settings.seed, d.index, plan.version))
+                d.shard_key = key
+            assert d.batches is not None
+            d.batches.batch_size = d.me.batch_size
+        self._answer(self.server.replanned(plan, t), t)
+        for name in members:
+            self._start(name, t)
+
+    def _rebalance(self, t: float) -> None:
+        plan = self.planner.rebalance(t)
+        if plan is not None:
+            self._replan(plan, t)
+
+    def _answer(self, acks: list[Ack], t: float) -> None:
+        """After the parameter server's turn: its acks on their way, its scheduler's next deadline, the devices
+        waiting for a version that is out now, and the weights no device can start from dropped."""
+        version = self.server.version
+        for ack in acks:
+            name = ack.update.device
+            self.queue.at(self.boards[name].message_end(t), functools.partial(self._on_ack, name, ack, version))
+        timeout = self.server.timeout(t)
+        if timeout is not None and self.timer_at != t + timeout + TIMER_SLACK_S:
+            self.timer_at = t + timeout + TIMER_SLACK_S
+            self.queue.at(self.timer_at, self._on_timer)
+        for name in list(self.waiting):
+            if self.devices[name].downlink.when(self.devices[name].wanted) is not None:
+                self.waiting.discard(name)
+                self._start(name, t)
+        if len(self.server.versions) > VERSIONS_KEPT:
+            self.server.forget_before(min((d.downlink.held for d in self.devices.values()
+                                           if d.me is not None and not d.left), default=version))
+
+    def _on_timer(self, t: float) -> None:
+        if self.timer_at != t:
+            return  # a deadline since moved
+        self.timer_at = None
+        self._answer(self.server.take([], t), t)
+
+    # ------------------------------------------------------------------ evaluation and the result
+    def _evaluate(self, t: float) -> None:
+        version = self.server.version
+        if self.curve and self.curve[-1][1] == version:
+            return
+        loss, accuracy = self.model.evaluate(version, self.server.versions[version], self.test)
+        self.curve.append((t, version, accuracy, loss))
+
+    def _reached(self) -> float | None:
+        return next((t for t, _, a, _ in self.curve if a >= self.settings.target), None)
+
+    def _result(self, wall_s: float) -> SimRun:
+        s, counts, curve = self.settings, self.server.counts, self.curve
+        last = [a for _, _, a, _ in curve[-FINAL_EVALUATIONS:]]
+        best = max(a for _, _, a, _ in curve)
+        _, _, final_acc, final_loss = curve[-1]
+        diverged = not math.isfinite(final_loss) or final_acc < best - self.cfg.ps.guard.accuracy_drop
+        first = self.planner.first
+        return SimRun(
+            policy=s.policy, seed=s.seed, time_to_target_s=self._reached(),
+            final_accuracy=round(statistics.fmean(last), 4), best_accuracy=round(best, 4),
+            versions=self.server.version, updates=counts.accepted, discarded=dict(sorted(counts.discarded.items())),
+            steps_refused=counts.steps_refused, diverged=diverged, curve=curve, gradients=self.gradients,
+            elapsed_s=self.queue.now, wall_s=wall_s, plans=self.plans,
+            details={"lr": self.cfg.training.lr,
+                     "mean_delay": round(statistics.fmean(counts.delays), 3) if counts.delays else None,
+                     "updates_by_device": dict(sorted(counts.by_device.items())),
+                     "batch_sizes": {d.device: d.batch_size for d in first.devices} if first else {},
+                     "round_time_s": round(first.round_time_s, 4) if first else None,
+                     "bytes_up": counts.bytes_in, "bytes_down": counts.bytes_out})
+
+
+def _seed(*parts: int) -> int:
+    """A seed for one draw of one device (``hash`` of a string is not stable across processes)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+
+
+def simulate(settings: SimSettings) -> SimRun:
+    """One run of ``settings`` on the virtual clock (ConfigError for an unknown profile, scenario, policy or codec,
+    or a bad setting)."""
+    return Simulation(settings).run()

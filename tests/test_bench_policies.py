@@ -1,0 +1,124 @@
+"""``edgemesh bench policies``: the FedBuff reference scheduler, the learning-rate rule, the headroom share and the
+quick report's structure and arithmetic. The quick run is two boards for three virtual seconds."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edgemesh import cli
+from edgemesh.bench.policies import refigure
+from edgemesh.bench.policies_figures import headroom_share, quartiles
+from edgemesh.bench.policies_tuning import choose_lr
+from edgemesh.common.messages import GradientUpdate, ShardUpdate
+from edgemesh.services.parameter_server.optimizer import ShardGrad
+from edgemesh.services.parameter_server.scheduler import Candidate, Clock, Fleet
+from edgemesh.simulate import SimRun, straggler_fleet
+from edgemesh.simulate.reference import FedBuffScheduler, fedbuff_damping
+
+FOUR = Fleet(clusters=("c-a", "c-b", "c-c", "c-d"), plan_version=1, devices=frozenset("abcd"), bound=8,
+             planned_samples=32)
+
+
+def _update(device: str, seq: int, base: int, samples: int = 8) -> Candidate:
+    u = GradientUpdate(device=device, cluster=f"c-{device}", incarnation=1, seq=seq, base_version=base,
+                       samples=samples, plan_version=1,
+                       shards=(ShardUpdate(param="w", start=0, stop=1, codec="none", data=b"\0" * 4),))
+    return Candidate(u, [ShardGrad("w", 0, 1, np.ones(1, np.float32))], 0.0)
+
+
+def test_fedbuff_acknowledges_on_arrival_and_steps_every_k_updates() -> None:
+    scheduler = FedBuffScheduler(Clock(), share=0.5)  # K = 2 of 4 devices
+    first = scheduler.take([_update("a", 1, 0)], FOUR)
+    assert not first.steps
+    assert [(a.status, a.resync) for a in first.acks] == [("accepted", False)]  # the device goes on at once
+    second = scheduler.take([_update("b", 1, 0, samples=24)], FOUR)
+    assert [s.version for s in second.steps] == [1]
+    assert scheduler.pending() == []
+    scheduler.clock.version = 1  # the parameter server applied the step
+    third = scheduler.take([_update("c", 1, 0), _update("a", 2, 1)], FOUR)
+    (step,) = third.steps
+    assert step.version == 2
+    # sample shares, each damped by 1 / sqrt(1 + d): c computed on version 0 (d = 1), a on version 1 (d = 0)
+    assert step.weights == pytest.approx((0.5 / math.sqrt(2), 0.5))
+
+
+def test_fedbuff_damping_is_gentler_than_inverse_delay() -> None:
+    assert fedbuff_damping(0) == 1.0
+    assert fedbuff_damping(3) == pytest.approx(0.5)
+    assert fedbuff_damping(8) > 1 / (1 + 8)
+
+
+def test_a_straggler_fleet_spans_its_spread() -> None:
+    fleet, scale = straggler_fleet(8, 10.0)
+    assert len(fleet) == len(scale) == 8 and len(set(fleet)) == 1
+    assert max(scale) / min(scale) == pytest.approx(10.0)
+    assert list(scale) == sorted(scale, reverse=True)
+
+
+def _run(t: float | None, accuracy: float = 0.9) -> SimRun:
+    return SimRun(policy="sync", seed=0, time_to_target_s=t, final_accuracy=accuracy, best_accuracy=accuracy,
+                  versions=1, updates=1, discarded={}, steps_refused=0, diverged=False, curve=[], gradients=1,
+                  elapsed_s=1.0, wall_s=0.0, plans=1)
+
+
+def test_the_rate_with_the_best_median_wins_and_unreached_runs_rank_last() -> None:
+    chosen = choose_lr({0.01: [_run(3.0), _run(3.0)], 0.03: [_run(1.0), _run(None)], 0.1: [_run(2.0), _run(2.5)]})
+    assert chosen["lr"] == 0.1  # 0.03's median is infinite: one of its two runs never arrived
+    assert choose_lr({0.01: [_run(2.0)], 0.03: [_run(2.0)]})["lr"] == 0.01  # a tie goes to the smaller rate
+    nowhere = choose_lr({0.01: [_run(None, 0.7)], 0.03: [_run(None, 0.8)]})
+    assert nowhere["lr"] == 0.03 and "accuracy" in nowhere["by"]
+
+
+def test_headroom_share_is_the_gain_over_sync_in_units_of_the_headroom() -> None:
+    assert headroom_share(10.0, 5.0, 3.0) == 0.5  # twice as fast, of a headroom of 3x
+    assert headroom_share(10.0, 10.0, 2.0) == 0.0
+    assert headroom_share(10.0, 20.0, 2.0) == -0.5
+    assert headroom_share(10.0, 5.0, 1.01) is None  # no headroom to take a share of
+    assert headroom_share(None, 5.0, 2.0) is None
+    assert quartiles([1.0, 2.0, 3.0, math.inf]) == (1.75, 2.5, math.inf)
+
+
+def test_the_quick_report_has_its_structure_and_its_figures_agree(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "policies.json"
+    assert cli.main(["bench", "policies", "--quick", "--report", str(path)]) == 0
+    report: dict[str, Any] = json.loads(path.read_text())
+    assert report["settings"]["policies"] == ["sync", "adaptive"]
+    assert report["settings"]["seeds"] == [0, 1] and report["settings"]["tuning_seeds"] == [1000]
+    assert not set(report["settings"]["seeds"]) & set(report["settings"]["tuning_seeds"])
+    (case,) = report["cases"].values()
+    ratio = case["headroom"]["ratio"]
+    assert ratio >= 1.0  # free waits for no one: never slower than sync
+    assert min(case["headroom"]["per_seed"].values()) <= ratio <= max(case["headroom"]["per_seed"].values())
+    sync = case["policies"]["sync"]["median_time_to_target_s"]
+    reached_somewhere = False
+    for policy, f in case["policies"].items():
+        runs = case["runs"][policy]
+        assert f["runs"] == len(runs) == 2
+        assert case["lr"][policy] == report["tuning"]["steady"][policy]["lr"]
+        assert all(r["lr"] == case["lr"][policy] for r in runs)
+        times = [r["time_to_target_s"] for r in runs]
+        assert f["reached_share"] == sum(t is not None for t in times) / 2
+        assert f["reached_share"] + f["never_reached_share"] == pytest.approx(1.0)
+        assert f["diverged_share"] == sum(r["diverged"] for r in runs) / 2
+        median = f["median_time_to_target_s"]
+        if median is not None:
+            reached_somewhere = True
+            low, high = f["min_max_time_to_target_s"]
+            q1, q3 = f["iqr_time_to_target_s"]
+            assert low <= q1 <= median <= q3 <= high
+            assert f["headroom_share"] == headroom_share(sync, median, ratio)
+            assert f["speedup_over_sync"] == pytest.approx(sync / median, abs=1e-3)
+        assert f["seeds_paired_with_sync"] == 2 and 0 <= f["sooner_than_sync"] <= 2
+    assert reached_somewhere  # the quick run's target is one the job reaches: its figures are not all empty
+    assert case["policies"]["sync"]["headroom_share"] in (0.0, None)
+    assert refigure(copy.deepcopy(report)) == report  # every figure follows from the runs and the headroom
+    assert path.with_suffix(".png").exists()
+    assert "| `adaptive` |" in capsys.readouterr().out

@@ -1,0 +1,192 @@
+"""``edgemesh simulate``: the fleet on a virtual clock runs the services' own scheduler, is seeded, follows its
+scenario's drop-outs, and reports per policy. Runs are short, on small fleets of slow boards: a run's wall time is
+about its gradients', and a slow board computes few per virtual second."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from edgemesh import cli
+from edgemesh.bench.fleet import BATCH, MODEL
+from edgemesh.common import costs
+from edgemesh.common.config import AdaptiveConfig
+from edgemesh.common.emulation.dynamics import Timeline
+from edgemesh.common.emulation.profiles import get_profile
+from edgemesh.common.emulation.scenarios import load_scenarios
+from edgemesh.common.errors import ConfigError
+from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
+from edgemesh.simulate import SimSettings, compare, simulate
+from edgemesh.simulate.server import CachedDelay
+
+UNIFORM = {"planner.batching": "uniform"}
+"""Every device at ``training.batch_size``: a sync round is then as slow as its slowest board."""
+SLOW = ("pi3", "pi4", "jetson-nano")
+SOURCE = "a test figure"
+DROPS = """
+[scenarios.calm]
+description = "nothing happens"
+throttle_profiles = []
+throttle_speed = 1.0
+throttled_s = 0.0
+unthrottled_s = 0.0
+stalls_per_minute = 0.0
+stall_s = 0.0
+max_stall_s = 0.0
+disconnects_per_hour = 0.0
+outage_s = 0.0
+max_outage_s = 0.0
+bandwidth_sigma = 0.0
+bandwidth_interval_s = 0.0
+
+[scenarios.drops]
+description = "a drop-out every two seconds per device"
+throttle_profiles = []
+throttle_speed = 1.0
+throttled_s = 0.0
+unthrottled_s = 0.0
+stalls_per_minute = 0.0
+stall_s = 0.0
+max_stall_s = 0.0
+disconnects_per_hour = 1800.0
+outage_s = 1.0
+max_outage_s = 2.0
+bandwidth_sigma = 0.0
+bandwidth_interval_s = 0.0
+"""
+
+
+def _scenarios(tmp_path: Path) -> str:
+    """A scenario file with ``calm`` and ``drops``, every figure sourced."""
+    figures = ["throttle_profiles", "throttle_speed", "throttled_s", "unthrottled_s", "stalls_per_minute", "stall_s",
+               "max_stall_s", "disconnects_per_hour", "outage_s", "max_outage_s", "bandwidth_sigma",
+               "bandwidth_interval_s"]
+    sources = "".join(f'\n[scenarios.{name}.sources]\n' + "".join(f'{f} = "{SOURCE}"\n' for f in figures)
+                      for name in ("calm", "drops"))
+    path = tmp_path / "scenarios.toml"
+    path.write_text(DROPS + sources)
+    return str(path)
+
+
+def test_a_seed_replays_the_same_run_and_another_seed_does_not() -> None:
+    settings = SimSettings(fleet=SLOW, scenario="harsh", policy="async", budget_s=2.0)
+    first, again = simulate(settings), simulate(settings)
+    other = simulate(SimSettings(fleet=SLOW, scenario="harsh", policy="async", budget_s=2.0, seed=1))
+    assert first.curve == again.curve
+    assert first.summary() | {"wall_s": 0} == again.summary() | {"wall_s": 0}
+    assert first.curve != other.curve
+
+
+def test_sync_rounds_wait_for_the_slowest_board_and_async_does_not() -> None:
+    fleet = ("pi3", "laptop")
+    sync = simulate(SimSettings(fleet=fleet, policy="sync", budget_s=2.0, overrides=UNIFORM))
+    free = simulate(SimSettings(fleet=fleet, policy="async", budget_s=2.0, overrides=UNIFORM))
+    pi3 = get_profile("pi3")
+    step_s = BATCH * costs.cost(MODEL).train_flops_per_sample / (pi3.train_gflops * 1e9 * costs.TRAIN_EFFICIENCY)
+    per_version = sync.elapsed_s / sync.versions
+    # a round is the pi3's step, its upload and the model's way back: the laptop's faster steps do not shorten it
+    assert step_s < per_version < step_s * 1.5
+    assert sync.details["updates_by_device"]["laptop-0"] == sync.details["updates_by_device"]["pi3-0"]
+    assert free.versions > 3 * sync.versions
+    assert free.gradients > 3 * sync.gradients
+
+
+def test_a_drop_out_holds_the_device_back_and_the_planner_replans(tmp_path: Path) -> None:
+    overrides = {**UNIFORM, "worker.emulation_scenarios": _scenarios(tmp_path)}
+    calm = simulate(SimSettings(fleet=SLOW[1:], scenario="calm", policy="async", budget_s=6.0, overrides=overrides))
+    drops = simulate(SimSettings(fleet=SLOW[1:], scenario="drops", policy="async", budget_s=6.0, overrides=overrides))
+    scenario = load_scenarios(overrides["worker.emulation_scenarios"])["drops"]
+    dropped = [name for name, profile in (("pi4-0", "pi4"), ("jetson-nano-0", "jetson-nano"))
+               if Timeline.of(scenario, profile, name, 0).until(6.0, ("drop",))]
+    assert dropped  # the seed gives a drop-out within the budget
+    for device in dropped:
+        assert drops.details["updates_by_device"][device] < 0.8 * calm.details["updates_by_device"][device]
+    assert calm.plans == 1
+    assert drops.plans > 2  # a device left and came back
+
+
+def test_the_report_has_each_policy_and_each_run() -> None:
+    report = compare(SimSettings(fleet=SLOW[:2], budget_s=1.0, target=0.3),
+                     ["sync", "adaptive"], [0, 1])
+    assert set(report["policies"]) == {"sync", "adaptive"}
+    for summary in report["policies"].values():
+        assert set(summary) >= {"runs", "median_time_to_target_s", "time_to_target_spread_s", "reached_share",
+                                "diverged_share", "median_final_accuracy", "median_versions", "discarded"}
+        assert summary["runs"] == 2
+    run = report["runs"]["sync"][1]
+    assert run["seed"] == 1
+    assert set(run) >= {"time_to_target_s", "final_accuracy", "versions", "updates", "discarded", "curve",
+                        "diverged", "seconds_per_version"}
+    assert json.loads(json.dumps(report)) == report
+
+
+def test_the_digits_job_learns_in_a_few_virtual_seconds() -> None:
+    run = simulate(SimSettings(fleet=("pi5", "laptop"), policy="sync", budget_s=3.0, lr=0.05))
+    assert run.final_accuracy is not None and run.final_accuracy > 0.5
+    assert not run.diverged
+    assert run.curve[0][2] < 0.3  # it learned it: version 0 guesses
+
+
+def test_the_command_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = tmp_path / "sim.json"
+    code = cli.main(["simulate", "--fleet", "pi3,pi4", "--policy", "sync,async", "--budget-s", "1",
+                     "--target", "0.2", "--report", str(report)])
+    assert code == 0
+    assert set(json.loads(report.read_text())["policies"]) == {"sync", "async"}
+    assert "async" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), [("--policy", "bsp", "unknown policy"),
+                                                       ("--fleet", "pi3,toaster", "toaster"),
+                                                       ("--scenario", "stormy", "unknown scenario"),
+                                                       ("--codec", "zip", "unknown codec")])
+def test_a_bad_argument_is_named_and_exits_2(flag: str, value: str, named: str,
+                                             capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code = cli.main(["simulate", flag, value, "--budget-s", "0.5", "--report", str(tmp_path / "r.json")])
+    assert code == 2
+    assert named in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_fedbuff_runs_as_a_reference_whose_devices_never_wait() -> None:
+    fleet = ("pi3", "pi4", "pi5", "laptop")
+    run = simulate(SimSettings(fleet=fleet, policy="fedbuff", budget_s=1.5, overrides=UNIFORM, buffer_share=0.5))
+    sync = simulate(SimSettings(fleet=fleet, policy="sync", budget_s=1.5, overrides=UNIFORM))
+    assert run.policy == "fedbuff" and run.details["lr"] > 0
+    assert run.versions == run.updates // 2  # K = 2 of 4 devices: a step per two updates
+    # no round to wait for: the laptop computes many more steps than the pi3 (whose late ones the staleness bound
+    # may even discard), where sync keeps them level
+    by_device = run.details["updates_by_device"]
+    assert by_device["laptop-0"] > 3 * by_device.get("pi3-0", 0)
+    assert run.gradients > 2 * sync.gradients
+    assert sync.details["updates_by_device"]["laptop-0"] == sync.details["updates_by_device"]["pi3-0"]
+
+
+def test_compute_scale_slows_a_board_by_its_factor() -> None:
+    fleet = ("laptop", "laptop")
+    run = simulate(SimSettings(fleet=fleet, policy="async", budget_s=1.0, overrides=UNIFORM,
+                               compute_scale=(1.0, 0.25)))
+    by_device = run.details["updates_by_device"]
+    assert by_device["laptop-0"] >= 3 * by_device["laptop-1"]  # compute dominates a laptop's step
+
+
+def test_a_bad_compute_scale_is_refused() -> None:
+    with pytest.raises(ConfigError, match="compute_scale"):
+        simulate(SimSettings(fleet=("pi3", "pi4"), compute_scale=(1.0,)))
+
+
+def test_the_cached_adaptive_deadline_is_the_rules_own() -> None:
+    rule, cached = AdaptiveDelay(AdaptiveConfig()), CachedDelay(AdaptiveConfig())
+    rng = random.Random(0)
+    for i in range(2000):
+        cluster, seconds = f"c{rng.randrange(40)}", rng.expovariate(1.0)
+        for r in (rule, cached):
+            r.observe_arrival(cluster, seconds)
+            if i % 500 == 499:
+                r.retain([], [f"c{j}" for j in range(30)])
+        live = [f"c{j}" for j in range(rng.randrange(45))]
+        assert cached.deadline(live) == rule.deadline(live)
+        assert cached.deadline() == rule.deadline()
