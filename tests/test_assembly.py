@@ -11,7 +11,7 @@ import numpy as np
 from helpers import SPLIT, devices, gradient, make_config, member_update, mesh_plan, plan_for, running
 
 from edgemesh.common.config import Config
-from edgemesh.common.messages import GradientUpdate, ShardUpdate
+from edgemesh.common.messages import GradientUpdate, ShardUpdate, StepDiscard
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.assembly import CLOSED_STEPS, Assembly, Outcome
 from edgemesh.services.parameter_server.optimizer import ShardGrad
@@ -150,6 +150,34 @@ def test_on_a_parameter_server_shard_a_step_waits_for_every_members_part_and_for
     known[2] = frozenset({"a", "b", "c"})
     [joined] = assembly.replanned(2).joined
     assert joined.update.seq == 2 and len(assembly) == 0
+
+
+def test_a_follower_shard_joins_a_step_of_a_replaced_plan_whose_last_parts_come_after_the_plan() -> None:
+    """Shard 0 may join a step before the new plan reaches it while the step's last parts reach another shard
+    after the plan: that shard joins it still (shard 0's step record will name it), and a step of a replaced plan
+    that never completes expires there uncounted, as its members abandoned it."""
+    assembly, clock = Assembly(ROWS, timeout_s=5.0), Clock()
+    assembly.follows = True
+    assembly.members = lambda cluster, version: frozenset({"a", "b"}) if version in (1, 2) else None
+    assert nothing(assembly.add(part("a", A, step=12), clock, 1, 0.0))
+    assert nothing(assembly.add(part("a", A, step=13), clock, 1, 0.0))
+    assert nothing(assembly.replanned(2))  # neither step is dropped here
+    [joined] = assembly.add(part("b", B, step=12), clock, 2, 1.0).joined  # late, under plan 2: joined still
+    assert joined.update.mesh_step == 12 and joined.update.plan_version == 1
+    assert nothing(assembly.expire(4.9, plan_version=2))
+    out = assembly.expire(5.0, plan_version=2)  # step 13's b never came: abandoned, not a rejection
+    assert told(out.acks) == [("a", "discarded", "replanned", True)] and not out.rejected
+    assert len(assembly) == 0
+    # a step shard 0 discarded (its plan replaced there first) goes at once, with shard 0's reason
+    assert nothing(assembly.add(part("a", A, seq=5, step=14), clock, 1, 6.0))
+    assert not assembly.dismiss([StepDiscard(device="b", incarnation=1, seq=5, reason="replanned")])  # not held
+    assert assembly.dismiss([StepDiscard(device="a", incarnation=1, seq=5, reason="replanned")])
+    assert assembly.timeout(6.0) == 0.0
+    assert told(assembly.expire(6.0, plan_version=2).acks) == [("a", "discarded", "replanned", True)]
+    # shard 0 (not following) drops the old plan's steps at once, as before
+    leader = Assembly(ROWS, timeout_s=5.0)
+    leader.add(part("a", A, step=12), clock, 1, 0.0)
+    assert told(leader.replanned(2).acks) == [("a", "discarded", "replanned", True)]
 
 
 def test_the_assembly_remembers_the_last_closed_steps_only() -> None:

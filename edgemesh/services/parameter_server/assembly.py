@@ -13,17 +13,23 @@ rows: the joined update then takes the identity of the same member's part on eve
 not complete within ``ps.mesh_assembly_timeout_s``, or one of a plan that has been replaced, is discarded too
 (``incomplete``, ``replanned``: its members abandon it and resync). The last ``CLOSED_STEPS``
 steps joined or discarded are remembered, so that a member's resend of its part opens no new one.
+
+A shard other than 0 (``follows``) does not discard a step of a replaced plan: shard 0 may have joined it before
+the new plan reached it, the step's last parts still on their way here, and shard 0's step record decides. Such a
+step joins when its parts are in; one that shard 0 discarded goes as shard 0 said (``dismiss``), and one that
+never completes expires uncounted (``replanned``): its members abandoned it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from edgemesh.common.messages import GradientUpdate, Plan
+from edgemesh.common.messages import GradientUpdate, Plan, StepDiscard
 from edgemesh.common.vocabulary import DiscardReason
 from edgemesh.services.parameter_server.optimizer import ShardGrad
 from edgemesh.services.parameter_server.scheduler import Ack, Candidate, Clock
@@ -51,6 +57,8 @@ def members_in(plan: Plan | None, cluster: str, plan_version: int) -> frozenset[
 class _Waiting:
     opened: float
     parts: dict[str, Candidate] = field(default_factory=dict)
+    verdict: DiscardReason | None = None
+    """Shard 0's reason, when it discarded the step (a follower's)."""
 
 
 @dataclass(slots=True)
@@ -76,6 +84,8 @@ class Assembly:
         self._waiting: dict[StepKey, _Waiting] = {}
         self._closed: OrderedDict[StepKey, DiscardReason | Literal[""]] = OrderedDict()
         """Steps joined ('') or discarded (the reason)."""
+        self.follows = False
+        """A shard other than 0: steps of a replaced plan wait for their parts (see the module's docstring)."""
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -104,7 +114,7 @@ class Assembly:
                 ack = Ack(u, "discarded", closed, resync=True)
                 (out.rejected if closed in COUNTED else out.acks).append(ack)
             return out  # joined and not judged yet: acked with the cluster's update (``taken`` counts it)
-        if plan_version and u.plan_version < plan_version:
+        if plan_version and u.plan_version < plan_version and not self.follows:
             # its members abandon a step when the plan changes: the rest of it will not come
             self._close(key, "replanned")
             out.acks.append(Ack(u, "discarded", "replanned", resync=True))
@@ -142,16 +152,35 @@ class Assembly:
                                     max(part.received for part in parts), parts=tuple(p.update for p in parts),
                                     buffers=[g for part in parts for g in part.buffers]))
 
-    def expire(self, now: float) -> Outcome:
-        """Discard the steps whose members did not all report in time (one left or lags)."""
-        return self._discard([k for k, w in self._waiting.items() if now - w.opened >= self.timeout_s],
-                             "incomplete", counted=True)
+    def expire(self, now: float, plan_version: int = 0) -> Outcome:
+        """Discard the steps whose members did not all report in time (one left or lags; on a follower, a step
+        of a plan older than ``plan_version`` is one its members abandoned, not counted), and those shard 0
+        discarded (``dismiss``), as it did."""
+        out = Outcome()
+        for key in [k for k, w in self._waiting.items() if now - w.opened >= self.timeout_s]:
+            reason = self._waiting[key].verdict or ("replanned" if key[1] < plan_version else "incomplete")
+            done = self._discard([key], reason, counted=reason in COUNTED)
+            out.acks += done.acks
+            out.rejected += done.rejected
+        return out
+
+    def dismiss(self, discards: Iterable[StepDiscard]) -> bool:
+        """A follower: the waiting steps holding a part shard 0 discarded expire at the next ``expire``, with its
+        reason (shard 0 dropped a replaced plan's step that this shard still waits on). Whether any did."""
+        named = {(d.device, d.incarnation, d.seq): d.reason for d in discards}
+        found = False
+        for waiting in self._waiting.values():
+            reasons = [named[k] for p in waiting.parts.values()
+                       if (k := (p.update.device, p.update.incarnation, p.update.seq)) in named]
+            if reasons:
+                waiting.opened, waiting.verdict, found = -math.inf, reasons[0], True
+        return found
 
     def replanned(self, plan_version: int) -> Outcome:
         """A new plan: steps of older plans still waiting are discarded at once. Members abandon a
         step when the plan changes, so the rest of it will not come, and the members that did send
         would otherwise wait ``ps.mesh_assembly_timeout_s`` for their acks."""
-        stale = [k for k in self._waiting if k[1] < plan_version]
+        stale = [] if self.follows else [k for k in self._waiting if k[1] < plan_version]
         for key in stale:
             logger.info("step %d of %s discarded: plan version %d replaced %d", key[2], key[0], plan_version, key[1])
         out = self._discard(stale, "replanned", counted=False)

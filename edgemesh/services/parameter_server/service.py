@@ -248,7 +248,8 @@ class ParameterServer:
                 async with asyncio.timeout(min(timeouts) if timeouts else None):
                     await self._wake.wait()
             self._wake.clear()
-            await self.intake.settle(self.intake.assembly.expire(time.monotonic()))
+            plan_version = self.plan.version if self.plan else 0
+            await self.intake.settle(self.intake.assembly.expire(time.monotonic(), plan_version))
             if self.stepper.snapshot_owed:
                 await self.stepper.publish_snapshot(self.policy)
             if self.sync_out.owed:

@@ -14,6 +14,8 @@ what makes the model one model.
   waits ``ps.shard_wait_s``, then is taken without it; so is a step naming an update the follower refused (its
   rows were malformed or not finite here). Either part is counted (``shard_parts_missed``); the update, arriving
   later, is answered as shard 0 answered it and not applied.
+* A model-parallel step of a replaced plan still joins here (shard 0 may have joined it before the plan reached
+  it, while its last parts reached this shard after); one shard 0 discarded goes as it said (``Assembly.dismiss``).
 * A follower further behind than the whole message's steps reach takes the oldest it can, its version jumping
   over the ones it cannot have (counted: ``shard_versions_skipped``, and logged).
 * Under ``clip`` and ``krum`` it tells shard 0 its part of each update's squared norm and, under ``krum``, of its
@@ -90,6 +92,8 @@ class Follower(Sharded):
         self.wake = wake
         self.steps = FollowerScheduler(clock, wait_s, metrics)
         self.bus: Bus | None = None
+        self.assembly: Assembly | None = None
+        """The model-parallel steps waiting here: those shard 0 discarded go as it said."""
         self._sending: set[asyncio.Task[int]] = set()
 
     # ------------------------------------------------------------------ construction and start
@@ -97,6 +101,8 @@ class Follower(Sharded):
                   evaluator: Evaluator, plan: Callable[[], Plan | None]) -> dict[str, np.ndarray]:
         """``Sharded.take_part``; no evaluation here (shard 0 evaluates the whole model)."""
         evaluator.enabled = False
+        assembly.follows = True  # shard 0's step records decide a step of a replaced plan
+        self.assembly = assembly
         return super().take_part(model, broadcast=broadcast, assembly=assembly, evaluator=evaluator, plan=plan)
 
     def scheduler(self, policy: SyncPolicy, carry: Sequence[Candidate], make: SchedulerFactory) -> Scheduler:
@@ -116,6 +122,8 @@ class Follower(Sharded):
 
         async def steps(message: ShardSteps, _: TopicMatch) -> None:
             self.steps.follow(message)
+            if self.assembly is not None and message.discards:
+                self.assembly.dismiss(message.discards)
             self.wake()
 
         bus.route(self.topics.steps_filter(), ShardSteps, steps)

@@ -4,6 +4,7 @@ that wait for a part from every member of their cluster (docs/scale.md#a-sharded
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from edgemesh.common.broadcast import Broadcaster
     from edgemesh.services.parameter_server.assembly import Assembly
     from edgemesh.services.parameter_server.evaluation import Evaluator
+
+KEPT_PLANS = 4
+"""Plans whose clusters' members a shard still knows (a step of a replaced plan may still join on a follower)."""
 
 
 class Sharded(ShardRole):
@@ -48,7 +52,17 @@ class Sharded(ShardRole):
         a cluster's step waits for a part from every member the plan names (an empty one where it has none)."""
         self.division = Division.of({name: v.shape for name, v in model.items()}, self.shard, self.shards)
         broadcast.own = self.division.local_rows
-        assembly.members = lambda cluster, version: members_in(plan(), cluster, version)
+        kept: OrderedDict[int, Plan] = OrderedDict()  # a follower joins steps of a replaced plan
+
+        def members(cluster: str, version: int) -> frozenset[str] | None:
+            if (current := plan()) is not None:
+                kept[current.version] = current
+                kept.move_to_end(current.version)
+                while len(kept) > KEPT_PLANS:
+                    kept.popitem(last=False)
+            return members_in(kept.get(version), cluster, version)
+
+        assembly.members = members
         return self.division.take(model)
 
     def localize(self, update: GradientUpdate) -> GradientUpdate:
