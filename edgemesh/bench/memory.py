@@ -70,8 +70,8 @@ def _cluster_bytes(spec: str, counts: dict[str, tuple[int, ...]], params: dict[s
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 result = fn(*args)
             for layer in members[i].layers.values():  # outputs kept for the backward pass
-                if layer.saved is not None:
-                    storage = layer.saved[1].untyped_storage()
+                if layer.saved is not None and (kept := layer.saved[1]) is not None:
+                    storage = kept.untyped_storage()
                     saved[i].setdefault(storage.data_ptr(), storage.nbytes())
             return result
         return run

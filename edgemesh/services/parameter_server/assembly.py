@@ -27,7 +27,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, cast
 
 from edgemesh.common.messages import GradientUpdate, Plan, StepDiscard
 from edgemesh.common.vocabulary import DiscardReason
@@ -167,7 +167,7 @@ class Assembly:
     def dismiss(self, discards: Iterable[StepDiscard]) -> bool:
         """A follower: the waiting steps holding a part shard 0 discarded expire at the next ``expire``, with its
         reason (shard 0 dropped a replaced plan's step that this shard still waits on). Whether any did."""
-        named = {(d.device, d.incarnation, d.seq): d.reason for d in discards}
+        named = {(d.device, d.incarnation, d.seq): cast(DiscardReason, d.reason) for d in discards if d.reason}
         found = False
         for waiting in self._waiting.values():
             reasons = [named[k] for p in waiting.parts.values()
