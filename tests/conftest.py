@@ -119,6 +119,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             require_binary(name)
 
 
+# --- the order the suite's two processes take the files in --------------------------------------
+
+LONG_FIRST = ("test_bench_fleet.py", "test_bench.py", "test_jobs_fleet.py", "test_bench_mesh.py",
+              "test_bench_fast_path.py", "test_end_to_end.py", "test_faults.py", "test_robust_ps.py",
+              "test_sharded_ps.py", "test_emulation.py")
+"""Files whose tests take minutes in all, longest first (``--durations``): handed out before the rest, so that the run
+does not end on one of them while the other process idles (``--dist loadfile`` hands files out in collection order
+with ``--no-loadscope-reorder``; xdist's own order puts the files of fewest tests, these among them, last)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of ``LONG_FIRST`` first, in its order; the others after them, as collected."""
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))
+
+
 # --- diagnosis of a hung test ----------------------------------------------------------------
 
 HANG_REPORT_S = 10.0

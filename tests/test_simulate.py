@@ -190,3 +190,79 @@ def test_the_cached_adaptive_deadline_is_the_rules_own() -> None:
         live = [f"c{j}" for j in range(rng.randrange(45))]
         assert cached.deadline(live) == rule.deadline(live)
         assert cached.deadline() == rule.deadline()
+
+
+# --------------------------------------------------------------------------- a user's own job
+
+STRIPES_JOB = """
+[job]
+name = "stripes"
+target_accuracy = 0.8
+
+[model]
+input_shape = [1, 12, 12]
+classes = ["rows", "columns", "dots"]
+layers = [{conv2d = 8, kernel = 3, padding = 1}, "batchnorm", "relu", "globalavgpool", {linear = 3}]
+
+[data]
+format = "image-folder"
+path = "stripes"
+
+[evaluation]
+path = "stripes-eval"
+
+[training]
+lr = 0.07
+batch_size = 8
+"""
+"""A job no other test submits: its own images (below), a batch-norm CNN with global pooling, its own rate."""
+
+
+def draw_stripes(root: Path, per_class: int, seed: int) -> None:
+    """12x12 grey PNGs of three kinds, noisy: rows lit, columns lit, a grid of dots."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for name in ("rows", "columns", "dots"):
+        (root / name).mkdir(parents=True)
+        for i in range(per_class):
+            image = rng.uniform(0, 80, (12, 12))
+            phase = int(rng.integers(0, 2))
+            if name == "rows":
+                image[phase::2, :] += 150
+            elif name == "columns":
+                image[:, phase::2] += 150
+            else:
+                image[phase::2, phase::2] += 150
+            Image.fromarray(image.clip(0, 255).astype(np.uint8)).save(root / name / f"{i}.png")
+
+
+def test_a_users_job_is_simulated_with_its_model_settings_data_and_target(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    draw_stripes(data / "stripes", 40, seed=1)
+    draw_stripes(data / "stripes-eval", 10, seed=2)
+    job = tmp_path / "stripes.toml"
+    job.write_text(STRIPES_JOB)
+    report = tmp_path / "sim.json"
+    code = cli.main(["simulate", "--job", str(job), "--data-dir", str(data), "--fleet", "pi5,laptop",
+                     "--policy", "async", "--budget-s", "4", "--report", str(report)])
+    assert code == 0, capsys.readouterr().err
+    out = json.loads(report.read_text())
+    assert out["settings"]["job_file"] == str(job) and out["settings"]["target"] == 0.8  # the job's target
+    [run] = out["runs"]["async"]
+    assert run["lr"] == 0.07  # the job's rate, not the benchmark's
+    assert run["curve"][0][2] < 0.5 and run["best_accuracy"] >= 0.6  # its images, learned (chance 1/3)
+    assert "async" in capsys.readouterr().out
+
+
+def test_a_users_job_whose_data_is_missing_is_refused_naming_it(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    job = tmp_path / "stripes.toml"
+    job.write_text(STRIPES_JOB)
+    code = cli.main(["simulate", "--job", str(job), "--data-dir", str(tmp_path), "--policy", "sync",
+                     "--budget-s", "1", "--report", str(tmp_path / "r.json")])
+    assert code == 2
+    assert "stripes" in capsys.readouterr().err
+    assert not (tmp_path / "r.json").exists()

@@ -536,6 +536,7 @@ def settings_of(job: str, *, fleet: str | None, modes: list[str], dilation: floa
                     dilation=float(given(dilation, "dilation")),
                     iterations=int(given(iterations, "iterations")),
                     accuracy_iterations=int(given(accuracy_iterations, "accuracy_iterations")),
-                    per_class=int(given(per_class, "per_class")), held_out_per_class=int(given(None, "held_out_per_class")),
+                    per_class=int(given(per_class, "per_class")),
+                    held_out_per_class=int(given(None, "held_out_per_class")),
                     oom=oom, oom_iterations=int(given(oom_iterations, "oom_iterations")),
                     oom_target=float(given(oom_target, "oom_target")), oom_dilation=1.0, quick=quick)

@@ -2,6 +2,11 @@
 
     edgemesh simulate [--fleet pi3,pi3,pi4,...] [--scenario steady|dynamic|harsh] [--policy sync|...|all]
                       [--seeds N] [--lr X] [--target A] [--budget-s S] [--report PATH] [--set KEY=VALUE ...]
+                      [--job JOB.toml [--data-dir DIR]]
+
+With ``--job``, the fleet trains the user's own job (its model, settings, data and target: ``simulate/job.py``);
+a fleet of the user's own boards is a profiles file (``--set worker.emulation_profiles=FILE``) and ``--fleet``
+naming its profiles.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from edgemesh.bench.fleet import DEFAULT_BUDGET_S, DEFAULT_FLEET, DEFAULT_TARGET
 from edgemesh.bench.runs import names
 from edgemesh.common.errors import ConfigError
 from edgemesh.common.vocabulary import SYNC_POLICIES, CodecName
+from edgemesh.simulate import job as simulated_job
 from edgemesh.simulate.engine import POLICIES, Policy, SimSettings
 from edgemesh.simulate.report import compare, table
 
@@ -31,7 +37,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=1, help="runs per policy, seeds --seed, --seed + 1, ...")
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--lr", type=float, help="learning rate of every policy (default: training.lr)")
-    parser.add_argument("--target", type=float, default=DEFAULT_TARGET, help="target held-out accuracy")
+    parser.add_argument("--target", type=float, help=f"target held-out accuracy (default: the job's "
+                        f"target_accuracy, else {DEFAULT_TARGET})")
+    parser.add_argument("--job", help="a job file: simulate its model, settings and data (what job submit sends)")
+    parser.add_argument("--data-dir", help="the folder the job's data.path and evaluation.path are relative to "
+                        "(default: worker.data_dir)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="virtual seconds per run")
     parser.add_argument("--eval-interval-s", type=float, default=EVAL_INTERVAL_S,
                         help="evaluate the model every this many virtual seconds")
@@ -65,14 +75,19 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    base = SimSettings(fleet=tuple(names(args.fleet)), scenario=args.scenario, lr=args.lr, target=args.target,
+    target = args.target
+    if target is None:
+        target = (simulated_job.read(args.job).target_accuracy if args.job else 0.0) or DEFAULT_TARGET
+    base = SimSettings(fleet=tuple(names(args.fleet)), scenario=args.scenario, lr=args.lr, target=target,
+                       job_file=args.job or "", data_dir=args.data_dir or "",
                        budget_s=args.budget_s, eval_interval_s=args.eval_interval_s,
                        codec=cast(CodecName | None, args.codec), detect_s=args.detect_s,
                        overrides=cli.overrides(argparse.Namespace(set=args.set, config_keys={})))
     policies = policies_of(args.policy)
     report = compare(base, policies, range(args.seed, args.seed + args.seeds),
                      progress=lambda line: print(line, file=sys.stderr, flush=True))
-    path = Path(args.report or f"bench/reports/simulate-{args.scenario}.json")
+    default = f"simulate-{Path(args.job).stem}-{args.scenario}.json" if args.job else f"simulate-{args.scenario}.json"
+    path = Path(args.report or Path("bench/reports") / default)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))

@@ -50,6 +50,7 @@ from edgemesh.common.messages import Plan, PlanDevice
 from edgemesh.common.vocabulary import CODECS, SYNC_POLICIES, CodecName, SyncPolicy
 from edgemesh.services.parameter_server.scheduler import Ack
 from edgemesh.services.worker.trainer import shard_weights
+from edgemesh.simulate import job as simulated_job
 from edgemesh.simulate.events import EventQueue
 from edgemesh.simulate.fleet import Board, Downlink, Planner
 from edgemesh.simulate.model import Encoder, SharedModel
@@ -98,6 +99,10 @@ class SimSettings:
     """``fedbuff``: the buffer ``K`` as a share of the plan's devices."""
     wall_limit_s: float | None = None
     """End the run after this many wall seconds (a scale trial that must not run for hours); None: no limit."""
+    job_file: str = ""
+    """A user's job file: its model, settings and data instead of ``bench fleet``'s (``simulate/job.py``)."""
+    data_dir: str = ""
+    """The folder the job's data paths are relative to ('': ``worker.data_dir``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +148,13 @@ class SimRun:
 
 def sim_config(settings: SimSettings, devices: int) -> Config:
     """The services' configuration of a run: ``bench fleet``'s (its model and batch, a staleness bound of twice the
-    devices, balanced batches), then the user's settings, then the run's policy, seed and learning rate."""
+    devices, balanced batches), or a user's job's, then the user's settings, then the run's policy, seed and
+    learning rate."""
+    if settings.job_file:
+        run: dict[str, object] = {"sync_policy": service_policy(settings.policy), "seed": settings.seed}
+        if settings.lr is not None:
+            run["lr"] = settings.lr
+        return simulated_job.config(settings.job_file, dict(settings.overrides), {"training": run})
     overrides = {"training.model_spec": MODEL, "training.batch_size": str(BATCH),
                  "training.staleness_bound": str(2 * devices), "planner.batching": "balanced",
                  **settings.overrides, "training.sync_policy": service_policy(settings.policy),
@@ -239,7 +250,9 @@ class Simulation:
         self.detect_s = cfg.planner.replan_debounce_s if settings.detect_s is None else settings.detect_s
         codec: CodecName = settings.codec or cfg.compressor.default_codec
         self.boards = fleet.boards
-        self.train, self.test = load_dataset(t.dataset, t.dataset_path or None, seed=t.seed)
+        self.train, self.test = (
+            simulated_job.data(settings.job_file, settings.data_dir or cfg.worker.data_dir, t.seed)
+            if settings.job_file else load_dataset(t.dataset, t.dataset_path or None, seed=t.seed))
         self.model = SharedModel(t.model_spec, t.seed)
         self.server = Server(cfg, settings.policy, self.model.initial(), buffers=self.model.buffers,
                              momenta=self.model.momenta, buffer_share=settings.buffer_share)
