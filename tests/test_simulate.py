@@ -4,11 +4,15 @@ about its gradients', and a slow board computes few per virtual second."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import make_config, running, until
 
 from edgemesh import cli
 from edgemesh.bench.fleet import BATCH, MODEL
@@ -18,10 +22,15 @@ from edgemesh.common.emulation.dynamics import Timeline
 from edgemesh.common.emulation.profiles import get_profile
 from edgemesh.common.emulation.scenarios import load_scenarios
 from edgemesh.common.errors import ConfigError
+from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
+from edgemesh.services.parameter_server.service import ParameterServer
+from edgemesh.services.planner.service import Planner
+from edgemesh.services.worker.service import Worker
 from edgemesh.simulate import SimSettings, compare, simulate
 from edgemesh.simulate.server import CachedDelay
 
+LIVE_WAIT_S = 60.0
 UNIFORM = {"planner.batching": "uniform"}
 """Every device at ``training.batch_size``: a sync round is then as slow as its slowest board."""
 SLOW = ("pi3", "pi4", "jetson-nano")
@@ -266,3 +275,37 @@ def test_a_users_job_whose_data_is_missing_is_refused_naming_it(tmp_path: Path,
     assert code == 2
     assert "stripes" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+async def test_the_fleet_of_a_running_job_is_simulated_as_its_devices_measured_themselves(
+        mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    """``--live``: an emulated board is its profile; a plain worker is a board of its own, at the training rate its
+    stats measured and the link it declared or measured."""
+    job = "sim-live"
+    cfg = make_config(mosquitto_broker, job=job, **{
+        "ps.state_dir": tmp_path / "ps", "ps.eval_every": "0", "training.sync_policy": "async",
+        "worker.stats_interval_s": "0.5", "worker.emulation_host_gflops": "50", "worker.codec_wait_s": "0.5"})
+    plain = Worker(replace(cfg, worker=replace(cfg.worker, device="w-plain", state_dir=str(tmp_path / "p"))))
+    board = Worker(replace(cfg, worker=replace(cfg.worker, device="w-board", emulate="pi5",
+                                               state_dir=str(tmp_path / "b"))))
+    async with running(Planner(cfg), ParameterServer(cfg), plain, board):
+        await until("both workers' updates", lambda: plain.accepted >= 3 and board.accepted >= 1, LIVE_WAIT_S)
+        report = tmp_path / "live.json"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "edgemesh", "simulate", "--live", job, "--broker", mosquitto_broker.url,
+            "--wait", "2", "--policy", "async", "--budget-s", "1", "--report", str(report),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), LIVE_WAIT_S)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    fleet = json.loads(report.read_text())["settings"]["fleet"]
+    assert sorted(fleet) == ["pi5", "w-plain"]
+    told = err.decode()
+    assert "w-board (" in told and "w-plain (" in told and "async" in out.decode()
+    rate = float(told.split("w-plain (")[1].split(" GFLOP/s")[0])
+    assert rate > 0  # what its stats measured
+
+
+async def test_live_with_no_device_on_the_broker_says_so(mosquitto_broker: BrokerProcess, tmp_path: Path) -> None:
+    code = await asyncio.to_thread(cli.main, ["simulate", "--live", "nobody-here", "--broker", mosquitto_broker.url,
+                                              "--wait", "0.5", "--report", str(tmp_path / "r.json")])
+    assert code == 2 and not (tmp_path / "r.json").exists()

@@ -26,10 +26,12 @@ PROGRESS_INTERVAL_S = 5.0
 """How often a run says how far it got."""
 
 
-def fleet_profiles(fleet: list[str], single: str, overrides: dict[str, str]) -> dict[str, DeviceProfile]:
-    """The device profiles (``worker.emulation_profiles`` or the shipped ones); ConfigError naming any
-    profile of ``fleet`` or the single board that is not among them."""
-    profiles = load_profiles(overrides.get("worker.emulation_profiles") or None)
+def fleet_profiles(fleet: list[str], single: str, overrides: dict[str, str],
+                   extra: Mapping[str, DeviceProfile] | None = None) -> dict[str, DeviceProfile]:
+    """The device profiles (``worker.emulation_profiles`` or the shipped ones, and ``extra``: boards by name, such as
+    a running job's devices as measured); ConfigError naming any profile of ``fleet`` or the single board that is
+    not among them."""
+    profiles = {**load_profiles(overrides.get("worker.emulation_profiles") or None), **(extra or {})}
     unknown = sorted({p for p in [*fleet, single] if p not in profiles})
     if unknown:
         raise ConfigError(f"unknown device profile(s) {', '.join(unknown)}; known: {', '.join(sorted(profiles))}")

@@ -2,11 +2,11 @@
 
     edgemesh simulate [--fleet pi3,pi3,pi4,...] [--scenario steady|dynamic|harsh] [--policy sync|...|all]
                       [--seeds N] [--lr X] [--target A] [--budget-s S] [--report PATH] [--set KEY=VALUE ...]
-                      [--job JOB.toml [--data-dir DIR]]
+                      [--job JOB.toml [--data-dir DIR]] [--live JOB --broker URL [--wait S]]
 
 With ``--job``, the fleet trains the user's own job (its model, settings, data and target: ``simulate/job.py``);
 a fleet of the user's own boards is a profiles file (``--set worker.emulation_profiles=FILE``) and ``--fleet``
-naming its profiles.
+naming its profiles, or ``--live``: the devices a running job has, as they measured themselves (``simulate/live.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from typing import cast
 from edgemesh import cli
 from edgemesh.bench.fleet import DEFAULT_BUDGET_S, DEFAULT_FLEET, DEFAULT_TARGET, EVAL_INTERVAL_S
 from edgemesh.bench.runs import names
+from edgemesh.common.config import load_config
+from edgemesh.common.emulation.profiles import DeviceProfile, load_profiles
 from edgemesh.common.errors import ConfigError
 from edgemesh.common.vocabulary import SYNC_POLICIES, CodecName
 from edgemesh.simulate import job as simulated_job
@@ -48,6 +50,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codec", help="every device's gradient codec (default: compressor.default_codec)")
     parser.add_argument("--detect-s", type=float, help="seconds from a drop-out or a return to the new plan "
                         "(default: planner.replan_debounce_s)")
+    parser.add_argument("--live", metavar="JOB", help="the fleet of the running job JOB: its devices as they measured "
+                        "themselves (their hellos and stats on --broker), instead of --fleet")
+    parser.add_argument("--broker", help="with --live: the broker's URL (default: broker.url)")
+    parser.add_argument("--wait", type=float, default=3.0, help="with --live: seconds to listen for the devices' "
+                        "stats (their hellos are retained)")
     parser.add_argument("--report", help="JSON report path (default: bench/reports/simulate-SCENARIO.json)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a board trains on its own)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -68,6 +75,19 @@ def policies_of(text: str) -> list[Policy]:
     return [cast(Policy, p) for p in chosen]
 
 
+def measured_fleet(args: argparse.Namespace) -> dict[str, DeviceProfile]:
+    """``--live``: the running job's devices as boards."""
+    import asyncio
+
+    from edgemesh.simulate.live import boards, listen
+
+    extra = {"job": args.live, **({"broker.url": args.broker} if args.broker else {})}
+    overrides = cli.overrides(argparse.Namespace(set=args.set, config_keys={}))
+    config = load_config(overrides={**overrides, **extra})
+    return boards(asyncio.run(listen(config, args.wait)), load_profiles(
+        overrides.get("worker.emulation_profiles") or None))
+
+
 def main(args: argparse.Namespace) -> int:
     cli.setup_logging(args.log_level or "WARNING")
     if args.seeds < 1 or args.threads < 1:
@@ -78,7 +98,15 @@ def main(args: argparse.Namespace) -> int:
     target = args.target
     if target is None:
         target = (simulated_job.read(args.job).target_accuracy if args.job else 0.0) or DEFAULT_TARGET
-    base = SimSettings(fleet=tuple(names(args.fleet)), scenario=args.scenario, lr=args.lr, target=target,
+    fleet, boards = tuple(names(args.fleet)), {}
+    if args.live:
+        devices = measured_fleet(args)
+        fleet = tuple(b.name for b in devices.values())  # an emulated board by its profile, as --fleet names it
+        boards = {b.name: b for b in devices.values()}
+        shown = (f"{name} ({b.train_gflops:.2f} GFLOP/s, up {b.uplink_bps * 8e-6:.1f} Mbit/s)"
+                 for name, b in devices.items())
+        print(f"the fleet of job {args.live!r}: {', '.join(shown)}", file=sys.stderr)
+    base = SimSettings(fleet=fleet, boards=boards, scenario=args.scenario, lr=args.lr, target=target,
                        job_file=args.job or "", data_dir=args.data_dir or "",
                        budget_s=args.budget_s, eval_interval_s=args.eval_interval_s,
                        codec=cast(CodecName | None, args.codec), detect_s=args.detect_s,

@@ -44,6 +44,7 @@ from edgemesh.bench.runs import device_names, fleet_profiles
 from edgemesh.common.config import Config, load_config
 from edgemesh.common.data import BatchIterator, Dataset, load_dataset, split_indices
 from edgemesh.common.emulation.dynamics import Timeline
+from edgemesh.common.emulation.profiles import DeviceProfile
 from edgemesh.common.emulation.scenarios import Scenario, load_scenarios
 from edgemesh.common.errors import ConfigError
 from edgemesh.common.messages import Plan, PlanDevice
@@ -103,6 +104,8 @@ class SimSettings:
     """A user's job file: its model, settings and data instead of ``bench fleet``'s (``simulate/job.py``)."""
     data_dir: str = ""
     """The folder the job's data paths are relative to ('': ``worker.data_dir``)."""
+    boards: Mapping[str, DeviceProfile] = field(default_factory=dict)
+    """Boards ``fleet`` may name beside the profiles (``simulate --live``: a running job's devices as measured)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +228,7 @@ def hardware(settings: SimSettings) -> Hardware:
     """The boards of ``settings``' fleet in its scenario, seeded (ConfigError for an unknown profile or scenario)."""
     check(settings)
     overrides = dict(settings.overrides)
-    profiles = fleet_profiles(list(settings.fleet), settings.fleet[0], overrides)
+    profiles = fleet_profiles(list(settings.fleet), settings.fleet[0], overrides, settings.boards)
     scenarios = load_scenarios(overrides.get("worker.emulation_scenarios") or None, profiles=set(profiles))
     if settings.scenario not in scenarios:
         raise ConfigError(f"unknown scenario {settings.scenario!r}; known: {', '.join(sorted(scenarios))}")
