@@ -4,6 +4,7 @@ quick report's structure and arithmetic. The quick run is two boards for three v
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 
 from edgemesh import cli
+from edgemesh.bench import policies_search
 from edgemesh.bench.policies import refigure
 from edgemesh.bench.policies_figures import headroom_share, quartiles
+from edgemesh.bench.policies_search import SEARCHED, candidates, default, geometric_mean, score
 from edgemesh.bench.policies_tuning import choose_lr
 from edgemesh.common.messages import GradientUpdate, ShardUpdate
 from edgemesh.services.parameter_server.optimizer import ShardGrad
@@ -122,3 +125,35 @@ def test_the_quick_report_has_its_structure_and_its_figures_agree(tmp_path: Path
     assert refigure(copy.deepcopy(report)) == report  # every figure follows from the runs and the headroom
     assert path.with_suffix(".png").exists()
     assert "| `adaptive` |" in capsys.readouterr().out
+
+
+def test_the_search_scores_a_rule_by_its_speedup_and_never_rewards_divergence() -> None:
+    assert score([_run(4.0), _run(6.0)], [_run(2.0), _run(3.0)]) == 2.0  # twice as fast in the median
+    assert score([_run(4.0)], [_run(None)]) == 0.0  # never arrived
+    diverging = dataclasses.replace(_run(1.0), diverged=True)
+    assert score([_run(4.0)], [diverging]) == 0.0  # faster, but it diverged where sync did not
+    assert geometric_mean([2.0, 0.5]) == pytest.approx(1.0) and geometric_mean([2.0, 0.0]) == 0.0
+    rules = candidates()
+    assert default() in rules and len(rules) == len({tuple(r.items()) for r in rules})
+
+
+def test_the_adaptive_search_picks_a_rule_on_its_own_seeds_and_checks_it_on_the_evaluation_seeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grid where one candidate waits for the slowest cluster at twice its cycle (a round as slow as sync's or
+    slower): the default or a quicker rule wins, never that one; a winner that is not the default is run again on
+    the evaluation seeds beside the default rule and sync."""
+    monkeypatch.setattr(policies_search, "GRID", {"deadline_quantile": (0.5, 1.0), "slack": (1.5, 3.0)})
+    monkeypatch.setattr(policies_search, "SEARCH_SEEDS", (2000,))
+    path = tmp_path / "policies.json"
+    assert cli.main(["bench", "policies", "--quick", "--search-adaptive", "--report", str(path)]) == 0
+    found = json.loads(path.read_text())["adaptive_search"]
+    assert found["default"] == {"deadline_quantile": 0.5, "slack": 1.5} and found["search_seeds"] == [2000]
+    assert len(found["candidates"]) == 4
+    best = max(row["geometric_mean"] for row in found["candidates"])
+    chosen = next(row for row in found["candidates"] if row["rule"] == found["chosen"])
+    assert chosen["geometric_mean"] == best
+    if found["chosen_is_default"]:
+        assert found["check"] == {}
+    else:
+        (case,) = found["check"].values()
+        assert set(case) == {"sync", "adaptive", SEARCHED} and case[SEARCHED]["runs"] == 2

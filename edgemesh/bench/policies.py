@@ -17,6 +17,8 @@ The order of a run:
    ``(sync median / policy median - 1) / (ratio - 1)``.
 4. **Scale** (optional): one policy on a fleet of the default profiles replicated to N devices, timed in wall
    seconds.
+5. **Adaptive search** (optional, ``policies_search``): the adaptive rule's parameters chosen on seeds of their own,
+   the winner checked on the evaluation seeds.
 
 Runs are independent and deterministic, so ``--jobs`` spreads them over processes without changing a figure.
 """
@@ -36,7 +38,7 @@ from typing import Any
 
 from edgemesh import cli
 from edgemesh.bench.fleet import DEFAULT_FLEET
-from edgemesh.bench.policies_figures import case_figures, headroom_of, ratios_over_sync
+from edgemesh.bench.policies_figures import brief, case_figures, headroom_of, ratios_over_sync
 from edgemesh.bench.policies_plot import plot, tables
 from edgemesh.bench.policies_tuning import choose_lr
 from edgemesh.bench.reporting import write_report
@@ -91,6 +93,8 @@ class Bench:
     """0: no scale run."""
     scale_policy: Policy = "adaptive"
     scale_wall_s: float = SCALE_WALL_S
+    search_adaptive: bool = False
+    """Also search the adaptive rule's parameters (``policies_search``); needs ``sync`` and ``adaptive``."""
 
     @property
     def command(self) -> str:
@@ -99,7 +103,7 @@ class Bench:
                 f"{self.budget_s:g} --tuning-budget-s {self.tuning_budget_s:g} --fleet {','.join(self.fleet)} "
                 f"--model {self.model} --target {self.target:g} --eval-interval-s {self.eval_interval_s:g}"
                 + (f" --scale-devices {self.scale_devices} --scale-policy {self.scale_policy}"
-                   if self.scale_devices else ""))
+                   if self.scale_devices else "") + (" --search-adaptive" if self.search_adaptive else ""))
 
 
 QUICK = Bench(policies=("sync", "adaptive"), cases=("steady",), seeds=(0, 1), tuning_seeds=(1000,),
@@ -178,7 +182,7 @@ def measure(bench: Bench, progress: Callable[[str], None] = lambda _: None) -> d
     cases: dict[str, Any] = {}
     for c in bench.cases:
         base = case_settings(bench, c)
-        by_policy = {p: [_brief(r) for s, r in zip(evaluation, runs, strict=True)
+        by_policy = {p: [brief(r) for s, r in zip(evaluation, runs, strict=True)
                          if _case_of(s) == c and s.policy == p]
                      for p in bench.policies}
         cases[c] = {"fleet": list(base.fleet), "compute_scale": [round(f, 4) for f in base.compute_scale] or None,
@@ -199,6 +203,13 @@ def measure(bench: Bench, progress: Callable[[str], None] = lambda _: None) -> d
         "cases": cases,
     }
     refigure(result)
+    if bench.search_adaptive:
+        from edgemesh.bench.policies_search import search
+
+        rates = {f: {p: t["lr"] for p, t in by_policy.items()} for f, by_policy in tuning.items()}
+        result["adaptive_search"] = search(
+            bench, rates, lambda c: case_settings(bench, c), tuning_case, lambda s: run_all(s, bench.jobs, progress),
+            {c: result["cases"][c]["runs"] for c in bench.cases}, progress)
     if bench.scale_devices:
         result["scale"] = scale_run(bench, tuning, progress)
     result["wall_s"] = round(time.perf_counter() - started, 1)
@@ -219,14 +230,6 @@ def _case_of(s: SimSettings) -> str:
     return STRAGGLER if s.compute_scale else s.scenario
 
 
-def _brief(run: SimRun) -> dict[str, Any]:
-    """One evaluation run without its curve (the report stays readable)."""
-    out = run.summary()
-    for key in ("curve", "updates_by_device", "batch_sizes"):
-        out.pop(key, None)
-    return out
-
-
 def scale_run(bench: Bench, tuning: dict[str, Any], progress: Callable[[str], None]) -> dict[str, Any]:
     """One run of ``scale_policy`` on ``scale_devices`` devices (the default profiles replicated), ``steady``, seed
     0, at the rate tuned on the default fleet; stopped at ``scale_wall_s`` wall seconds if it has not reached the
@@ -238,7 +241,7 @@ def scale_run(bench: Bench, tuning: dict[str, Any], progress: Callable[[str], No
     progress(f"scale: {bench.scale_policy} on {len(fleet)} devices, at most {bench.scale_wall_s:g} wall s")
     run = _run(settings)
     out = {"devices": len(fleet), "policy": bench.scale_policy, "lr": lr, "wall_limit_s": bench.scale_wall_s,
-           **_brief(run)}
+           **brief(run)}
     out["fits"] = run.time_to_target_s is not None and run.wall_s <= bench.scale_wall_s
     out["wall_s_per_gradient"] = round(run.wall_s / run.gradients, 4) if run.gradients else None
     progress(f"scale: {out['time_to_target_s']}s to target, {run.versions} versions, {run.gradients} gradients, "
@@ -267,6 +270,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help=f"also time one run on this many devices (e.g. {SCALE_DEVICES}; 0: none)")
     parser.add_argument("--scale-policy", default="adaptive")
     parser.add_argument("--scale-wall-s", type=float, default=SCALE_WALL_S)
+    parser.add_argument("--search-adaptive", action="store_true",
+                        help="also choose the adaptive rule's parameters on seeds of their own, and check the winner")
     parser.add_argument("--refigure", metavar="REPORT", help="recompute a report's figures from its runs (no run)")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     parser.set_defaults(func=main)
@@ -275,17 +280,20 @@ def register(parser: argparse.ArgumentParser) -> None:
 def bench_of(args: argparse.Namespace) -> Bench:
     """The ``Bench`` the arguments ask for (ConfigError for an unknown policy or case)."""
     if args.quick:
-        return dataclasses.replace(QUICK, jobs=args.jobs)
+        return dataclasses.replace(QUICK, jobs=args.jobs, search_adaptive=args.search_adaptive)
     policies = _names(args.policies, POLICIES, "policy")
     cases = _names(args.cases, (*SCENARIOS, STRAGGLER), "case")
     if args.seeds < 1 or args.jobs < 1:
         raise ConfigError("--seeds and --jobs must be >= 1")
     scale_policy = _names(args.scale_policy, POLICIES, "policy")[0]
+    if args.search_adaptive and not {"sync", "adaptive"} <= set(policies):
+        raise ConfigError("--search-adaptive compares with sync and adaptive: --policies must name both")
     return Bench(policies=policies, cases=cases, seeds=tuple(range(args.seeds)),
                  lr_grid=tuple(float(x) for x in args.lrs.split(",") if x), fleet=tuple(args.fleet.split(",")),
                  model=args.model, target=args.target, eval_interval_s=args.eval_interval_s,
                  budget_s=args.budget_s, tuning_budget_s=args.tuning_budget_s, jobs=args.jobs,
-                 scale_devices=args.scale_devices, scale_policy=scale_policy, scale_wall_s=args.scale_wall_s)
+                 scale_devices=args.scale_devices, scale_policy=scale_policy, scale_wall_s=args.scale_wall_s,
+                 search_adaptive=args.search_adaptive)
 
 
 def _names(text: str, known: Iterable[Any], what: str) -> tuple[Any, ...]:

@@ -22,7 +22,7 @@ from typing import Any
 from edgemesh.bench.headroom import Load, Workload, headroom
 from edgemesh.common import costs
 from edgemesh.common.codecs import bytes_per_value
-from edgemesh.simulate import SimSettings
+from edgemesh.simulate import SimRun, SimSettings
 from edgemesh.simulate.engine import hardware
 from edgemesh.simulate.fleet import Planner
 
@@ -144,3 +144,11 @@ def headroom_of(settings: SimSettings, seeds: Sequence[int]) -> dict[str, Any]:
             "per_seed": {str(k): v for k, v in per_seed.items()}, "horizon_s": settings.budget_s,
             "lag_s": lag_s, "detect_s": detect_s, "overhead_s": 0.0,
             "batches": {x.device: x.batch for x in load.loads}}
+
+
+def brief(run: SimRun) -> dict[str, Any]:
+    """One evaluation run without its curve (the report stays readable)."""
+    out = run.summary()
+    for key in ("curve", "updates_by_device", "batch_sizes"):
+        out.pop(key, None)
+    return out
