@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from edgemesh import cli
 from edgemesh.bench.glyphs import device_mixes
 from edgemesh.bench.job_fleet import Watch
 from edgemesh.bench.jobs import job_figures
@@ -84,14 +85,13 @@ def test_bench_mesh_report_layout(tmp_path: Path) -> None:
     assert report.with_suffix(".png").stat().st_size > 1000
 
 
-def test_bench_mesh_refuses_bad_arguments(tmp_path: Path) -> None:
+def test_bench_mesh_refuses_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for args, message in ((["--fleet", "pi3,pi9"], "unknown device profile(s) pi9"),
                           (["--modes", "single,bogus"], "unknown mode(s) bogus"),
                           (["--batch", "12"], "a multiple of the fleet's 8 devices")):
-        result = subprocess.run([sys.executable, "-m", "edgemesh", "bench", "mesh",
-                                 "--report", str(tmp_path / "x.json"), *args],
-                                capture_output=True, text=True, timeout=120, check=False)
-        assert result.returncode == 2 and message in result.stderr, result.stderr
+        code = cli.main(["bench", "mesh", "--report", str(tmp_path / "x.json"), *args])  # refused before any run
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, err
 
 
 JOB_KEYS = {"state", "reached_target", "final_accuracy", "model_version", "seconds_to_running", "time_to_target_s",
@@ -214,14 +214,14 @@ def test_bench_models_quick_trains_a_cell_whose_export_scores_what_the_job_repor
     assert report.with_suffix(".png").stat().st_size > 1000
 
 
-def test_bench_models_refuses_unknown_models_and_runs_without_a_cap(tmp_path: Path) -> None:
+def test_bench_models_refuses_unknown_models_and_runs_without_a_cap(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     for args, message in ((["--models", "plain-cnn,vgg"], "unknown model(s) or policy(ies): vgg"),
                           (["--policies", "ssp2"], "unknown model(s) or policy(ies): ssp2"),
                           (["--max-minutes", "0"], "give a cap")):
-        result = subprocess.run([sys.executable, "-m", "edgemesh", "bench", "models",
-                                 "--report", str(tmp_path / "x.json"), *args],
-                                capture_output=True, text=True, timeout=120, check=False)
-        assert result.returncode == 2 and message in result.stderr, result.stderr
+        code = cli.main(["bench", "models", "--report", str(tmp_path / "x.json"), *args])  # refused before any run
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, err
     assert not (tmp_path / "x.json").exists()
 
 

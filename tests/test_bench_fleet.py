@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from edgemesh import cli
+from edgemesh.bench.fleet import tuned_from
+from edgemesh.common.errors import ConfigError
+
 pytestmark = pytest.mark.timeout(400)
 """A quick run is clusters of processes, one after another (the subprocesses have their own timeouts)."""
 
@@ -65,24 +69,20 @@ def test_bench_fleet_quick_tunes_each_policy_then_runs_the_scenario(tmp_path: Pa
     assert data["policies"]["single"]["round_overhead_s"] is not None  # one device: every version is a round
     assert "every_run_valid" in data["acceptance"]
     assert report.with_suffix(".png").stat().st_size > 1000
-    # the other scenarios reuse these rates
-    again = subprocess.run(
-        [sys.executable, "-m", "edgemesh", "bench", "fleet", "--quick", "--scenario", "harsh", "--policies", "single",
-         "--lr-from", str(report), "--report", str(tmp_path / "harsh.json")],
-        capture_output=True, text=True, timeout=200, check=False)
-    assert again.returncode == 0, again.stderr[-3000:]
-    harsh = json.loads((tmp_path / "harsh.json").read_text())
-    assert harsh["policies"]["single"]["lr"] == data["tuning"]["single"]["lr"]
-    assert harsh["tuning"]["single"]["from"] == str(report)
+    # the other scenarios reuse these rates (``--lr-from``: what a run of another scenario takes, without a cluster)
+    carried = tuned_from(report, ["single"])
+    assert carried["single"]["lr"] == data["tuning"]["single"]["lr"] and carried["single"]["from"] == str(report)
+    with pytest.raises(ConfigError, match="no tuned learning rate for sync"):
+        tuned_from(report, ["single", "sync"])
 
 
-def test_bench_fleet_refuses_unknown_profiles_and_policies(tmp_path: Path) -> None:
+def test_bench_fleet_refuses_unknown_profiles_and_policies(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     for args, message in ((["--fleet", "pi3,pi9"], "unknown device profile(s) pi9"),
                           (["--policies", "sync,bogus"], "unknown polic"),
                           (["--scenario", "stormy"], "unknown scenario 'stormy'"),
                           (["--lrs", "fast"], "--lrs expects numbers"),
                           (["--lr-from", str(tmp_path / "none.json")], "not a fleet report")):
-        result = subprocess.run([sys.executable, "-m", "edgemesh", "bench", "fleet",
-                                 "--report", str(tmp_path / "x.json"), *args],
-                                capture_output=True, text=True, timeout=120, check=False)
-        assert result.returncode == 2 and message in result.stderr, result.stderr
+        code = cli.main(["bench", "fleet", "--report", str(tmp_path / "x.json"), *args])  # refused before any run
+        err = capsys.readouterr().err
+        assert code == 2 and message in err, err
