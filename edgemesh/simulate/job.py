@@ -18,6 +18,7 @@ from pathlib import Path
 
 from edgemesh.common.config import Config, load_config, with_settings
 from edgemesh.common.data import Dataset, load_dataset, load_local
+from edgemesh.common.errors import DataError
 from edgemesh.common.jobs import JobSpec, host_model_spec, job_config, read_job_file
 
 HELD_OUT_SHARE = 0.2
@@ -48,11 +49,15 @@ def data(job_file: str, data_dir: str, seed: int) -> tuple[Dataset, Dataset]:
     if d.format == "digits":
         return load_dataset("digits", None, seed=seed)
     share = 0.0 if spec.evaluation.path else HELD_OUT_SHARE
-    local = load_local(d.format, d.path, data_dir=Path(data_dir), input_shape=m.input_shape, classes=m.classes,
-                       validation_share=share, seed=seed, label_column=d.label_column, max_samples=d.max_samples)
-    if spec.evaluation.path:
-        held_out = load_local(d.format, spec.evaluation.path, data_dir=Path(data_dir), input_shape=m.input_shape,
-                              classes=m.classes, label_column=d.label_column).train
-        return local.train, held_out
+    try:
+        local = load_local(d.format, d.path, data_dir=Path(data_dir), input_shape=m.input_shape, classes=m.classes,
+                           validation_share=share, seed=seed, label_column=d.label_column, max_samples=d.max_samples)
+        if spec.evaluation.path:
+            held_out = load_local(d.format, spec.evaluation.path, data_dir=Path(data_dir),
+                                  input_shape=m.input_shape, classes=m.classes, label_column=d.label_column).train
+            return local.train, held_out
+    except DataError as exc:
+        where = Path(data_dir or ".").resolve()
+        raise DataError(f"the job's data, read here from {where} (--data-dir): {exc}") from None
     assert local.validation is not None
     return local.train, local.validation
