@@ -213,6 +213,7 @@ class ParameterServer:
         if self.plan is not None and plan.version < self.plan.version:
             raise WireError(f"plan version {plan.version} is older than {self.plan.version}", "replayed")
         self.intake.plan = plan
+        self.role.planned(plan)
         self.evaluator.replanned(plan)
         if plan.devices and self.broadcast.skipped:
             self.stepper.request_snapshot()  # the model moved while no plan named a device: nothing went out

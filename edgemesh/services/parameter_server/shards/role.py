@@ -85,6 +85,10 @@ class ShardRole(ABC):
         """An arriving gradient's shards in this process's own rows (WireError ``shape``: rows it does not keep)."""
 
     @abstractmethod
+    def planned(self, plan: Plan) -> None:
+        """A plan came (before the waiting model-parallel steps are settled against it)."""
+
+    @abstractmethod
     async def arrived(self, update: GradientUpdate, grads: Sequence[ShardGrad], rule: AggregationRule) -> None:
         """A decoded update (a model-parallel cluster's once joined), before it is queued."""
 

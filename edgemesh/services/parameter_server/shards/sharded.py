@@ -35,6 +35,8 @@ class Sharded(ShardRole):
     def __init__(self, topics: Topics, shard: int, shards: int) -> None:
         self.topics, self.shard, self.shards = topics.for_shard(shard), shard, shards
         self.division: Division | None = None
+        self.plans: OrderedDict[int, Plan] = OrderedDict()
+        """The latest plans by version: a follower joins a step of a replaced plan, whose members it must know."""
 
     def state_dir(self, base: Path) -> Path:
         return base / f"shard-{self.shard}-of-{self.shards}"
@@ -52,18 +54,14 @@ class Sharded(ShardRole):
         a cluster's step waits for a part from every member the plan names (an empty one where it has none)."""
         self.division = Division.of({name: v.shape for name, v in model.items()}, self.shard, self.shards)
         broadcast.own = self.division.local_rows
-        kept: OrderedDict[int, Plan] = OrderedDict()  # a follower joins steps of a replaced plan
-
-        def members(cluster: str, version: int) -> frozenset[str] | None:
-            if (current := plan()) is not None:
-                kept[current.version] = current
-                kept.move_to_end(current.version)
-                while len(kept) > KEPT_PLANS:
-                    kept.popitem(last=False)
-            return members_in(kept.get(version), cluster, version)
-
-        assembly.members = members
+        assembly.members = lambda cluster, version: members_in(self.plans.get(version), cluster, version)
         return self.division.take(model)
+
+    def planned(self, plan: Plan) -> None:
+        self.plans[plan.version] = plan
+        self.plans.move_to_end(plan.version)
+        while len(self.plans) > KEPT_PLANS:
+            self.plans.popitem(last=False)
 
     def localize(self, update: GradientUpdate) -> GradientUpdate:
         assert self.division is not None

@@ -63,6 +63,9 @@ class Solo(ShardRole):
     def localize(self, update: GradientUpdate) -> GradientUpdate:
         return update
 
+    def planned(self, plan: Plan) -> None:
+        pass  # one process: a cluster's step waits for its rows, not for every member
+
     async def arrived(self, update: GradientUpdate, grads: Sequence[ShardGrad], rule: AggregationRule) -> None:
         pass
 
