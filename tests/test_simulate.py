@@ -266,6 +266,19 @@ def test_a_users_job_is_simulated_with_its_model_settings_data_and_target(
     assert "async" in capsys.readouterr().out
 
 
+def test_set_goes_over_the_jobs_own_settings(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    draw_stripes(data / "stripes", 6, seed=1)
+    draw_stripes(data / "stripes-eval", 2, seed=2)
+    job = tmp_path / "stripes.toml"
+    job.write_text(STRIPES_JOB)
+    report = tmp_path / "sim.json"
+    assert cli.main(["simulate", "--job", str(job), "--data-dir", str(data), "--fleet", "pi5", "--policy", "sync",
+                     "--budget-s", "0.5", "--set", "training.lr=0.02", "--report", str(report)]) == 0
+    [run] = json.loads(report.read_text())["runs"]["sync"]
+    assert run["lr"] == 0.02  # the job says 0.07
+
+
 def test_a_users_job_whose_data_is_missing_is_refused_naming_it(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     job = tmp_path / "stripes.toml"

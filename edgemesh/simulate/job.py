@@ -4,7 +4,7 @@ data, before anything is submitted.
 * The model is built as a host builds it (``jobs.host_model_spec``: a layer list, or an entry point the host's
   ``[models]`` allows), so its FLOPs set every board's step time and its real gradients train.
 * The job's ``[training]``, ``[planner]``, ``[ps]`` and ``[compressor]`` tables are its settings (``jobs.job_config``,
-  as the services serve it); the run's policy, seed and learning rate go over them.
+  as the services serve it); ``--set`` goes over them, and the run's policy, seed and learning rate over that.
 * Its data is read on this machine as a device reads its own (``load_local``), from the job's ``data.path`` under
   ``data_dir``; the simulated devices split it as the plan's partition says (a fleet whose devices hold different
   data trains on those devices' data, which this machine does not have: the split stands in for it). The held-out
@@ -14,7 +14,9 @@ data, before anything is submitted.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from edgemesh.common.config import Config, load_config, with_settings
 from edgemesh.common.data import Dataset, load_dataset, load_local
@@ -32,13 +34,28 @@ def read(job_file: str) -> JobSpec:
 
 
 def config(job_file: str, overrides: dict[str, str], run: dict[str, dict[str, object]]) -> Config:
-    """The configuration the services would serve the job with on this host (``overrides``: ``--set``), the run's
-    settings (``run``: policy, seed, learning rate) over the job's; the job's model built once to be sure it
-    builds here (ModelError, JobError)."""
+    """The configuration the services would serve the job with on this host, then ``overrides`` (``--set``) over
+    the job's settings, then the run's (``run``: policy, seed, learning rate); the job's model built once to be
+    sure it builds here (ModelError, JobError)."""
     spec = read(job_file)
-    cfg = with_settings(job_config(load_config(env={}, overrides=overrides), spec), run)
+    given = tree(overrides)
+    for section, values in run.items():
+        given.setdefault(section, {}).update(values)
+    cfg = with_settings(job_config(load_config(env={}, overrides=overrides), spec), given)
     host_model_spec(spec, cfg.models)  # registers the model under the job's key
     return cfg
+
+
+def tree(dotted: Mapping[str, str]) -> dict[str, Any]:
+    """``{"ps.adaptive.slack": "1"}`` as the nested tables a TOML file would give: ``{"ps": {"adaptive": ...}}``."""
+    out: dict[str, Any] = {}
+    for key, value in dotted.items():
+        *path, name = key.split(".")
+        table = out
+        for part in path:
+            table = table.setdefault(part, {})
+        table[name] = value
+    return out
 
 
 @functools.lru_cache(maxsize=2)
