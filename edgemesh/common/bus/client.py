@@ -5,11 +5,9 @@
   the will). The loop connects (MQTT 5 where the broker offers it, else 3.1.1: every semantic lives in the
   envelope), subscribes to every route's filter in one SUBSCRIBE, calls the ``on_connect`` hooks and puts what it
   reads in the router's inbox. It reconnects in one place, with capped, jittered exponential backoff, and
-  subscribes again. An attempt the broker leaves unanswered is given up after a third of ``connect_timeout_s``
-  (at least ``V5_PROBE_TIMEOUT_S``) and made again: a CONNECT lost once (seen with amqtt on a loaded host, the
-  client waiting out the whole window) does not cost the first connection. Entering returns once connected
-  (BusError when no connection comes within ``connect_timeout_s``), or, with ``connect_first=False``, at once: a
-  service may start before its broker (its publishes wait for a connection, ``publish_timeout_s``).
+  subscribes again. Entering returns once connected (BusError when no connection comes within
+  ``connect_timeout_s``), or, with ``connect_first=False``, at once: a service may start before its broker (its
+  publishes wait for a connection, ``publish_timeout_s``).
 * **Failures.** A login the broker refuses (bad credentials, not authorized) ends the connection loop with a
   BusError instead of retrying for ever. As a failing task of an ``asyncio.TaskGroup`` does, it cancels the
   block the bus was entered in, and leaving the block raises it. ``wait_closed`` raises it too: what a service's
@@ -309,9 +307,6 @@ class Bus:
         """
         probing = self.config.protocol == "auto" and self._protocol == aiomqtt.ProtocolVersion.V5
         client = self._make_client(self._protocol)
-        # an attempt left unanswered is given up and made again within the window of ``connect_timeout_s``
-        window = self.config.connect_timeout_s
-        client.timeout = min(window, max(V5_PROBE_TIMEOUT_S, window / 3))
         if probing:
             client.timeout = min(self.config.connect_timeout_s, V5_PROBE_TIMEOUT_S)
         try:
