@@ -54,7 +54,9 @@ async def test_job_commands_and_the_services_serving_a_job_count_no_rejection(br
     """Each ``edgemesh job`` command and each service logged a rejection "on edgemesh/v1/{job}/job (none topic)": amqtt
     sends every client that connects the retained messages of every client's filters, here the job file under the
     hosts' ``edgemesh/v1/+/job``. A message no subscription of the client covers is not a rejection."""
-    config = make_config(broker, job="", **{"ps.state_dir": tmp_path})
+    # a 30-s window for each command's first connection: in two full runs of the suite on a loaded host the job list's
+    # connection to amqtt did not come within 10 s, for a reason not found yet (not a retry: none was logged)
+    config = make_config(broker, job="", **{"ps.state_dir": tmp_path, "broker.connect_timeout_s": 30})
     operator = ServiceMetrics("operator")
 
     async def compressor(active: ActiveJob) -> Compressor:
