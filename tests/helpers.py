@@ -24,6 +24,7 @@ from typing import Any, NoReturn, TypeVar
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from edgemesh.common import costs, models
 from edgemesh.common.bus import Bus
@@ -45,6 +46,7 @@ from edgemesh.common.messages import (
     UpdateAck,
 )
 from edgemesh.common.metrics import ServiceMetrics
+from edgemesh.common.models.masks import apply_mask, dropout_mask
 from edgemesh.common.tasks import cancel_all
 from edgemesh.common.topics import Filter, TopicMatch, Topics
 from edgemesh.common.vocabulary import CodecName
@@ -53,7 +55,8 @@ from edgemesh.services.parameter_server.optimizer import ShardGrad
 from edgemesh.services.parameter_server.scheduler import Candidate
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.mesh import DeviceInfo, Division, cluster_iteration_s, member_memory, member_time
-from edgemesh.services.worker.mesh.member import MeshStep
+from edgemesh.services.worker.mesh.exchange import LocalHub
+from edgemesh.services.worker.mesh.member import MeshMember, MeshStep
 
 T = TypeVar("T")
 
@@ -427,6 +430,55 @@ def reference(spec: str, seed: int, batch: int) -> tuple[dict[str, np.ndarray], 
     with torch.no_grad():
         logits = model(torch.tensor(x)).numpy()
     return params, x, y, loss, logits, grads
+
+
+MASK_STEP = 7
+"""The cluster step of ``one_process`` and ``train_together``: the dropout masks are drawn from it."""
+
+
+class SharedMaskDropout(nn.Module):
+    """One process's dropout with the mask a model-parallel cluster draws (``models.masks``) for ``name`` at
+    ``MASK_STEP``."""
+
+    def __init__(self, p: float, name: str, seed: int) -> None:
+        super().__init__()
+        self.p, self.name, self.seed = p, name, seed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        return apply_mask(x, dropout_mask(x.shape, self.p, self.seed, MASK_STEP, self.name), self.p)
+
+
+def one_process(spec: str, seed: int, batch: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray,
+                                                          models.Update, np.ndarray]:
+    """Parameters, a batch, and what one process drawing the cluster's dropout masks computes on it in training
+    mode: its update (loss, gradients, the buffers' change) and its logits."""
+    model = models.build_model(spec, seed=seed)
+    for path, module in list(model.named_modules()):
+        if isinstance(module, nn.Dropout):
+            parent, _, child = path.rpartition(".")
+            setattr(model.get_submodule(parent), child, SharedMaskDropout(module.p, path, seed))
+    params = models.get_params(model)
+    shape, classes = models.get_spec(spec).input_shape, models.get_spec(spec).num_classes
+    rng = np.random.default_rng(seed)
+    x = rng.random((batch, *shape), dtype=np.float32)
+    y = rng.integers(0, classes, batch)
+    update = models.compute_update(model, x, y)
+    with torch.no_grad():  # training mode: batch statistics and the same masks, as in the step
+        logits = model(torch.tensor(x)).numpy()
+    return params, x, y, update, logits
+
+
+async def train_together(spec: str, division: dict[str, tuple[int, ...]], seed: int,
+                         params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> list[MeshStep]:
+    """Three members dividing ``spec`` by ``division`` take cluster step ``MASK_STEP`` on ``x``, ``y`` together
+    (over a hub in this process)."""
+    hub = LocalHub(3)
+    members = [MeshMember(spec, division, i, seed=seed) for i in range(3)]
+    for m in members:
+        m.load(params, version=0)
+    return list(await asyncio.gather(*(m.step(MASK_STEP, x, y, hub.member(i)) for i, m in enumerate(members))))
 
 
 def assert_matches_one_process(results: list[Any], loss: float, logits: np.ndarray,

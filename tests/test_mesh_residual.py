@@ -17,15 +17,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from helpers import (
     GIGABIT,
+    MASK_STEP,
     assert_buffers_match,
     assert_matches_one_process,
     check_division,
     dev,
     make_config,
     member_part,
+    one_process,
+    train_together,
 )
 from torch import nn
 
@@ -37,18 +39,15 @@ from edgemesh.common.jobs import check_model, parse_job, read_job_file
 from edgemesh.common.messages import MeshSlice
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.models.lean import GlobalAvgPool, Residual
-from edgemesh.common.models.masks import apply_mask, dropout_mask
 from edgemesh.common.topics import TopicMatch, Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.assembly import Assembly
 from edgemesh.services.parameter_server.scheduler import Clock
 from edgemesh.services.planner.mesh.division import divide_filters
-from edgemesh.services.worker.mesh.exchange import BusExchange, LocalHub
+from edgemesh.services.worker.mesh.exchange import BusExchange
 from edgemesh.services.worker.mesh.member import MeshMember, MeshStep, in_thread
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-STEP = 7
-"""The cluster's step number: the dropout masks are drawn from it."""
 LATE_S = 0.5
 """How late a slow member's backward of one layer is (the others must still wait for its partials)."""
 SHARES = ((0.5, 0.125), (0.0, 0.75), (0.25, 0.0), (0.6, 0.3))
@@ -106,46 +105,6 @@ PROJECTION = mesh_job("res-projection", """[
 """Projection skips: a block on the standardized input (the first stage, and the block's input comes after the
 standardization), and a block of linear layers after a flatten and a ReLU (its input, their output, comes after
 its first stage's leading modules) with a linear projection and batch norm."""
-
-
-class SharedMaskDropout(nn.Module):
-    """One process's dropout with the mask the cluster draws (``models.masks``) for ``name`` at ``step``."""
-
-    def __init__(self, p: float, name: str, seed: int) -> None:
-        super().__init__()
-        self.p, self.name, self.seed = p, name, seed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return apply_mask(x, dropout_mask(x.shape, self.p, self.seed, STEP, self.name), self.p)
-
-
-def one_process(spec: str, seed: int, batch: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray,
-                                                          models.Update, np.ndarray]:
-    """Parameters, a batch, and what one process drawing the cluster's dropout masks computes on it in training
-    mode: its update (loss, gradients, the buffers' change) and its logits."""
-    model = models.build_model(spec, seed=seed)
-    for path, module in list(model.named_modules()):
-        if isinstance(module, nn.Dropout):
-            parent, _, child = path.rpartition(".")
-            setattr(model.get_submodule(parent), child, SharedMaskDropout(module.p, path, seed))
-    params = models.get_params(model)
-    shape, classes = models.get_spec(spec).input_shape, models.get_spec(spec).num_classes
-    rng = np.random.default_rng(seed)
-    x = rng.random((batch, *shape), dtype=np.float32)
-    y = rng.integers(0, classes, batch)
-    update = models.compute_update(model, x, y)
-    with torch.no_grad():  # training mode: batch statistics and the same masks, as in the step
-        logits = model(torch.tensor(x)).numpy()
-    return params, x, y, update, logits
-
-
-async def train_together(spec: str, division: dict[str, tuple[int, ...]], seed: int,
-                         params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> list[MeshStep]:
-    hub = LocalHub(3)
-    members = [MeshMember(spec, division, i, seed=seed) for i in range(3)]
-    for m in members:
-        m.load(params, version=0)
-    return list(await asyncio.gather(*(m.step(STEP, x, y, hub.member(i)) for i, m in enumerate(members))))
 
 
 async def assert_members_compute_what_one_process_does(spec: str, seed: int, batch: int) -> list[MeshStep]:
@@ -236,7 +195,7 @@ async def member_buses(broker: BrokerProcess, members: list[MeshMember], x: np.n
             ex = BusExchange(bus, topics, cluster="m-m0", device=device, members=devices, counts=member.counts,
                              order=member.order, plan_version=1, timeout_s=10.0, input_shape=x.shape[1:],
                              skips=member.skips)
-            ex.begin(STEP, len(x))
+            ex.begin(MASK_STEP, len(x))
 
             async def deliver(msg: MeshSlice, where: TopicMatch, ex: BusExchange = ex) -> None:
                 ex.deliver(msg, where.device)
@@ -270,7 +229,7 @@ async def test_members_over_mqtt_wait_for_the_skips_partials_of_a_member_without
         return await in_thread(fn, *args, flops=flops)
 
     async with member_buses(mosquitto_broker, members, x) as exchanges:
-        results = await asyncio.wait_for(asyncio.gather(*(m.step(STEP, x, y, ex, run=late if i == 0 else None)
+        results = await asyncio.wait_for(asyncio.gather(*(m.step(MASK_STEP, x, y, ex, run=late if i == 0 else None)
                                                           for i, (m, ex) in enumerate(zip(members, exchanges,
                                                                                           strict=True)))), 30.0)
     assert_matches_one_process(list(results), update.loss, logits, update.grads)  # the others waited for them
@@ -283,7 +242,7 @@ async def test_the_parameter_server_joins_a_projections_shards_into_one_processs
     assert {n for r in results for n in r.grads} >= {"res2.skip.conv1.weight", "res2.skip.bn1.weight"}
     model = models.build_model(spec, seed=3)
     assembly, clock = Assembly({n: s[0][0] for n, s in models.gradient_layout(model).items()}, timeout_s=5.0), Clock()
-    outs = [assembly.add(member_part(f"m{i}", r, len(y), STEP), clock, 1, 0.0) for i, r in enumerate(results)]
+    outs = [assembly.add(member_part(f"m{i}", r, len(y), MASK_STEP), clock, 1, 0.0) for i, r in enumerate(results)]
     assert not outs[0].joined and not outs[1].joined
     [joined] = outs[-1].joined
     for kind, want in (("grads", update.grads), ("buffers", update.buffers)):

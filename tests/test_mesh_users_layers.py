@@ -14,18 +14,27 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import GIGABIT, assert_buffers_match, assert_matches_one_process, dev, member_part
+from helpers import (
+    GIGABIT,
+    MASK_STEP,
+    assert_buffers_match,
+    assert_matches_one_process,
+    dev,
+    member_part,
+    one_process,
+    train_together,
+)
 from torch import nn
 
 from edgemesh.common import costs, models
 from edgemesh.common.errors import ModelError
 from edgemesh.common.jobs import check_model, parse_job
-from edgemesh.common.models.masks import apply_mask, dropout_mask
+from edgemesh.common.models.masks import dropout_mask
 from edgemesh.services.parameter_server.assembly import Assembly
 from edgemesh.services.parameter_server.scheduler import Candidate, Clock
 from edgemesh.services.planner.mesh.division import divide_filters
 from edgemesh.services.worker.mesh.exchange import LocalHub
-from edgemesh.services.worker.mesh.member import MeshMember, MeshStep
+from edgemesh.services.worker.mesh.member import MeshMember
 
 
 def mesh_job(name: str, classes: list[str], layers: str) -> str:
@@ -47,8 +56,6 @@ parallelism = "mesh"
 """
 
 
-STEP = 7
-"""The cluster's step number: the dropout masks are drawn from it."""
 CONV_BN = mesh_job("user-bn", ["a", "b", "c"], """[
     {conv2d = 8, kernel = 3, padding = 1}, "batchnorm", "relu", {dropout = 0.3},
     {conv2d = 8, kernel = 3, padding = 1}, "batchnorm", "relu", "globalavgpool", {linear = 3}]""")
@@ -78,48 +85,6 @@ MOBILE_DIVISION = {"conv1": (5, 2, 1), "conv2": (1, 2, 5), "conv3": (4, 7, 1), "
 """Uneven counts in whole groups: of 1 (conv2), 2 (conv4) and 4 (conv5) filters."""
 
 
-class SharedMaskDropout(nn.Module):
-    """One process's dropout with the mask the cluster draws (``models.masks``) for ``name`` at ``step``."""
-
-    def __init__(self, p: float, name: str, seed: int, step: int) -> None:
-        super().__init__()
-        self.p, self.name, self.seed, self.step = p, name, seed, step
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return x
-        return apply_mask(x, dropout_mask(x.shape, self.p, self.seed, self.step, self.name), self.p)
-
-
-def one_process(spec: str, seed: int, batch: int) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray,
-                                                          models.Update, np.ndarray]:
-    """Parameters, a batch, and what one process drawing the cluster's dropout masks computes on it: its update
-    (loss, gradients, the buffers' change) and its logits."""
-    model = models.build_model(spec, seed=seed)
-    assert isinstance(model, nn.Sequential)
-    for name, module in list(model.named_children()):
-        if isinstance(module, nn.Dropout):
-            setattr(model, name, SharedMaskDropout(module.p, name, seed, STEP))
-    params = models.get_params(model)
-    spec_ = models.get_spec(spec)
-    rng = np.random.default_rng(seed)
-    x = rng.random((batch, *spec_.input_shape), dtype=np.float32)
-    y = rng.integers(0, spec_.num_classes, batch)
-    update = models.compute_update(model, x, y)
-    with torch.no_grad():  # training mode: batch statistics and the same masks, as in the step
-        logits = model(torch.tensor(x)).numpy()
-    return params, x, y, update, logits
-
-
-async def train_together(spec: str, division: dict[str, tuple[int, ...]], seed: int,
-                         params: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> list[MeshStep]:
-    hub = LocalHub(3)
-    members = [MeshMember(spec, division, i, seed=seed) for i in range(3)]
-    for m in members:
-        m.load(params, version=0)
-    return list(await asyncio.gather(*(m.step(STEP, x, y, hub.member(i)) for i, m in enumerate(members))))
-
-
 @pytest.mark.parametrize(("job", "division"), [(CONV_BN, CONV_BN_DIVISION), (FLAT_BN, FLAT_BN_DIVISION),
                                                (NO_BIAS, NO_BIAS_DIVISION), (MOBILE, MOBILE_DIVISION)],
                          ids=["conv-bn", "flat-bn", "no-bias", "mobile"])
@@ -144,16 +109,17 @@ async def test_three_uneven_members_compute_what_one_process_does_with_batch_nor
 async def test_the_mask_depends_on_the_step_and_a_different_mask_changes_the_result() -> None:
     spec = parse_job(CONV_BN)
     check_model(spec)
-    a, b = dropout_mask((4, 8, 3, 3), 0.3, 5, STEP, "drop1"), dropout_mask((4, 8, 3, 3), 0.3, 5, STEP, "drop1")
+    shape = (4, 8, 3, 3)
+    a, b = dropout_mask(shape, 0.3, 5, MASK_STEP, "drop1"), dropout_mask(shape, 0.3, 5, MASK_STEP, "drop1")
     assert torch.equal(a, b) and 0 < float(a.mean()) < 1
-    assert not torch.equal(a, dropout_mask((4, 8, 3, 3), 0.3, 5, STEP + 1, "drop1"))
-    assert not torch.equal(a, dropout_mask((4, 8, 3, 3), 0.3, 5, STEP, "drop2"))
+    assert not torch.equal(a, dropout_mask((4, 8, 3, 3), 0.3, 5, MASK_STEP + 1, "drop1"))
+    assert not torch.equal(a, dropout_mask((4, 8, 3, 3), 0.3, 5, MASK_STEP, "drop2"))
     params, x, y, update, _ = one_process(spec.model_key, seed=5, batch=12)
     hub = LocalHub(3)
     members = [MeshMember(spec.model_key, CONV_BN_DIVISION, i, seed=5) for i in range(3)]
     for m in members:
         m.load(params, version=0)
-    other = await asyncio.gather(*(m.step(STEP + 1, x, y, hub.member(i)) for i, m in enumerate(members)))
+    other = await asyncio.gather(*(m.step(MASK_STEP + 1, x, y, hub.member(i)) for i, m in enumerate(members)))
     assert other[0].loss != pytest.approx(update.loss, abs=1e-5)
 
 
@@ -190,7 +156,7 @@ async def test_the_parameter_server_joins_the_members_buffer_rows_into_one_proce
     results = await train_together(spec.model_key, CONV_BN_DIVISION, 5, params, x, y)
     model = models.build_model(spec.model_key, seed=5)
     assembly, clock = Assembly({n: s[0][0] for n, s in models.gradient_layout(model).items()}, timeout_s=5.0), Clock()
-    outs = [assembly.add(member_part(f"m{i}", r, len(y), STEP), clock, 1, 0.0) for i, r in enumerate(results)]
+    outs = [assembly.add(member_part(f"m{i}", r, len(y), MASK_STEP), clock, 1, 0.0) for i, r in enumerate(results)]
     [joined] = outs[-1].joined
     got: dict[str, np.ndarray] = {}
     for g in joined.buffers:
@@ -203,7 +169,7 @@ async def test_the_parameter_server_joins_the_members_buffer_rows_into_one_proce
     twice: dict[str, Any] = dict(results[1].buffers)
     twice["bn1.num_batches_tracked"] = (0, 1, np.ones(1, np.float32))
     results[1].buffers = twice
-    bad = [assembly.add(replace_step(member_part(f"m{i}", r, len(y), STEP)), clock, 1, 0.0)
+    bad = [assembly.add(replace_step(member_part(f"m{i}", r, len(y), MASK_STEP)), clock, 1, 0.0)
            for i, r in enumerate(results)]
     assert not any(out.joined for out in bad)
     assert sorted((a.update.device, a.reason) for out in bad for a in out.rejected) == [
@@ -212,7 +178,7 @@ async def test_the_parameter_server_joins_the_members_buffer_rows_into_one_proce
 
 def replace_step(candidate: Candidate) -> Candidate:
     """``candidate`` for the next cluster step."""
-    return replace(candidate, update=replace(candidate.update, mesh_step=STEP + 1, seq=2))
+    return replace(candidate, update=replace(candidate.update, mesh_step=MASK_STEP + 1, seq=2))
 
 
 async def test_a_member_of_a_bias_less_or_grouped_layer_holds_and_sends_weight_rows_only() -> None:
@@ -263,7 +229,7 @@ async def test_the_parameter_server_joins_the_shards_of_a_bias_less_layer_into_a
     model = models.build_model(spec.model_key, seed=5)
     rows = {n: s[0][0] for n, s in models.gradient_layout(model).items()}
     assembly, clock = Assembly(rows, timeout_s=5.0), Clock()
-    outs = [assembly.add(member_part(f"m{i}", r, len(y), STEP), clock, 1, 0.0) for i, r in enumerate(results)]
+    outs = [assembly.add(member_part(f"m{i}", r, len(y), MASK_STEP), clock, 1, 0.0) for i, r in enumerate(results)]
     assert not outs[0].joined and not outs[1].joined
     [joined] = outs[-1].joined
     got = {name: np.zeros_like(g) for name, g in update.grads.items()}
