@@ -187,6 +187,21 @@ def test_a_bad_compute_scale_is_refused() -> None:
         simulate(SimSettings(fleet=("pi3", "pi4"), compute_scale=(1.0,)))
 
 
+def test_the_parameter_servers_time_per_update_serializes_the_updates() -> None:
+    """``ps_update_s``: the server takes one update after another, each for that long, and answers when done."""
+    fleet, cost = ("laptop", "laptop"), 0.05
+    free = simulate(SimSettings(fleet=fleet, policy="async", budget_s=1.0, overrides=UNIFORM))
+    busy = simulate(SimSettings(fleet=fleet, policy="async", budget_s=1.0, overrides=UNIFORM, ps_update_s=cost))
+    assert free.updates > 1.0 / cost  # the laptops alone would outrun the server
+    assert busy.updates <= 1.0 / cost < free.updates
+    rounds = [simulate(SimSettings(fleet=fleet, policy="sync", budget_s=1.0, overrides=UNIFORM, ps_update_s=c))
+              for c in (0.0, cost)]
+    per_version = [run.elapsed_s / run.versions for run in rounds]
+    assert per_version[1] >= per_version[0] + len(fleet) * cost * 0.9  # a round's two updates, one after the other
+    with pytest.raises(ConfigError, match="seconds per update"):
+        simulate(SimSettings(fleet=fleet, ps_update_s=-1.0))
+
+
 def test_the_cached_adaptive_deadline_is_the_rules_own() -> None:
     rule, cached = AdaptiveDelay(AdaptiveConfig()), CachedDelay(AdaptiveConfig())
     rng = random.Random(0)

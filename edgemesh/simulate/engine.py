@@ -47,7 +47,7 @@ from edgemesh.common.emulation.dynamics import Timeline
 from edgemesh.common.emulation.profiles import DeviceProfile
 from edgemesh.common.emulation.scenarios import Scenario, load_scenarios
 from edgemesh.common.errors import ConfigError
-from edgemesh.common.messages import Plan, PlanDevice
+from edgemesh.common.messages import GradientUpdate, Plan, PlanDevice
 from edgemesh.common.vocabulary import CODECS, SYNC_POLICIES, CodecName, SyncPolicy
 from edgemesh.services.parameter_server.scheduler import Ack
 from edgemesh.services.worker.trainer import shard_weights
@@ -106,6 +106,10 @@ class SimSettings:
     """The folder the job's data paths are relative to ('': ``worker.data_dir``)."""
     boards: Mapping[str, DeviceProfile] = field(default_factory=dict)
     """Boards ``fleet`` may name beside the profiles (``simulate --live``: a running job's devices as measured)."""
+    ps_update_s: float = 0.0
+    """Virtual seconds the parameter server spends on each update it receives (the bus's delivery, decoding,
+    applying, logging, acking and publishing), one update after another; 0: none, the server answers at the update's
+    arrival. docs/simulation.md gives what ``bench fleet`` measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +194,8 @@ def check(settings: SimSettings) -> None:
         raise ConfigError("the budget and evaluation interval must be > 0, the target in (0, 1]")
     if settings.lr is not None and not settings.lr > 0:
         raise ConfigError("the learning rate must be > 0")
+    if not (math.isfinite(settings.ps_update_s) and settings.ps_update_s >= 0):
+        raise ConfigError("the parameter server's seconds per update must be >= 0")
 
 
 @dataclass(slots=True)
@@ -272,6 +278,8 @@ class Simulation:
         self.curve: list[tuple[float, int, float, float]] = []
         self.gradients = 0
         self.plans = 0
+        self.ps_free_at = 0.0
+        """When the parameter server is done with the updates it has received (``ps_update_s``)."""
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SimRun:
@@ -332,7 +340,16 @@ class Simulation:
         d.busy = True
         self.gradients += 1
         arrives = d.board.upload_end(d.board.step_end(t, len(y)), nbytes)
-        self.queue.at(arrives, lambda now: self._answer(self.server.receive(message, nbytes, now), now))
+        self.queue.at(arrives, functools.partial(self._arrive, message, nbytes))
+
+    def _arrive(self, message: GradientUpdate, nbytes: int, t: float) -> None:
+        """An update's bytes are through: the parameter server takes it once done with those before it."""
+        cost = self.settings.ps_update_s
+        if cost <= 0:
+            self._answer(self.server.receive(message, nbytes, t), t)
+            return
+        self.ps_free_at = max(t, self.ps_free_at) + cost
+        self.queue.at(self.ps_free_at, lambda now: self._answer(self.server.receive(message, nbytes, now), now))
 
     def _on_ack(self, name: str, ack: Ack, version: int, t: float) -> None:
         d = self.devices[name]
