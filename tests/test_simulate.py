@@ -151,7 +151,8 @@ def test_the_command_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFix
 @pytest.mark.parametrize(("flag", "value", "named"), [("--policy", "bsp", "unknown policy"),
                                                        ("--fleet", "pi3,toaster", "toaster"),
                                                        ("--scenario", "stormy", "unknown scenario"),
-                                                       ("--codec", "zip", "unknown codec")])
+                                                       ("--codec", "zip", "unknown codec"),
+                                                       ("--ps-update-s", "-1", "seconds per update")])
 def test_a_bad_argument_is_named_and_exits_2(flag: str, value: str, named: str,
                                              capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code = cli.main(["simulate", flag, value, "--budget-s", "0.5", "--report", str(tmp_path / "r.json")])
