@@ -257,6 +257,63 @@ def test_models_reference_is_read_at_each_cells_samples_and_cells_are_summarised
     assert summary["round_policies_below_the_round_batch_reference_by_over_2pt"] == []
 
 
+def _models_run(first_seed: int, seeds: int, exported: dict[str, float], *, models: tuple[str, ...] = ("a",),
+                policies: tuple[str, ...] = ("sync",)) -> dict[str, object]:
+    """A ``bench models`` report of seeds ``first_seed``.. (each cell's exported accuracy by seed in ``exported``)
+    against a reference at 0.9, as ``run`` writes it."""
+    cells: dict[str, dict[str, object]] = {}
+    for model in models:
+        for policy in policies:
+            runs = {str(s): {"exported_accuracy": exported[str(s)], "reported_accuracy": exported[str(s)],
+                             "reference_best_accuracy": 0.9, "gap_pt": gap_pt(exported[str(s)], 0.9),
+                             "failure": None} for s in range(first_seed, first_seed + seeds)}
+            cells.setdefault(model, {})[policy] = {"median": cell_median(runs), "seeds": runs}
+    return {"command": f"edgemesh bench models --first-seed {first_seed} --seeds {seeds}", "host": {"cores": 2},
+            "settings": {"models": list(models), "policies": list(policies), "seeds": seeds, "first_seed": first_seed,
+                         "workers": 4, "per_class": 80, "samples_budget": 48000},
+            "models": {m: {"lr": 0.02} for m in models}, "data": {"classes": ["x"]}, "cells": cells,
+            "references": {m: {str(s): {"samples": 1} for s in range(first_seed, first_seed + seeds)}
+                           for m in models},
+            "summary": {}, "failure": None, "complete": True, "wall_seconds": 10.0, "same_processes": True}
+
+
+def test_bench_models_merges_the_runs_of_other_seeds_into_one_report(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``--first-seed`` runs other seeds of the matrix; ``--merge`` makes one report of them, each cell's median over
+    every seed; runs of other cells or data, or of the same seed twice, do not merge."""
+    accuracy = {"0": 0.80, "1": 0.95, "2": 0.89}
+    first, second = tmp_path / "s01.json", tmp_path / "s2.json"
+    first.write_text(json.dumps(_models_run(0, 2, accuracy)))
+    second.write_text(json.dumps(_models_run(2, 1, accuracy)))
+    merged = tmp_path / "models.json"
+    assert cli.main(["bench", "models", "--merge", str(first), str(second), "--report", str(merged)]) == 0
+    data = json.loads(merged.read_text())
+    cell = data["cells"]["a"]["sync"]
+    assert list(cell["seeds"]) == ["0", "1", "2"] and cell["median"]["exported_accuracy"] == 0.89
+    assert cell["median"]["gap_pt"] == -1.0 and data["summary"]["within_2pt"] == ["a/sync"]
+    assert data["settings"]["seeds"] == 3 and data["settings"]["first_seed"] == 0 and data["complete"]
+    assert [part["seeds"] for part in data["merged_from"]] == [[0, 1], [2]] and data["wall_seconds"] == 20.0
+    assert set(data["references"]["a"]) == {"0", "1", "2"}
+    # a run whose reference is missing leaves the merge incomplete: written, exit 1
+    partial = tmp_path / "partial.json"
+    run = _models_run(3, 1, {"3": 0.9})
+    run["references"] = {}
+    partial.write_text(json.dumps(run))
+    assert cli.main(["bench", "models", "--merge", str(first), str(partial), "--report", str(merged)]) == 1
+    assert json.loads(merged.read_text())["complete"] is False
+    # runs of other cells, or of the same seed twice, do not merge
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_models_run(3, 1, {"3": 0.9}, policies=("sync", "async"))))
+    assert cli.main(["bench", "models", "--merge", str(first), str(other), "--report", str(merged)]) == 2
+    assert "the runs differ in policies" in capsys.readouterr().err
+    clash = tmp_path / "clash.json"
+    clash.write_text(json.dumps(_models_run(1, 1, accuracy)))
+    assert cli.main(["bench", "models", "--merge", str(first), str(clash), "--report", str(merged)]) == 2
+    assert "seed(s) 1 in two of the runs" in capsys.readouterr().err
+    assert cli.main(["bench", "models", "--merge", str(first), "--report", str(merged)]) == 2
+    assert "two reports or more" in capsys.readouterr().err
+
+
 def test_bench_soak_report_layout(tmp_path: Path) -> None:
     """45 s of churn (a kill every 6-10 s): the layout the issue fixes, every process sampled, the audit clean."""
     report = tmp_path / "soak.json"

@@ -124,6 +124,12 @@ class Settings:
     samples: int = 0
     """The budget: a job is stopped once its accepted updates carry this many samples (0: at ``target``)."""
     quick: bool = False
+    first_seed: int = 0
+    """The run trains seeds ``first_seed`` to ``first_seed + seeds - 1`` (another run's seeds: ``--merge``)."""
+
+    @property
+    def seed_range(self) -> range:
+        return range(self.first_seed, self.first_seed + self.seeds)
 
     @property
     def job_timeout_s(self) -> float:
@@ -411,7 +417,7 @@ async def run_matrix(config: Config, workdir: Path, devices: list[str], settings
     try:
         started = spawn_fleet(cluster, workdir, devices)
         async with bus:
-            for seed in range(settings.seeds):
+            for seed in settings.seed_range:
                 for name in settings.models:
                     entry = catalogue[name]
                     cells: dict[str, dict[str, Any]] = {}
@@ -460,6 +466,7 @@ def run(report: Path, config: Config, settings: Settings, *, command: str, overr
     result: dict[str, Any] = {
         "command": command, "host": host(),
         "settings": {"models": list(settings.models), "policies": list(settings.policies), "seeds": settings.seeds,
+                     "first_seed": settings.first_seed,
                      "workers": settings.workers, "per_class": settings.per_class,
                      "held_out_per_class": settings.held_out_per_class, "target_accuracy": settings.target,
                      "max_minutes": settings.max_minutes, "max_versions": settings.max_versions,
@@ -504,6 +511,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", help="comma-separated subset of " + ", ".join(model_jobs.catalogue()))
     parser.add_argument("--policies", help=f"comma-separated subset of {', '.join(POLICIES)} (default: all)")
     parser.add_argument("--seeds", type=int, help=f"seeds per cell (default {FULL['seeds']})")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the first seed (default 0): a run of other seeds, to --merge with another run's report")
     parser.add_argument("--workers", type=int,
                         help=f"worker processes (devices), at least 2 (default {FULL['workers']})")
     parser.add_argument("--per-class", type=int, help="images of a device's two main classes; its others get half "
@@ -522,6 +531,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a setting of the fleet's services")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (failed runs always do)")
+    parser.add_argument("--merge", nargs="+", type=Path, metavar="REPORT",
+                        help="train nothing: one report (--report) of these runs of other seeds (--first-seed) of "
+                             "the same matrix, each cell's median over all their seeds")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     parser.set_defaults(func=main)
 
@@ -546,9 +558,11 @@ def settings_of(args: argparse.Namespace) -> Settings:
                         workers=given("workers"), per_class=given("per_class"),
                         held_out_per_class=given("held_out_per_class"), target=args.target,
                         max_minutes=given("max_minutes"), max_versions=args.max_versions, samples=given("samples"),
-                        quick=args.quick)
+                        quick=args.quick, first_seed=args.first_seed)
     if not settings.models or not settings.policies or settings.seeds < 1 or settings.workers < 2:
         raise ValueError("give at least one model, one policy, one seed and two workers")
+    if settings.first_seed < 0:
+        raise ValueError("--first-seed >= 0")
     if settings.per_class < 2 or settings.held_out_per_class < 1 or not 0 < settings.target <= 1:
         raise ValueError("--per-class >= 2, --held-out-per-class >= 1, --target in (0, 1]")
     if settings.samples < 0:
@@ -558,8 +572,22 @@ def settings_of(args: argparse.Namespace) -> Settings:
     return settings
 
 
+def merge_reports(paths: list[Path], report: Path, command: str) -> int:
+    """``--merge``: the reports at ``paths`` as one at ``report``; 2 when one cannot be read or they do not merge."""
+    try:
+        parts = [json.loads(path.read_text()) for path in paths]
+        result = models_report.merge(parts, classes=len(GLYPHS), command=command)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"edgemesh bench models: --merge: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    write_report(report, result, models_report.plot, lambda line: print(line, file=sys.stderr, flush=True))
+    return 0 if result["complete"] and not result["failure"] else 1
+
+
 def main(args: argparse.Namespace) -> int:
     cli.setup_logging(args.log_level or "WARNING")
+    if args.merge:
+        return merge_reports(args.merge, Path(args.report), " ".join(["edgemesh", *sys.argv[1:]]))
     try:
         settings = settings_of(args)
         overrides = cli.overrides(args)

@@ -93,6 +93,67 @@ def summary(cells: dict[str, dict[str, Any]], classes: int) -> dict[str, Any]:
     }
 
 
+SAME_SETTINGS = ("policies", "workers", "per_class", "held_out_per_class", "target_accuracy", "max_minutes",
+                 "max_versions", "quick", "eval_every", "overrides", "samples_budget")
+"""What the runs of a merge must share: the same cells trained on the same data for the same budget."""
+
+
+def merge(parts: list[dict[str, Any]], *, classes: int, command: str) -> dict[str, Any]:
+    """One report of the runs ``parts`` of other seeds (``--first-seed``) of the same matrix: every seed's cells and
+    references, each cell's median and the summary anew. ValueError when the runs differ in what they trained or
+    both trained a seed. ``complete``: every cell of every model holds every seed some run trained."""
+    _check_mergeable(parts)
+    first = parts[0]
+    merged: dict[str, Any] = {**first, "cells": {}, "references": {}, "models": {}, "failure": None}
+    for part in parts:
+        merged["models"].update(part["models"])
+        for model, policies in part["cells"].items():
+            for policy, cell in policies.items():
+                into = merged["cells"].setdefault(model, {}).setdefault(policy, {"median": {}, "seeds": {}})
+                twice = sorted(set(cell["seeds"]) & set(into["seeds"]))
+                if twice:
+                    raise ValueError(f"{model}/{policy}: seed(s) {', '.join(twice)} in two of the runs")
+                into["seeds"].update(cell["seeds"])
+        for model, seeds in part["references"].items():
+            merged["references"].setdefault(model, {}).update(seeds)
+        merged["failure"] = merged["failure"] or part.get("failure")
+    for policies in merged["cells"].values():
+        for cell in policies.values():
+            cell["seeds"] = dict(sorted(cell["seeds"].items(), key=lambda item: int(item[0])))
+            cell["median"] = cell_median(cell["seeds"])
+    seeds = _seeds_of(merged)
+    models = sorted({m for part in parts for m in part["settings"]["models"]})
+    merged["complete"] = all(
+        set(merged["cells"].get(m, {})) == set(first["settings"]["policies"])
+        and all(_seeds_of({"cells": {m: {p: c}}}) == seeds for p, c in merged["cells"][m].items())
+        and {int(s) for s in merged["references"].get(m, {})} == set(seeds) for m in models)
+    merged["settings"] = {**first["settings"], "models": models, "seeds": len(seeds), "first_seed": seeds[0]}
+    merged["summary"] = summary(merged["cells"], classes)
+    merged["command"] = command
+    merged["merged_from"] = [{"command": part["command"], "seeds": _seeds_of(part), "complete": part.get("complete"),
+                              "wall_seconds": part.get("wall_seconds"), "host": part.get("host")} for part in parts]
+    merged["wall_seconds"] = round(sum(part.get("wall_seconds") or 0.0 for part in parts), 1)
+    merged["same_processes"] = all(part.get("same_processes") for part in parts)
+    return merged
+
+
+def _check_mergeable(parts: list[dict[str, Any]]) -> None:
+    """ValueError unless there are two runs or more of the same cells on the same data and budget."""
+    if len(parts) < 2:
+        raise ValueError("--merge needs two reports or more")
+    first = parts[0]
+    for part in parts[1:]:
+        differ = [k for k in SAME_SETTINGS if part["settings"].get(k) != first["settings"].get(k)]
+        if differ or part["data"] != first["data"]:
+            raise ValueError(f"the runs differ in {', '.join(differ) or 'their data'}: they do not merge")
+
+
+def _seeds_of(report: dict[str, Any]) -> list[int]:
+    """The seeds any cell of ``report`` holds."""
+    return sorted({int(s) for policies in report["cells"].values() for cell in policies.values()
+                   for s in cell["seeds"]})
+
+
 def plot(result: dict[str, Any], png: Path) -> bool:
     """A heat map of each cell's median gap (exported minus reference, points), annotated with the median exported
     and reference accuracies."""
@@ -114,7 +175,7 @@ def plot(result: dict[str, Any], png: Path) -> bool:
             gap = middle.get("gap_pt")
             if gap is not None:
                 grid[i, j] = gap
-            exported, reference = middle.get("exported_accuracy"), middle.get("reference_accuracy")
+            exported, reference = middle.get("exported_accuracy"), middle.get("reference_best_accuracy")  # the gap's
             text = "failed" if cell and middle.get("failed") else "-"
             if gap is not None:
                 text = f"{gap:+.1f} pt\n{exported:.2f} / {reference:.2f}"
