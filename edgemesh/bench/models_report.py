@@ -125,7 +125,7 @@ def merge(parts: list[dict[str, Any]], *, classes: int, command: str) -> dict[st
     models = sorted({m for part in parts for m in part["settings"]["models"]})
     merged["complete"] = all(
         set(merged["cells"].get(m, {})) == set(first["settings"]["policies"])
-        and all(_seeds_of({"cells": {m: {p: c}}}) == seeds for p, c in merged["cells"][m].items())
+        and all(sorted(int(k) for k in cell["seeds"]) == seeds for cell in merged["cells"][m].values())
         and {int(s) for s in merged["references"].get(m, {})} == set(seeds) for m in models)
     merged["settings"] = {**first["settings"], "models": models, "seeds": len(seeds), "first_seed": seeds[0]}
     merged["summary"] = summary(merged["cells"], classes)
