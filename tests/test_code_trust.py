@@ -372,6 +372,8 @@ async def test_job_export_imports_no_code_a_job_names_without_trust_code(
     out = tmp_path / "out" / "exported.pt"
     with pytest.raises(ExportError, match=f"entry point '{name}:build'.*--trust-code"):
         await export(config, "exported", fmt="torch", out=str(out), search_path=[], timeout_s=10)
+    with pytest.raises(ExportError, match="--trust-code.*any format, ONNX included, builds the model"):
+        await export(config, "exported", fmt="onnx", out=str(out), search_path=[], timeout_s=10)
     assert not marker.exists() and not out.exists()
     assert await export(config, "exported", fmt="torch", out=str(out), search_path=[], timeout_s=10,
                         trust_code=True) == 0

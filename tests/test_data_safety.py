@@ -256,6 +256,9 @@ def test_an_image_folder_reads_no_class_folder_or_image_linked_from_outside(tmp_
     Image.new("L", (4, 4), 9).save(root / "pics" / "b" / "y.png")
     loaded = load_local("image-folder", "pics", data_dir=root, input_shape=(1, 4, 4), classes=CLASSES)
     assert loaded.class_counts == {"a": 1, "b": 1} and loaded.train.name == "image-folder:pics"
+    (root / "pics" / "b" / "deeper").symlink_to(elsewhere / "a")  # a class folder's subfolders are read too
+    with pytest.raises(DataError, match=r"'pics/b/deeper' leads out of this host's data folder"):
+        load_local("image-folder", "pics", data_dir=root, input_shape=(1, 4, 4), classes=CLASSES)
 
 
 def _npz_bytes(**arrays: np.ndarray) -> bytes:

@@ -104,7 +104,7 @@ def test_image_folder_reads_jpeg_and_upper_case_suffixes_and_ignores_other_files
     _solid(root / "square" / "C.Png", COLOURS["square"])
     (root / "square" / "notes.txt").write_text("not an image")
     (root / "square" / ".hidden.png").write_bytes(b"garbage, but hidden")
-    (root / "square" / "nested").mkdir()
+    (root / "square" / "empty").mkdir()
     (root / ".cache").mkdir()  # a hidden folder is not a class
     (root / ".DS_Store").write_bytes(b"\x00\x01")
     (root / "README").write_text("files beside the class folders are ignored")
@@ -112,6 +112,21 @@ def test_image_folder_reads_jpeg_and_upper_case_suffixes_and_ignores_other_files
     assert local.train.y.tolist() == [1, 1, 1]
     green = local.train.x[:, 1]
     assert green.min() > 0.9 and local.train.x[:, [0, 2]].max() < 0.1  # JPEG is lossy, but still green
+
+
+def test_image_folder_reads_a_class_folders_subfolders_but_not_hidden_ones(tmp_path: Path) -> None:
+    """A class folder as a camera or a phone fills it (``circle/DCIM/100MEDIA/...``): every image below it is the
+    class's, but for hidden folders (``.thumbnails``); a link back up is read once, not forever."""
+    root = _image_folder(tmp_path, {"circle": 1, "square": 1})
+    _solid(root / "circle" / "DCIM" / "100MEDIA" / "a.jpg", COLOURS["circle"])
+    _solid(root / "circle" / "DCIM" / "b.png", COLOURS["circle"])
+    _solid(root / "circle" / ".thumbnails" / "t.png", COLOURS["square"])
+    (root / "circle" / "DCIM" / "again").symlink_to(root / "circle")
+    local = load_local("image-folder", root, input_shape=(3, 4, 6), classes=CLASSES)
+    assert local.class_counts == {"circle": 3, "square": 1}
+    assert local.train.y.tolist() == [0, 0, 0, 1]
+    reds = local.train.x[:3, 0]
+    assert reds.min() > 0.9  # the thumbnail (green) is not among them
 
 
 def test_read_image_channels_and_resize(tmp_path: Path) -> None:

@@ -235,7 +235,8 @@ async def onnx_error(config: Config, name: str, workdir: Path) -> float | None:
     from edgemesh.operator.job import fetch_model
 
     spec, snapshot, _ = await fetch_model(config, name, timeout_s=10.0)
-    trusted_model_spec(spec, trust_code=True, search_path=[str(workdir / "models")], where=f"job {name!r}")
+    trusted_model_spec(spec, trust_code=True, search_path=[str(workdir / "models")], where=f"job {name!r}",
+                       otherwise="")
     module = models.build_model(spec.model_key)
     models.set_params(module, {k: t.to_numpy() for k, t in snapshot.tensors.items()})
     try:

@@ -177,18 +177,20 @@ def write_card(card: ModelCard, model_path: Path) -> Path:
     return path
 
 
-def trusted_model_spec(job: JobSpec, *, trust_code: bool, search_path: Sequence[str], where: str) -> ModelSpec:
+def trusted_model_spec(job: JobSpec, *, trust_code: bool, search_path: Sequence[str], where: str,
+                       otherwise: str) -> ModelSpec:
     """The job's model registered, as ``export`` and ``predict`` rebuild it: a layer list always; an entry point
     only when ``trust_code`` (the user passed ``--trust-code``), then whatever module it names, imported from
-    ``search_path`` first. Without it, ExportError naming the entry point and the flag, before anything is imported.
-    ``where`` names the job's origin (a job on the broker, a model card)."""
+    ``search_path`` first. Without it, ExportError naming the entry point and the flag, then ``otherwise`` (what the
+    user can do instead, if anything), before anything is imported. ``where`` names the job's origin (a job on the
+    broker, a model card)."""
     from edgemesh.common.jobs import model_spec
     from edgemesh.common.models.entry_point import ANY_MODULE
 
     if job.model.entry_point and not trust_code:
         raise ExportError(f"{where} builds its model with the entry point {job.model.entry_point!r}, which is Python "
                           f"code, and nothing is imported without {TRUST_FLAG}: pass {TRUST_FLAG} if you trust that "
-                          "code (with --module-path DIR where its module is), or use an ONNX export, which needs none")
+                          f"code (with --module-path DIR where its module is); {otherwise}")
     return model_spec(job, allowed=ANY_MODULE if trust_code else (), search_path=search_path)
 
 

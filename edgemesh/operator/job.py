@@ -347,7 +347,8 @@ async def export(config: Config, name: str, *, fmt: str, out: str, search_path: 
 
     spec, snap, state = await fetch_model(config, name, timeout_s=timeout_s)
     trusted_model_spec(spec, trust_code=trust_code, search_path=[*search_path, spec.model.module_path],
-                       where=f"job {name!r}")
+                       where=f"job {name!r}", otherwise="an export in any format, ONNX included, builds the model "
+                       "from that code (the ONNX file it writes then runs without it)")
     module = models.build_model(spec.model_key)
     models.set_params(module, {k: t.to_numpy() for k, t in snap.tensors.items()})
     Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -153,7 +153,7 @@ def _torch_classifier(card: ModelCard, model: Path, *, trust_code: bool, module_
     where = f"model card '{card_path(model)}'"
     job = parse_job(card.job_source, origin=f"job file in {where}")
     trusted_model_spec(job, trust_code=trust_code, search_path=[*module_path, str(model.parent.resolve())],
-                       where=f"the job in {where}")
+                       where=f"the job in {where}", otherwise="or predict with an ONNX export of it, which needs none")
     module = models.build_model(job.model_key)
     try:
         if card.format == "safetensors":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -125,13 +125,33 @@ def _image_files(source: DataSource, index: dict[str, int]) -> list[tuple[Path, 
         if folder.name not in index:
             raise DataError(f"folder '{source.name(folder)}' is not one of the job's classes; known: "
                             f"{', '.join(index)}")
-        source.check_inside(folder)
-        for file in sorted(folder.iterdir()):
-            if file.name.startswith(".") or file.suffix.lower() not in IMAGE_SUFFIXES or not file.is_file():
-                continue
-            source.check_inside(file)
-            files.append((file, index[folder.name]))
+        files += [(file, index[folder.name]) for file in _class_images(source, folder)]
     return files
+
+
+def _class_images(source: DataSource, folder: Path) -> Iterator[Path]:
+    """The image files of a class folder and of its subfolders at any depth (a camera's ``DCIM/100MEDIA``), hidden
+    ones left out: a folder's files in name order, then its subfolders'. Each is checked to be inside the data folder;
+    a folder reached again through a link is read once."""
+    seen: set[Path] = set()
+    pending = [folder]
+    while pending:
+        current = pending.pop()
+        source.check_inside(current)
+        real = current.resolve()
+        if real in seen:
+            continue
+        seen.add(real)
+        subfolders: list[Path] = []
+        for entry in sorted(current.iterdir()):
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                subfolders.append(entry)
+            elif entry.suffix.lower() in IMAGE_SUFFIXES and entry.is_file():
+                source.check_inside(entry)
+                yield entry
+        pending += reversed(subfolders)
 
 
 def _check_skipped(source: DataSource, skipped: list[tuple[str, str]], total: int, max_share: float) -> None:
