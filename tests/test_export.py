@@ -32,6 +32,7 @@ from edgemesh.operator.export import (
     normalization,
     write_card,
 )
+from edgemesh.operator.predict import PREDICT_BATCH
 
 TOLERANCE = 1e-4
 DIGITS_SHAPE = (1, 8, 8)
@@ -298,6 +299,33 @@ def test_predict_json_lists_the_top_k_classes(digits_model: torch.nn.Module, tmp
         order = np.argsort(-probs)[:3]
         assert [t["class"] for t in row["top"]] == [DIGITS_CLASSES[i] for i in order]
         assert [t["p"] for t in row["top"]] == pytest.approx(probs[order].tolist(), abs=1e-5)
+
+
+def test_predict_on_a_folder_classifies_every_image_below_it_in_batches(
+        digits_model: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder stands for its images at any depth, hidden ones left out, in name order; more of them than one
+    batch are classified as they would be one by one."""
+    model_path = export_model(digits_model, DIGITS_SHAPE, "onnx", tmp_path / "digits.onnx")
+    write_card(card_for(model_path, "onnx"), model_path)
+    photos = tmp_path / "photos"
+    (photos / "day2").mkdir(parents=True)
+    images, _ = write_digit_images(photos, PREDICT_BATCH + 6)
+    moved = [p.rename(photos / "day2" / p.name) if i % 3 == 0 else p for i, p in enumerate(images)]
+    (photos / ".thumbnails").mkdir()
+    (photos / ".thumbnails" / "t.png").write_bytes(b"not read")
+    (photos / ".digit-x.png").write_bytes(b"not read either")
+    (photos / "notes.txt").write_text("not an input")
+    code, out, err = predict(str(model_path), str(photos), capsys=capsys)
+    assert code == 0, err
+    printed = parse_lines(out)
+    assert list(printed) == sorted(str(p) for p in moved)
+    expected = torch.softmax(torch.from_numpy(logits(digits_model, np.stack(
+        [read_image(p, DIGITS_SHAPE) for p in moved]))).double(), dim=1).numpy()
+    for path, row in zip(moved, expected, strict=True):
+        assert printed[str(path)] == (DIGITS_CLASSES[int(row.argmax())], pytest.approx(row.max(), abs=0.005 + 1e-6))
+    (tmp_path / "empty" / ".hidden").mkdir(parents=True)
+    code, out, err = predict(str(model_path), str(tmp_path / "empty"), capsys=capsys)
+    assert (code, out) == (2, "") and "folder" in err and "holds no images" in err
 
 
 def test_predict_takes_npy_arrays_of_the_input_shape(features_model: torch.nn.Module, tmp_path: Path,

@@ -10,9 +10,12 @@ builds its model with an entry point (Python code), nothing is imported unless t
 then the installed packages.
 
 Inputs are image files (PNG, JPEG: converted and resized to the model's (C, H, W) as in training,
-pixels in [0, 1]) or ``.npy`` arrays of exactly the input shape (uint8 is scaled to [0, 1]). The
+pixels in [0, 1]) or ``.npy`` arrays of exactly the input shape (uint8 is scaled to [0, 1]), or folders: a folder
+stands for every image and array file below it, at any depth, hidden ones left out, in name order. The
 normalization is inside the model. Per input, one line ``path  class (p=0.93)`` with the top K
-classes by softmax probability, or with ``--json`` one JSON object per line.
+classes by softmax probability, or with ``--json`` one JSON object per line. Inputs are read and classified
+``PREDICT_BATCH`` at a time, so a folder of any size runs in the memory of one batch; an input that cannot be read
+stops the command with its name, after the lines of the batches before its own.
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="a model file written by 'edgemesh job export' "
                                                        "(its card MODEL.card.json beside it)")
     parser.add_argument("inputs", metavar="INPUT", nargs="+",
-                        help=f"image files ({', '.join(IMAGE_SUFFIXES)}) or {ARRAY_SUFFIX} arrays of the input shape")
+                        help=f"image files ({', '.join(IMAGE_SUFFIXES)}) or {ARRAY_SUFFIX} arrays of the input shape, "
+                             "or folders of them (every such file below a folder, hidden ones left out)")
     parser.add_argument("--top", type=_positive, default=1, metavar="K", help="print the K likeliest classes (1)")
     parser.add_argument("--json", action="store_true", help="one JSON object per input: {input, top: [{class, p}]}")
     parser.add_argument(TRUST_FLAG, dest="trust_code", action="store_true",
@@ -67,16 +71,36 @@ def command(args: argparse.Namespace) -> int:
     if not model.is_file():
         raise ExportError(f"model file '{model}' does not exist")
     card = ModelCard.read(card_path(model))
-    x = np.stack([read_input(path, card.input_shape) for path in args.inputs])
+    inputs = input_files(args.inputs)
+    first = [read_input(path, card.input_shape) for path in inputs[:PREDICT_BATCH]]  # a bad input before the model
     classifier = load_classifier(card, model, trust_code=args.trust_code, module_path=args.module_path)
-    probabilities = softmax(run_batches(classifier, x, len(card.classes)))
-    for path, row in zip(args.inputs, probabilities, strict=True):
-        best = top_k(row, card.classes, args.top)
-        if args.json:
-            print(json.dumps({"input": path, "top": [{"class": name, "p": p} for name, p in best]}))
-        else:
-            print(f"{path}  " + ", ".join(f"{name} (p={p:.2f})" for name, p in best))
+    for start in range(0, len(inputs), PREDICT_BATCH):
+        paths = inputs[start:start + PREDICT_BATCH]
+        x = np.stack(first if start == 0 else [read_input(path, card.input_shape) for path in paths])
+        for path, row in zip(paths, softmax(run_batches(classifier, x, len(card.classes))), strict=True):
+            best = top_k(row, card.classes, args.top)
+            if args.json:
+                print(json.dumps({"input": path, "top": [{"class": name, "p": p} for name, p in best]}))
+            else:
+                print(f"{path}  " + ", ".join(f"{name} (p={p:.2f})" for name, p in best))
     return 0
+
+
+def input_files(inputs: Sequence[str]) -> list[str]:
+    """The inputs as named, each folder replaced by the image and array files below it (at any depth, hidden files
+    and folders left out, in name order); DataError for a folder that holds none."""
+    files: list[str] = []
+    for name in inputs:
+        path = Path(name)
+        if not path.is_dir():
+            files.append(name)
+            continue
+        found = sorted(p for p in path.rglob("*") if p.suffix.lower() in (*IMAGE_SUFFIXES, ARRAY_SUFFIX)
+                       and not any(part.startswith(".") for part in p.relative_to(path).parts) and p.is_file())
+        if not found:
+            raise DataError(f"folder '{path}' holds no images ({', '.join(IMAGE_SUFFIXES)}) or {ARRAY_SUFFIX} arrays")
+        files += map(str, found)
+    return files
 
 
 def read_input(path: str | Path, input_shape: tuple[int, ...]) -> np.ndarray:
