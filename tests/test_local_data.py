@@ -293,6 +293,12 @@ def test_csv_missing_label_column_empty_file_and_not_utf8(tmp_path: Path) -> Non
     path = _write_csv(tmp_path / "nolabel.csv", ["a", "b"], [[1, 2]])
     _raises([str(path), "'label'"], "csv", path, input_shape=(2,))
     _raises([str(path), "'klass'"], "csv", path, input_shape=(1,), label_column="klass")
+    assert "semicolons" not in str(_raises([str(path)], "csv", path, input_shape=(2,)))
+    semicolons = tmp_path / "excel.csv"  # a spreadsheet's export in a locale whose decimal mark is a comma
+    semicolons.write_text("label;a;b\ncircle;1,5;2\n")
+    error = str(_raises([str(semicolons), "no label column 'label'", "one column", "semicolons"], "csv", semicolons,
+                        input_shape=(2,)))
+    assert "label;a;b" not in error  # the header's text stays on the device
     empty = tmp_path / "empty.csv"
     empty.write_text("")
     _raises([str(empty), "header"], "csv", empty, input_shape=(2,))

@@ -73,7 +73,10 @@ class _Columns:
         if header is None:
             raise DataError(f"CSV file '{name}' is empty; it needs a header row")
         if label_column not in header:
-            raise DataError(f"CSV file '{name}' has no label column {label_column!r} in its header row")
+            one = (" (the header row is one column: the file is read as comma-separated, and one separated by "
+                   "semicolons or tabs, as spreadsheets export in some locales, reads as one column)"
+                   if len(header) == 1 else "")
+            raise DataError(f"CSV file '{name}' has no label column {label_column!r} in its header row{one}")
         label_at = header.index(label_column)
         features = [i for i in range(len(header)) if i != label_at]
         if len(features) != math.prod(shape):
