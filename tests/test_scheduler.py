@@ -118,6 +118,27 @@ def test_async_applies_each_update_on_arrival_with_its_delay() -> None:
     assert d.steps[1].weights == (0.5,)
 
 
+@pytest.mark.parametrize("policy", ["async", "ssp"])
+def test_under_async_and_ssp_the_bound_counts_rounds_of_the_fleet_so_a_large_fleet_keeps_its_updates(
+        policy: str) -> None:
+    """Twenty clusters updating in turn: each update is computed while the other nineteen were applied, a delay of 19
+    versions and 0 rounds. Bound 1: delays up to (1 + 1) x 20 - 1 = 39 are applied, 40 is stale; one cluster alone
+    keeps the bound as it is."""
+    names = [f"d{i:02d}" for i in range(20)]
+    fleet = Fleet(clusters=tuple(f"c-{n}" for n in names), plan_version=1, devices=frozenset(names), bound=1)
+    s, clock, _ = scheduler(policy)
+    clock.version = 100
+    d = s.take([update("d00", 1, 100 - 19), update("d01", 1, 101 - 39), update("d02", 1, 102 - 40)], fleet)
+    assert acks(d) == [("d00", 1, "accepted", ""), ("d01", 1, "accepted", ""), ("d02", 1, "discarded", "stale")]
+    assert [a.delay for a in d.acks] == [19, 39, 40]
+    assert d.steps[0].weights == (pytest.approx(1 / 20),)  # still damped by its delay in versions
+    alone, clock, _ = scheduler(policy)
+    clock.version = 10
+    one = Fleet(clusters=("c-a",), plan_version=1, devices=frozenset({"a"}), bound=1)
+    assert acks(alone.take([update("a", 1, 9), update("a", 2, 9)], one)) == [
+        ("a", 1, "accepted", ""), ("a", 2, "discarded", "stale")]
+
+
 def test_every_policy_acks_an_applied_update_again_as_a_duplicate() -> None:
     for policy in ("sync", "async", "ssp", "adaptive"):
         s, clock, _ = scheduler(policy)

@@ -138,6 +138,14 @@ def single_device(fleet: list[tuple[str, str]]) -> tuple[str, str]:
     return next((d for d in fleet if d[1] == SINGLE_PROFILE), fleet[0])
 
 
+def staleness_bound(policy: str, devices: int) -> int:
+    """A run's ``training.staleness_bound``: an update at most twice the devices' versions late is applied, as when
+    these figures were first measured. Under ``adaptive`` (and the simulator's reference rule) that is ``2 x
+    devices``; under ``async`` and ``ssp``, whose bound counts rounds of the fleet (``scheduler.rounds_bound``), one
+    round: ``2 x devices - 1`` versions."""
+    return 1 if policy in ("async", "ssp") else 2 * devices
+
+
 def run_config(bench: Bench, spec: RunSpec, *, devices: int, job: str) -> Config:
     """The configuration of one run: the benchmark's settings, then the user's ``--set`` overrides."""
     d = bench.dilation
@@ -148,7 +156,7 @@ def run_config(bench: Bench, spec: RunSpec, *, devices: int, job: str) -> Config
         "broker.keepalive_s": str(round(defaults["broker.keepalive_s"] * d)),
         "training.model_spec": MODEL, "training.lr": repr(spec.lr), "training.batch_size": str(BATCH),
         "training.sync_policy": "sync" if spec.policy == "single" else spec.policy,
-        "training.staleness_bound": str(2 * devices), "planner.batching": "balanced",
+        "training.staleness_bound": str(staleness_bound(spec.policy, devices)), "planner.batching": "balanced",
         "ps.eval_every": "0", "ps.eval_interval_s": str(EVAL_INTERVAL_S * d),
         "training.seed": str(spec.seed),
         "worker.emulation_host_gflops": str(bench.host_gflops), "worker.emulation_seed": str(spec.seed),
@@ -438,7 +446,8 @@ def _settings(cfg: Config, devices: int) -> dict[str, Any]:
     t, rule, d = cfg.training, cfg.ps.adaptive, cfg.worker.emulation_dilation
     adaptive = {k: getattr(rule, k) / d if k.endswith("_s") else getattr(rule, k) for k in rule.__slots__}
     return {"model": t.model_spec, "dataset": t.dataset, "momentum": t.momentum, "batch_size": t.batch_size,
-            "fleet_staleness_bound": 2 * devices, "devices": devices, "eval_interval_s": EVAL_INTERVAL_S,
+            "fleet_staleness_bound": 2 * devices, "staleness_bound_rounds_async_ssp": staleness_bound("async", devices),
+            "devices": devices, "eval_interval_s": EVAL_INTERVAL_S,
             "planner_batching": cfg.planner.batching, "compressor_mode": cfg.compressor.mode,
             "ps_broadcast": cfg.ps.broadcast, "adaptive": adaptive, "max_overrun_share": MAX_OVERRUN_SHARE}
 

@@ -39,6 +39,7 @@ from edgemesh.bench.fleet import (
     EVAL_INTERVAL_S,
     FINAL_EVALUATIONS,
     MODEL,
+    staleness_bound,
 )
 from edgemesh.bench.runs import device_names, fleet_profiles
 from edgemesh.common.config import Config, load_config
@@ -154,8 +155,8 @@ class SimRun:
 
 
 def sim_config(settings: SimSettings, devices: int) -> Config:
-    """The services' configuration of a run: ``bench fleet``'s (its model and batch, a staleness bound of twice the
-    devices, balanced batches), or a user's job's, then the user's settings, then the run's policy, seed and
+    """The services' configuration of a run: ``bench fleet``'s (its model and batch, its staleness bound, balanced
+    batches), or a user's job's, then the user's settings, then the run's policy, seed and
     learning rate."""
     if settings.job_file:
         run: dict[str, object] = {"sync_policy": service_policy(settings.policy), "seed": settings.seed}
@@ -163,7 +164,8 @@ def sim_config(settings: SimSettings, devices: int) -> Config:
             run["lr"] = settings.lr
         return simulated_job.config(settings.job_file, dict(settings.overrides), {"training": run})
     overrides = {"training.model_spec": MODEL, "training.batch_size": str(BATCH),
-                 "training.staleness_bound": str(2 * devices), "planner.batching": "balanced",
+                 "training.staleness_bound": str(staleness_bound(settings.policy, devices)),
+                 "planner.batching": "balanced",
                  **settings.overrides, "training.sync_policy": service_policy(settings.policy),
                  "training.seed": str(settings.seed)}
     if settings.lr is not None:

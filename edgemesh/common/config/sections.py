@@ -179,7 +179,9 @@ class TrainingConfig:
     sync_policy: SyncPolicy = "sync"
     """Parameter server synchronization policy (switchable at run time)."""
     staleness_bound: int = 4
-    """Largest delay (PS versions) of an update that is still applied."""
+    """Largest delay of an update that is still applied, in rounds of the fleet: under ``sync`` and ``adaptive`` a
+    version is a round; under ``async`` and ``ssp``, where a version is one cluster's update, ``(bound + 1) x
+    clusters - 1`` versions (``scheduler.rounds_bound``)."""
     lr: float = 0.05
     """SGD learning rate. With momentum 0.9, 0.1 trained the digits CNN to 97 % on four devices' 128 samples a
     version and then held it, but collapsed it to chance after 200-400 versions of 32 samples (one device, or a

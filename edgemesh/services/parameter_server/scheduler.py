@@ -310,15 +310,23 @@ class Scheduler:
 
 
 class AsyncScheduler(Scheduler):
-    """ASP: every update within the bound, applied on arrival."""
+    """ASP: every update within the bound, applied on arrival. A version is one cluster's update, so the bound
+    counts rounds of the fleet (``rounds_bound``), as it does under the round policies, where a version is a round."""
 
     policy = "async"
 
+    def _bound(self, fleet: Fleet) -> int:
+        return rounds_bound(fleet.bound, len(self.live(fleet)))
+
 
 class SSPScheduler(Scheduler):
-    """Stale synchronous parallel: a cluster more than ``bound`` steps ahead of the slowest live one waits."""
+    """Stale synchronous parallel: a cluster more than ``bound`` steps ahead of the slowest live one waits; an
+    update is applied within ``bound`` rounds of the fleet, as under ``async``."""
 
     policy = "ssp"
+
+    def _bound(self, fleet: Fleet) -> int:
+        return rounds_bound(fleet.bound, len(self.live(fleet)))
 
     def _place(self, item: Candidate, verdict: Verdict, version: int, fleet: Fleet, out: Decision) -> int:
         if must_wait(item.update.cluster, self.clock.clocks, self.live(fleet), fleet.bound):
@@ -521,6 +529,15 @@ def make_scheduler(policy: SyncPolicy, clock: Clock, rule: AdaptiveDelay, *, sta
                                        staleness_rule=staleness_rule, round_warmup=round_warmup)
     scheduler.deferred = list(carry)
     return scheduler
+
+
+def rounds_bound(bound: int, clusters: int) -> int:
+    """The delay in versions of an update at most ``bound`` rounds of a fleet of ``clusters`` late, when each of its
+    updates is a version (``async``, ``ssp``): ``(bound + 1) x clusters - 1``. With one cluster, ``bound``; with
+    N, an update computed while every other cluster's was applied once (a delay of N - 1, the delay of asynchrony
+    itself) is 0 rounds late, so a fleet of any size keeps its updates (``training.staleness_bound`` = 4 in versions
+    would discard most of 20 devices' updates)."""
+    return (bound + 1) * max(1, clusters) - 1
 
 
 def must_wait(cluster: str, clocks: Mapping[str, int], live: Iterable[str], bound: int) -> bool:
