@@ -120,8 +120,10 @@ class Settings:
     quick: bool = False
 
 
+# the mesh of Pi 3s stops at its target: at most 200 versions (it reached 0.6 at version 84 here, 872 s, after a run
+# capped at 80 stopped at 0.507)
 FULL = {"fleet": ",".join(DEFAULT_FLEET), "dilation": 8.0, "iterations": 10, "accuracy_iterations": 150,
-        "per_class": 80, "held_out_per_class": 60, "oom_iterations": 80, "oom_target": 0.6}
+        "per_class": 80, "held_out_per_class": 60, "oom_iterations": 200, "oom_target": 0.6}
 QUICK = {"fleet": "pi4,jetson-nano", "dilation": 1.0, "iterations": 2, "accuracy_iterations": 10,
          "per_class": 12, "held_out_per_class": 8, "oom_iterations": 3, "oom_target": 0.0}
 """``--quick``: two boards that start fast under their CPU quota, two timed versions, ten of accuracy, tiny folders,
