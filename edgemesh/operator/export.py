@@ -190,7 +190,7 @@ def trusted_model_spec(job: JobSpec, *, trust_code: bool, search_path: Sequence[
     if job.model.entry_point and not trust_code:
         raise ExportError(f"{where} builds its model with the entry point {job.model.entry_point!r}, which is Python "
                           f"code, and nothing is imported without {TRUST_FLAG}: pass {TRUST_FLAG} if you trust that "
-                          f"code (with --module-path DIR where its module is); {otherwise}")
+                          "code (with --module-path DIR where its module is)" + (f"; {otherwise}" if otherwise else ""))
     return model_spec(job, allowed=ANY_MODULE if trust_code else (), search_path=search_path)
 
 
