@@ -102,7 +102,9 @@ def mesh_stages(model: nn.Module) -> tuple[Stage, ...]:
     by their weight rows; grouped and depthwise convolutions by whole groups.
     """
     if not isinstance(model, nn.Sequential):
-        raise ModelError("model parallelism needs a sequential model")
+        raise ModelError(f"model parallelism needs a sequential model (a layer list builds one), got a "
+                         f"{type(model).__name__}: return an nn.Sequential of the layers from the entry point, write "
+                         "the model as a layer list, or train it with planner.parallelism = \"data\"")
     walk = _Walk()
     for name, module in model.named_children():
         if isinstance(module, Residual):
