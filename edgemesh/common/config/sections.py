@@ -500,7 +500,9 @@ class WorkerConfig:
     goes back to the kernel, so resident memory is what training holds, not what it held at its peak in each
     thread's heap (docs/jobs.md#memory-budget)."""
     ack_timeout_s: float = 10.0
-    """Resend an update not acked within this time."""
+    """The shortest wait for an update's ack before it is sent again: the wait grows to the acks' measured time
+    (its smoothed value plus four times its variation) when they take longer, doubles after each timeout, up to
+    60 s (docs/reliability.md)."""
     stats_interval_s: float = 2.0
     """How often stats are published."""
     profile_seconds: float = 0.2

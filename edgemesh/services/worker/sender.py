@@ -1,9 +1,10 @@
 """Sending updates: publish one, wait for its ack, resend it until the parameter server answers.
 
-The PS applies an update at most once (``(device, incarnation, seq)``), so resending is safe: after
-``worker.ack_timeout_s`` without an ack, and at once after a reconnect. The first publish of an
-update, if the connection held throughout, is a sample of the uplink rate (``LinkMeter``). With a
-sharded parameter server a step is one update per shard, each sent and acked on its shard's topics.
+The PS applies an update at most once (``(device, incarnation, seq)``), so resending is safe: when no ack came
+within the ack timeout (``AckTimer``: at least ``worker.ack_timeout_s``, longer when the acks take longer, doubled
+after each timeout), and at once after a reconnect. The first publish of an update, if the connection held
+throughout, is a sample of the uplink rate (``LinkMeter``). With a sharded parameter server a step is one update
+per shard, each sent and acked on its shard's topics.
 """
 
 from __future__ import annotations
@@ -30,6 +31,41 @@ AVERAGE_WINDOW = 20
 """Updates over which the time to an ack is averaged for stats."""
 APPLIED: tuple[AckStatus, ...] = ("accepted", "duplicate")
 """Ack statuses of an update the parameter server applied."""
+MAX_ACK_WAIT_S = 60.0
+"""Longest the ack timeout grows to (unless ``worker.ack_timeout_s`` is longer)."""
+
+
+class AckTimer:
+    """How long to wait for an ack before resending: TCP's retransmission timer (RFC 6298) over the times updates
+    took to be acked, floored at ``worker.ack_timeout_s``.
+
+    An ack usually comes within milliseconds, but a ``sync`` or ``adaptive`` round holds its acks until it closes,
+    which a slow device can hold past the configured timeout; each resend then carries a whole gradient over the
+    device's uplink for nothing (the parameter server holds the copy it has). So the wait follows the acks: the
+    smoothed time to an ack plus four times its variation, at least the configured timeout; each timeout doubles
+    it (up to ``MAX_ACK_WAIT_S``), and it stays doubled until an ack measures it again. Only an update acked
+    without a resend is a sample (Karn's rule: the ack of a resent update may answer either copy)."""
+
+    def __init__(self, floor_s: float) -> None:
+        self.floor_s = floor_s
+        self.ceiling_s = max(floor_s, MAX_ACK_WAIT_S)
+        self.wait_s = floor_s
+        """The wait for the next ack."""
+        self.smoothed_s: float | None = None
+        self.variation_s = 0.0
+
+    def acked(self, seconds: float) -> None:
+        """An update acked ``seconds`` after its only publish."""
+        if self.smoothed_s is None:
+            self.smoothed_s, self.variation_s = seconds, seconds / 2
+        else:
+            self.variation_s = 0.75 * self.variation_s + 0.25 * abs(self.smoothed_s - seconds)
+            self.smoothed_s = 0.875 * self.smoothed_s + 0.125 * seconds
+        self.wait_s = min(self.ceiling_s, max(self.floor_s, self.smoothed_s + 4 * self.variation_s))
+
+    def timed_out(self) -> None:
+        """No ack within ``wait_s``: back off."""
+        self.wait_s = min(self.ceiling_s, 2 * self.wait_s)
 
 
 class Sender:
@@ -40,7 +76,7 @@ class Sender:
         self.bus: Bus | None = None
         """Set when the runtime attaches the worker to its bus."""
         self.device, self.incarnation = device, incarnation
-        self.ack_timeout_s = config.ack_timeout_s
+        self.timer = AckTimer(config.ack_timeout_s)
         self.link = link
         self.ack_log = Path(config.ack_log) if config.ack_log else None
         """Where every update acked applied is written down (``worker.ack_log``), for audits against the PS's
@@ -53,6 +89,8 @@ class Sender:
         """Shard -> the update waiting for its ack, and its topic."""
         self.m_resends = metrics.counter("resends", "Updates sent again after an ack timeout or a reconnect")
         self.m_ack = metrics.histogram("ack_seconds", "Time from publishing an update to its ack", ACK_BUCKETS)
+        self.m_wait = metrics.gauge("ack_timeout_seconds", "How long the worker waits for an ack before resending")
+        self.m_wait.set(self.timer.wait_s)
 
     async def send(self, update: GradientUpdate, topic: str, shard: int = 0) -> UpdateAck:
         """Publish ``update`` on ``topic`` (parameter server shard ``shard``'s) and wait for its ack, resending
@@ -67,8 +105,8 @@ class Sender:
             while True:
                 if attempt:
                     self.m_resends.inc()
-                    logger.info("%s: no ack for update %d after %.1fs; resending", self.device, update.seq,
-                                self.ack_timeout_s)
+                    logger.info("%s: no ack for update %d after %.1f s; resending", self.device, update.seq,
+                                time.perf_counter() - started)
                 connection = self.bus.connections if self.bus.is_connected else -1
                 publish_started = time.perf_counter()
                 try:
@@ -81,10 +119,12 @@ class Sender:
                     self.link.observe(sent, time.perf_counter() - publish_started)
                 attempt += 1
                 try:
-                    async with asyncio.timeout(self.ack_timeout_s):
+                    async with asyncio.timeout(self.timer.wait_s):
                         ack = await asyncio.shield(future)
                     break
                 except TimeoutError:
+                    self.timer.timed_out()
+                    self.m_wait.set(self.timer.wait_s)
                     continue
         finally:
             self._acks.pop((shard, update.seq), None)
@@ -95,6 +135,9 @@ class Sender:
         rtt = time.perf_counter() - started
         self.comm_times.append(rtt)
         self.m_ack.observe(rtt)
+        if attempt == 1 and connection == self.bus.connections:  # one publish, no reconnect since: a sample
+            self.timer.acked(rtt)
+            self.m_wait.set(self.timer.wait_s)
         return ack
 
     async def on_ack(self, ack: UpdateAck, match: TopicMatch) -> None:
