@@ -132,6 +132,12 @@ def test_the_report_has_each_policy_and_each_run() -> None:
     assert json.loads(json.dumps(report)) == report
 
 
+def test_each_run_is_reported_as_it_ends_saying_whether_it_reached_the_target() -> None:
+    lines: list[str] = []
+    compare(SimSettings(fleet=SLOW[:2], budget_s=1.0, target=1.0), ["sync"], [0], progress=lines.append)
+    assert len(lines) == 1 and "time to 1 not reached (best " in lines[0], lines
+
+
 def test_the_digits_job_learns_in_a_few_virtual_seconds() -> None:
     run = simulate(SimSettings(fleet=("pi5", "laptop"), policy="sync", budget_s=3.0, lr=0.05))
     assert run.final_accuracy is not None and run.final_accuracy > 0.5

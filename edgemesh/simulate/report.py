@@ -45,8 +45,10 @@ def compare(base: SimSettings, policies: Sequence[Policy], seeds: Sequence[int],
         for seed in seeds:
             run = simulate(dataclasses.replace(base, policy=policy, seed=seed))
             runs.setdefault(policy, []).append(run)
-            progress(f"{policy} seed {seed}: time to {base.target:g} {run.time_to_target_s}s, final accuracy "
-                     f"{run.final_accuracy}, {run.versions} versions, {run.gradients} gradients in {run.wall_s:.1f}s")
+            reached = "not reached" if run.time_to_target_s is None else f"{run.time_to_target_s:g} s"
+            progress(f"{policy} seed {seed}: time to {base.target:g} {reached} (best {run.best_accuracy}), final "
+                     f"accuracy {run.final_accuracy}, {run.versions} versions, {run.gradients} gradients in "
+                     f"{run.wall_s:.1f} s")
     return {
         "settings": {"fleet": list(base.fleet), "scenario": base.scenario, "seeds": list(seeds),
                      "target": base.target, "budget_s": base.budget_s, "eval_interval_s": base.eval_interval_s,
