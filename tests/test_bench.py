@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from edgemesh import cli
@@ -375,3 +376,32 @@ def test_bench_ideal_trains_each_variant_and_its_reference_is_bench_models(tmp_p
     theirs = reference.train(ideal.build(entry, 0, module_path), shards.pooled, shards.held_out, lr=entry.lr,
                              momentum=0.9, weight_decay=0.0, batch_size=entry.batch_size, seed=0, at=[160, 320, 480])
     assert mine == list(theirs.points) == [tuple(point) for point in runs["reference"]["curve"]]
+
+
+def test_bench_ideal_clips_as_the_parameter_server_does_and_deals_iid_shards_of_the_same_sizes(
+        tmp_path: Path) -> None:
+    """``-clip``: each device's gradient cut to ``ps.clip_factor`` times the median norm, by the server's own
+    aggregator; ``-iid``: the pooled images dealt out at random, each device as many as its folder holds."""
+    import torch
+
+    from edgemesh.bench import ideal, model_jobs
+
+    shards, _ = ideal.prepare(tmp_path / "data", 4, 8, 6)
+    dealt = ideal.dealt(shards, seed=0)
+    assert [len(d.y) for d in dealt] == [len(d.y) for d in shards.devices]
+    together = np.concatenate([d.x for d in dealt])
+    assert sorted(map(bytes, together)) == sorted(map(bytes, shards.pooled.x))  # every image once
+    assert [np.bincount(d.y, minlength=5).tolist() for d in dealt] != \
+        [np.bincount(d.y, minlength=5).tolist() for d in shards.devices]
+
+    entry = model_jobs.catalogue()["plain-cnn"]
+    module = ideal.build(entry, 0, model_jobs.write_entry_point(tmp_path / "models"))
+    fleet = ideal.Fleet(ideal.VARIANTS["sync-linear-clip"], module, shards, lr=0.01, momentum=0.9, batch_size=4,
+                        seed=0)
+    parts = [([torch.full((3,), scale)], {}, 4) for scale in (1.0, 1.0, 1.0, 100.0)]
+    cut = [float(torch.linalg.vector_norm(grads[0])) for grads, _, _ in fleet.clipped(parts)]
+    median = float(np.median([3 ** 0.5] * 3 + [100 * 3 ** 0.5]))
+    assert cut[:3] == pytest.approx([3 ** 0.5] * 3) and cut[3] == pytest.approx(3.0 * median)
+    unclipped = ideal.Fleet(ideal.VARIANTS["sync-linear"], module, shards, lr=0.01, momentum=0.9, batch_size=4,
+                            seed=0)
+    assert unclipped.clipped(parts) is parts

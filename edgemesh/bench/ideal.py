@@ -13,6 +13,12 @@ the same glyph folders (:mod:`edgemesh.bench.glyphs`, one per device, non-IID) a
   devices updating in turn see) and damped as ``ps.staleness_rule`` would (``inverse``, ``sqrt``, or ``whole``:
   not at all), with the job's momentum or ``compensated`` (``ps.async_momentum``).
 
+A ``-clip`` variant combines each step's device gradients as the parameter server does by default
+(``ps.aggregation = "clip"``: its own :class:`~edgemesh.services.parameter_server.robust.Aggregator`, each norm cut
+to ``ps.clip_factor`` times the median of the recent ones); an ``-iid`` variant deals the pooled images out to the
+devices at random, as many to each as its own folder holds, so that what devices holding different data cost can
+be told from what the round costs.
+
 Batch-norm statistics move as on the fleet: each device's change, sample-weighted. Every variant is evaluated
 on the held-out folder every ``--every`` samples; the report gives each one's curve, its best and its last. Set
 beside ``bench models``, it says how much of the fleet's gap is the algorithm's: the fleet matching its ideal
@@ -39,11 +45,18 @@ from edgemesh.bench import model_jobs
 from edgemesh.bench.glyphs import GLYPHS, device_mixes, draw_glyphs
 from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import names
+from edgemesh.common.config import ParameterServerConfig
 from edgemesh.common.data import BatchIterator, Dataset, load_local
+from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.services.parameter_server.adaptive import compensated_momentum, staleness_weight
+from edgemesh.services.parameter_server.optimizer import ShardGrad
+from edgemesh.services.parameter_server.robust import Aggregator
 
 if TYPE_CHECKING:
     import torch
+
+    Part = tuple[list[torch.Tensor], dict[str, torch.Tensor], int]
+    """One device's batch: its gradient, its buffers' change and its samples."""
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "reference": {"mode": "reference"},
@@ -55,6 +68,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "async-whole": {"mode": "async", "damping": "whole"},
     "async-whole-compensated": {"mode": "async", "damping": "whole", "compensated": True},
     "async-inverse-compensated": {"mode": "async", "damping": "inverse", "compensated": True},
+    "sync-linear-clip": {"mode": "sync", "scaling": "linear", "clip": True},
+    "sync-linear-clip-iid": {"mode": "sync", "scaling": "linear", "clip": True, "iid": True},
+    "async-inverse-clip": {"mode": "async", "damping": "inverse", "clip": True},
 }
 """Every way of training the benchmark knows, by name."""
 
@@ -85,6 +101,14 @@ def prepare(workdir: Path, devices: int, per_class: int, held_out_per_class: int
     return Shards(parts, pooled, load(workdir / "held-out")), mixes
 
 
+def dealt(shards: Shards, seed: int) -> list[Dataset]:
+    """The pooled images dealt out at random, as many to each device as its own folder holds (``-iid``)."""
+    order = np.random.default_rng(seed).permutation(len(shards.pooled.y))
+    cuts = np.cumsum([len(d.y) for d in shards.devices])[:-1]
+    return [Dataset(f"iid-{i}", shards.pooled.x[part], shards.pooled.y[part], shards.pooled.num_classes)
+            for i, part in enumerate(np.split(order, cuts))]
+
+
 def build(entry: model_jobs.BenchModel, seed: int, module_path: Path) -> Any:
     """The cell's module, built through its job spec as the fleet builds it (the same initial weights)."""
     from edgemesh.common import models
@@ -113,7 +137,10 @@ class Fleet:
         if variant.get("compensated"):
             momentum = compensated_momentum(momentum, self.devices)
         self.optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=momentum)
-        self.own = [BatchIterator(d, batch_size, seed=seed + i) for i, d in enumerate(shards.devices)]
+        self.aggregator = Aggregator(ParameterServerConfig(), ServiceMetrics("ideal")) if variant.get("clip") \
+            else None
+        devices = dealt(shards, seed) if variant.get("iid") else shards.devices
+        self.own = [BatchIterator(d, batch_size, seed=seed + i) for i, d in enumerate(devices)]
         self.pooled = BatchIterator(shards.pooled, batch_size, seed=seed)
         self.history: deque[dict[str, torch.Tensor]] = deque(maxlen=self.devices)
         """The latest versions of the model, oldest first: what ``in_turn``'s updates are computed on."""
@@ -133,7 +160,7 @@ class Fleet:
         import torch
 
         now = self.state()
-        parts = [self.gradient(batches, now) for batches in self.own]
+        parts = self.clipped([self.gradient(batches, now) for batches in self.own])
         n = sum(part[2] for part in parts)
         scale = {"none": 1.0, "sqrt": self.devices ** 0.5, "linear": float(self.devices)}[self.variant["scaling"]]
         grads = [torch.stack([part[0][i] * part[2] for part in parts]).sum(0) / n * scale
@@ -146,18 +173,30 @@ class Fleet:
         """The next device's batch on the model ``devices - 1`` versions old (fewer at the start), damped."""
         now = self.state()
         self.history.append(now)
-        grads, moved, n = self.gradient(next(self.turns), self.history[0])
+        [(grads, moved, n)] = self.clipped([self.gradient(next(self.turns), self.history[0])])
         delay = len(self.history) - 1
         damping = self.variant["damping"]
         weight = 1.0 if damping == "whole" else staleness_weight(delay, damping)
         self.step(now, [g * weight for g in grads], moved)
         return n
 
+    def clipped(self, parts: list[Part]) -> list[Part]:
+        """The parts of one step, each gradient's norm cut as the parameter server's ``clip`` cuts it (the parts
+        as they are without ``-clip``)."""
+        import torch
+
+        if self.aggregator is None:
+            return parts
+        combined = self.aggregator.combine([(float(n), [ShardGrad(f"p{i}", 0, len(g), g.numpy())
+                                                        for i, g in enumerate(grads)]) for grads, _, n in parts],
+                                           rule="clip")
+        return [([torch.from_numpy(g.values) for g in shards], moved, n)
+                for (_, shards), (_, moved, n) in zip(combined.contributions, parts, strict=True)]
+
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
-    def gradient(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], at: dict[str, torch.Tensor]) -> tuple[
-            list[torch.Tensor], dict[str, torch.Tensor], int]:
+    def gradient(self, batches: Iterator[tuple[np.ndarray, np.ndarray]], at: dict[str, torch.Tensor]) -> Part:
         """One batch's gradient and buffer change, computed on the model ``at``."""
         import torch
         import torch.nn.functional as F
