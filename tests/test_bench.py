@@ -405,3 +405,26 @@ def test_bench_ideal_clips_as_the_parameter_server_does_and_deals_iid_shards_of_
     unclipped = ideal.Fleet(ideal.VARIANTS["sync-linear"], module, shards, lr=0.01, momentum=0.9, batch_size=4,
                             seed=0)
     assert unclipped.clipped(parts) is parts
+
+
+def test_bench_ideal_grid_devices_compute_on_the_model_the_broadcast_leaves_them(tmp_path: Path) -> None:
+    """``-grid``: the first version reaches the devices whole; the next ones as the server's own broadcaster
+    encodes them (a lossy delta: close to the model, not equal), and a snapshot every ``ps.snapshot_every``."""
+    import torch
+
+    from edgemesh.bench import ideal, model_jobs
+
+    shards, _ = ideal.prepare(tmp_path / "data", 4, 8, 6)
+    entry = model_jobs.catalogue()["plain-cnn"]
+    module = ideal.build(entry, 0, model_jobs.write_entry_point(tmp_path / "models"))
+    fleet = ideal.Fleet(ideal.VARIANTS["sync-linear-clip-grid"], module, shards, lr=entry.lr, momentum=0.9,
+                        batch_size=4, seed=0)
+    first = fleet.state()
+    assert all(torch.equal(a, b) for a, b in zip(fleet.held(first).values(), first.values(), strict=True))
+    fleet.in_sync()
+    now = fleet.state()
+    held = fleet.held(now)
+    gaps = {k: float(torch.linalg.vector_norm(held[k] - now[k]) / torch.linalg.vector_norm(now[k] - first[k]))
+            for k in now if not torch.equal(now[k], first[k])}
+    assert gaps and max(gaps.values()) < 1.0  # most of each change went out
+    assert any(gap > 0 for gap in gaps.values())  # and not all of it: the devices hold an approximation

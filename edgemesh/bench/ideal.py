@@ -17,7 +17,10 @@ A ``-clip`` variant combines each step's device gradients as the parameter serve
 (``ps.aggregation = "clip"``: its own :class:`~edgemesh.services.parameter_server.robust.Aggregator`, each norm cut
 to ``ps.clip_factor`` times the median of the recent ones); an ``-iid`` variant deals the pooled images out to the
 devices at random, as many to each as its own folder holds, so that what devices holding different data cost can
-be told from what the round costs.
+be told from what the round costs. A ``-grid`` variant has the devices compute on the model as the parameter
+server's broadcast leaves it with them (its own :class:`~edgemesh.common.broadcast.Broadcaster`, ``ps.broadcast =
+"delta"`` with the ``grid`` codec at ``ps.delta_density`` and a whole snapshot every ``ps.snapshot_every`` steps:
+the defaults) instead of the exact model, so that what the lossy broadcast costs can be told too.
 
 Batch-norm statistics move as on the fleet: each device's change, sample-weighted. Every variant is evaluated
 on the held-out folder every ``--every`` samples; the report gives each one's curve, its best and its last. Set
@@ -45,6 +48,7 @@ from edgemesh.bench import model_jobs
 from edgemesh.bench.glyphs import GLYPHS, device_mixes, draw_glyphs
 from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import names
+from edgemesh.common.broadcast import Broadcaster
 from edgemesh.common.config import ParameterServerConfig
 from edgemesh.common.data import BatchIterator, Dataset, load_local
 from edgemesh.common.metrics import ServiceMetrics
@@ -71,6 +75,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sync-linear-clip": {"mode": "sync", "scaling": "linear", "clip": True},
     "sync-linear-clip-iid": {"mode": "sync", "scaling": "linear", "clip": True, "iid": True},
     "async-inverse-clip": {"mode": "async", "damping": "inverse", "clip": True},
+    "sync-linear-clip-grid": {"mode": "sync", "scaling": "linear", "clip": True, "grid": True},
+    "async-inverse-clip-grid": {"mode": "async", "damping": "inverse", "clip": True, "grid": True},
 }
 """Every way of training the benchmark knows, by name."""
 
@@ -143,8 +149,11 @@ class Fleet:
         self.own = [BatchIterator(d, batch_size, seed=seed + i) for i, d in enumerate(devices)]
         self.pooled = BatchIterator(shards.pooled, batch_size, seed=seed)
         self.history: deque[dict[str, torch.Tensor]] = deque(maxlen=self.devices)
-        """The latest versions of the model, oldest first: what ``in_turn``'s updates are computed on."""
+        """The latest versions of the model as the devices hold them, oldest first: what ``in_turn``'s updates are
+        computed on."""
         self.turns = itertools.cycle(self.own)
+        self.broadcast = Broadcaster(ParameterServerConfig(), "ideal") if variant.get("grid") else None
+        self.version = 0
 
     def step_of(self, mode: str) -> Callable[[], int]:
         return {"reference": self.one_process, "sync": self.in_sync, "async": self.in_turn}[mode]
@@ -160,7 +169,8 @@ class Fleet:
         import torch
 
         now = self.state()
-        parts = self.clipped([self.gradient(batches, now) for batches in self.own])
+        held = self.held(now)
+        parts = self.clipped([self.gradient(batches, held) for batches in self.own])
         n = sum(part[2] for part in parts)
         scale = {"none": 1.0, "sqrt": self.devices ** 0.5, "linear": float(self.devices)}[self.variant["scaling"]]
         grads = [torch.stack([part[0][i] * part[2] for part in parts]).sum(0) / n * scale
@@ -172,7 +182,7 @@ class Fleet:
     def in_turn(self) -> int:
         """The next device's batch on the model ``devices - 1`` versions old (fewer at the start), damped."""
         now = self.state()
-        self.history.append(now)
+        self.history.append(self.held(now))
         [(grads, moved, n)] = self.clipped([self.gradient(next(self.turns), self.history[0])])
         delay = len(self.history) - 1
         damping = self.variant["damping"]
@@ -192,6 +202,20 @@ class Fleet:
                                            rule="clip")
         return [([torch.from_numpy(g.values) for g in shards], moved, n)
                 for (_, shards), (_, moved, n) in zip(combined.contributions, parts, strict=True)]
+
+    def held(self, now: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model ``now`` as the devices hold it: exact, or (``-grid``) as the broadcast of this version leaves
+        it with them (the parameter server's view of the workers)."""
+        import torch
+
+        if self.broadcast is None:
+            return now
+        self.broadcast.after_step({k: v.numpy().astype(np.float32) for k, v in now.items()}, self.version, "sync",
+                                  None)
+        self.version += 1
+        view = self.broadcast.view
+        assert view is not None
+        return {k: torch.from_numpy(view[k].copy()).to(v.dtype) for k, v in now.items()}
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
