@@ -20,7 +20,8 @@ devices at random, as many to each as its own folder holds, so that what devices
 be told from what the round costs. A ``-grid`` variant has the devices compute on the model as the parameter
 server's broadcast leaves it with them (its own :class:`~edgemesh.common.broadcast.Broadcaster`, ``ps.broadcast =
 "delta"`` with the ``grid`` codec at ``ps.delta_density`` and a whole snapshot every ``ps.snapshot_every`` steps:
-the defaults) instead of the exact model, so that what the lossy broadcast costs can be told too.
+the defaults) instead of the exact model, so that what the lossy broadcast costs can be told too; ``-grid-0.6``
+keeps twice the share of each delta, ``-fp16`` sends every delta whole in half precision.
 
 Batch-norm statistics move as on the fleet: each device's change, sample-weighted. Every variant is evaluated
 on the held-out folder every ``--every`` samples; the report gives each one's curve, its best and its last. Set
@@ -37,7 +38,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,8 +76,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sync-linear-clip": {"mode": "sync", "scaling": "linear", "clip": True},
     "sync-linear-clip-iid": {"mode": "sync", "scaling": "linear", "clip": True, "iid": True},
     "async-inverse-clip": {"mode": "async", "damping": "inverse", "clip": True},
-    "sync-linear-clip-grid": {"mode": "sync", "scaling": "linear", "clip": True, "grid": True},
-    "async-inverse-clip-grid": {"mode": "async", "damping": "inverse", "clip": True, "grid": True},
+    "sync-linear-clip-grid": {"mode": "sync", "scaling": "linear", "clip": True, "broadcast": {}},
+    "async-inverse-clip-grid": {"mode": "async", "damping": "inverse", "clip": True, "broadcast": {}},
+    "sync-linear-clip-grid-0.6": {"mode": "sync", "scaling": "linear", "clip": True,
+                                  "broadcast": {"delta_density": 0.6}},
+    "sync-linear-clip-fp16": {"mode": "sync", "scaling": "linear", "clip": True, "broadcast": {"delta_codec": "fp16"}},
 }
 """Every way of training the benchmark knows, by name."""
 
@@ -152,7 +156,8 @@ class Fleet:
         """The latest versions of the model as the devices hold them, oldest first: what ``in_turn``'s updates are
         computed on."""
         self.turns = itertools.cycle(self.own)
-        self.broadcast = Broadcaster(ParameterServerConfig(), "ideal") if variant.get("grid") else None
+        self.broadcast = Broadcaster(replace(ParameterServerConfig(), **variant["broadcast"]), "ideal") \
+            if "broadcast" in variant else None
         self.version = 0
 
     def step_of(self, mode: str) -> Callable[[], int]:
@@ -296,10 +301,10 @@ def run(report: Path, args: argparse.Namespace, progress: Callable[[str], None])
     catalogue = model_jobs.catalogue()
     chosen, variants = names(args.models), names(args.variants)
     unknown = [m for m in chosen if m not in catalogue] + [v for v in variants if v not in VARIANTS]
-    if unknown or args.samples < 1 or args.every < 1 or args.seeds < 1 or args.devices < 2:
+    if unknown or args.samples < 1 or args.every < 1 or args.seeds < 1 or args.first_seed < 0 or args.devices < 2:
         print(f"edgemesh bench ideal: unknown {', '.join(unknown)}; models: {', '.join(catalogue)}; variants: "
               f"{', '.join(VARIANTS)}" if unknown else "edgemesh bench ideal: --samples, --every, --seeds >= 1, "
-              "--devices >= 2", file=sys.stderr)
+              "--first-seed >= 0, --devices >= 2", file=sys.stderr)
         return 2
     import torch
 
@@ -310,12 +315,13 @@ def run(report: Path, args: argparse.Namespace, progress: Callable[[str], None])
     module_path = model_jobs.write_entry_point(workdir / "models")
     result: dict[str, Any] = {
         "command": " ".join(["edgemesh", *sys.argv[1:]]),
-        "settings": {"models": chosen, "variants": variants, "seeds": args.seeds, "devices": args.devices,
+        "settings": {"models": chosen, "variants": variants, "seeds": args.seeds, "first_seed": args.first_seed,
+                     "devices": args.devices,
                      "samples": args.samples, "every": args.every, "per_class": args.per_class,
                      "held_out_per_class": args.held_out_per_class,
                      "async_delay": f"{args.devices - 1} versions (each update on the model devices - 1 steps old)"},
         "data": {"devices": mixes}, "runs": {}, "summary": {}}
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for name in chosen:
             entry, key = catalogue[name], f"{name}/s{seed}"
             result["runs"][key] = {}
@@ -342,6 +348,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of "
                                                                         + ", ".join(VARIANTS))
     parser.add_argument("--seeds", type=int, default=1, help="seeds per model (default 1)")
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed (default 0): --first-seed 5 "
+                        "--seeds 5 runs seeds 5-9")
     parser.add_argument("--devices", type=int, default=4, help="devices, each its own glyph folder (default 4)")
     parser.add_argument("--per-class", type=int, default=80, help="images of a device's two main classes")
     parser.add_argument("--held-out-per-class", type=int, default=60, help="held-out images per class")
