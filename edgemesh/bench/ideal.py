@@ -283,11 +283,13 @@ def plot(result: dict[str, Any], png: Path) -> bool:
     if plt is None or not runs:
         return False
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
+    order = list(dict.fromkeys(name for variants in runs.values() for name in variants))
+    colours = {name: f"C{i % 10}" for i, name in enumerate(order)}  # a variant's colour in every panel
     for ax, (key, variants) in zip(axes[0], runs.items(), strict=True):
         for name, run in variants.items():
             if run["curve"]:
                 xs, ys = zip(*run["curve"], strict=True)
-                ax.plot(xs, ys, label=name, linewidth=2.5 if name == "reference" else 1.2)
+                ax.plot(xs, ys, label=name, color=colours[name], linewidth=2.5 if name == "reference" else 1.2)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("samples seen")
         ax.set_ylabel("held-out accuracy")
