@@ -1,10 +1,10 @@
 """Sending updates: publish one, wait for its ack, resend it until the parameter server answers.
 
 The PS applies an update at most once (``(device, incarnation, seq)``), so resending is safe: when no ack came
-within the ack timeout (``AckTimer``: at least ``worker.ack_timeout_s``, longer when the acks take longer, doubled
-after each timeout), and at once after a reconnect. The first publish of an update, if the connection held
-throughout, is a sample of the uplink rate (``LinkMeter``). With a sharded parameter server a step is one update
-per shard, each sent and acked on its shard's topics.
+within the ack timeout (``AckTimer``, one per parameter server shard: at least ``worker.ack_timeout_s``, longer when
+the acks take longer, doubled after each timeout), and at once after a reconnect. The first publish of an update,
+if the connection held throughout, is a sample of the uplink rate (``LinkMeter``). With a sharded parameter server
+a step is one update per shard, each sent and acked on its shard's topics.
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ class Sender:
         self.bus: Bus | None = None
         """Set when the runtime attaches the worker to its bus."""
         self.device, self.incarnation = device, incarnation
-        self.timer = AckTimer(config.ack_timeout_s)
+        self.ack_timeout_s = config.ack_timeout_s
+        self._timers: dict[int, AckTimer] = {}
+        """Parameter server shard -> its ack timer (each shard holds and answers its own steps)."""
         self.link = link
         self.ack_log = Path(config.ack_log) if config.ack_log else None
         """Where every update acked applied is written down (``worker.ack_log``), for audits against the PS's
@@ -89,13 +91,24 @@ class Sender:
         """Shard -> the update waiting for its ack, and its topic."""
         self.m_resends = metrics.counter("resends", "Updates sent again after an ack timeout or a reconnect")
         self.m_ack = metrics.histogram("ack_seconds", "Time from publishing an update to its ack", ACK_BUCKETS)
-        self.m_wait = metrics.gauge("ack_timeout_seconds", "How long the worker waits for an ack before resending")
-        self.m_wait.set(self.timer.wait_s)
+        self.m_wait = metrics.gauge("ack_timeout_seconds", "How long the worker waits for an ack before resending "
+                                    "(the longest of its parameter server shards')")
+        self.m_wait.set(self.ack_timeout_s)
+
+    def timer(self, shard: int = 0) -> AckTimer:
+        """The ack timer of parameter server shard ``shard``."""
+        if shard not in self._timers:
+            self._timers[shard] = AckTimer(self.ack_timeout_s)
+        return self._timers[shard]
+
+    def _waits_changed(self) -> None:
+        self.m_wait.set(max(t.wait_s for t in self._timers.values()))
 
     async def send(self, update: GradientUpdate, topic: str, shard: int = 0) -> UpdateAck:
         """Publish ``update`` on ``topic`` (parameter server shard ``shard``'s) and wait for its ack, resending
         on timeout."""
         assert self.bus is not None
+        timer = self.timer(shard)
         future: asyncio.Future[UpdateAck] = asyncio.get_running_loop().create_future()
         self._acks[shard, update.seq] = future
         self._pending[shard] = (topic, update)
@@ -119,12 +132,12 @@ class Sender:
                     self.link.observe(sent, time.perf_counter() - publish_started)
                 attempt += 1
                 try:
-                    async with asyncio.timeout(self.timer.wait_s):
+                    async with asyncio.timeout(timer.wait_s):
                         ack = await asyncio.shield(future)
                     break
                 except TimeoutError:
-                    self.timer.timed_out()
-                    self.m_wait.set(self.timer.wait_s)
+                    timer.timed_out()
+                    self._waits_changed()
                     continue
         finally:
             self._acks.pop((shard, update.seq), None)
@@ -136,8 +149,8 @@ class Sender:
         self.comm_times.append(rtt)
         self.m_ack.observe(rtt)
         if attempt == 1 and connection == self.bus.connections:  # one publish, no reconnect since: a sample
-            self.timer.acked(rtt)
-            self.m_wait.set(self.timer.wait_s)
+            timer.acked(rtt)
+            self._waits_changed()
         return ack
 
     async def on_ack(self, ack: UpdateAck, match: TopicMatch) -> None:
