@@ -63,9 +63,10 @@ async def test_a_worker_whose_acks_come_late_stops_resending_its_updates(broker:
     async def hold_then_ack(update: GradientUpdate, _: TopicMatch) -> None:
         received.append(update)
         if sum(u.seq == update.seq for u in received) == 1:  # the PS holds a resend, it does not answer twice
-            asyncio.get_running_loop().call_later(HOLD_S, lambda: asyncio.ensure_future(ps.publish(
-                topics.ack(update.device), UpdateAck(device=update.device, incarnation=1, seq=update.seq,
-                                                     status="accepted", version=update.seq))))
+            await asyncio.sleep(HOLD_S)  # the round a slow device holds open (the route's handler waits)
+            await ps.publish(topics.ack(update.device), UpdateAck(device=update.device, incarnation=1,
+                                                                  seq=update.seq, status="accepted",
+                                                                  version=update.seq))
 
     ps.route(topics.grad_filter(), GradientUpdate, hold_then_ack)
     metrics = ServiceMetrics("worker")
