@@ -428,3 +428,11 @@ def test_bench_ideal_grid_devices_compute_on_the_model_the_broadcast_leaves_them
             for k in now if not torch.equal(now[k], first[k])}
     assert gaps and max(gaps.values()) < 1.0  # most of each change went out
     assert any(gap > 0 for gap in gaps.values())  # and not all of it: the devices hold an approximation
+
+    bn = ideal.Fleet(ideal.VARIANTS["sync-linear-clip-grid"], ideal.build(model_jobs.catalogue()["bn-cnn"], 0,
+                     tmp_path / "models"), shards, lr=0.05, momentum=0.9, batch_size=4, seed=0)
+    for _ in range(3):  # batch norm's scalar count goes out and comes back as the scalar it is
+        bn.in_sync()
+    held = bn.held(bn.state())
+    counts = [k for k in held if k.endswith("num_batches_tracked")]
+    assert counts and all(held[k].shape == () and int(held[k]) == 3 for k in counts)

@@ -215,12 +215,13 @@ class Fleet:
 
         if self.broadcast is None:
             return now
-        self.broadcast.after_step({k: v.numpy().astype(np.float32) for k, v in now.items()}, self.version, "sync",
-                                  None)
+        # as the parameter server holds the model: float32, a scalar buffer (batch norm's count) as one value
+        self.broadcast.after_step({k: np.atleast_1d(v.numpy().astype(np.float32)) for k, v in now.items()},
+                                  self.version, "sync", None)
         self.version += 1
         view = self.broadcast.view
         assert view is not None
-        return {k: torch.from_numpy(view[k].copy()).to(v.dtype) for k, v in now.items()}
+        return {k: torch.from_numpy(view[k].reshape(v.shape).copy()).to(v.dtype) for k, v in now.items()}
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
