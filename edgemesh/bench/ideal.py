@@ -217,7 +217,7 @@ class Fleet:
             return now
         # as the parameter server holds the model: float32, a scalar buffer (batch norm's count) as one value
         self.broadcast.after_step({k: np.atleast_1d(v.numpy().astype(np.float32)) for k, v in now.items()},
-                                  self.version, "sync", None)
+                                  self.version, self.variant["mode"], None)
         self.version += 1
         view = self.broadcast.view
         assert view is not None
