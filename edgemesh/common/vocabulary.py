@@ -70,7 +70,7 @@ def valid_topic(topic: str) -> bool:
     """A topic a message may be published on: 1-``MAX_TOPIC_CHARS`` characters, no wildcard or NUL."""
     return 0 < len(topic) <= MAX_TOPIC_CHARS and not any(c in topic for c in "+#\x00")
 
-RoundScaling = Literal["linear", "sqrt", "none"]
+RoundScaling = Literal["linear", "sqrt", "none", "adascale"]
 """How a round policy's step grows with the batches it averages (``ps.round_scaling``)."""
 
 StalenessRule = Literal["inverse", "sqrt"]

@@ -178,7 +178,8 @@ class Server:
         weights kept for the devices that will start from it."""
         lr, momentum, weight_decay = self._optimizer()
         for step in steps:
-            combined = self.aggregator.combine(step.contributions(), rule=step.rule, chosen=step.chosen)
+            combined = self.aggregator.combine(step.contributions(), rule=step.rule, chosen=step.chosen,
+                                               gain_limit=step.gain_limit, samples=step.samples)
             summed = self.state.sum(combined.contributions, step.buffer_contributions())
             refused = self.state.apply(summed, lr=lr, momentum=momentum, weight_decay=weight_decay)
             if refused is not None:

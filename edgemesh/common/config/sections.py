@@ -372,8 +372,11 @@ class ParameterServerConfig:
     round_scaling: RoundScaling = "linear"
     """Under sync and adaptive, how a round's step grows with the batches (of the plan's mean size per cluster) it
     averages: ``linear`` (k batches, k times the step: per sample, training.lr means what it means in one process
-    at one batch), ``sqrt`` (the square root of k) or ``none`` (one step of training.lr whatever the round holds:
-    the rate is per round). Measured in docs/synchronization.md."""
+    at one batch), ``sqrt`` (the square root of k), ``none`` (one step of training.lr whatever the round holds:
+    the rate is per round), or ``adascale`` (AdaScale's gain, between 1 and k, measured from how much the round's
+    gradients disagree: k where they are noisy, near 1 where they agree, as on a fleet that holds the whole data set
+    in one round; ``round_warmup`` does not apply; the rule for fleets past a dozen devices, where ``linear`` steps too
+    far). Measured in docs/synchronization.md."""
     round_warmup: int = 20
     """Versions over which that growth ramps up from none, a step per version (0: at once)."""
     adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)

@@ -51,6 +51,7 @@ import numpy as np
 from edgemesh.common.config import ParameterServerConfig
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.vocabulary import AGGREGATION_RULES, AggregationRule, SyncPolicy
+from edgemesh.services.parameter_server.gain import NoiseScale
 from edgemesh.services.parameter_server.optimizer import Refused, ShardGrad
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class Aggregation:
     norm_limit: float | None = None
     """The norm above which a contribution was refused (``ps.norm_factor`` x the median of recent norms; None: the
     step was not judged by norm)."""
+    gain: float = 1.0
+    """What the step's weights were multiplied by after the rule: the gain ``ps.round_scaling = "adascale"`` measured
+    for the round (``gain``); 1: none."""
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,7 +106,8 @@ class Aggregation:
         threshold, chosen, limit = record.get("clip_threshold"), record.get("chosen"), record.get("norm_limit")
         return cls(rule, None if threshold is None else float(threshold), float(record.get("trim_fraction", 0.2)),
                    int(record.get("krum_f", 1)), tuple(float(v) for v in record.get("elsewhere", ())),
-                   None if chosen is None else tuple(int(i) for i in chosen), None if limit is None else float(limit))
+                   None if chosen is None else tuple(int(i) for i in chosen), None if limit is None else float(limit),
+                   float(record.get("gain", 1.0)))
 
 
 @dataclass(slots=True)
@@ -172,6 +177,8 @@ def combine(contributions: Sequence[Contribution], how: Aggregation) -> Combined
         out = _trimmed(contributions, how.trim_fraction)
     else:
         out = Combined(list(contributions), norms=_norms(contributions))
+    if how.gain != 1.0:
+        out.contributions = [(weight * how.gain, shards) for weight, shards in out.contributions]
     out.how = how
     return out
 
@@ -203,6 +210,8 @@ class Aggregator:
         steps carry shard 0's choice (``Step.chosen``)."""
         self.norms: deque[float] = deque(maxlen=CLIP_WINDOW)
         """Norms of the last contributions applied, under any rule (so a switch to ``clip`` has them)."""
+        self.noise = NoiseScale()
+        """``ps.round_scaling = "adascale"``: the gradient noise and signal the rounds measured (``gain``)."""
         self.verdicts: deque[bool] = deque(maxlen=CLIP_WINDOW)
         """Whether the norm filter refused each of the last contributions it judged."""
         self._warned: tuple[AggregationRule, SyncPolicy] | None = None
@@ -211,15 +220,20 @@ class Aggregator:
                                           ["rule"])
         self.m_refused = metrics.counter("robust_refused", "Contributions refused before the rule ran, by reason "
                                          "(norm: far above the median norm of those applied recently)", ["reason"])
+        self.m_gain = metrics.gauge("step_gain", "The last round step's AdaScale gain under ps.round_scaling = "
+                                    "adascale: what it multiplied the step by, between 1 and the batches it averaged")
         self.m_steps_refused = metrics.counter("steps_refused", "Steps not applied because they would have made the "
                                                "model not finite or grown a tensor's norm past the bound", ["reason"])
 
     def combine(self, contributions: Sequence[Contribution], *, rule: AggregationRule | None = None,
-                elsewhere: Sequence[float] = (), chosen: Sequence[int] | None = None) -> Combined:
+                elsewhere: Sequence[float] = (), chosen: Sequence[int] | None = None, gain_limit: float = 1.0,
+                samples: Sequence[int] = ()) -> Combined:
         """One step's contributions under the rule in force, or ``rule`` (``Combined.how`` is logged with the
         step); ``elsewhere`` and ``chosen``: see :class:`Aggregation` (``chosen`` given: shard 0 decided, none is
-        judged here). An overflow in the rule's arithmetic leaves infinities, no warning: the model refuses the
-        step (``ModelState.apply``) and it is counted."""
+        judged here). ``gain_limit`` above 1 (a round under ``ps.round_scaling = "adascale"``, ``Step.gain_limit``):
+        the step is multiplied by the gain its contributions of ``samples`` samples measure (``gain``). An overflow
+        in the rule's arithmetic leaves infinities, no warning: the model refuses the step (``ModelState.apply``)
+        and it is counted."""
         rule = rule or self.rule
         limit, kept = None, list(range(len(contributions)))
         with np.errstate(over="ignore", invalid="ignore"):
@@ -240,10 +254,25 @@ class Aggregator:
         if rule == "krum" and limit is not None:  # Krum's count leaves out those the filter refused
             combined.refused = len(contributions) - len(kept)
             combined.excluded -= combined.refused
+        if gain_limit > 1.0 and self.judges:
+            combined = self._gained(combined, contributions, samples, gain_limit)
         self.norms.extend(combined.norms)
         self.m_clipped.inc(combined.clipped)
         self.m_excluded.labels(rule=rule).inc(combined.excluded)
         return combined
+
+    def _gained(self, combined: Combined, contributions: Sequence[Contribution], samples: Sequence[int],
+                limit: float) -> Combined:
+        """``combined`` multiplied by the gain its round measures: on the gradients as the rule left them (clipped;
+        the raw ones under a rule that merges them), of the contributions it kept."""
+        kept = list(range(len(contributions)) if combined.how.chosen is None else combined.how.chosen)
+        merged = len(combined.contributions) != len(kept)
+        grads = [contributions[i][1] for i in kept] if merged else [shards for _, shards in combined.contributions]
+        with np.errstate(over="ignore", invalid="ignore"):
+            gain = self.noise.gain(grads, [samples[i] for i in kept], limit)
+        self.m_gain.set(gain)
+        how = replace(combined.how, gain=gain)
+        return replace(combined, how=how, contributions=[(w * gain, g) for w, g in combined.contributions])
 
     def _judge(self, contributions: Sequence[Contribution]) -> tuple[float | None, list[int]]:
         """The norm filter: the limit it applied (None: none yet, or off) and the contributions within it. Each

@@ -97,9 +97,16 @@ class Step:
     chosen: tuple[int, ...] | None = None
     """The items to combine, as shard 0 chose them (under ``rule = krum``, those its Krum averaged; under any rule,
     not those its norm filter refused); None: every item."""
+    gain_limit: float = 1.0
+    """Under ``ps.round_scaling = "adascale"``, the batches of ``training.batch_size`` a round step averages: the most
+    its measured gain may multiply it by (``gain``); 1: no gain is measured (every other step)."""
 
     def delay(self, item: Candidate) -> int:
         return self.version - 1 - item.update.base_version
+
+    @property
+    def samples(self) -> tuple[int, ...]:
+        return tuple(item.update.samples for item in self.items)
 
     def contributions(self) -> list[tuple[float, list[ShardGrad]]]:
         """``(weight, gradient)`` of each item: what the step combines."""
@@ -269,6 +276,10 @@ class Scheduler:
         return [w * staleness_weight(step.delay(i), self.staleness_rule)
                 for w, i in zip(shares, step.items, strict=True)]
 
+    def gain_limit(self, step: Step, fleet: Fleet) -> float:
+        """The most ``step``'s measured gain may scale it by (``Step.gain_limit``): 1, but for a round."""
+        return 1.0
+
     def live(self, fleet: Fleet) -> tuple[str, ...]:
         """The clusters a round waits for: the plan's, else every cluster seen."""
         return fleet.clusters or tuple(sorted(set(self.clock.clocks)))
@@ -301,7 +312,7 @@ class Scheduler:
     def _step(self, items: Sequence[Candidate], version: int, out: Decision, fleet: Fleet) -> int:
         """``items`` form the next step, weighted: tick the clock, ack them accepted; the new version."""
         step = Step(tuple(items), version + 1)
-        step = Step(step.items, step.version, tuple(self.weights(step, fleet)))
+        step = Step(step.items, step.version, tuple(self.weights(step, fleet)), gain_limit=self.gain_limit(step, fleet))
         self.clock.advance(step.items)
         out.steps.append(step)
         out.acks += [Ack(part, "accepted", "", step.delay(item), self.resyncs) for item in items
@@ -352,6 +363,15 @@ class RoundScheduler(Scheduler):
     def live(self, fleet: Fleet) -> tuple[str, ...]:
         return fleet.clusters or tuple(sorted({i.update.cluster for i in self.round.values()} | set(self.clock.clocks)))
 
+    def gain_limit(self, step: Step, fleet: Fleet) -> float:
+        if self.round_scaling != "adascale":
+            return 1.0
+        return round_batches(self._round_samples(step, fleet), fleet)
+
+    def _round_samples(self, step: Step, fleet: Fleet) -> int:
+        """The samples a round step is scaled for: those it holds."""
+        return sum(step.samples)
+
     def _complete(self, fleet: Fleet) -> bool:
         """Every live cluster has contributed to the open round (and there is one)."""
         return bool(self.round) and set(self.live(fleet)) <= set(self.round)
@@ -391,8 +411,9 @@ class SyncScheduler(RoundScheduler):
             self._close(version, out, fleet)
 
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
-        total = sum(item.update.samples for item in step.items)
-        scale = round_scale(self.round_scaling, total, fleet, version=step.version, warmup=self.round_warmup)
+        total = sum(step.samples)
+        scale = round_scale(self.round_scaling, self._round_samples(step, fleet), fleet, version=step.version,
+                            warmup=self.round_warmup)
         return [item.update.samples / total * scale for item in step.items]
 
 
@@ -441,12 +462,16 @@ class AdaptiveScheduler(RoundScheduler):
         for old in [v for v in self.published if v < version - PUBLISHED_KEPT]:
             del self.published[old]
 
+    def _round_samples(self, step: Step, fleet: Fleet) -> int:
+        """The samples the plan expects of a round, or more if the round holds more: a round the deadline cut short
+        still scales as a whole one, its missing clusters' weight left out (``round_weights``)."""
+        return max(fleet.planned_samples, sum(step.samples))
+
     def weights(self, step: Step, fleet: Fleet) -> list[float]:
-        samples = [i.update.samples for i in step.items]
-        scale = round_scale(self.round_scaling, max(fleet.planned_samples, sum(samples)), fleet, version=step.version,
+        scale = round_scale(self.round_scaling, self._round_samples(step, fleet), fleet, version=step.version,
                             warmup=self.round_warmup)
-        return [w * scale for w in round_weights(samples, [step.delay(i) for i in step.items], fleet.planned_samples,
-                                                    self.staleness_rule)]
+        return [w * scale for w in round_weights(list(step.samples), [step.delay(i) for i in step.items],
+                                                    fleet.planned_samples, self.staleness_rule)]
 
     def _before(self, fleet: Fleet, out: Decision) -> int:
         self.rule.follow(fleet.bound, fleet.devices)
@@ -508,11 +533,19 @@ def round_scale(scaling: RoundScaling, samples: int, fleet: Fleet, *, version: i
     The unit is the learning rate's batch, not a cluster's: model parallelism splits one iteration's batch of
     ``training.batch_size`` among its clusters, so a round of four clusters of 8 samples is one batch of 32, not
     four (counting clusters made the demo's mesh job step four times its rate, and diverge)."""
-    if scaling == "none" or not fleet.clusters or not fleet.planned_samples:
-        return 1.0
-    batches = max(1.0, samples / fleet.batch_unit)
+    if scaling in ("none", "adascale") or not fleet.clusters or not fleet.planned_samples:
+        return 1.0  # adascale: the step is scaled by the gain its gradients measure (``gain``), within round_batches
+    batches = round_batches(samples, fleet)
     full = batches if scaling == "linear" else math.sqrt(batches)
     return full if warmup <= 0 or version >= warmup else 1.0 + (full - 1.0) * max(0, version) / warmup
+
+
+def round_batches(samples: int, fleet: Fleet) -> float:
+    """The batches of ``fleet.batch_unit`` (``training.batch_size``) a round step of ``samples`` samples averages, at
+    least 1 (1 without a plan)."""
+    if not fleet.clusters or not fleet.planned_samples:
+        return 1.0
+    return max(1.0, samples / fleet.batch_unit)
 
 
 def make_scheduler(policy: SyncPolicy, clock: Clock, rule: AdaptiveDelay, *, staleness_weighting: bool,

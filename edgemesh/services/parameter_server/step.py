@@ -107,7 +107,8 @@ class Stepper:
         assert self.state is not None
         state, version = self.state, steps[-1].version
         with self.lock:
-            combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far, chosen=step.chosen)
+            combined = [self.aggregator.combine(step.contributions(), rule=step.rule, elsewhere=far, chosen=step.chosen,
+                                                gain_limit=step.gain_limit, samples=step.samples)
                         for step, far in zip(steps, elsewhere, strict=True)]
             sums = [state.sum(c.contributions, step.buffer_contributions()) for c, step in zip(combined, steps,
                                                                                               strict=True)]

@@ -224,13 +224,15 @@ class Leader(Sharded):
 
     def stepped(self, steps: Sequence[Step], combined: Sequence[Combined] = ()) -> None:
         """``steps`` are in the log: the other shards take them next (``publish`` sends them). ``combined``: what
-        the rule made of each (``clip``'s scales, ``krum``'s choice; none: each a ``mean``)."""
+        the rule made of each (``clip``'s scales, ``krum``'s choice, the round's measured gain; none: each a
+        ``mean``)."""
         records = []
         for step, c in zip(steps, combined or [Combined([])] * len(steps), strict=True):
             factors = c.scales or [1.0] * len(step.items)
             chosen = set(range(len(step.items)) if c.how.chosen is None else c.how.chosen)
             parts = enumerate(zip(step.items, step.weights, factors, strict=True))  # a cluster's: its first member's
-            records.append(record_of(step.version, [(it.update, w * f, i not in chosen) for i, (it, w, f) in parts],
+            records.append(record_of(step.version, [(it.update, w * f * c.how.gain, i not in chosen)
+                                                    for i, (it, w, f) in parts],
                                      rule=c.how.rule))
         self._keep(records)
 
