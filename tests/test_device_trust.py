@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -336,6 +337,23 @@ def test_the_norm_filter_starts_its_reference_again_when_the_whole_fleet_s_gradi
     assert refused[:CLIP_WINDOW // 2] == [1] * (CLIP_WINDOW // 2)  # a minority of the window: one device's, refused
     assert refused[-4:] == [0] * 4  # then the reference restarted and learnt the new scale
     assert aggregator.m_refused.labels(reason="norm")._value.get() == sum(refused)
+
+
+def test_a_round_that_refuses_hundreds_names_the_largest_eight_in_one_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A round of a thousand devices may refuse hundreds of updates at once: every one is counted, and the warning
+    names the largest few and how many more, not hundreds of numbers on one line."""
+    rng = np.random.default_rng(10)
+    aggregator = Aggregator(ParameterServerConfig(aggregation="mean", norm_warmup=4), ServiceMetrics("ps"))
+    for _ in range(8):
+        aggregator.combine([contribution(rng, 0.01)])
+    with caplog.at_level(logging.WARNING, logger="edgemesh.services.parameter_server.robust"):
+        combined = aggregator.combine([contribution(rng, 0.01) for _ in range(4)] +
+                                      [contribution(rng, 1.0 + i) for i in range(300)])
+    assert combined.refused == 300 and aggregator.m_refused.labels(reason="norm")._value.get() == 300
+    [warning] = [r.getMessage() for r in caplog.records if "of a step's" in r.getMessage()]
+    assert warning.startswith("refused 300 of a step's 304 updates") and "and 292 more" in warning
+    assert len(warning) < 400
 
 
 # --------------------------------------------------------------------------- a sharded server

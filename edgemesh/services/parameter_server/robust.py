@@ -58,6 +58,8 @@ logger = logging.getLogger(__name__)
 
 CLIP_WINDOW = 32
 """Norms of applied contributions ``clip`` keeps: the median of these (and the step's) is its reference."""
+LOGGED_NORMS = 8
+"""Most refused norms one warning names (the largest): a round of a thousand devices refuses hundreds at once."""
 ROUND_RULES: tuple[AggregationRule, ...] = ("median", "trimmed-mean", "krum")
 """Rules that compare the contributions of one step: only a round policy gives a step several."""
 SINGLE_UPDATE_POLICIES: tuple[SyncPolicy, ...] = ("async", "ssp")
@@ -287,9 +289,11 @@ class Aggregator:
         self.verdicts.extend(size > limit for size in sizes)
         if len(kept) < len(contributions):
             self.m_refused.labels(reason="norm").inc(len(contributions) - len(kept))
-            logger.warning("refused %d of a step's %d updates: L2 norm %s above %g x the median of the last %d "
-                           "applied (%.4g)", len(contributions) - len(kept), len(contributions),
-                           ", ".join(f"{sizes[i]:.4g}" for i in everyone if i not in kept), self.norm_factor,
+            refused = sorted((sizes[i] for i in everyone if i not in kept), reverse=True)
+            shown = ", ".join(f"{size:.4g}" for size in refused[:LOGGED_NORMS])
+            more = f" and {len(refused) - LOGGED_NORMS} more" if len(refused) > LOGGED_NORMS else ""
+            logger.warning("refused %d of a step's %d updates: L2 norm %s%s above %g x the median of the last %d "
+                           "applied (%.4g)", len(refused), len(contributions), shown, more, self.norm_factor,
                            len(self.norms), limit / self.norm_factor)
         if len(self.verdicts) == self.verdicts.maxlen and 2 * sum(self.verdicts) > len(self.verdicts):
             logger.warning("the norm filter refused %d of the last %d updates: the fleet's gradients grew, not one "
