@@ -3,6 +3,7 @@ quick report's structure and arithmetic. The quick run is two boards for three v
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import json
@@ -15,10 +16,11 @@ import pytest
 
 from edgemesh import cli
 from edgemesh.bench import policies_search
-from edgemesh.bench.policies import refigure
+from edgemesh.bench.policies import STRAGGLER, bench_of, case_settings, refigure, register
 from edgemesh.bench.policies_figures import headroom_share, quartiles
 from edgemesh.bench.policies_search import SEARCHED, candidates, default, geometric_mean, score
 from edgemesh.bench.policies_tuning import choose_lr
+from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.messages import GradientUpdate, ShardUpdate
 from edgemesh.services.parameter_server.optimizer import ShardGrad
 from edgemesh.services.parameter_server.scheduler import Candidate, Clock, Fleet
@@ -125,6 +127,24 @@ def test_the_quick_report_has_its_structure_and_its_figures_agree(tmp_path: Path
     assert refigure(copy.deepcopy(report)) == report  # every figure follows from the runs and the headroom
     assert path.with_suffix(".png").exists()
     assert "| `adaptive` |" in capsys.readouterr().out
+
+
+def test_set_reaches_every_simulated_run_the_report_and_its_command() -> None:
+    """``--set`` settles a setting for every case, the scale run and ``--quick`` alike, and the report's command
+    repeats it, so that the run can be made again."""
+    parser = argparse.ArgumentParser()
+    register(parser)
+    sets = ["--set", "ps.round_scaling=adascale", "--set", "ps.norm_factor=0"]
+    bench = bench_of(parser.parse_args(["--cases", f"steady,{STRAGGLER}", *sets]))
+    assert dict(bench.overrides) == {"ps.round_scaling": "adascale", "ps.norm_factor": "0"}
+    for case in ("steady", STRAGGLER):
+        overrides = case_settings(bench, case).overrides
+        assert overrides["ps.round_scaling"] == "adascale" and overrides["ps.norm_factor"] == "0"
+        assert overrides["training.model_spec"] == bench.model
+    assert bench.command.endswith(" --set ps.round_scaling=adascale --set ps.norm_factor=0")
+    assert bench_of(parser.parse_args(["--quick", *sets])).overrides == bench.overrides
+    with pytest.raises(EdgeMeshError, match="KEY=VALUE"):
+        bench_of(parser.parse_args(["--set", "adascale"]))
 
 
 def test_the_search_scores_a_rule_by_its_speedup_and_never_rewards_divergence() -> None:

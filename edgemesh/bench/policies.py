@@ -95,6 +95,8 @@ class Bench:
     scale_wall_s: float = SCALE_WALL_S
     search_adaptive: bool = False
     """Also search the adaptive rule's parameters (``policies_search``); needs ``sync`` and ``adaptive``."""
+    overrides: tuple[tuple[str, str], ...] = ()
+    """``--set``: settings of every simulated run, by dotted key (``ps.round_scaling``, ``ps.aggregation``...)."""
 
     @property
     def command(self) -> str:
@@ -103,7 +105,8 @@ class Bench:
                 f"{self.budget_s:g} --tuning-budget-s {self.tuning_budget_s:g} --fleet {','.join(self.fleet)} "
                 f"--model {self.model} --target {self.target:g} --eval-interval-s {self.eval_interval_s:g}"
                 + (f" --scale-devices {self.scale_devices} --scale-policy {self.scale_policy}"
-                   if self.scale_devices else "") + (" --search-adaptive" if self.search_adaptive else ""))
+                   if self.scale_devices else "") + (" --search-adaptive" if self.search_adaptive else "")
+                + "".join(f" --set {key}={value}" for key, value in self.overrides))
 
 
 QUICK = Bench(policies=("sync", "adaptive"), cases=("steady",), seeds=(0, 1), tuning_seeds=(1000,),
@@ -114,7 +117,8 @@ QUICK = Bench(policies=("sync", "adaptive"), cases=("steady",), seeds=(0, 1), tu
 def case_settings(bench: Bench, case: str) -> SimSettings:
     """The base settings of one case (policy, seed and rate are the runs')."""
     base = SimSettings(fleet=bench.fleet, target=bench.target, budget_s=bench.budget_s, stop_at_target=True,
-                       eval_interval_s=bench.eval_interval_s, overrides={"training.model_spec": bench.model})
+                       eval_interval_s=bench.eval_interval_s,
+                       overrides={"training.model_spec": bench.model, **dict(bench.overrides)})
     if case == STRAGGLER:
         fleet, scale = straggler_fleet(STRAGGLER_DEVICES, STRAGGLER_SPREAD)
         # uniform batches: every device does the same work per update, as federated clients do; balanced batches
@@ -195,7 +199,7 @@ def measure(bench: Bench, progress: Callable[[str], None] = lambda _: None) -> d
                      "tuning_seeds": list(bench.tuning_seeds), "lr_grid": list(bench.lr_grid),
                      "model": bench.model, "eval_interval_s": bench.eval_interval_s,
                      "target": bench.target, "budget_s": bench.budget_s, "tuning_budget_s": bench.tuning_budget_s,
-                     "times": "virtual board seconds", "jobs": bench.jobs,
+                     "times": "virtual board seconds", "jobs": bench.jobs, "overrides": dict(bench.overrides),
                      "tuning_rule": "per policy and fleet, on steady and the tuning seeds: the grid's rate with the "
                                     "best median time to target (unreached = slower than any reached; ties: the "
                                     "smaller rate; none reached: the best median final accuracy)"},
@@ -272,6 +276,8 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-wall-s", type=float, default=SCALE_WALL_S)
     parser.add_argument("--search-adaptive", action="store_true",
                         help="also choose the adaptive rule's parameters on seeds of their own, and check the winner")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of every simulated run, e.g. --set ps.round_scaling=adascale")
     parser.add_argument("--refigure", metavar="REPORT", help="recompute a report's figures from its runs (no run)")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
     parser.set_defaults(func=main)
@@ -279,8 +285,9 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def bench_of(args: argparse.Namespace) -> Bench:
     """The ``Bench`` the arguments ask for (ConfigError for an unknown policy or case)."""
+    overrides = tuple(cli.overrides(argparse.Namespace(set=args.set, config_keys={})).items())
     if args.quick:
-        return dataclasses.replace(QUICK, jobs=args.jobs, search_adaptive=args.search_adaptive)
+        return dataclasses.replace(QUICK, jobs=args.jobs, search_adaptive=args.search_adaptive, overrides=overrides)
     policies = _names(args.policies, POLICIES, "policy")
     cases = _names(args.cases, (*SCENARIOS, STRAGGLER), "case")
     if args.seeds < 1 or args.jobs < 1:
@@ -293,7 +300,8 @@ def bench_of(args: argparse.Namespace) -> Bench:
                  model=args.model, target=args.target, eval_interval_s=args.eval_interval_s,
                  budget_s=args.budget_s, tuning_budget_s=args.tuning_budget_s, jobs=args.jobs,
                  scale_devices=args.scale_devices, scale_policy=scale_policy, scale_wall_s=args.scale_wall_s,
-                 search_adaptive=args.search_adaptive)
+                 search_adaptive=args.search_adaptive,
+                 overrides=overrides)
 
 
 def _names(text: str, known: Iterable[Any], what: str) -> tuple[Any, ...]:
