@@ -538,6 +538,15 @@ def assert_buffers_match(results: list[MeshStep], moved: dict[str, np.ndarray]) 
     assert all(c.all() for c in covered.values()), "some buffer rows were sent by no member"
 
 
+def candidate(device: str, seq: int, base: int, *, samples: int = 8, plan_version: int = 1,
+              cluster: str = "") -> Candidate:
+    """A scheduler's candidate of ``device`` computed on ``base``, with one gradient of ones."""
+    u = GradientUpdate(device=device, cluster=cluster or f"c-{device}", incarnation=1, seq=seq, base_version=base,
+                       samples=samples, plan_version=plan_version,
+                       shards=(ShardUpdate(param="w", start=0, stop=1, codec="none", data=b"\0" * 4),))
+    return Candidate(u, [ShardGrad("w", 0, 1, np.ones(1, np.float32))], 0.0)
+
+
 def member_part(device: str, step: MeshStep, samples: int, mesh_step: int) -> Candidate:
     """A member's update for model-parallel step ``mesh_step`` as the parameter server decodes it: its gradient rows
     and buffer rows."""

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import candidate as update
 from helpers import gradient, make_config, plan_for, serving_ps
-from test_scheduler import update
 
 from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import ParameterServerConfig

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
+from helpers import candidate as update
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgemesh.common.config import AdaptiveConfig
-from edgemesh.common.messages import GradientUpdate, Plan, ShardUpdate
+from edgemesh.common.messages import Plan
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, staleness_weight
-from edgemesh.services.parameter_server.optimizer import ShardGrad
 from edgemesh.services.parameter_server.scheduler import (
     AsyncScheduler,
-    Candidate,
     Clock,
     Decision,
     Fleet,
@@ -28,15 +26,6 @@ from edgemesh.services.parameter_server.scheduler import (
 )
 
 TWO = Fleet(clusters=("c-a", "c-b"), plan_version=1, devices=frozenset({"a", "b"}), bound=4, planned_samples=16)
-
-
-def update(device: str, seq: int, base: int, *, samples: int = 8, plan_version: int = 1,
-           cluster: str = "") -> Candidate:
-    """A candidate of ``device`` computed on ``base``, with one gradient of ones."""
-    u = GradientUpdate(device=device, cluster=cluster or f"c-{device}", incarnation=1, seq=seq, base_version=base,
-                       samples=samples, plan_version=plan_version,
-                       shards=(ShardUpdate(param="w", start=0, stop=1, codec="none", data=b"\0" * 4),))
-    return Candidate(u, [ShardGrad("w", 0, 1, np.ones(1, np.float32))], 0.0)
 
 
 def acks(decision: Decision) -> list[tuple[str, int, str, str]]:
