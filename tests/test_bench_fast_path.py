@@ -4,12 +4,22 @@ test_bench.py so that the test runner's two workers share the long benchmark run
 
 from __future__ import annotations
 
+import asyncio
 import json
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
+import uuid
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pytest
+
+from edgemesh.bench import transport
+from edgemesh.local.broker import BrokerProcess
 
 pytestmark = pytest.mark.timeout(400)
 """Each quick run is a cluster of processes; a loaded CI host makes it slower than the default limit."""
@@ -140,3 +150,48 @@ def test_bench_scale_runs_light_devices_against_the_real_services(tmp_path: Path
     assert len(data["samples"]) >= 3 and max(s["ps_pending"] for s in data["samples"]) <= 4
     assert data["acceptance"] == {"queue_bounded": True, "no_update_discarded": True}
     assert report.with_suffix(".png").stat().st_size > 1000
+
+
+@pytest.mark.requires_binary("mosquitto")
+def test_a_raw_subscriber_that_fell_behind_still_hears_the_stop(tmp_path: Path) -> None:
+    """A stream trial's subscriber that falls behind the devices has a queue at Mosquitto's limit, which drops
+    what arrives while it is full, the stop as well (CI saw the trial time out so): the stop is said again until
+    one gets in, and the subscriber reports what it received."""
+    with BrokerProcess.mosquitto(extra_config="max_queued_messages 5\n", workdir=tmp_path,
+                                 max_packet_size=transport.MAX_PACKET_BYTES) as broker:
+        run = uuid.uuid4().hex[:6]
+        spawn = multiprocessing.get_context("spawn")
+        parent, child = spawn.Pipe()
+        subscriber = spawn.Process(target=transport._subscriber_main,
+                                   args=(broker.host, broker.port, run, True, child), daemon=True)
+        subscriber.start()
+        try:
+            assert transport._heard(parent, transport.SUBSCRIBER_START_S) == "ready"
+            os.kill(subscriber.pid, signal.SIGSTOP)  # it falls behind: the broker's queue for it fills
+            asyncio.run(flood(broker, run, parent, subscriber))
+        finally:
+            os.kill(subscriber.pid, signal.SIGCONT)
+            subscriber.join(30)
+            if subscriber.is_alive():
+                subscriber.kill()
+
+
+async def flood(broker: BrokerProcess, run: str, parent: Connection, subscriber: BaseProcess) -> None:
+    """Payloads past the queue's limit, a stop that is dropped with them, then the stops of ``_stop``; the stalled
+    subscriber goes on once the first of those has passed the broker."""
+    sent = 200
+    async with transport._client(broker.host, broker.port, f"flood-{run}") as devices, \
+            transport._client(broker.host, broker.port, f"watch-{run}") as watch:
+        await watch.subscribe(f"{transport.RAW_TOPIC}-stop/{run}", qos=1)
+        for _ in range(sent):
+            await devices.publish(f"{transport.RAW_TOPIC}/{run}/0", bytes(100_000), qos=1)
+        await devices.publish(f"{transport.RAW_TOPIC}-stop/{run}", b"stop", qos=1)  # dropped: the queue is full
+        await anext(aiter(watch.messages))
+        stopping = asyncio.create_task(transport._stop(broker.host, broker.port, run, parent, subscriber))
+        async with asyncio.timeout(30):
+            await anext(aiter(watch.messages))  # the first of _stop's: dropped as well, the queue still full
+        os.kill(subscriber.pid, signal.SIGCONT)
+        report = await stopping
+    assert isinstance(report, tuple), report
+    messages, payload, _ = report
+    assert 0 < messages < sent and payload == messages * 100_000  # the broker dropped some, and said the stop

@@ -52,6 +52,7 @@ import time
 import uuid
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,10 @@ MAX_PACKET_BYTES = 16 * 1024 * 1024 + CHUNK_HEADROOM
 """The broker's ``max_packet_size``: raw's model-sized packets pass, and the services' chunks grow to 16 MiB."""
 ACK_TIMEOUT_S = 30.0
 """Longest wait for one answer; a trial whose answer does not come fails."""
+REPORT_TIMEOUT_S = 120.0
+"""Longest wait for the raw side's subscriber to drain what the broker queued for it and report."""
+STOP_REPEAT_S = 1.0
+"""Seconds between two stops said to the raw side's subscriber."""
 SUBSCRIBER_START_S = 60.0
 """Longest wait for the raw side's subscriber process to subscribe."""
 PS_START_TIMEOUT_S = 120.0
@@ -135,9 +140,11 @@ def _raw(host: str, port: int, size: int, n: int, seconds: float, *, stream: boo
                                f"{SUBSCRIBER_START_S:.0f} s)")
         before, start = {**cpu_now(broker_pid, []), "subscriber": 0.0}, time.perf_counter()
         trial = asyncio.run(_raw_devices(host, port, run, size, n, seconds, stream=stream))
-        report = _heard(parent, ACK_TIMEOUT_S)
+        report = asyncio.run(_stop(host, port, run, parent, subscriber))
         if not isinstance(report, tuple):
-            raise TimeoutError("the raw subscriber did not report what it received")
+            said = (f"it exited with code {subscriber.exitcode}" if subscriber.exitcode is not None
+                    else f"it took over {REPORT_TIMEOUT_S:.0f} s")
+            raise TimeoutError(f"the raw subscriber did not report what it received ({said})")
         messages, payload, cpu = report
         after = {**cpu_now(broker_pid, []), "subscriber": cpu}
         if stream:  # what the subscriber received (what the broker carried through), until it had the last
@@ -147,6 +154,20 @@ def _raw(host: str, port: int, size: int, n: int, seconds: float, *, stream: boo
         if subscriber.is_alive():
             subscriber.kill()
     return pool.add(trial, before, after)
+
+
+async def _stop(host: str, port: int, run: str, conn: Connection, subscriber: BaseProcess) -> object:
+    """Tell the subscriber to stop, after every payload, and wait for its report (None: it died, or said nothing
+    within ``REPORT_TIMEOUT_S``). The stop is said again each second: a subscriber that fell behind the devices has
+    a queue at the broker's limit (Mosquitto's ``max_queued_messages``), which drops what arrives while it is full,
+    the stop as well; once the queue drains, a later stop gets in behind the payloads."""
+    deadline = time.monotonic() + REPORT_TIMEOUT_S
+    async with _client(host, port, f"bench-stop-{run}") as stopper:
+        while time.monotonic() < deadline and (subscriber.is_alive() or conn.poll(0)):
+            await stopper.publish(f"{RAW_TOPIC}-stop/{run}", b"stop", qos=1)
+            if (heard := await asyncio.to_thread(_heard, conn, STOP_REPEAT_S)) is not None:
+                return heard
+    return None
 
 
 def _heard(conn: Connection, timeout_s: float) -> object:
@@ -193,8 +214,6 @@ async def _raw_devices(host: str, port: int, run: str, size: int, n: int, second
         for i in range(n):
             devices.create_task(_raw_device(host, port, run, i, payload, start + seconds, trial, stream=stream))
     trial.seconds = time.perf_counter() - start
-    async with _client(host, port, f"bench-stop-{run}") as stopper:  # after every payload, on its way
-        await stopper.publish(f"{RAW_TOPIC}-stop/{run}", b"stop", qos=1)
     return trial
 
 
