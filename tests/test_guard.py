@@ -49,6 +49,24 @@ def test_an_exploding_loss_or_a_fallen_accuracy_rolls_back_after_its_patience() 
     assert guard.judge(held(20, 3.0, 0.5)) is None
 
 
+def test_a_model_that_learned_and_fell_back_to_chance_rolls_back() -> None:
+    """Five classes: a best of 0.39 then 0.2 three times (units died, one class answered: a fall of 0.19, short of
+    ``accuracy_drop``) rolls back to the best; a model that never learned, or chance not known, does not."""
+    guard = Guard(GuardConfig(patience=3))
+    guard.chance = 0.2
+    guard.judge(held(29, 1.50, 0.39))
+    assert guard.judge(held(59, 1.55, 0.22)) is None and guard.judge(held(79, 1.58, 0.2)) is None
+    rollback = guard.judge(held(109, 1.61, 0.2))
+    assert rollback is not None and rollback.to.version == 29 and "fell back to chance" in rollback.reason
+    never = Guard(GuardConfig(patience=1))  # 0.28 is not learning yet: twice the margin above chance is 0.3
+    never.chance = 0.2
+    never.judge(held(5, 1.6, 0.28))
+    assert never.judge(held(10, 1.61, 0.2)) is None
+    unknown = Guard(GuardConfig(patience=1))  # the devices evaluate: the classes are theirs
+    unknown.judge(held(5, 1.5, 0.39))
+    assert unknown.judge(held(10, 1.61, 0.2)) is None
+
+
 def test_noise_near_a_tiny_best_loss_is_not_divergence() -> None:
     guard = Guard(GuardConfig(patience=1))
     guard.judge(held(5, 0.02, 0.99))

@@ -53,6 +53,7 @@ async def test_async_applies_each_update_and_acks_it(broker: BrokerProcess, tmp_
         moved = snap.tensors["fc2.bias"].to_numpy() - start.tensors["fc2.bias"].to_numpy()
         assert np.all(moved < 0)
         assert ps.metrics.value("edgemesh_ps_updates_total", status="accepted", reason="") == 2
+        assert ps.guard.chance == pytest.approx(0.1)  # digits' ten classes: a fall back to chance is judged
 
 
 async def test_while_no_plan_names_a_device_the_model_goes_out_only_when_one_does(broker: BrokerProcess,

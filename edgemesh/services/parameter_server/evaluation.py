@@ -127,6 +127,11 @@ class Evaluator:
             _, self._test_set = load_dataset(t.dataset, t.dataset_path or None, seed=t.seed)
         return models.get_params(self._model)
 
+    @property
+    def chance(self) -> float | None:
+        """One over the held-out set's classes (None before ``load``, or when the devices evaluate)."""
+        return 1 / self._test_set.num_classes if self._test_set is not None else None
+
     def attach(self, bus: Bus, topics: Topics, *, version: Callable[[], int], report: Report) -> None:
         """Evaluated on the devices: hear their statuses (which bound their reports) and their reports, and
         ``report`` the devices' combined accuracy as the model's (a report that may not count raises WireError:

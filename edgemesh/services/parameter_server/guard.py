@@ -4,7 +4,9 @@ Asynchronous training can diverge: a learning rate too high for the fleet's stal
 an operator's ``set-lr``. The guard watches every evaluation of the model and keeps the best one (highest
 accuracy, then lowest loss) with its state. An evaluation whose loss is not finite rolls back at once; one whose
 loss exceeds ``loss_factor`` times the best's (and the best's plus ``LOSS_MARGIN``), or whose accuracy lies more
-than ``accuracy_drop`` below the best's, rolls back after ``patience`` such evaluations in a row. The parameter
+than ``accuracy_drop`` below the best's, or that fell back to chance after the model had learned (``chance``: a
+network whose units died answers one class whatever the input, an early collapse a fall of ``accuracy_drop`` from a
+best of 0.39 does not reach), rolls back after ``patience`` such evaluations in a row. The parameter
 server then restores the best state (weights and buffers, momentum cleared), multiplies the learning rate by
 ``lr_factor`` and goes on from there, as a new version (docs/synchronization.md#the-divergence-guard). After
 ``max_rollbacks`` the guard only reports.
@@ -20,6 +22,9 @@ import numpy as np
 
 from edgemesh.common.config import GuardConfig
 
+CHANCE_MARGIN = 0.05
+"""An accuracy at most this above chance (one over the classes) is at chance; a model has learned once its best is
+twice this above."""
 LOSS_MARGIN = 1.0
 """An exploding loss is also at least this much (nats) above the best's: a best loss of 0.02 rising to 0.09 is
 noise, not divergence."""
@@ -66,6 +71,8 @@ class Guard:
         self.rollbacks = 0
         self.diverging = ""
         """Why the model diverges where the guard could not (or may no longer) roll back; empty otherwise."""
+        self.chance: float | None = None
+        """One over the classes of the held-out set (None: not known, no fall back to chance is judged)."""
 
     def judge(self, evaluated: Evaluated) -> Rollback | None:
         """The rollback ``evaluated`` calls for (None: train on); a good evaluation may become the best."""
@@ -101,5 +108,10 @@ class Guard:
             return f"loss {e.loss:.4g} > {s.loss_factor:g} x the best's {best.loss:.4g} (version {best.version})"
         if self.best_accuracy is not None and e.accuracy < self.best_accuracy - s.accuracy_drop:
             return (f"accuracy {e.accuracy:.4f} is more than {s.accuracy_drop:g} below the best, "
+                    f"{self.best_accuracy:.4f}")
+        chance = self.chance
+        if (chance is not None and self.best_accuracy is not None and self.best_accuracy >= chance + 2 * CHANCE_MARGIN
+                and e.accuracy <= chance + CHANCE_MARGIN):
+            return (f"accuracy {e.accuracy:.4f} fell back to chance ({chance:.4f}) from the best, "
                     f"{self.best_accuracy:.4f}")
         return ""

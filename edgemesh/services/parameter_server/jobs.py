@@ -45,7 +45,7 @@ from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
 from edgemesh.common.wire.tensors import Tensor
 from edgemesh.services.host import ActiveJob, JobHost, describe, survivable
 from edgemesh.services.parameter_server.evaluation import Quorum
-from edgemesh.services.parameter_server.guard import Evaluated
+from edgemesh.services.parameter_server.guard import CHANCE_MARGIN, Evaluated
 from edgemesh.services.parameter_server.service import ParameterServer
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,6 @@ PROGRESS_INTERVAL_S = 1.0
 COMMANDS = ("status", "pause", "resume", "stop")
 STUCK_EVALUATIONS = 10
 """Evaluations at chance in a row after which a running job's state says it is stuck there."""
-CHANCE_MARGIN = 0.05
-"""An accuracy at most this above chance (one over the classes) is at chance."""
 REACHED = "reached the target accuracy"
 """How the reason of a job that reached its target begins (its last evaluation is its final accuracy)."""
 EVALUATION_ECHO_S = 2.0

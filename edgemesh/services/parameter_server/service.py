@@ -154,6 +154,7 @@ class ParameterServer:
     def _load(self) -> None:
         initial = self.role.take_part(self.evaluator.load(), broadcast=self.broadcast, assembly=self.intake.assembly,
                                       evaluator=self.evaluator, plan=lambda: self.plan)
+        self.guard.chance = self.evaluator.chance
         resumed = self.stepper.load(self.role.label(self.cfg.training.model_spec), initial,
                                     self.evaluator.buffers, self.evaluator.momenta)
         self._restore(OperatorSettings.of(resumed.settings))
