@@ -22,7 +22,7 @@ LEARNED = 0.3
 
 
 FLEET_KEYS = {"time_to_target_s", "avg_iteration_delay_s", "final_accuracy", "updates_discarded", "bytes_published",
-              "emulation_overrun_share", "valid", "lr", "slowest_step_s", "curve"}
+              "emulation_overrun_share", "valid", "lr", "slowest_step_s", "curve", "rollbacks"}
 
 
 def test_bench_fleet_quick_tunes_each_policy_then_runs_the_scenario(tmp_path: Path) -> None:
@@ -58,6 +58,7 @@ def test_bench_fleet_quick_tunes_each_policy_then_runs_the_scenario(tmp_path: Pa
         # board time: a run lasts the budget in board seconds whatever the dilation
         assert 6.0 <= entry["elapsed_s"] < 6.0 + 1.0 and entry["curve"][-1][0] <= entry["elapsed_s"]
         assert entry["curve"] and 0.0 <= entry["final_accuracy"] <= 1.0, name
+        assert isinstance(entry["rollbacks"], int) and entry["rollbacks"] >= 0, name  # the guard's, from the PS
         if entry["model_versions"] >= 20:
             assert max(accuracy for _, _, accuracy in entry["curve"]) >= LEARNED, name
         reached = [t for t, _, accuracy in entry["curve"] if accuracy >= data["target_accuracy"]]

@@ -11,13 +11,14 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import make_config, running, until
 
 from edgemesh import cli
 from edgemesh.bench.fleet import BATCH, MODEL
 from edgemesh.common import costs
-from edgemesh.common.config import AdaptiveConfig
+from edgemesh.common.config import AdaptiveConfig, load_config
 from edgemesh.common.emulation.dynamics import Timeline
 from edgemesh.common.emulation.profiles import get_profile
 from edgemesh.common.emulation.scenarios import load_scenarios
@@ -28,7 +29,8 @@ from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.service import Worker
 from edgemesh.simulate import SimSettings, compare, simulate
-from edgemesh.simulate.server import CachedDelay
+from edgemesh.simulate.engine import SimRun
+from edgemesh.simulate.server import CachedDelay, Server
 
 LIVE_WAIT_S = 60.0
 UNIFORM = {"planner.batching": "uniform"}
@@ -165,6 +167,45 @@ def test_a_bad_argument_is_named_and_exits_2(flag: str, value: str, named: str,
     assert code == 2
     assert named in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_the_divergence_guard_rolls_a_diverging_run_back_as_the_service_does() -> None:
+    """At eight times the digits job's rate, two laptops' sync rounds learn, then diverge: with the guard (the
+    default) the run goes back to its best model and halves the rate until it trains; without, it ends at chance."""
+    def run(guard: str) -> SimRun:
+        return simulate(SimSettings(fleet=("laptop", "laptop"), policy="sync", budget_s=2.0, lr=0.4,
+                                    eval_interval_s=0.05, overrides=UNIFORM | {"ps.guard.enabled": guard}))
+
+    guarded, free = run("true"), run("false")
+    assert free.diverged and free.details["rollbacks"] == 0 and free.final_accuracy < 0.2
+    rollbacks = guarded.details["rollbacks"]
+    assert rollbacks >= 1 and guarded.details["final_lr"] == pytest.approx(0.4 * 0.5 ** rollbacks)
+    assert not guarded.diverged and guarded.final_accuracy > free.final_accuracy + 0.3
+
+
+def test_a_rollback_puts_the_best_weights_back_as_a_new_version_sent_whole() -> None:
+    """``Server.evaluated``: the guard's verdict on each evaluation, and its rollback as ``Stepper.restore`` and
+    ``Divergence._go_back`` do it: the best weights as the next version (older work discarded), momentum cleared,
+    the rate lowered, a snapshot out."""
+    cfg = load_config(env={}, overrides={})
+    initial = {"w": np.zeros(3, np.float32)}
+    server = Server(cfg, "async", initial, buffers={}, momenta={})
+    best = {"w": np.ones(3, np.float32)}
+    server.state.params["w"][...] = best["w"]
+    server.state.momentum["w"][...] = 5.0
+    server.clock.version, server.versions[1] = 1, {"w": best["w"].copy()}
+    assert not server.evaluated(1, 0.1, 0.9, now=1.0)  # the best so far
+    server.state.params["w"][...] = 7.0
+    for version in (2, 3, 4):
+        server.clock.version, server.versions[version] = version, {"w": np.full(3, 7.0, np.float32)}
+        rolled = server.evaluated(version, 9.0, 0.1, now=float(version))
+    assert rolled and server.guard.rollbacks == 1  # after patience (3) bad evaluations in a row
+    assert server.version == server.clock.floor == 5
+    assert np.array_equal(server.state.params["w"], best["w"]) and not server.state.momentum["w"].any()
+    assert np.array_equal(server.versions[5]["w"], best["w"])
+    assert server.lr == pytest.approx(cfg.training.lr * cfg.ps.guard.lr_factor)
+    assert server.published[-1].snapshot and server.published[-1].version == 5
+    assert not server.evaluated(3, float("nan"), 0.0, now=6.0)  # a model the rollback left behind is not judged
 
 
 def test_fedbuff_runs_as_a_reference_whose_devices_never_wait() -> None:

@@ -268,6 +268,7 @@ def summarize(run: Run, cluster: LocalCluster, spec: RunSpec, *, target: float, 
         "link_disconnects": int(cluster.total("edgemesh_worker_emulation_link_disconnects", "worker")),
         "link_stalls": int(cluster.total("edgemesh_worker_emulation_link_stalls", "worker")),
         "replans": int(cluster.total("edgemesh_planner_replans_total", "planner")),
+        "rollbacks": int(cluster.total("edgemesh_ps_guard_rollbacks_total", "ps")),
         "gradient_bytes_by_codec": {dict(lab).get("codec", ""): int(v) for c in ps for (n, lab), v in c.samples.items()
                                     if n == "edgemesh_ps_received_gradient_bytes_total" and v},
         "batch_sizes": {d.device: d.batch_size for d in plan.devices} if plan is not None else {},

@@ -266,7 +266,8 @@ class Simulation:
             if settings.job_file else load_dataset(t.dataset, t.dataset_path or None, seed=t.seed))
         self.model = SharedModel(t.model_spec, t.seed)
         self.server = Server(cfg, settings.policy, self.model.initial(), buffers=self.model.buffers,
-                             momenta=self.model.momenta, buffer_share=settings.buffer_share)
+                             momenta=self.model.momenta, classes=self.test.num_classes,
+                             buffer_share=settings.buffer_share)
         self.planner = Planner(cfg, self.boards, codec)
         self.devices = {name: Device(i, b, Downlink(b, self.server.published),
                                      Encoder(name, codec, cfg.compressor.static_density))
@@ -445,6 +446,8 @@ class Simulation:
             return
         loss, accuracy = self.model.evaluate(version, self.server.versions[version], self.test)
         self.curve.append((t, version, accuracy, loss))
+        if self.server.evaluated(version, loss, accuracy, t):  # rolled back: the best model goes out whole
+            self._answer([], t)
 
     def _reached(self) -> float | None:
         return next((t for t, _, a, _ in self.curve if a >= self.settings.target), None)
@@ -462,7 +465,8 @@ class Simulation:
             versions=self.server.version, updates=counts.accepted, discarded=dict(sorted(counts.discarded.items())),
             steps_refused=counts.steps_refused, diverged=diverged, curve=curve, gradients=self.gradients,
             elapsed_s=self.queue.now, wall_s=wall_s, plans=self.plans,
-            details={"lr": self.cfg.training.lr,
+            details={"lr": self.cfg.training.lr, "rollbacks": self.server.guard.rollbacks,
+                     "final_lr": self.server.lr,
                      "mean_delay": round(statistics.fmean(counts.delays), 3) if counts.delays else None,
                      "updates_by_device": dict(sorted(counts.by_device.items())),
                      "batch_sizes": {d.device: d.batch_size for d in first.devices} if first else {},

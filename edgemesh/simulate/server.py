@@ -4,8 +4,10 @@ Every decision is the service's code: the scheduler of the policy (``make_schedu
 it from ``ps.*``), the robust rule (``Aggregator``), the SGD step and its refusals (``ModelState``), the model
 message (``Broadcaster``, whose encoded size is what the devices download). What it leaves out is what takes wall
 time or disk in the service: the write-ahead log, checkpoints, the ledger, the MQTT client (``step.Stepper`` and
-``recovery`` write files, so this module replays ``Stepper._step``'s order instead of calling it) and the divergence
-guard's rollback. A step takes no virtual time.
+``recovery`` write files, so this module replays ``Stepper._step``'s order instead of calling it). The divergence
+guard judges every evaluation as the service's does (``Guard``, with ``ps.guard``), and its rollback is
+``Stepper.restore``'s and ``Divergence._go_back``'s: the best evaluated weights as a new version, momentum cleared,
+the learning rate lowered, the model out whole. A step takes no virtual time.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from edgemesh.common.messages import GradientUpdate, Plan, PlanDevice
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.vocabulary import SyncPolicy
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, compensated_momentum, quantile
+from edgemesh.services.parameter_server.guard import Evaluated, Guard
 from edgemesh.services.parameter_server.optimizer import ModelState
 from edgemesh.services.parameter_server.robust import Aggregator
 from edgemesh.services.parameter_server.scheduler import Ack, Candidate, Clock, Fleet, Scheduler, Step, make_scheduler
@@ -93,7 +96,7 @@ class Server:
     """The parameter server's state and its step, driven by the simulation's events (module docstring)."""
 
     def __init__(self, config: Config, policy: SyncPolicy | ReferencePolicy, initial: Mapping[str, np.ndarray], *,
-                 buffers: Mapping[str, bool], momenta: Mapping[str, float],
+                 buffers: Mapping[str, bool], momenta: Mapping[str, float], classes: int | None = None,
                  buffer_share: float = FEDBUFF_SHARE) -> None:
         self.cfg = config
         self.clock = Clock()
@@ -120,6 +123,10 @@ class Server:
         """Weights of the versions a device may still start a step from."""
         self.published: list[Published] = []
         self.counts = Counts()
+        self.lr = config.training.lr
+        """The learning rate in force (a rollback lowers it)."""
+        self.guard = Guard(config.ps.guard)
+        self.guard.chance = 1 / classes if classes else None
 
     @property
     def version(self) -> int:
@@ -171,6 +178,27 @@ class Server:
         """Seconds until the scheduler must be asked again with no new update (an adaptive round's deadline)."""
         return self.scheduler.timeout(self.fleet(now))
 
+    def evaluated(self, version: int, loss: float, accuracy: float, now: float) -> bool:
+        """An evaluation of ``version`` (``Divergence.evaluated``): judged by the guard, and the model rolled back
+        when it says so. True if it was."""
+        if version < self.clock.floor or version not in self.versions:
+            return False  # a model a rollback already left behind
+        rollback = self.guard.judge(Evaluated(version, loss, accuracy, self.versions[version]))
+        if rollback is None:
+            return False
+        assert rollback.to.params is not None
+        for name, value in rollback.to.params.items():
+            self.state.params[name][...] = value
+        for buf in self.state.momentum.values():
+            buf.fill(0.0)
+        self.clock.version += 1
+        self.clock.floor = self.clock.version
+        self.lr *= self.cfg.ps.guard.lr_factor
+        self.guard.rolled_back()
+        self.versions[self.version] = self._copy()
+        self.publish_snapshot(now)
+        return True
+
     # ------------------------------------------------------------------ a step
     def _apply(self, steps: list[Step], now: float) -> None:
         """``Stepper._step`` without the log: combine each step's contributions by the rule, sum, apply (a step the
@@ -200,7 +228,7 @@ class Server:
         momentum = t.momentum
         if self.cfg.ps.async_momentum == "compensated" and self.policy in ("async", "ssp") and self.plan is not None:
             momentum = compensated_momentum(momentum, len({d.cluster for d in self.plan.devices}))
-        return t.lr, momentum, t.weight_decay
+        return self.lr, momentum, t.weight_decay
 
     def publish_snapshot(self, now: float) -> int:
         """The whole model, retained (a device that joins, or a model no one heard); its index among the
