@@ -163,9 +163,10 @@ async def _stop(host: str, port: int, run: str, conn: Connection, subscriber: Ba
     the stop as well; once the queue drains, a later stop gets in behind the payloads."""
     deadline = time.monotonic() + REPORT_TIMEOUT_S
     async with _client(host, port, f"bench-stop-{run}") as stopper:
-        while time.monotonic() < deadline and (subscriber.is_alive() or conn.poll(0)):
+        while time.monotonic() < deadline:
             await stopper.publish(f"{RAW_TOPIC}-stop/{run}", b"stop", qos=1)
-            if (heard := await asyncio.to_thread(_heard, conn, STOP_REPEAT_S)) is not None:
+            heard = await asyncio.to_thread(_heard, conn, STOP_REPEAT_S)
+            if heard is not None or not subscriber.is_alive():  # what it sent before it ended is read first
                 return heard
     return None
 
