@@ -187,10 +187,7 @@ class Server:
         if rollback is None:
             return False
         assert rollback.to.params is not None
-        for name, value in rollback.to.params.items():
-            self.state.params[name][...] = value
-        for buf in self.state.momentum.values():
-            buf.fill(0.0)
+        self.state.restore(rollback.to.params)
         self.clock.version += 1
         self.clock.floor = self.clock.version
         self.lr *= self.cfg.ps.guard.lr_factor

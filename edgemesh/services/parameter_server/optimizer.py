@@ -221,6 +221,14 @@ class ModelState:
                     change *= np.float32(compounded(self.momenta[name], len(moved)))
         return changes
 
+    def restore(self, params: Mapping[str, np.ndarray]) -> None:
+        """``params`` in place of the model's tensors (weights and buffers), momentum cleared: the divergence guard's
+        rollback to its best evaluated state."""
+        for name, value in params.items():
+            self.params[name][...] = value
+        for buf in self.momentum.values():
+            buf.fill(0.0)
+
     def apply(self, summed: Summed, *, lr: float, momentum: float, weight_decay: float = 0.0) -> Refused | None:
         """SGD with momentum on ``summed`` (which it does not change), in place; the rows it lacks stay as they
         are. A step that overflows, leaves a value that is not finite or grows a tensor's norm past the bound (module

@@ -207,10 +207,7 @@ class Stepper:
         """``params`` in place of the model (weights and buffers; momentum cleared) as the next version, under which
         what was computed on the model left behind is not applied (``Clock.floor``); the lock held. The version."""
         assert self.state is not None
-        for name, value in params.items():
-            self.state.params[name][...] = value
-        for buf in self.state.momentum.values():
-            buf.fill(0.0)
+        self.state.restore(params)
         self.clock.version += 1
         self.clock.floor = self.clock.version
         self.m_version.set(self.clock.version)
