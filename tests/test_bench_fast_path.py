@@ -189,7 +189,8 @@ async def flood(broker: BrokerProcess, run: str, parent: Connection, subscriber:
         await anext(aiter(watch.messages))
         stopping = asyncio.create_task(transport._stop(broker.host, broker.port, run, parent, subscriber))
         async with asyncio.timeout(30):
-            await anext(aiter(watch.messages))  # the first of _stop's: dropped as well, the queue still full
+            await anext(aiter(watch.messages))  # the first of _stop's, while the queue is still full (a single
+            # stop, as before, left the subscriber waiting: with a repeat of 20 s this run took 22 s)
         os.kill(subscriber.pid, signal.SIGCONT)
         report = await stopping
     assert isinstance(report, tuple), report
