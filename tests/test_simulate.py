@@ -30,6 +30,7 @@ from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.service import Worker
 from edgemesh.simulate import SimSettings, compare, simulate
 from edgemesh.simulate.engine import SimRun
+from edgemesh.simulate.fleet import Board, Downlink, Published
 from edgemesh.simulate.server import CachedDelay, Server
 
 LIVE_WAIT_S = 60.0
@@ -160,7 +161,8 @@ def test_the_command_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFix
                                                        ("--fleet", "pi3,toaster", "toaster"),
                                                        ("--scenario", "stormy", "unknown scenario"),
                                                        ("--codec", "zip", "unknown codec"),
-                                                       ("--ps-update-s", "-1", "seconds per update")])
+                                                       ("--ps-update-s", "-1", "seconds per update"),
+                                                       ("--ps-broadcast-s", "-1", "per published model")])
 def test_a_bad_argument_is_named_and_exits_2(flag: str, value: str, named: str,
                                              capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code = cli.main(["simulate", flag, value, "--budget-s", "0.5", "--report", str(tmp_path / "r.json")])
@@ -248,6 +250,40 @@ def test_the_parameter_servers_time_per_update_serializes_the_updates() -> None:
     assert per_version[1] >= per_version[0] + len(fleet) * cost * 0.9  # a round's two updates, one after the other
     with pytest.raises(ConfigError, match="seconds per update"):
         simulate(SimSettings(fleet=fleet, ps_update_s=-1.0))
+
+
+def test_the_parameter_servers_time_per_model_delays_each_version_and_its_acks() -> None:
+    """``ps_broadcast_s``: every model the server publishes holds it that long before its next update, and the
+    model and the step's acks go out when it is done: once per version (per update under ``async``, per round under
+    ``sync``), where the time per update is paid by every update of a round."""
+    fleet, cost = ("laptop", "laptop"), 0.05
+    free = simulate(SimSettings(fleet=fleet, policy="async", budget_s=1.0, overrides=UNIFORM))
+    busy = simulate(SimSettings(fleet=fleet, policy="async", budget_s=1.0, overrides=UNIFORM, ps_broadcast_s=cost))
+    assert free.versions > 1.0 / cost  # the laptops alone would outrun the server
+    assert busy.versions <= 1.0 / cost + 1 < free.versions
+    rounds = [simulate(SimSettings(fleet=fleet, policy="sync", budget_s=1.0, overrides=UNIFORM, ps_broadcast_s=c))
+              for c in (0.0, cost)]
+    per_version = [run.elapsed_s / run.versions for run in rounds]
+    assert per_version[0] + 0.9 * cost <= per_version[1] < per_version[0] + len(fleet) * cost  # one model a round
+    with pytest.raises(ConfigError, match="per published model"):
+        simulate(SimSettings(fleet=fleet, ps_broadcast_s=-1.0))
+
+
+def test_an_ack_waits_behind_the_models_published_before_it_on_the_downlink() -> None:
+    """One link carries the broker's messages to a device in order: an ack sent while models are still on their way
+    arrives after them (under ``async`` the other devices' versions fill a slow downlink), and one sent on an idle
+    link after its latency alone."""
+    profile = replace(get_profile("pi3"), downlink_bps=1000.0, latency_s=0.01)
+    board = Board.of("pi3-0", profile, Timeline("pi3-0", {}), MODEL)
+    published = [Published(0, 0.0, 500, True)]
+    link = Downlink(board, published)
+    link.join(0)
+    published += [Published(1, 0.2, 1000, False), Published(2, 0.3, 1000, False)]
+    assert link.free_after(0.3) == pytest.approx(2.5)  # 0.5 s, then from 0.5 s one 1 s, then another
+    assert board.message_end(link.free_after(0.3)) == pytest.approx(2.51)
+    assert link.holds(0.3) == -1  # asking delivered nothing early
+    assert link.when(2) == pytest.approx(2.51)
+    assert link.free_after(3.0) == 3.0  # idle: an ack goes at once
 
 
 def test_the_cached_adaptive_deadline_is_the_rules_own() -> None:

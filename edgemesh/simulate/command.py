@@ -60,6 +60,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ps-update-s", type=float, default=0.0,
                         help="virtual seconds the parameter server spends on each update, one after another "
                              "(default 0: none; docs/simulation.md gives what bench fleet measured)")
+    parser.add_argument("--ps-broadcast-s", type=float, default=0.0,
+                        help="virtual seconds the parameter server spends on each model it publishes, before its next "
+                             "update and its acks (default 0: none; docs/simulation.md gives what bench fleet showed)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any setting by its dotted key, e.g. --set ps.round_scaling=none")
     parser.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
@@ -113,6 +116,7 @@ def main(args: argparse.Namespace) -> int:
                        job_file=args.job or "", data_dir=args.data_dir or "",
                        budget_s=args.budget_s, eval_interval_s=args.eval_interval_s,
                        codec=cast(CodecName | None, args.codec), detect_s=args.detect_s, ps_update_s=args.ps_update_s,
+                       ps_broadcast_s=args.ps_broadcast_s,
                        overrides=cli.overrides(argparse.Namespace(set=args.set, config_keys={})))
     policies = policies_of(args.policy)
     report = compare(base, policies, range(args.seed, args.seed + args.seeds),

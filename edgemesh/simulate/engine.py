@@ -8,8 +8,10 @@ A run reads top to bottom as the fleet lives it:
    names): a real gradient on a batch of its shard, the plan's batch size; the step lasts its FLOPs over the
    board's training rate, throttled spells slowing it (``Board.step_end``);
 3. its update, encoded under its codec, goes up its link (stalls and drop-outs hold it) to the parameter server,
-   whose scheduler, aggregation and optimizer (:mod:`edgemesh.simulate.server`) judge and apply it;
-4. the acks come back; every model message goes down every device's link in turn (``Downlink``);
+   whose scheduler, aggregation and optimizer (:mod:`edgemesh.simulate.server`) judge and apply it, one update
+   after another, taking ``ps_update_s`` for each and ``ps_broadcast_s`` for each model it publishes;
+4. every model message goes down every device's link in turn (``Downlink``), and the acks behind the models
+   published before them;
 5. a device that drops out is left out of a new plan once the planner notices (``detect_s``), and is planned in
    again, with a fresh snapshot, ``detect_s`` after it is back; every ``planner.rebalance_interval_s`` the planner
    re-balances batches to the speeds the devices' stats would report;
@@ -25,8 +27,9 @@ import functools
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
@@ -111,6 +114,11 @@ class SimSettings:
     """Virtual seconds the parameter server spends on each update it receives (the bus's delivery, decoding,
     applying, logging, acking and publishing), one update after another; 0: none, the server answers at the update's
     arrival. docs/simulation.md gives what ``bench fleet`` measured."""
+    ps_broadcast_s: float = 0.0
+    """Virtual seconds the parameter server spends on each model it publishes (encoding the delta, handing it to the
+    bus) before it takes its next update; the model goes out, and the step's acks after it, when that is done. 0:
+    none. Under ``async`` every update is a version, so this is a cost per update there and a cost per round under
+    ``sync``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +206,8 @@ def check(settings: SimSettings) -> None:
         raise ConfigError("the learning rate must be > 0")
     if not (math.isfinite(settings.ps_update_s) and settings.ps_update_s >= 0):
         raise ConfigError("the parameter server's seconds per update must be >= 0")
+    if not (math.isfinite(settings.ps_broadcast_s) and settings.ps_broadcast_s >= 0):
+        raise ConfigError("the parameter server's seconds per published model must be >= 0")
 
 
 @dataclass(slots=True)
@@ -282,7 +292,9 @@ class Simulation:
         self.gradients = 0
         self.plans = 0
         self.ps_free_at = 0.0
-        """When the parameter server is done with the updates it has received (``ps_update_s``)."""
+        """When the parameter server is done with its last turn, the models it published included."""
+        self.inbox: deque[tuple[GradientUpdate, int]] = deque()
+        """Updates through the link that the parameter server has not finished (``ps_update_s``), oldest first."""
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SimRun:
@@ -346,13 +358,42 @@ class Simulation:
         self.queue.at(arrives, functools.partial(self._arrive, message, nbytes))
 
     def _arrive(self, message: GradientUpdate, nbytes: int, t: float) -> None:
-        """An update's bytes are through: the parameter server takes it once done with those before it."""
-        cost = self.settings.ps_update_s
-        if cost <= 0:
+        """An update's bytes are through: the parameter server takes it once done with those before it (and with
+        the models it published), ``ps_update_s`` each."""
+        s = self.settings
+        if s.ps_update_s <= 0 and s.ps_broadcast_s <= 0:
             self._answer(self.server.receive(message, nbytes, t), t)
             return
-        self.ps_free_at = max(t, self.ps_free_at) + cost
-        self.queue.at(self.ps_free_at, lambda now: self._answer(self.server.receive(message, nbytes, now), now))
+        self.inbox.append((message, nbytes))
+        if len(self.inbox) == 1:  # the server is idle, or publishing: this update is its next
+            self.queue.at(max(t, self.ps_free_at) + s.ps_update_s, self._serve)
+
+    def _serve(self, t: float) -> None:
+        """The parameter server is done with its oldest update: its turn, then the next update's."""
+        message, nbytes = self.inbox[0]
+        done = self._turn(lambda: self.server.receive(message, nbytes, t), t)
+        self.inbox.popleft()
+        if self.inbox:
+            self.queue.at(done + self.settings.ps_update_s, self._serve)
+
+    def _turn(self, turn: Callable[[], list[Ack]], t: float, since: int | None = None) -> float:
+        """One turn of the parameter server at ``t``: the models it publishes (from message ``since`` on, if the
+        turn already ran) go out ``ps_broadcast_s`` apart, after anything it was still publishing, and its acks after
+        them (the service acks a step once its model is handed to the bus). When it is done."""
+        first = len(self.server.published) if since is None else since
+        acks = turn()
+        published, done = self.server.published, t
+        if self.settings.ps_broadcast_s > 0 and len(published) > first:
+            done = max(t, self.ps_free_at)
+            for i in range(first, len(published)):
+                done += self.settings.ps_broadcast_s
+                published[i] = replace(published[i], at=done)
+        self.ps_free_at = max(self.ps_free_at, done)
+        if done > t:
+            self.queue.at(done, functools.partial(self._answer, acks))
+        else:
+            self._answer(acks, t)
+        return done
 
     def _on_ack(self, name: str, ack: Ack, version: int, t: float) -> None:
         d = self.devices[name]
@@ -405,7 +446,7 @@ class Simulation:
                 d.shard_key = key
             assert d.batches is not None
             d.batches.batch_size = d.me.batch_size
-        self._answer(self.server.replanned(plan, t), t)
+        self._turn(lambda: self.server.replanned(plan, t), t)
         for name in members:
             self._start(name, t)
 
@@ -418,9 +459,10 @@ class Simulation:
         """After the parameter server's turn: its acks on their way, its scheduler's next deadline, the devices
         waiting for a version that is out now, and the weights no device can start from dropped."""
         version = self.server.version
-        for ack in acks:
+        for ack in acks:  # behind the models published before it, on the device's downlink
             name = ack.update.device
-            self.queue.at(self.boards[name].message_end(t), functools.partial(self._on_ack, name, ack, version))
+            sent = self.devices[name].downlink.free_after(t)
+            self.queue.at(self.boards[name].message_end(sent), functools.partial(self._on_ack, name, ack, version))
         timeout = self.server.timeout(t)
         if timeout is not None and self.timer_at != t + timeout + TIMER_SLACK_S:
             self.timer_at = t + timeout + TIMER_SLACK_S
@@ -437,7 +479,7 @@ class Simulation:
         if self.timer_at != t:
             return  # a deadline since moved
         self.timer_at = None
-        self._answer(self.server.take([], t), t)
+        self._turn(lambda: self.server.take([], t), t)
 
     # ------------------------------------------------------------------ evaluation and the result
     def _evaluate(self, t: float) -> None:
@@ -446,8 +488,9 @@ class Simulation:
             return
         loss, accuracy = self.model.evaluate(version, self.server.versions[version], self.test)
         self.curve.append((t, version, accuracy, loss))
+        since = len(self.server.published)
         if self.server.evaluated(version, loss, accuracy, t):  # rolled back: the best model goes out whole
-            self._answer([], t)
+            self._turn(list, t, since)
 
     def _reached(self) -> float | None:
         return next((t for t, _, a, _ in self.curve if a >= self.settings.target), None)

@@ -3,9 +3,11 @@ and the plans the planner would publish for it.
 
 * :class:`Board`: a profile's training rate and links, slowed and held by its scenario's seeded timeline (the
   functions of :mod:`edgemesh.common.emulation.dynamics` the emulated boards themselves follow).
-* :class:`Downlink`: the models a device receives, in publication order, one after the other over its downlink.
-  Worked out lazily (only when the device asks what it holds), so a broadcast to 1,000 devices costs nothing until
-  each of them starts a step.
+* :class:`Downlink`: the models a device receives, in publication order, one after the other over its downlink,
+  and the acks after the models published before them (an ack waits behind them on the link, as on the emulated
+  link, where one relay carries the broker's messages to the device in order). Worked out lazily (only when the
+  device asks what it holds, or is answered), so a broadcast to 1,000 devices costs nothing until each of them
+  starts a step.
 * :class:`Planner`: the planner's data-parallel plan of the devices present (``layout.plan_data_parallel``) with
   batches from ``batching`` (balanced to the speeds a device's stats would report, or uniform), re-planned when a
   device leaves or comes back and, like the planner's re-balance, when measured speeds move a batch enough.
@@ -132,6 +134,16 @@ class Downlink:
         while (due := self._delivery()) is not None and due <= t:
             self._take()
         return self.held
+
+    def free_after(self, t: float) -> float:
+        """When the downlink is through with every message published by ``t``: what a small message sent at ``t``
+        (an ack) waits behind, since one link carries them in the order the broker sends them."""
+        self.holds(t)
+        free, i = self._free, self._next + (self._due is not None)
+        while i < len(self.published) and self.published[i].at <= t:
+            free, _ = self.board.download_end(max(self.published[i].at, free), self.published[i].nbytes)
+            i += 1
+        return max(free, t)
 
     def when(self, version: int) -> float | None:
         """When the device holds ``version`` or a newer one; None if none is published yet."""
