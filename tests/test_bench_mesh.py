@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 
+from edgemesh.bench.mesh import Run
+from edgemesh.bench.mesh_jobs import accuracy_figures
+
 pytestmark = pytest.mark.timeout(900)
 """A quick run starts eight fleets of processes one after another (three Pi 3s under their CPU quota among them)."""
 
@@ -67,6 +70,9 @@ def test_bench_mesh_quick_on_a_users_job_reports_time_memory_accuracy_and_a_boar
     assert ratios["single_over_edge_mesh_delay"] > 0 and ratios["data_parallel_over_edge_mesh_delay"] > 0
     assert set(ratios["claims"]) == {"edge_mesh_3.2x_below_single", "edge_mesh_below_data_parallel",
                                      "edge_mesh_rss_43pct_below_data_parallel", "accuracy_within_2pt_no_collapse"}
+    # the most any layout can gain over the single board: the fleet's training rate over the board's
+    rates = {d["device"]: d["train_gflops"] for d in data["fleet"]}
+    assert ratios["compute_ceiling_single_over_fleet"] == pytest.approx(sum(rates.values()) / rates["pi4-0"], abs=1e-3)
     # the model no Pi 3 trains alone: the kernel kills the board, and the fleet hears it left for memory
     oom = data["oom"]
     if "skipped" in oom:  # a host that cannot enforce memory limits says why
@@ -95,3 +101,25 @@ def test_bench_mesh_refuses_a_job_it_cannot_draw_images_for(tmp_path: Path) -> N
                                  "--report", str(tmp_path / "x.json"), *args],
                                 capture_output=True, text=True, timeout=120, check=False)
         assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_run_that_ends_at_chance_collapsed_and_one_that_dipped_and_recovered_did_not() -> None:
+    """``collapsed`` is a model that learned and ended at chance (the mesh job that answered one class for 6,500
+    versions); a batch-normalized model that answers one class at an early evaluation and recovers is counted in
+    ``dips_to_chance`` instead."""
+    def run_of(accuracies: list[float]) -> Run:
+        run = Run()
+        run.evaluations = [(float(i), 5 * (i + 1) - 1, a) for i, a in enumerate(accuracies)]
+        return run
+
+    learned_then_chance = [0.2, 0.5, 0.7, *[0.2] * 10]
+    dipped = [0.2, 0.5, 0.2, 0.7, 0.21, *[0.95] * 10]
+    ended = accuracy_figures(run_of(learned_then_chance), versions=1000, classes=CLASSES)
+    assert ended["collapsed"] is True and ended["final_accuracy"] == 0.2 and ended["best_accuracy"] == 0.7
+    recovered = accuracy_figures(run_of(dipped), versions=1000, classes=CLASSES)
+    assert recovered["collapsed"] is False and recovered["dips_to_chance"] == 2
+    assert recovered["final_accuracy"] == 0.95 and recovered["min_final_accuracy"] == 0.95
+    never = accuracy_figures(run_of([0.2] * 12), versions=1000, classes=CLASSES)
+    assert never["collapsed"] is False and never["dips_to_chance"] == 0  # never learned: no collapse to speak of
+    assert accuracy_figures(run_of(dipped), versions=24, classes=CLASSES)["final_accuracy"] == pytest.approx(
+        (0.2 + 0.5 + 0.2 + 0.7 + 0.21) / 5, abs=1e-4)  # only the evaluations up to the run's versions

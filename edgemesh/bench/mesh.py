@@ -88,6 +88,8 @@ DEFAULT_BATCH = 64
 DEFAULT_DILATION = 4.0
 DEFAULT_ITERATIONS = 15
 DEFAULT_ACCURACY_ITERATIONS = 300
+JOB_ACCURACY_ITERATIONS = 600
+"""With ``--job``: versions of each accuracy run (:mod:`edgemesh.bench.mesh_jobs`)."""
 ACCURACY_LR = 0.05
 WARMUP_VERSIONS = 2
 """Model versions before timing starts (the first steps build models and warm caches)."""
@@ -439,7 +441,7 @@ def register(parser: argparse.ArgumentParser) -> None:
       f"and links), so the host keeps up (default {DEFAULT_DILATION:g})")
     a("--iterations", type=int, help=f"timed model versions per mode, after a warm-up (default {DEFAULT_ITERATIONS})")
     a("--accuracy-iterations", type=int, help="model versions of each accuracy run (0 = skip accuracy; default "
-      f"{DEFAULT_ACCURACY_ITERATIONS})")
+      f"{DEFAULT_ACCURACY_ITERATIONS}, with --job {JOB_ACCURACY_ITERATIONS})")
     a("--per-class", type=int, help="with --job: images of a device's two main classes (its others get half)")
     a("--oom-iterations", type=int, help="with --oom: most model versions of the mesh of Pi 3s")
     a("--oom-target", type=float, help="with --oom: the mesh of Pi 3s stops at this held-out accuracy (0: none)")

@@ -21,7 +21,10 @@ model, ``peak_rss_mb_by_device`` each worker process's peak RSS (``VmHWM``) unde
 
 **Accuracy at equal samples**: ``accuracy_iterations`` versions per mode, the held-out folder evaluated every
 ``EVAL_EVERY`` versions (the same versions in every mode); ``final_accuracy`` the mean of the last
-``FINAL_EVALUATIONS``. Under ``sync`` what a run trains does not depend on how fast it goes, so these runs use
+``FINAL_EVALUATIONS``; ``collapsed`` a model that learned and ended at chance, ``dips_to_chance`` the evaluations
+at chance on the way (:func:`accuracy_figures`). 600 versions by default (28,800 samples at three devices): at 150
+every mode, the single board's included, still answered one class at some evaluations, at 600 each has settled
+(docs/benchmarks.md). Under ``sync`` what a run trains does not depend on how fast it goes, so these runs use
 plain workers at the host's speed (same folders, same processes, no board emulation): a model-parallel cluster of
 this model on the boards' Wi-Fi exchanges megabytes of activations per layer (the cost model puts it at tens of
 seconds per iteration). The grid lays out a cluster only where its cost model predicts one faster; for the
@@ -53,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from edgemesh.bench import mesh_data
-from edgemesh.bench.mesh import MODES, WARMUP_VERSIONS, Run, _watch, limits_in_force, summarize
+from edgemesh.bench.mesh import JOB_ACCURACY_ITERATIONS, MODES, WARMUP_VERSIONS, Run, _watch, limits_in_force, summarize
 from edgemesh.bench.model_jobs import EXAMPLES
 from edgemesh.bench.reporting import finish, pyplot, save
 from edgemesh.bench.runs import device_names, drive, fleet_profiles
@@ -79,10 +82,13 @@ FINAL_EVALUATIONS = 10
 ACCURACY_GAP_PT = 2.0
 """The acceptance line: Edge Mesh within this many points of data parallelism at equal samples."""
 COLLAPSE_MARGIN = 0.05
-"""An evaluation at or below chance plus this is a collapse."""
+"""An accuracy at or below chance plus this is at chance."""
 START_TIMEOUT_S = 240.0
 """Longest a run may take from its processes' start until the plan names every device."""
 RUN_TIMEOUT_S = 1800.0
+"""Longest a run may take once it started, at least (a run of many versions gets :data:`RUN_TIMEOUT_PER_VERSION_S`
+for each)."""
+RUN_TIMEOUT_PER_VERSION_S = 6.0
 SUBMIT_WAIT_S = 120.0
 DEPARTURE_WAIT_S = 10.0
 """How long the benchmark waits to see the ``device_left`` event it asked the spawner to publish."""
@@ -122,7 +128,8 @@ class Settings:
 
 # the mesh of Pi 3s stops at its target: at most 200 versions (it reached 0.6 at version 84 here, 872 s, after a run
 # capped at 80 stopped at 0.507)
-FULL = {"fleet": ",".join(DEFAULT_FLEET), "dilation": 8.0, "iterations": 10, "accuracy_iterations": 150,
+FULL = {"fleet": ",".join(DEFAULT_FLEET), "dilation": 8.0, "iterations": 10,
+        "accuracy_iterations": JOB_ACCURACY_ITERATIONS,
         "per_class": 80, "held_out_per_class": 60, "oom_iterations": 200, "oom_target": 0.6}
 QUICK = {"fleet": "pi4,jetson-nano", "dilation": 1.0, "iterations": 2, "accuracy_iterations": 10,
          "per_class": 12, "held_out_per_class": 8, "oom_iterations": 3, "oom_target": 0.0}
@@ -193,7 +200,7 @@ def run_job(bench: Bench, text: str, devices: list[tuple[str, str]], data_dirs: 
         run.failure = await drive(cluster, devices, watch(), started=lambda: run.t0, done=done, flags=flags,
                                   status=lambda t: f"{label}: version {run.version} of {versions}, {t:.0f}s",
                                   progress=bench.progress, start_timeout_s=START_TIMEOUT_S,
-                                  run_timeout_s=RUN_TIMEOUT_S)
+                                  run_timeout_s=max(RUN_TIMEOUT_S, versions * RUN_TIMEOUT_PER_VERSION_S))
         return await after(cluster) if after is not None else None
 
     try:
@@ -235,17 +242,27 @@ def layout(run: Run) -> list[list[str]]:
 
 def accuracy_figures(run: Run, versions: int, classes: int) -> dict[str, Any]:
     """The mean of the last evaluations up to ``versions``, the lowest of them, the best, whether the model
-    collapsed (an evaluation at chance after one well above it), and the curve."""
+    collapsed, how often it dipped to chance on the way, and the curve.
+
+    ``collapsed``: the run *ended* at chance after it had learned (its final accuracy, the mean of the last
+    evaluations, at most chance plus :data:`COLLAPSE_MARGIN`, after a best well above it), as the mesh job that
+    reported 0.197 for 6,500 versions had. ``dips_to_chance``: the evaluations at chance after the model had
+    learned, however it ended (a batch-normalized model early in training, evaluated with running statistics that
+    trail its weights, answers one class now and then and recovers at the next evaluation)."""
     trained = sorted((v, a) for _, v, a in run.evaluations if v <= versions)
     last = [a for _, a in trained[-FINAL_EVALUATIONS:]]
     floor = 1.0 / classes + COLLAPSE_MARGIN
-    best, collapsed = 0.0, False
+    learned = floor + 2 * COLLAPSE_MARGIN
+    best, dips = 0.0, 0
     for _, a in trained:
-        collapsed = collapsed or (best > floor + 2 * COLLAPSE_MARGIN and a <= floor)
+        dips += best > learned and a <= floor
         best = max(best, a)
-    return {"final_accuracy": round(statistics.fmean(last), 4) if last else None,
+    final = statistics.fmean(last) if last else None
+    return {"final_accuracy": round(final, 4) if final is not None else None,
             "min_final_accuracy": round(min(last), 4) if last else None,
-            "best_accuracy": round(best, 4) if trained else None, "collapsed": collapsed,
+            "best_accuracy": round(best, 4) if trained else None,
+            "collapsed": final is not None and best > learned and final <= floor,
+            "dips_to_chance": dips,
             "accuracy_curve": [[round(t, 3), v, round(a, 4)] for t, v, a in run.evaluations]}
 
 
@@ -299,6 +316,12 @@ def _median_gap(run: Run) -> float | None:
     times = [run.versions[v] for v in sorted(run.versions)]
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     return round(statistics.median(gaps), 4) if gaps else None
+
+
+def compute_ceiling(fleet: list[dict[str, Any]], single: dict[str, Any]) -> float:
+    """How many times the single board's training rate the whole fleet's is: no layout of the same FLOPs, data or
+    model parallel, brings an iteration lower than this below the single board's (links and exchanges only add)."""
+    return round(sum(d["train_gflops"] for d in fleet) / single["train_gflops"], 3)
 
 
 def ratios(modes: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -472,6 +495,9 @@ def run_bench(report: Path, settings: Settings, *, seed: int, overrides: dict[st
             failed = failed or bool(entry.get("failure") or entry.get("accuracy_failure"))
         result["limits"] = sorted({e["limits"] for e in result["modes"].values() if e.get("limits")})
         result["ratios"] = ratios(result["modes"])
+        single = next((p for _, p in fleet if p == SINGLE_PROFILE), fleet[0][1])
+        result["ratios"]["compute_ceiling_single_over_fleet"] = compute_ceiling(result["fleet"],
+                                                                               profiles[single].summary())
         if s.oom:
             result["oom"] = run_oom(bench, job)
             failed = failed or bool(result["oom"].get("mesh", {}).get("failure"))

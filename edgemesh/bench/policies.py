@@ -143,9 +143,9 @@ def _run(settings: SimSettings) -> SimRun:
 def run_all(settings: Sequence[SimSettings], jobs: int, progress: Callable[[str], None]) -> list[SimRun]:
     """Every run of ``settings``, in order, over ``jobs`` processes."""
     def said(s: SimSettings, r: SimRun) -> None:
+        reached = "not reached" if r.time_to_target_s is None else f"{r.time_to_target_s:.2f} s"
         progress(f"{s.scenario}{'/straggler' if s.compute_scale else ''} {s.policy} lr {s.lr:g} seed {s.seed}: "
-                 f"{r.time_to_target_s}s to {s.target:g}, {r.versions} versions, {r.gradients} gradients, "
-                 f"{r.wall_s:.1f} wall s")
+                 f"{reached} to {s.target:g}, {r.versions} versions, {r.gradients} gradients, {r.wall_s:.1f} wall s")
 
     if jobs <= 1:
         out = []
