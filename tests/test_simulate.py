@@ -284,6 +284,9 @@ def test_an_ack_waits_behind_the_models_published_before_it_on_the_downlink() ->
     assert link.holds(0.3) == -1  # asking delivered nothing early
     assert link.when(2) == pytest.approx(2.51)
     assert link.free_after(3.0) == 3.0  # idle: an ack goes at once
+    published.append(Published(3, 5.0, 1000, False))  # a model the server will have out at 5 s
+    assert link.when(3) == pytest.approx(6.01)
+    assert link.free_after(4.0) == 4.0  # an ack at 4 s does not wait for it
 
 
 def test_the_cached_adaptive_deadline_is_the_rules_own() -> None:

@@ -112,6 +112,8 @@ class Downlink:
         """The newest version delivered so far (as far as worked out)."""
         self._next = len(published)
         self._free = 0.0
+        self._free_before = 0.0
+        """When the downlink was free before message ``_next``, once its delivery is worked out."""
         self._due: float | None = None
         """When message ``_next`` is delivered, once worked out."""
 
@@ -122,6 +124,7 @@ class Downlink:
     def _delivery(self) -> float | None:
         if self._due is None and self._next < len(self.published):
             message = self.published[self._next]
+            self._free_before = self._free
             self._free, self._due = self.board.download_end(max(message.at, self._free), message.nbytes)
         return self._due
 
@@ -139,7 +142,11 @@ class Downlink:
         """When the downlink is through with every message published by ``t``: what a small message sent at ``t``
         (an ack) waits behind, since one link carries them in the order the broker sends them."""
         self.holds(t)
-        free, i = self._free, self._next + (self._due is not None)
+        free, i = self._free, self._next
+        if self._due is not None:  # message _next is worked out: after it, unless it was published after t
+            if self.published[i].at > t:
+                return max(self._free_before, t)
+            i += 1
         while i < len(self.published) and self.published[i].at <= t:
             free, _ = self.board.download_end(max(self.published[i].at, free), self.published[i].nbytes)
             i += 1
