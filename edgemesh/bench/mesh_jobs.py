@@ -269,11 +269,15 @@ def accuracy_figures(run: Run, versions: int, classes: int) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the three modes
 
 
+def single_board(fleet: list[tuple[str, str]]) -> tuple[str, str]:
+    """The board that trains alone in ``single`` mode: the fleet's first ``SINGLE_PROFILE``, else its first."""
+    return next(((name, p) for name, p in fleet if p == SINGLE_PROFILE), fleet[0])
+
+
 def run_mode(bench: Bench, job: mesh_data.UserJob, mode: str, fleet: list[tuple[str, str]]) -> dict[str, Any]:
     """One mode: its time and memory run on the emulated boards, then its accuracy run."""
     s = bench.settings
-    single = [(name, p) for name, p in fleet if p == SINGLE_PROFILE][:1] or fleet[:1]
-    members = single if mode == "single" else fleet
+    members = [single_board(fleet)] if mode == "single" else fleet
     samples = job.batch_size * len(fleet)
     dirs = {name: str(bench.data / (mesh_data.POOLED if mode == "single" else name)) for name, _ in members}
     key = uuid.uuid4().hex[:6]
@@ -495,9 +499,8 @@ def run_bench(report: Path, settings: Settings, *, seed: int, overrides: dict[st
             failed = failed or bool(entry.get("failure") or entry.get("accuracy_failure"))
         result["limits"] = sorted({e["limits"] for e in result["modes"].values() if e.get("limits")})
         result["ratios"] = ratios(result["modes"])
-        single = next((p for _, p in fleet if p == SINGLE_PROFILE), fleet[0][1])
-        result["ratios"]["compute_ceiling_single_over_fleet"] = compute_ceiling(result["fleet"],
-                                                                               profiles[single].summary())
+        result["ratios"]["compute_ceiling_single_over_fleet"] = compute_ceiling(
+            result["fleet"], profiles[single_board(fleet)[1]].summary())
         if s.oom:
             result["oom"] = run_oom(bench, job)
             failed = failed or bool(result["oom"].get("mesh", {}).get("failure"))

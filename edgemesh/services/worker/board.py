@@ -148,11 +148,11 @@ class EmulatedBoard(Board):
                            "host's pace", self.device, host, self.board.name, self.board.train_gflops)
         if self.cfg.emulation_cpu_quota and self.limits.cpu is not None:
             cpus = limits.cpu_share(self.board.gflops, host, threads=self.cfg.threads)
-            if cpus > self.board.gflops * self.cfg.threads / host:
-                logger.info("%s: an emulated %s is worth %.3f of a host CPU, below the quota's floor: the quota is "
-                            "%.2f, and the stretched compute alone holds steps to the board's pace (a model slower "
-                            "on this host than its FLOPs say overruns)", self.device, self.board.name,
-                            self.board.gflops * self.cfg.threads / host, cpus)
+            if cpus <= limits.MIN_QUOTA_CPUS:
+                logger.info("%s: an emulated %s is worth at most %.2f of a host CPU, the quota's floor: the quota no "
+                            "longer tells boards apart, and the stretched compute alone holds steps to the board's "
+                            "pace (a model slower on this host than its FLOPs say overruns)", self.device,
+                            self.board.name, cpus)
             self.m_cpus.set(self.limits.set_cpus(cpus))
         return prof.Profile(flops=self.board.train_gflops * 1e9,
                             memory_bytes=self.cfg.memory_bytes or self.board.memory_bytes,
