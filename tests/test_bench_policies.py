@@ -127,6 +127,18 @@ def test_the_quick_report_has_its_structure_and_its_figures_agree(tmp_path: Path
     assert refigure(copy.deepcopy(report)) == report  # every figure follows from the runs and the headroom
     assert path.with_suffix(".png").exists()
     assert "| `adaptive` |" in capsys.readouterr().out
+    # the scale run alone, afterwards: at the rate the bench tuned, on its fleet replicated; nothing else changes
+    assert cli.main(["bench", "policies", "--scale-only", "--scale-devices", "6", "--report", str(path), "--set",
+                     "ps.aggregation=mean"]) == 0
+    again: dict[str, Any] = json.loads(path.read_text())
+    scale = again.pop("scale")
+    assert again == report
+    assert scale["devices"] == 6 and scale["policy"] == "adaptive" and scale["lr"] == case["lr"]["adaptive"]
+    assert scale["gradients"] > 0 and scale["fits"] == (scale["time_to_target_s"] is not None)
+    assert scale["overrides"] == {**report["settings"]["overrides"], "ps.aggregation": "mean"}
+    assert "--scale-only --scale-devices 6" in scale["measured"] and "--set ps.aggregation=mean" in scale["measured"]
+    assert cli.main(["bench", "policies", "--scale-only", "--report", str(tmp_path / "none.json")]) == 2
+    assert "--scale-only needs a report of a bench that ran steady" in capsys.readouterr().err
 
 
 def test_set_reaches_every_simulated_run_the_report_and_its_command() -> None:

@@ -253,6 +253,27 @@ def scale_run(bench: Bench, tuning: dict[str, Any], progress: Callable[[str], No
     return out
 
 
+def scale_only(report: Path, *, devices: int, policy: Policy, wall_s: float, overrides: dict[str, str]) -> int:
+    """``--scale-only``: the scale run of the bench whose report is ``report`` (its fleet, model, target and
+    settings, the rates it tuned, and ``overrides`` over its settings: ``--set``), written into that report; the
+    other figures are left as they are."""
+    try:
+        result = json.loads(report.read_text())
+        s, fleet, tuning = result["settings"], result["cases"]["steady"]["fleet"], result["tuning"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--scale-only needs a report of a bench that ran steady ({report}): {exc}") from None
+    bench = Bench(fleet=tuple(fleet), model=s["model"], target=s["target"], eval_interval_s=s["eval_interval_s"],
+                  budget_s=s["budget_s"], overrides=tuple({**s["overrides"], **overrides}.items()),
+                  scale_devices=devices, scale_policy=policy, scale_wall_s=wall_s)
+    result["scale"] = scale_run(bench, tuning, lambda line: print(line, file=sys.stderr, flush=True))
+    sets = "".join(f" --set {k}={v}" for k, v in overrides.items())
+    result["scale"]["overrides"] = dict(bench.overrides)
+    result["scale"]["measured"] = (f"edgemesh bench policies --scale-only --scale-devices {devices} --scale-policy "
+                                   f"{policy} --scale-wall-s {wall_s:g} --report {report}{sets}, after the bench")
+    write_report(report, result, plot, progress=lambda line: print(line, flush=True))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- the command
 def register(parser: argparse.ArgumentParser) -> None:
     """``edgemesh bench policies``."""
@@ -274,6 +295,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help=f"also time one run on this many devices (e.g. {SCALE_DEVICES}; 0: none)")
     parser.add_argument("--scale-policy", default="adaptive")
     parser.add_argument("--scale-wall-s", type=float, default=SCALE_WALL_S)
+    parser.add_argument("--scale-only", action="store_true",
+                        help="only the scale run (--scale-devices, default 1000), at the rates and settings of the "
+                             "report at --report (and any --set), written into that report")
     parser.add_argument("--search-adaptive", action="store_true",
                         help="also choose the adaptive rule's parameters on seeds of their own, and check the winner")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -320,6 +344,10 @@ def main(args: argparse.Namespace) -> int:
         write_report(Path(args.report), result, plot, progress=lambda line: print(line, flush=True))
         print(tables(result))
         return 0
+    if args.scale_only:
+        return scale_only(Path(args.report), devices=args.scale_devices or SCALE_DEVICES,
+                          policy=_names(args.scale_policy, POLICIES, "policy")[0], wall_s=args.scale_wall_s,
+                          overrides=cli.overrides(argparse.Namespace(set=args.set, config_keys={})))
     bench = bench_of(args)
     result = measure(bench, progress=lambda line: print(line, file=sys.stderr, flush=True))
     write_report(Path(args.report), result, plot, progress=lambda line: print(line, flush=True))
