@@ -17,19 +17,21 @@ from helpers import make_config, running, until
 
 from edgemesh import cli
 from edgemesh.bench.fleet import BATCH, MODEL
-from edgemesh.common import costs
+from edgemesh.common import costs, wire
+from edgemesh.common.broadcast import ModelMessage, ModelView
 from edgemesh.common.config import AdaptiveConfig, load_config
 from edgemesh.common.emulation.dynamics import Timeline
 from edgemesh.common.emulation.profiles import get_profile
 from edgemesh.common.emulation.scenarios import load_scenarios
 from edgemesh.common.errors import ConfigError
+from edgemesh.common.messages import ModelDelta, ModelSnapshot
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
 from edgemesh.services.worker.service import Worker
 from edgemesh.simulate import SimSettings, compare, simulate
-from edgemesh.simulate.engine import SimRun
+from edgemesh.simulate.engine import SimRun, Simulation
 from edgemesh.simulate.fleet import Board, Downlink, Published
 from edgemesh.simulate.server import CachedDelay, Server
 
@@ -208,6 +210,48 @@ def test_a_rollback_puts_the_best_weights_back_as_a_new_version_sent_whole() -> 
     assert server.lr == pytest.approx(cfg.training.lr * cfg.ps.guard.lr_factor)
     assert server.published[-1].snapshot and server.published[-1].version == 5
     assert not server.evaluated(3, float("nan"), 0.0, now=6.0)  # a model the rollback left behind is not judged
+
+
+def test_devices_train_on_the_model_as_a_worker_decodes_the_broadcast_not_on_the_servers_exact_weights() -> None:
+    """With the default broadcast (deltas in the lossy ``grid`` codec, a float32 snapshot every
+    ``ps.snapshot_every`` versions) a device's step starts from the weights a worker's ``ModelView`` holds after the
+    messages the server published: those of a delta differ from the server's a little; a snapshot's are exact."""
+    sim = Simulation(SimSettings(fleet=("pi5", "laptop"), policy="sync", budget_s=1.0, overrides=UNIFORM))
+    broadcast, messages = sim.server.broadcast, []
+    snapshot, delta = broadcast.snapshot, broadcast._delta
+
+    def keep_snapshot(*args: object, **kwargs: object) -> bytes:
+        payload = snapshot(*args, **kwargs)  # type: ignore[arg-type]
+        messages.append(wire.decode(payload, ModelSnapshot))
+        return payload
+
+    def keep_delta(*args: object, **kwargs: object) -> ModelMessage:
+        message = delta(*args, **kwargs)  # type: ignore[arg-type]
+        messages.append(wire.decode(message.payload, ModelDelta))
+        return message
+
+    broadcast.snapshot, broadcast._delta = keep_snapshot, keep_delta  # type: ignore[method-assign]
+    started = []
+    update = sim.model.update
+    sim.model.update = lambda version, params, *rest: started.append((version, params)) or update(  # type: ignore[method-assign]
+        version, params, *rest)
+    sim.run()
+    view, held = ModelView(), {}
+    for message in messages:
+        assert view.load(message) if isinstance(message, ModelSnapshot) else view.apply(message)
+        assert view.params is not None
+        held[view.version] = (isinstance(message, ModelSnapshot), view.params)
+    assert sum(snap for snap, _ in held.values()) >= 1 and sum(not snap for snap, _ in held.values()) >= 10
+    checked = 0
+    for version, params in started:
+        snap, decoded = held[version]
+        assert all(np.array_equal(params[k], decoded[k]) for k in decoded), version
+        if version in sim.server.versions:
+            exact = sim.server.versions[version]
+            lossy = any(not np.array_equal(exact[k], decoded[k]) for k in decoded)
+            assert lossy != snap, version  # a delta's weights are not the server's; a snapshot's are
+            checked += 1
+    assert len(started) >= 20 and checked >= 10
 
 
 def test_fedbuff_runs_as_a_reference_whose_devices_never_wait() -> None:

@@ -349,7 +349,7 @@ class Simulation:
         base = d.downlink.holds(t)
         x, y = next(d.batches)
         d.seq += 1
-        update = self.model.update(base, self.server.versions[base], x, y, _seed(self.settings.seed, d.index, d.seq))
+        update = self.model.update(base, self.server.held[base], x, y, _seed(self.settings.seed, d.index, d.seq))
         message, nbytes = d.encoder.encode(update, plan=self.plan, me=d.me, seq=d.seq, base_version=base,
                                            samples=len(y))
         d.busy = True

@@ -27,22 +27,23 @@ class SharedModel:
         self.module = models.build_model(model_spec, seed=seed)
         self.buffers = models.buffer_kinds(self.module)
         self.momenta = models.buffer_momenta(self.module)
-        self._loaded: int | None = None
+        self._loaded: tuple[str, int] | None = None
+        """Which weights the module holds: a version as the devices hold it (``held``) or as the server does."""
 
     def initial(self) -> dict[str, np.ndarray]:
         """The model state every run starts from (what the parameter server builds with the same seed)."""
         return models.get_params(self.module)
 
-    def load(self, version: int, params: Mapping[str, np.ndarray]) -> None:
-        if version != self._loaded:
+    def load(self, key: tuple[str, int], params: Mapping[str, np.ndarray]) -> None:
+        if key != self._loaded:
             models.set_params(self.module, params)
-            self._loaded = version
+            self._loaded = key
 
     def update(self, version: int, params: Mapping[str, np.ndarray], x: np.ndarray, y: np.ndarray,
                seed: int) -> models.Update:
-        """One step on the model of ``version``: its loss, gradients and buffers' change (``seed``: dropout's
-        draws, so that a run replays exactly)."""
-        self.load(version, params)
+        """One step on the model of ``version`` as a device holds it (``params``): its loss, gradients and buffers'
+        change (``seed``: dropout's draws, so that a run replays exactly)."""
+        self.load(("held", version), params)
         with torch.random.fork_rng(devices=[]):
             # the CPU generator alone (the draws are the same): ``torch.manual_seed`` also queues a seed for every
             # CUDA device and records a stack trace each time, a cost paid once per simulated step
@@ -53,8 +54,8 @@ class SharedModel:
         return update
 
     def evaluate(self, version: int, params: Mapping[str, np.ndarray], data: Dataset) -> tuple[float, float]:
-        """(mean loss, accuracy) of the model of ``version`` on ``data``."""
-        self.load(version, params)
+        """(mean loss, accuracy) of the server's model of ``version`` on ``data``."""
+        self.load(("server", version), params)
         return models.evaluate(self.module, data)
 
 

@@ -23,6 +23,7 @@ from edgemesh.common.config import AdaptiveConfig, Config
 from edgemesh.common.messages import GradientUpdate, Plan, PlanDevice
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.vocabulary import SyncPolicy
+from edgemesh.common.wire.half import from_half, to_half
 from edgemesh.services.parameter_server.adaptive import AdaptiveDelay, compensated_momentum, quantile
 from edgemesh.services.parameter_server.guard import Evaluated, Guard
 from edgemesh.services.parameter_server.optimizer import ModelState
@@ -121,6 +122,8 @@ class Server:
         self._fleet = Fleet.of(None, self.bound, 0.0, lr_batch=config.training.batch_size)
         self.versions: dict[int, dict[str, np.ndarray]] = {0: self._copy()}
         """Weights of the versions a device may still start a step from."""
+        self.held: dict[int, dict[str, np.ndarray]] = {0: self.versions[0]}
+        """What a device that follows the model messages holds of each of those versions (``held_weights``)."""
         self.published: list[Published] = []
         self.counts = Counts()
         self.lr = config.training.lr
@@ -215,6 +218,7 @@ class Server:
         message = self.broadcast.to_plan(self.state.params, version, self.policy, self.plan)
         self.clock.version = version
         self.versions[version] = self._copy()
+        self.held[version] = self.held_weights(version, snapshot=message is None or message.snapshot)
         if message is not None:
             self._published(Published(version, now, len(message.payload), message.snapshot))
             self.scheduler.model_published(now)  # an adaptive round's deadline runs from its model
@@ -231,6 +235,7 @@ class Server:
         """The whole model, retained (a device that joins, or a model no one heard); its index among the
         published messages."""
         payload = self.broadcast.snapshot(self.state.params, self.version, self.policy)
+        self.held[self.version] = self.held_weights(self.version, snapshot=True)
         self._published(Published(self.version, now, len(payload), True))
         return len(self.published) - 1
 
@@ -241,10 +246,26 @@ class Server:
     def _copy(self) -> dict[str, np.ndarray]:
         return {k: v.copy() for k, v in self.state.params.items()}
 
+    def held_weights(self, version: int, *, snapshot: bool) -> dict[str, np.ndarray]:
+        """The weights a worker holds of ``version`` (``ModelView``'s): a delta's are the broadcast's view, the
+        last snapshot plus the deltas since as a worker decodes them (``ps.delta_codec`` loses a little, and what
+        it lost goes with the next delta); a snapshot's are exact in delta mode and of ``ps.snapshot_dtype``
+        otherwise. The same arrays as the server's where nothing is lost."""
+        exact = self.versions[version]
+        view = self.broadcast.view
+        if self.cfg.ps.broadcast == "delta":
+            if snapshot or view is None:
+                return exact
+            return {k: v.copy() for k, v in view.items()}
+        if self.cfg.ps.snapshot_dtype == "float16":
+            return {k: from_half(to_half(v)) for k, v in exact.items()}
+        return exact
+
     def forget_before(self, oldest: int) -> None:
         """Drop the weights of versions before ``oldest``: no device can start a step from them any more."""
         for v in [v for v in self.versions if v < min(oldest, self.version)]:
             del self.versions[v]
+            self.held.pop(v, None)
 
     def _count(self, acks: list[Ack]) -> None:
         for ack in acks:
