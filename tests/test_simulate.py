@@ -8,8 +8,10 @@ import asyncio
 import json
 import random
 import sys
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from helpers import make_config, running, until
 
 from edgemesh import cli
 from edgemesh.bench.fleet import BATCH, MODEL
-from edgemesh.common import costs, wire
+from edgemesh.common import costs, models, wire
 from edgemesh.common.broadcast import ModelMessage, ModelView
 from edgemesh.common.config import AdaptiveConfig, load_config
 from edgemesh.common.emulation.dynamics import Timeline
@@ -231,10 +233,14 @@ def test_devices_train_on_the_model_as_a_worker_decodes_the_broadcast_not_on_the
         return message
 
     broadcast.snapshot, broadcast._delta = keep_snapshot, keep_delta  # type: ignore[method-assign]
-    started = []
+    started: list[tuple[int, Mapping[str, np.ndarray]]] = []
     update = sim.model.update
-    sim.model.update = lambda version, params, *rest: started.append((version, params)) or update(  # type: ignore[method-assign]
-        version, params, *rest)
+
+    def keep_start(version: int, params: Mapping[str, np.ndarray], *rest: Any) -> models.Update:
+        started.append((version, params))
+        return update(version, params, *rest)
+
+    sim.model.update = keep_start  # type: ignore[method-assign]
     sim.run()
     view, held = ModelView(), {}
     for message in messages:
