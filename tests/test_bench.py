@@ -378,6 +378,42 @@ def test_bench_ideal_trains_each_variant_and_its_reference_is_bench_models(tmp_p
     assert mine == list(theirs.points) == [tuple(point) for point in runs["reference"]["curve"]]
 
 
+def test_bench_ideal_takes_each_devices_images_through_a_camera_of_its_own_and_bn_own_keeps_batch_norms_change(
+        tmp_path: Path) -> None:
+    """``-cameras``: device i's images times its camera's gain plus its offset, the pooled set theirs, each held-out
+    image through one of the cameras; ``-bn-own``: the running variance moves by batch norm's own change, where the
+    other variants move it as a worker reports it (the mixture's)."""
+    import torch
+
+    from edgemesh.bench import ideal, model_jobs
+
+    shards, _ = ideal.prepare(tmp_path / "data", 4, 8, 6)
+    taken = ideal.through_cameras(shards, seed=0)
+    for i, (device, raw) in enumerate(zip(taken.devices, shards.devices, strict=True)):
+        gain, offset = ideal.CAMERAS[i]
+        np.testing.assert_allclose(device.x, raw.x * gain + offset, rtol=1e-6, atol=1e-6)
+        assert np.array_equal(device.y, raw.y)
+    assert np.array_equal(taken.pooled.x, np.concatenate([d.x for d in taken.devices]))
+    assert np.array_equal(taken.held_out.y, shards.held_out.y)
+    cameras = {min(range(4), key=lambda c: float(np.abs(x - (raw * ideal.CAMERAS[c][0] + ideal.CAMERAS[c][1])).max()))
+               for x, raw in zip(taken.held_out.x, shards.held_out.x, strict=True)}
+    assert len(cameras) > 1  # the held-out images come through several cameras
+
+    entry = model_jobs.catalogue()["bn-cnn"]
+    module = ideal.build(entry, 0, model_jobs.write_entry_point(tmp_path / "models"))
+    moved, at = {}, {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for variant in ("sync-linear-clip-cameras", "sync-linear-clip-cameras-bn-own"):
+        fleet = ideal.Fleet(ideal.VARIANTS[variant], module, taken, lr=0.01, momentum=0.9, batch_size=8, seed=0)
+        batches = iter([(taken.devices[1].x[:8], taken.devices[1].y[:8])])
+        moved[variant] = fleet.gradient(batches, at)[1]
+    names = [name for name in moved["sync-linear-clip-cameras"] if name.endswith("running_var")]
+    assert names
+    for name in names:
+        mean = moved["sync-linear-clip-cameras"][name.replace("var", "mean")]
+        extra = moved["sync-linear-clip-cameras"][name] - moved["sync-linear-clip-cameras-bn-own"][name]
+        torch.testing.assert_close(extra, 0.9 / 0.1 * mean.double() ** 2)  # momentum 0.1: (1 - m) / m mean^2
+
+
 def test_bench_ideal_clips_as_the_parameter_server_does_and_deals_iid_shards_of_the_same_sizes(
         tmp_path: Path) -> None:
     """``-clip``: each device's gradient cut to ``ps.clip_factor`` times the median norm, by the server's own

@@ -411,6 +411,9 @@ async def test_a_batch_norm_model_trains_and_exports_the_accuracy_the_job_report
     # deviation (the initial 0 and 1, the bug this guards against, are 0.5-1 of one away here; a correct run was
     # once 0.27 off, the non-IID devices' means spreading: docs/synchronization.md)
     assert float(np.mean(np.abs(running_mean - mean) / np.sqrt(var))) <= 0.35, (running_mean, mean)
+    # the variance of the mixture of the devices' batches (models.mixture_variance_change): with batch norm's own
+    # change, the mean of the devices' variances, some channel fell to 0.30 and 0.34 of its data's in 2 of 12 runs;
+    # 0.49 at the lowest in 22 with it
     assert np.all((running_var > 0.4 * var) & (running_var < 2.5 * var)), (running_var, var)  # 2.07x once
     # what the user relies on: the statistics recomputed on the devices' images score no better
     for bn in (module.bn1, module.bn2):
@@ -424,9 +427,8 @@ async def test_a_batch_norm_model_trains_and_exports_the_accuracy_the_job_report
     held = load_local("image-folder", tmp_path / "ps" / "shapes-eval", input_shape=(3, 24, 24), classes=CLASSES).train
     with torch.no_grad():
         recomputed = float((module(torch.tensor(held.x)).argmax(1).numpy() == held.y).mean())
-    # the bug this guards against cost 50 points (0.377 against 0.873). Up to 8 points remain: the PS averages each
-    # device's variance change, the within-device variance, and misses the spread of the devices' means (their
-    # data differ), so statistics recomputed on the pooled images may score better
+    # the bug this guards against cost 50 points (0.377 against 0.873). Up to 6.7 points remain in 22 runs
+    # (statistics trail the weights they were gathered under), 0.1 on average
     assert recomputed <= done.accuracy + 0.1, (recomputed, done.accuracy)
 
 

@@ -493,6 +493,41 @@ def test_a_round_moves_running_statistics_as_its_batches_would_in_one_process(de
                 assert off < mean_off / 3
 
 
+@pytest.mark.parametrize("rounds", ["sync", "async"])
+def test_devices_whose_data_differ_leave_the_running_variance_of_their_pooled_data(rounds: str) -> None:
+    """Two devices whose inputs are offset from each other (a camera brighter than another): each batch's variance is
+    its own device's, about 1, while the pooled data's is about 10. The parameter server's running variance, moved
+    by the workers' steps (``compute_update``) in rounds of both or one update at a time, is the pooled data's; the
+    batches' own variances alone (``nn.BatchNorm``'s change) would leave it near 1. Devices holding the same data
+    leave the variance of that data."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm1d(2), torch.nn.Linear(2, 3))
+    names = {name: f"bn.{name.split('.', 1)[1]}" for name in model.state_dict() if name.startswith("0.")}
+    kinds, momenta = models.buffer_kinds(model), models.buffer_momenta(model)
+    start = {names[k]: v.numpy().reshape(-1).astype(np.float32) for k, v in model.state_dict().items() if k in names}
+    generator = np.random.default_rng(0)
+
+    def trained(offsets: list[float]) -> np.ndarray:
+        state = ModelState(start, buffers={names[k]: v for k, v in kinds.items()},
+                           momenta={names[k]: m for k, m in momenta.items()})
+        for turn in range(300):
+            devices = offsets if rounds == "sync" else [offsets[turn % len(offsets)]]
+            changes = []
+            for offset in devices:
+                models.set_params(model, {**{k: v.detach().numpy() for k, v in model.named_parameters()},
+                                          **{k: state.params[names[k]].reshape(model.state_dict()[k].shape)
+                                             for k in names}})
+                x = (generator.standard_normal((32, 2)) + offset).astype(np.float32)
+                update = models.compute_update(model, x, generator.integers(0, 3, 32))
+                changes.append((32, [ShardGrad(names[k], 0, len(c), c) for k, c in update.buffers.items()
+                                     if k in names]))
+            state.step([], lr=0.1, momentum=0.9, buffers=buffer_mean(changes))
+        return state.params["bn.running_var"]
+
+    np.testing.assert_allclose(trained([-3.0, 3.0]), 10.0, rtol=0.25)
+    np.testing.assert_allclose(trained([0.0, 0.0]), 1.0, rtol=0.25)
+
+
 def test_gradients_and_buffer_changes_travel_apart_and_neither_may_stand_for_the_other() -> None:
     state = ModelState(_with_buffers(), buffers=BUFFERS)
     none = get_codec("none")

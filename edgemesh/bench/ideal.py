@@ -21,12 +21,16 @@ be told from what the round costs. A ``-grid`` variant has the devices compute o
 server's broadcast leaves it with them (its own :class:`~edgemesh.common.broadcast.Broadcaster`, ``ps.broadcast =
 "delta"`` with the ``grid`` codec at ``ps.delta_density`` and a whole snapshot every ``ps.snapshot_every`` steps:
 the defaults) instead of the exact model, so that what the lossy broadcast costs can be told too; ``-grid-0.6``
-keeps twice the share of each delta, ``-fp16`` sends every delta whole in half precision.
+keeps twice the share of each delta, ``-fp16`` sends every delta whole in half precision. A ``-cameras`` variant
+takes each device's images (and the held-out ones, at random) through a camera of its own, a gain and an offset
+(``CAMERAS``): devices whose inputs differ, not only their classes; ``-fixbn`` normalizes by the running statistics,
+frozen, from half the samples on (FixBN's remedy for batch norm on such devices).
 
-Batch-norm statistics move as on the fleet: each device's change, sample-weighted. Every variant is evaluated
-on the held-out folder every ``--every`` samples; the report gives each one's curve, its best and its last. Set
-beside ``bench models``, it says how much of the fleet's gap is the algorithm's: the fleet matching its ideal
-within the spread of single runs leaves nothing to the system.
+Batch-norm statistics move as on the fleet: each device's change, sample-weighted, the running variance's as the
+mixture's (``models.mixture_variance_change``; ``-bn-own``: as batch norm's own change, the rule before it).
+Every variant is evaluated on the held-out folder every ``--every`` samples; the report gives each one's curve, its
+best and its last. Set beside ``bench models``, it says how much of the fleet's gap is the algorithm's: the fleet
+matching its ideal within the spread of single runs leaves nothing to the system.
 """
 
 from __future__ import annotations
@@ -81,6 +85,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sync-linear-clip-grid-0.6": {"mode": "sync", "scaling": "linear", "clip": True,
                                   "broadcast": {"delta_density": 0.6}},
     "sync-linear-clip-fp16": {"mode": "sync", "scaling": "linear", "clip": True, "broadcast": {"delta_codec": "fp16"}},
+    "reference-cameras": {"mode": "reference", "cameras": True},
+    "sync-linear-clip-cameras": {"mode": "sync", "scaling": "linear", "clip": True, "cameras": True},
+    "sync-linear-clip-cameras-bn-own": {"mode": "sync", "scaling": "linear", "clip": True, "cameras": True,
+                                        "bn_own": True},
+    "async-inverse-clip-cameras": {"mode": "async", "damping": "inverse", "clip": True, "cameras": True},
+    "async-inverse-clip-cameras-bn-own": {"mode": "async", "damping": "inverse", "clip": True, "cameras": True,
+                                          "bn_own": True},
+    "sync-linear-clip-cameras-fixbn": {"mode": "sync", "scaling": "linear", "clip": True, "cameras": True,
+                                       "fix_bn": 0.5},
+    "async-inverse-clip-cameras-fixbn": {"mode": "async", "damping": "inverse", "clip": True, "cameras": True,
+                                         "fix_bn": 0.5},
 }
 """Every way of training the benchmark knows, by name."""
 
@@ -109,6 +124,26 @@ def prepare(workdir: Path, devices: int, per_class: int, held_out_per_class: int
     pooled = Dataset("pooled", np.concatenate([p.x for p in parts]), np.concatenate([p.y for p in parts]),
                      len(GLYPHS))
     return Shards(parts, pooled, load(workdir / "held-out")), mixes
+
+
+CAMERAS = ((1.0, 0.0), (1.3, 0.4), (0.8, -0.3), (1.15, 0.15))
+"""``-cameras``: each device's pixels (in [0, 1]) times a gain plus an offset, as by a camera of its own, in turn."""
+
+
+def through_cameras(shards: Shards, seed: int) -> Shards:
+    """``shards`` as the devices' cameras would have taken them (``CAMERAS``, device i the i-th in turn); the pooled
+    set is every device's so taken, and each held-out image is taken by one of the cameras at random."""
+    def taken(x: np.ndarray, camera: int) -> np.ndarray:
+        gain, offset = CAMERAS[camera % len(CAMERAS)]
+        return (x * gain + offset).astype(np.float32)
+
+    devices = [Dataset(f"{d.name}-camera", taken(d.x, i), d.y, d.num_classes) for i, d in enumerate(shards.devices)]
+    pooled = Dataset("pooled-cameras", np.concatenate([d.x for d in devices]), shards.pooled.y,
+                     shards.pooled.num_classes)
+    held = shards.held_out
+    cameras = np.random.default_rng(seed).integers(0, len(shards.devices), len(held.y))
+    held_x = np.stack([taken(x, int(c)) for x, c in zip(held.x, cameras, strict=True)])
+    return Shards(devices, pooled, Dataset("held-out-cameras", held_x, held.y, held.num_classes))
 
 
 def dealt(shards: Shards, seed: int) -> list[Dataset]:
@@ -143,6 +178,8 @@ class Fleet:
 
         self.variant, self.module = variant, module
         self.buffers = list(models.buffer_kinds(module))
+        self.running = [] if variant.get("bn_own") else models.running_pairs(models.buffer_momenta(module))
+        """Batch norms whose running variance moves as the mixture's (``-bn-own``: as batch norm moves it)."""
         self.devices = len(shards.devices)
         if variant.get("compensated"):
             momentum = compensated_momentum(momentum, self.devices)
@@ -159,6 +196,8 @@ class Fleet:
         self.broadcast = Broadcaster(replace(ParameterServerConfig(), **variant["broadcast"]), "ideal") \
             if "broadcast" in variant else None
         self.version = 0
+        self.fixed = False
+        """``-fixbn``: batch norms normalize by the running statistics, which no longer move."""
 
     def step_of(self, mode: str) -> Callable[[], int]:
         return {"reference": self.one_process, "sync": self.in_sync, "async": self.in_turn}[mode]
@@ -231,15 +270,26 @@ class Fleet:
         import torch
         import torch.nn.functional as F
 
+        from edgemesh.common import models
+        from edgemesh.common.models.training import BATCH_NORMS
+
         module = self.module
         module.load_state_dict(at)
         x, y = next(batches)
         module.train()
+        if self.fixed:
+            for norm in module.modules():
+                if isinstance(norm, BATCH_NORMS):
+                    norm.eval()
         module.zero_grad(set_to_none=True)
         F.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).backward()
         after = module.state_dict()
+        moved = {b: after[b].double() - at[b].double() for b in self.buffers}
+        for var, mean, momentum in self.running:  # as a worker's step reports it (``models.compute_update``)
+            moved[var] = torch.from_numpy(models.mixture_variance_change(moved[var].numpy(), moved[mean].numpy(),
+                                                                         momentum))
         return ([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in module.parameters()],
-                {b: after[b].double() - at[b].double() for b in self.buffers}, len(y))
+                moved, len(y))
 
     def step(self, now: dict[str, torch.Tensor], grads: list[torch.Tensor], moved: dict[str, torch.Tensor]) -> None:
         """One optimizer step from ``now`` on ``grads``, the buffers moved by ``moved``."""
@@ -260,15 +310,18 @@ def train(variant: dict[str, Any], module: Any, shards: Shards, *, lr: float, mo
     """Train ``module`` as ``variant`` says for ``samples`` samples; its held-out accuracy every ``every``."""
     import torch
 
+    if variant.get("cameras"):
+        shards = through_cameras(shards, seed)
     x_held, y_held = torch.tensor(shards.held_out.x), torch.tensor(shards.held_out.y)
-    advance = Fleet(variant, module, shards, lr=lr, momentum=momentum, batch_size=batch_size,
-                    seed=seed).step_of(variant["mode"])
+    fleet = Fleet(variant, module, shards, lr=lr, momentum=momentum, batch_size=batch_size, seed=seed)
+    advance = fleet.step_of(variant["mode"])
     curve: list[tuple[int, float]] = []
     seen, due = 0, every
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # dropout's draws
         while seen < samples:
             seen += advance()
+            fleet.fixed = seen >= samples * variant.get("fix_bn", 1.0) and "fix_bn" in variant
             if seen >= due or seen >= samples:
                 module.eval()
                 with torch.no_grad():
@@ -283,19 +336,26 @@ def plot(result: dict[str, Any], png: Path) -> bool:
     runs = result.get("runs") or {}
     if plt is None or not runs:
         return False
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
+    columns = min(len(runs), 5)
+    rows = -(-len(runs) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 4 * rows), squeeze=False)
     order = list(dict.fromkeys(name for variants in runs.values() for name in variants))
-    colours = {name: f"C{i % 10}" for i, name in enumerate(order)}  # a variant's colour in every panel
-    for ax, (key, variants) in zip(axes[0], runs.items(), strict=True):
+    # a variant's colour and line in every panel: twenty colours, then the same again dashed
+    styles = {name: (plt.get_cmap("tab20")(i % 20), "-" if i < 20 else "--") for i, name in enumerate(order)}
+    for ax, (key, variants) in zip(axes.flat, runs.items(), strict=False):
         for name, run in variants.items():
             if run["curve"]:
                 xs, ys = zip(*run["curve"], strict=True)
-                ax.plot(xs, ys, label=name, color=colours[name], linewidth=2.5 if name == "reference" else 1.2)
+                colour, line = styles[name]
+                ax.plot(xs, ys, label=name, color=colour, linestyle=line,
+                        linewidth=2.5 if name.startswith("reference") else 1.2)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("samples seen")
         ax.set_ylabel("held-out accuracy")
         ax.set_ylim(0, 1)
-    axes[0][0].legend(fontsize=7)
+        ax.legend(fontsize=6)  # each panel names the variants it holds
+    for ax in list(axes.flat)[len(runs):]:
+        ax.set_visible(False)
     fig.suptitle("ideal data parallel in one process, beside one process on the pooled data", fontsize=10)
     return save(fig, png)
 

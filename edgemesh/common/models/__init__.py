@@ -49,7 +49,9 @@ from edgemesh.common.models.training import (
     evaluate,
     get_params,
     gradient_layout,
+    mixture_variance_change,
     param_layout,
+    running_pairs,
     set_params,
 )
 
@@ -84,8 +86,10 @@ __all__ = [
     "measure_cost",
     "measure_layers",
     "mesh_stages",
+    "mixture_variance_change",
     "param_layout",
     "register_costs",
     "register_spec",
+    "running_pairs",
     "set_params",
 ]

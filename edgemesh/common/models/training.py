@@ -151,7 +151,8 @@ class Update:
 
 def compute_update(model: nn.Module, x: np.ndarray, y: np.ndarray) -> Update:
     """Cross-entropy loss of one batch, the float32 gradient of every parameter, and the change the forward pass
-    made to every persistent buffer. The model keeps its moved buffers (as one process training on would).
+    made to every persistent buffer, a batch norm's running variance taking the spread of the batches' means too
+    (``mixture_variance_change``). The model keeps its moved buffers (as one process training on would).
 
     Gradients are zeroed first; parameters that take no part in the loss get zeros.
     """
@@ -172,9 +173,36 @@ def compute_update(model: nn.Module, x: np.ndarray, y: np.ndarray) -> Update:
         for name, p in model.named_parameters()
     }
     after = model.state_dict(keep_vars=True)  # a module may assign a buffer anew rather than write into it
-    moved = {name: np.atleast_1d((after[name].detach().to(torch.float64) - before[name].to(torch.float64))
-                                 .numpy().astype(np.float32)) for name in kinds}
+    changes = {name: np.atleast_1d((after[name].detach().to(torch.float64) - before[name].to(torch.float64)).numpy())
+               for name in kinds}
+    for var, mean, momentum in running_pairs(buffer_momenta(model)):
+        changes[var] = mixture_variance_change(changes[var], changes[mean], momentum)
+        with torch.no_grad():  # the model keeps the running variance the update reports
+            after[var].copy_((before[var].to(torch.float64) + torch.from_numpy(changes[var])).to(after[var].dtype))
+    moved = {name: change.astype(np.float32) for name, change in changes.items()}
     return Update(float(loss.item()), grads, moved)
+
+
+def mixture_variance_change(var_change: np.ndarray, mean_change: np.ndarray, momentum: float) -> np.ndarray:
+    """A batch norm's running-variance change over one step, as the variance of every batch averaged so far around
+    the running mean, not only within each batch: ``nn.BatchNorm``'s change ``m (v - S)`` plus
+    ``m (1 - m) (mu - r)^2``, i.e. ``(1 - m) / m`` times the square of the running mean's change ``m (mu - r)``
+    (``m`` the layer's momentum, ``mu`` and ``v`` the batch's mean and variance, ``r`` and ``S`` the running ones).
+
+    An exponentially weighted variance of the batches' mixture: on devices whose data differ, each batch's variance
+    is that of its own device, and their average misses how far the devices' means lie apart, so the pooled data
+    would be normalized by too small a variance; batches drawn from the same data add only the spread of their
+    means (a few per cent on a small batch). docs/synchronization.md measures both."""
+    if not 0.0 < momentum < 1.0:
+        return var_change
+    return var_change + (1.0 - momentum) / momentum * np.square(mean_change.astype(np.float64))
+
+
+def running_pairs(momenta: Mapping[str, float]) -> list[tuple[str, str, float]]:
+    """``(running_var, running_mean, momentum)`` of each batch norm whose statistics move as an exponential
+    average (``buffer_momenta``)."""
+    return [(name, f"{name[:-len('var')]}mean", momentum) for name, momentum in momenta.items()
+            if name.endswith("running_var") and f"{name[:-len('var')]}mean" in momenta]
 
 
 def compute_gradients(model: nn.Module, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:

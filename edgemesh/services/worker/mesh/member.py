@@ -392,10 +392,12 @@ class MeshMember:
                     out[f"{norm.name}.num_batches_tracked"] = (0, 1, np.ones(1, np.float32))
                 if layer.stop == layer.start:
                     continue
-                for part, after in zip(("running_mean", "running_var"), norm.moved, strict=True):
-                    before = getattr(norm, part)
-                    change = (after.to(torch.float64) - before.to(torch.float64)).numpy().astype(np.float32)
-                    out[f"{norm.name}.{part}"] = (layer.start, layer.stop, change)
+                mean, var = ((after.to(torch.float64) - getattr(norm, part).to(torch.float64)).numpy()
+                             for part, after in zip(("running_mean", "running_var"), norm.moved, strict=True))
+                if norm.momentum is not None:  # as one process's step reports it (``models.compute_update``)
+                    var = models.mixture_variance_change(var, mean, norm.momentum)
+                out[f"{norm.name}.running_mean"] = (layer.start, layer.stop, mean.astype(np.float32))
+                out[f"{norm.name}.running_var"] = (layer.start, layer.stop, var.astype(np.float32))
         return out
 
     def _run(self, ops: Sequence[Op], h: torch.Tensor, step: int, span: tuple[int, int, int] | None) -> torch.Tensor:
