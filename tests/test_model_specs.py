@@ -265,6 +265,8 @@ def _first_layer(item: Any, shape: tuple[int, ...]) -> nn.Module:
     ({"conv2d": 6, "kernel": 3, "groups": 2, "bias": False}, (4, 5, 5), nn.Conv2d, (6, 3, 3)),
     ({"linear": 3, "bias": False}, (5,), nn.Linear, (3,)),
     ({"linear": 3, "bias": True}, (5,), nn.Linear, (3,)),
+    ({"groupnorm": 2}, (4, 3, 3), nn.GroupNorm, (4, 3, 3)),
+    ({"groupnorm": 3}, (6,), nn.GroupNorm, (6,)),
 ])
 def test_each_edge_layer_builds_its_module_and_output_shape(item: Any, shape: tuple[int, ...], kind: type,
                                                             out: tuple[int, ...]) -> None:
@@ -278,6 +280,35 @@ def test_edge_activations_compute_their_functions() -> None:
     assert torch.equal(_first_layer("relu6", (33,))(x), x.clamp(0, 6))
     torch.testing.assert_close(_first_layer("hardswish", (33,))(x), x * (x + 3).clamp(0, 6) / 6)
     torch.testing.assert_close(_first_layer("silu", (33,))(x), x * torch.sigmoid(x))
+
+
+def test_group_norm_normalizes_each_sample_alone_and_keeps_no_statistics() -> None:
+    """Group norm (``{groupnorm = G}``) normalizes each sample over its groups of channels: a sample comes out the same
+    alone as in any batch, in training as in evaluation, so a device's batch (one camera's images) does not shape
+    what the model learns, and no running statistic is kept or travels."""
+    model = build_model_of(layer_list_spec("gn", [{"conv2d": 4, "kernel": 3, "bias": False}, {"groupnorm": 2}, "relu",
+                                                  "flatten", {"linear": 3}], (3, 6, 6), 3))
+    norm = model.gn1
+    assert isinstance(norm, nn.GroupNorm) and (norm.num_groups, norm.num_channels) == (2, 4)
+    assert models.buffer_kinds(model) == {} and {n for n, _ in model.named_parameters()} >= {"gn1.weight", "gn1.bias"}
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.rand((8, 3, 6, 6), generator=generator) * torch.tensor([1.0, 3.0] * 4).view(8, 1, 1, 1)
+    model.train()
+    together = model(batch)
+    alone = torch.cat([model(batch[i:i + 1]) for i in range(8)])
+    model.eval()
+    torch.testing.assert_close(together, alone)
+    torch.testing.assert_close(model(batch), together)
+
+
+def test_a_group_norm_model_exports_to_onnx_as_torch_computes(tmp_path: Path) -> None:
+    block = {"residual": [{"conv2d": 8, "kernel": 3, "padding": 1}, {"groupnorm": 2}], "activation": "relu"}
+    spec = layer_list_spec("gn-onnx", [{"conv2d": 8, "kernel": 3, "padding": 1, "bias": False}, {"groupnorm": 4},
+                                       "relu", block, "globalavgpool", {"linear": 3}], (3, 8, 8), 3)
+    model = build_model_of(spec)
+    _randomize(model, seed=3)  # group norm's weight and bias away from 1 and 0
+    path = export_model(model, (3, 8, 8), "onnx", tmp_path / "gn.onnx")
+    assert check_onnx(model, (3, 8, 8), path) <= ONNX_TOLERANCE
 
 
 def test_global_average_pooling_is_each_channels_mean() -> None:
@@ -353,6 +384,10 @@ EDGE_BAD_LAYERS: list[tuple[list[Any], str]] = [
                                                                 r"per sample is \(4,\)"),
     (["flatten", {"linear": 3}, {"residual": [{"linear": 4}]}], r"layer 3 \(residual\): the model's output per "
                                                                 r"sample is \(4,\)"),
+    ([{"conv2d": 4, "kernel": 1}, {"groupnorm": 3}], r"layer 2 \(\{'groupnorm': 3\}\): 3 groups must divide its "
+                                                     r"input's 4 channels"),
+    (["groupnorm"], r"layer 1 \('groupnorm'\): groupnorm needs its groups: write \{groupnorm = \.\.\.\}"),
+    ([{"groupnorm": 0}], r"groupnorm groups must be a positive integer, got 0"),
 ]
 
 
@@ -505,6 +540,10 @@ def test_model_parallelism_refuses_what_it_cannot_divide_naming_the_module() -> 
                                                       "batchnorm"]}, "flatten", {"linear": 3}], (1, 6, 6), 3)
     with pytest.raises(ModelError, match=r"'res1.body.res1' \(Residual inside a residual block"):
         mesh_stages(build_model_of(nested))
+    grouped = layer_list_spec("gn-mesh", [{"conv2d": 4, "kernel": 3}, {"groupnorm": 2}, "flatten", {"linear": 3}],
+                              (1, 6, 6), 3)
+    with pytest.raises(ModelError, match=r"cannot divide module 'gn1' \(GroupNorm\)"):  # its groups span the members
+        mesh_stages(build_model_of(grouped))
     reflected = nn.Sequential(OrderedDict(conv1=nn.Conv2d(1, 4, 3, padding=1, padding_mode="circular")))
     with pytest.raises(ModelError, match=r"cannot divide module 'conv1' \(Conv2d with padding_mode = 'circular'\)"):
         mesh_stages(reflected)

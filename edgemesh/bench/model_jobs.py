@@ -9,7 +9,9 @@
 * ``resnet8``: the ``[model]`` of ``examples/resnet8-32.toml`` (three residual stages, projections);
 * ``entry-point``: the user's own module (:data:`ENTRY_POINT_NET`, written to the work directory's ``models``, which
   the fleet's hosts allow and search, and named by ``entry_point`` and ``module_path``): batch norm,
-  depthwise-separable residual blocks, a strided convolution.
+  depthwise-separable residual blocks, a strided convolution;
+* ``gn-cnn``: ``bn-cnn`` with group norm (4 groups) in place of each batch norm: normalization that does not depend
+  on the batch, for devices whose inputs differ (not in a full ``bench models`` run unless named).
 
 Each job's ``[training]`` takes the learning rate and batch size of its model (the examples' own for the two
 taken from ``examples/``), the cell's sync policy and seed; ``[data]`` and ``[evaluation]`` are those of the
@@ -112,6 +114,7 @@ def catalogue() -> dict[str, BenchModel]:
           {"conv2d": 32, "kernel": 3, "padding": 1, "bias": False}, "batchnorm", "relu", {"maxpool2d": 2},
           {"conv2d": 64, "kernel": 3, "padding": 1, "bias": False}, "batchnorm", "relu",
           "globalavgpool", {"dropout": 0.2}, {"linear": classes}]
+    gn = [{"groupnorm": 4} if layer == "batchnorm" else layer for layer in bn]
     return {m.name: m for m in (
         BenchModel("plain-cnn", "the digits CNN for 3x32x32 (a 4x4 max pool)", {"layers": plain}, 0.02, 16),
         BenchModel("bn-cnn", "conv + batch norm + relu blocks without bias, dropout", {"layers": bn}, 0.05, 16),
@@ -121,6 +124,7 @@ def catalogue() -> dict[str, BenchModel]:
                    int(resnet_training["batch_size"])),
         BenchModel("entry-point", "an entry-point module: batch norm, depthwise residual blocks",
                    {"entry_point": ENTRY_POINT}, 0.05, 16),
+        BenchModel("gn-cnn", "bn-cnn with group norm (4 groups) in place of batch norm", {"layers": gn}, 0.05, 16),
     )}
 
 

@@ -3,7 +3,7 @@
 Items are a layer name (``"relu"``) or a table with one layer entry and its options
 (``{conv2d = 16, kernel = 3, padding = 1}``); input sizes (channels, features) are inferred from
 the layer before. Children are named by kind and a 1-based count per kind: ``conv1, relu1, pool1,
-conv2, ..., flatten1, fc1, drop1, bn1`` (``pool`` counts max- and average-pooling together), after
+conv2, ..., flatten1, fc1, drop1, bn1, gn1`` (``pool`` counts max- and average-pooling together), after
 an ``input`` standardization when the job gives mean and std. The names depend on the list alone,
 so parameters (``conv1.weight``, ``fc2.bias``) are named alike on every host.
 
@@ -113,6 +113,7 @@ KINDS: Final[dict[str, _Kind]] = {
     "flatten": _Kind("flatten", None, {}, ()),
     "dropout": _Kind("drop", "probability", {}, ()),
     "batchnorm": _Kind("bn", None, {}, (FLAT, IMAGE)),
+    "groupnorm": _Kind("gn", "groups", {}, (FLAT, IMAGE)),
     "tanh": _Kind("tanh", None, {}, ()),
     "sigmoid": _Kind("sigmoid", None, {}, ()),
     "relu6": _Kind("relu6_", None, {}, ()),
@@ -122,7 +123,8 @@ KINDS: Final[dict[str, _Kind]] = {
     "residual": _Kind("res", "layer list", {"activation": ACTIVATIONS}, ()),
 }
 """Every layer name a list may use, in the order error messages list them."""
-VALUE_LIMITS: Final = {"conv2d": MAX_WIDTH, "linear": MAX_WIDTH, "maxpool2d": MAX_KERNEL, "avgpool2d": MAX_KERNEL}
+VALUE_LIMITS: Final = {"conv2d": MAX_WIDTH, "linear": MAX_WIDTH, "maxpool2d": MAX_KERNEL, "avgpool2d": MAX_KERNEL,
+                       "groupnorm": MAX_WIDTH}
 """The largest value of each kind whose value is a positive integer."""
 RANK_NAMES: Final = {FLAT: "a flat (features,) input", IMAGE: "a (channels, height, width) input"}
 PLAIN: Final[dict[str, Make]] = {"relu": LeanReLU, "relu6": nn.ReLU6, "hardswish": nn.Hardswish, "silu": nn.SiLU,
@@ -147,6 +149,8 @@ def _make(kind: str, value: Any, options: Mapping[str, Any], shape: tuple[int, .
         return functools.partial(nn.Dropout, float(value))
     if kind == "batchnorm":
         return functools.partial(nn.BatchNorm1d if len(shape) == FLAT else nn.BatchNorm2d, shape[0])
+    if kind == "groupnorm":
+        return functools.partial(nn.GroupNorm, value, shape[0])
     return PLAIN[kind]
 
 
@@ -230,7 +234,7 @@ def _positive_integer(kind: str, what: str, value: Any) -> None:
 
 VALUE_RULES: Final[dict[str, Callable[[str, str, Any], None]]] = {
     "conv2d": _positive_integer, "linear": _positive_integer, "maxpool2d": _positive_integer,
-    "avgpool2d": _positive_integer, "dropout": _probability, "residual": _layers,
+    "avgpool2d": _positive_integer, "dropout": _probability, "residual": _layers, "groupnorm": _positive_integer,
 }
 """How the value of each kind that takes one is checked: ``rule(kind, what the value is, value)`` raises ModelError
 with the reason alone."""
@@ -258,6 +262,8 @@ def _fit(kind: str, value: Any, options: Mapping[str, Any], shape: tuple[int, ..
     if kind == "conv2d" and (shape[0] % groups or value % groups):
         raise ModelError(f"groups = {groups} must divide the input channels ({shape[0]}) and the output "
                          f"channels ({value}); groups equal to the input channels is a depthwise convolution")
+    if kind == "groupnorm" and shape[0] % value:
+        raise ModelError(f"{value} groups must divide its input's {shape[0]} channels")
 
 
 def _params(kind: str, value: Any, options: Mapping[str, Any], shape: tuple[int, ...]) -> int:
@@ -267,7 +273,7 @@ def _params(kind: str, value: Any, options: Mapping[str, Any], shape: tuple[int,
         return value * (shape[0] // options.get("groups", 1)) * options["kernel"] ** 2 + bias
     if kind == "linear":
         return value * shape[0] + bias
-    if kind == "batchnorm":
+    if kind in ("batchnorm", "groupnorm"):
         return 2 * shape[0]
     return 0
 
