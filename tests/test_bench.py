@@ -378,6 +378,21 @@ def test_bench_ideal_trains_each_variant_and_its_reference_is_bench_models(tmp_p
     assert mine == list(theirs.points) == [tuple(point) for point in runs["reference"]["curve"]]
 
 
+def test_a_full_bench_models_run_trains_the_matrix_of_its_report_and_group_norm_when_named() -> None:
+    """``gn-cnn`` is in the catalogue (``bench ideal`` measures it) but a full ``bench models`` run trains the five
+    models of its committed report unless ``--models`` names it."""
+    import argparse
+
+    from edgemesh.bench import model_jobs, models
+
+    parser = argparse.ArgumentParser()
+    models.register(parser)
+    assert models.settings_of(parser.parse_args([])).models == (
+        "plain-cnn", "bn-cnn", "mobilenetv2", "resnet8", "entry-point")
+    assert "gn-cnn" in model_jobs.catalogue()
+    assert models.settings_of(parser.parse_args(["--models", "gn-cnn"])).models == ("gn-cnn",)
+
+
 def test_bench_ideal_takes_each_devices_images_through_a_camera_of_its_own_and_bn_own_keeps_batch_norms_change(
         tmp_path: Path) -> None:
     """``-cameras``: device i's images times its camera's gain plus its offset, the pooled set theirs, each held-out
