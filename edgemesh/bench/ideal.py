@@ -321,7 +321,7 @@ def train(variant: dict[str, Any], module: Any, shards: Shards, *, lr: float, mo
         torch.manual_seed(seed)  # dropout's draws
         while seen < samples:
             seen += advance()
-            fleet.fixed = seen >= samples * variant.get("fix_bn", 1.0) and "fix_bn" in variant
+            fleet.fixed = "fix_bn" in variant and seen >= samples * variant["fix_bn"]
             if seen >= due or seen >= samples:
                 module.eval()
                 with torch.no_grad():
