@@ -156,7 +156,12 @@ class Inbox:
                     return i, m
             return None
 
-        i, msg = await self.until(f"a {kind.__name__}", first, timeout_s)
+        try:
+            i, msg = await self.until(f"a {kind.__name__}", first, timeout_s)
+        except AssertionError as e:  # what did arrive says why the awaited one did not
+            seen = self.of(kind)
+            last = str(seen[-1])[:800] if seen else None
+            raise AssertionError(f"{e}; {len(seen)} received, the last: {last}") from None
         self._taken.add(i)
         return msg
 

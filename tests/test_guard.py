@@ -67,6 +67,22 @@ def test_a_model_that_learned_and_fell_back_to_chance_rolls_back() -> None:
     assert unknown.judge(held(10, 1.61, 0.2)) is None
 
 
+def test_accuracy_noise_before_the_model_learned_never_rolls_it_back() -> None:
+    """Three classes (a uniform guess's loss is ln 3 = 1.099): a best of 0.544 at a loss of 1.088 has nearly flat
+    logits, and its evaluations falling to chance or far below it are noise; once its loss fell to 0.95 of a uniform
+    guess's, the same fall rolls back. An exploding loss rolls back either way."""
+    guard = Guard(GuardConfig(patience=1))
+    guard.chance = 1 / 3
+    guard.judge(held(130, 1.088, 0.544))
+    assert not guard.learned
+    assert guard.judge(held(135, 1.09, 0.333)) is None and guard.judge(held(140, 1.09, 0.28)) is None
+    assert guard.judge(held(145, 4.5, 0.333)) is not None  # over 4 x the best loss: divergence, learned or not
+    guard.judge(held(150, 1.0, 0.6))
+    assert guard.learned
+    rollback = guard.judge(held(155, 1.09, 0.36))
+    assert rollback is not None and rollback.to.version == 150 and "fell back to chance" in rollback.reason
+
+
 def test_noise_near_a_tiny_best_loss_is_not_divergence() -> None:
     guard = Guard(GuardConfig(patience=1))
     guard.judge(held(5, 0.02, 0.99))
