@@ -393,6 +393,27 @@ def test_a_full_bench_models_run_trains_the_matrix_of_its_report_and_group_norm_
     assert models.settings_of(parser.parse_args(["--models", "gn-cnn"])).models == ("gn-cnn",)
 
 
+def test_bench_models_split_batch_gives_each_device_the_batch_and_rate_over_the_workers(tmp_path: Path) -> None:
+    """``--split-batch``: a round of four devices is one batch of the reference at its rate (16 samples at 0.02),
+    so the fleet takes the reference's steps; by default each device trains as the reference does."""
+    import argparse
+    import tomllib
+
+    from edgemesh.bench import model_jobs, models
+
+    parser = argparse.ArgumentParser()
+    models.register(parser)
+    entry = model_jobs.catalogue()["plain-cnn"]
+    assert models.fleet_entry(entry, models.settings_of(parser.parse_args([]))) is entry
+    split = models.fleet_entry(entry, models.settings_of(parser.parse_args(["--split-batch", "--workers", "4"])))
+    assert (split.batch_size, split.lr) == (4, pytest.approx(0.005)) and split.model == entry.model
+    job = tomllib.loads(model_jobs.job_text(split, policy="sync", seed=0, target=0.8, max_minutes=1, max_versions=0,
+                                            module_path=tmp_path))
+    assert job["training"]["batch_size"] == 4 and job["training"]["lr"] == pytest.approx(0.005)
+    odd = models.fleet_entry(entry, models.settings_of(parser.parse_args(["--split-batch", "--workers", "3"])))
+    assert (odd.batch_size, odd.lr) == (5, pytest.approx(0.02 * 5 / 16))  # the rate per sample is the reference's
+
+
 def test_bench_ideal_takes_each_devices_images_through_a_camera_of_its_own_and_bn_own_keeps_batch_norms_change(
         tmp_path: Path) -> None:
     """``-cameras``: device i's images times its camera's gain plus its offset, the pooled set theirs, each held-out

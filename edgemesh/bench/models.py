@@ -126,6 +126,9 @@ class Settings:
     quick: bool = False
     first_seed: int = 0
     """The run trains seeds ``first_seed`` to ``first_seed + seeds - 1`` (another run's seeds: ``--merge``)."""
+    split_batch: bool = False
+    """Each device trains on the model's batch over ``workers`` at its rate over ``workers`` (``fleet_entry``): a
+    round of the fleet is then one batch of the reference, and takes the reference's step."""
 
     @property
     def seed_range(self) -> range:
@@ -134,6 +137,15 @@ class Settings:
     @property
     def job_timeout_s(self) -> float:
         return self.max_minutes * 60 + JOB_MARGIN_S if self.max_minutes else UNCAPPED_JOB_S
+
+
+def fleet_entry(entry: model_jobs.BenchModel, settings: Settings) -> model_jobs.BenchModel:
+    """The model as the fleet's jobs train it: as the reference does, or with ``--split-batch`` each device's batch
+    and rate the reference's over the workers (the linear scaling rule keeps the rate per sample)."""
+    if not settings.split_batch:
+        return entry
+    batch = max(1, entry.batch_size // settings.workers)
+    return replace(entry, batch_size=batch, lr=entry.lr * batch / entry.batch_size)
 
 
 FULL = {"models": "plain-cnn,bn-cnn,mobilenetv2,resnet8,entry-point", "policies": ",".join(POLICIES), "seeds": 3,
@@ -246,6 +258,7 @@ class Fleet:
 async def run_cell(fleet: Fleet, entry: model_jobs.BenchModel, policy: str, seed: int,
                    settings: Settings) -> dict[str, Any]:
     """Submit one cell's job, follow it to its end, export its model and score it; the cell's figures."""
+    entry = fleet_entry(entry, settings)
     text = model_jobs.job_text(entry, policy=policy, seed=seed, target=0.0 if settings.samples else settings.target,
                                max_minutes=settings.max_minutes, max_versions=settings.max_versions,
                                module_path=fleet.module_path)
@@ -375,10 +388,11 @@ def run_reference(entry: model_jobs.BenchModel, seed: int, cells: dict[str, dict
                             seed=seed,
                             at=reference.checkpoints([*counts.values(), *chain(*evaluated.values())], spacing))
     rounds = [policy for policy in counts if policy in ROUND_POLICIES]
+    fleets = fleet_entry(entry, settings)
     round_curve = reference.train(
-        models.build_model(spec.model_key, seed=seed), data, held_out, lr=entry.lr * settings.workers,
+        models.build_model(spec.model_key, seed=seed), data, held_out, lr=fleets.lr * settings.workers,
         momentum=float(training.get("momentum", 0.9)), weight_decay=float(training.get("weight_decay", 0.0)),
-        batch_size=entry.batch_size * settings.workers, seed=seed,
+        batch_size=fleets.batch_size * settings.workers, seed=seed,
         at=reference.checkpoints([*(counts[p] for p in rounds), *chain(*(evaluated[p] for p in rounds))], spacing),
     ) if rounds else None
     for policy, samples in counts.items():
@@ -472,6 +486,7 @@ def run(report: Path, config: Config, settings: Settings, *, command: str, overr
                      "held_out_per_class": settings.held_out_per_class, "target_accuracy": settings.target,
                      "max_minutes": settings.max_minutes, "max_versions": settings.max_versions,
                      "quick": settings.quick, "eval_every": model_jobs.EVAL_EVERY, "overrides": overrides,
+                     "split_batch": settings.split_batch,
                      "samples_budget": settings.samples, "budget": BUDGET_SOURCE if settings.samples else None,
                      "samples_seen": SAMPLES_SOURCE, "reference": REFERENCE_MATCH,
                      "reference_optimizer": "torch.optim.SGD, the job's lr, momentum 0.9, batch size; pooled data",
@@ -486,7 +501,10 @@ def run(report: Path, config: Config, settings: Settings, *, command: str, overr
 
     catalogue = model_jobs.catalogue()
     result["models"] = {name: {"description": catalogue[name].description, "lr": catalogue[name].lr,
-                               "batch_size": catalogue[name].batch_size} for name in settings.models}
+                               "batch_size": catalogue[name].batch_size,
+                               "device_lr": fleet_entry(catalogue[name], settings).lr,
+                               "device_batch_size": fleet_entry(catalogue[name], settings).batch_size}
+                        for name in settings.models}
     with local_broker(config, external=external_broker) as (served, broker):
         result["broker"] = broker
         devices, result["data"] = prepare_data(workdir, settings)
@@ -529,6 +547,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help=f"cap: a job ends after this many minutes of training (default {FULL['max_minutes']})")
     parser.add_argument("--max-versions", type=int, default=0, help="cap: a job ends at this model version (0: none)")
     parser.add_argument("--broker", help="an external broker URL (default: a Mosquitto or embedded broker of its own)")
+    parser.add_argument("--split-batch", action="store_true",
+                        help="each device trains on the model's batch over the workers, at its rate over the workers "
+                             "(a round of the fleet is one batch of the reference); default: each device the whole "
+                             "batch, as the reference")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a setting of the fleet's services")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (failed runs always do)")
@@ -559,7 +581,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
                         workers=given("workers"), per_class=given("per_class"),
                         held_out_per_class=given("held_out_per_class"), target=args.target,
                         max_minutes=given("max_minutes"), max_versions=args.max_versions, samples=given("samples"),
-                        quick=args.quick, first_seed=args.first_seed)
+                        quick=args.quick, first_seed=args.first_seed, split_batch=args.split_batch)
     if not settings.models or not settings.policies or settings.seeds < 1 or settings.workers < 2:
         raise ValueError("give at least one model, one policy, one seed and two workers")
     if settings.first_seed < 0:
