@@ -29,7 +29,7 @@ from helpers import (
 )
 
 from edgemesh.common import costs, models, wire
-from edgemesh.common.broadcast import Broadcaster, ModelView, delta_cuts, member_rows
+from edgemesh.common.broadcast import Broadcaster, ModelView, delta_codec, delta_cuts, member_rows
 from edgemesh.common.bus import Bus
 from edgemesh.common.codecs import get_codec
 from edgemesh.common.config import Config, ParameterServerConfig
@@ -343,9 +343,25 @@ def test_a_delta_is_cut_at_most_into_max_delta_blocks_and_members_get_little_bey
     assert delta_cuts(256, range(1, 256), 64) == [0, *range(4, 256, 4), 256]  # evenly spaced
 
 
-def test_by_default_a_delta_carries_the_largest_share_of_the_change_grid_coded() -> None:
+def test_by_default_a_round_s_delta_goes_whole_in_half_precision_and_an_async_update_s_grid_coded() -> None:
+    """``ps.delta_codec = "auto"``: a round moves the model by every device's batch at once, and a lossy delta would
+    leave the devices computing on a model behind by much of that step; an async update is one batch's step."""
     config = ParameterServerConfig(broadcast="delta")
-    assert (config.delta_codec, config.delta_density) == ("grid", 0.3)  # the defaults a fleet runs with
+    assert config.delta_codec == "auto"
+    assert [delta_codec(config, policy) for policy in ("sync", "adaptive", "async", "ssp")] == [
+        "fp16", "fp16", "grid", "grid"]
+    assert delta_codec(replace(config, delta_codec="topk"), "sync") == "topk"  # a codec set is a codec kept
+    broadcaster = Broadcaster(config, "m")
+    change = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+    broadcaster.after_step({"w": np.zeros((64, 32), np.float32)}, 0, "sync", None)
+    step = wire.decode(broadcaster.after_step({"w": change}, 1, "sync", None).payload, ModelDelta)
+    assert [s.codec for s in step.shards] == ["fp16"]
+    assert broadcaster.view is not None and np.abs(broadcaster.view["w"] - change).max() < 2e-3  # all of it
+
+
+def test_under_async_a_delta_carries_the_largest_share_of_the_change_grid_coded() -> None:
+    config = ParameterServerConfig(broadcast="delta")
+    assert config.delta_density == 0.3  # the defaults a fleet runs with
     broadcaster = Broadcaster(config, "m")
     follower = ModelView()
     follower.load(wire.decode(broadcaster.after_step({"w": np.zeros((64, 32), np.float32)}, 0, "async",

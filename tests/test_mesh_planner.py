@@ -163,7 +163,8 @@ async def test_the_grid_plans_with_the_links_devices_measure_where_their_hellos_
     cfg = make_config(mosquitto_broker, job="meshmeasured", **{
         "planner.parallelism": "mesh", "planner.round_samples": "16", "planner.min_devices": "2",
         "planner.replan_debounce_s": "0.05", "planner.rebalance_interval_s": "0.1",
-        "planner.replan_threshold": "0.02"})  # two members that must share the model: a new division gains 4 %
+        "planner.replan_threshold": "0.02",  # two members that must share the model: a new division gains 4 %
+        "ps.delta_codec": "grid"})  # (of an iteration whose model deltas are not fp16's, sync's default)
     memory = share_memory("digits-cnn", 0.7, 16)  # neither holds the model alone: one cluster of the two
     hellos = {"real": DeviceHello(device="real", incarnation=2, flops=20e9, memory_bytes=memory),
               "declared": DeviceHello(device="declared", incarnation=1, flops=20e9, memory_bytes=memory,

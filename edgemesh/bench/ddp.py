@@ -11,7 +11,7 @@ One run, two trainings of the same job, one after the other on this host:
   version ``--steps`` (``ps.eval_every``), so that neither side evaluates while it is timed (DDP evaluates the
   models it kept after it trained; ``--set ps.eval_every=5`` evaluates as EdgeMesh does by default, within
   ``ps.eval_budget``, on the cores the workers train on). ``--set compressor.mode=adaptive --set
-  ps.delta_codec=grid`` runs the edge defaults instead (fp16 then grid gradients, grid-coded deltas). It runs
+  ps.delta_codec=auto`` runs the edge defaults instead (fp16 then grid gradients, fp16 deltas under ``sync``). It runs
   until the parameter server's first evaluation at or after ``--steps`` model versions.
   ``edgemesh_seconds_per_version`` is the time from version ``--warmup`` to version ``--steps``, as the first
   ack naming each version reached this process, over the versions between;
@@ -98,8 +98,8 @@ BATCH = 32
 """Samples per worker per step (``training.batch_size``, uniform batches)."""
 EXACT = {"compressor.mode": "static", "compressor.default_codec": "none", "ps.delta_codec": "none"}
 """EdgeMesh's settings for a link that carries float32 at no cost worth saving: gradients and model deltas
-uncompressed. Its edge defaults (``fp16``, then ``grid`` once a link is measured slow, and ``grid`` deltas) are
-lossy and take CPU to encode, against a DDP whose all-reduce is exact."""
+uncompressed. Its edge defaults (``fp16``, then ``grid`` once a link is measured slow, and ``fp16`` deltas under
+``sync``) are lossy and take CPU to encode, against a DDP whose all-reduce is exact."""
 HALF = {"compressor.mode": "static", "compressor.default_codec": "fp16", "ps.delta_codec": "fp16"}
 """``--comm fp16``: EdgeMesh's gradients and model deltas in float16, beside DDP with torch's
 ``fp16_compress_hook`` (its all-reduce in float16): both sides send half the bytes."""

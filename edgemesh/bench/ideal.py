@@ -20,11 +20,12 @@ devices at random, as many to each as its own folder holds, so that what devices
 be told from what the round costs. A ``-grid`` variant has the devices compute on the model as the parameter
 server's broadcast leaves it with them (its own :class:`~edgemesh.common.broadcast.Broadcaster`, ``ps.broadcast =
 "delta"`` with the ``grid`` codec at ``ps.delta_density`` and a whole snapshot every ``ps.snapshot_every`` steps:
-the defaults) instead of the exact model, so that what the lossy broadcast costs can be told too; ``-grid-0.6``
-keeps twice the share of each delta, ``-fp16`` sends every delta whole in half precision. A ``-cameras`` variant
-takes each device's images (and the held-out ones, at random) through a camera of its own, a gain and an offset
-(``CAMERAS``): devices whose inputs differ, not only their classes; ``-fixbn`` normalizes by the running statistics,
-frozen, from half the samples on (FixBN's remedy for batch norm on such devices).
+the defaults under ``async``, where ``sync`` sends ``fp16`` deltas) instead of the exact model, so that what the
+lossy broadcast costs can be told too; ``-grid-0.6`` keeps twice the share of each delta, ``-fp16`` sends every
+delta whole in half precision. A ``-cameras`` variant takes each device's images (and the held-out ones, at random)
+through a camera of its own, a gain and an offset (``CAMERAS``): devices whose inputs differ, not only their
+classes; ``-fixbn`` normalizes by the running statistics, frozen, from half the samples on (FixBN's remedy for batch
+norm on such devices).
 
 Batch-norm statistics move as on the fleet: each device's change, sample-weighted, the running variance's as the
 mixture's (``models.mixture_variance_change``; ``-bn-own``: as batch norm's own change, the rule before it).
@@ -80,10 +81,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sync-linear-clip": {"mode": "sync", "scaling": "linear", "clip": True},
     "sync-linear-clip-iid": {"mode": "sync", "scaling": "linear", "clip": True, "iid": True},
     "async-inverse-clip": {"mode": "async", "damping": "inverse", "clip": True},
-    "sync-linear-clip-grid": {"mode": "sync", "scaling": "linear", "clip": True, "broadcast": {}},
-    "async-inverse-clip-grid": {"mode": "async", "damping": "inverse", "clip": True, "broadcast": {}},
+    "sync-linear-clip-grid": {"mode": "sync", "scaling": "linear", "clip": True, "broadcast": {"delta_codec": "grid"}},
+    "async-inverse-clip-grid": {"mode": "async", "damping": "inverse", "clip": True,
+                                "broadcast": {"delta_codec": "grid"}},
     "sync-linear-clip-grid-0.6": {"mode": "sync", "scaling": "linear", "clip": True,
-                                  "broadcast": {"delta_density": 0.6}},
+                                  "broadcast": {"delta_codec": "grid", "delta_density": 0.6}},
     "sync-linear-clip-fp16": {"mode": "sync", "scaling": "linear", "clip": True, "broadcast": {"delta_codec": "fp16"}},
     "reference-cameras": {"mode": "reference", "cameras": True},
     "sync-linear-clip-cameras": {"mode": "sync", "scaling": "linear", "clip": True, "cameras": True},

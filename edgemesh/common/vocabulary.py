@@ -12,6 +12,8 @@ from typing import Literal, get_args
 CodecName = Literal["none", "fp16", "topk", "threshold", "qsgd", "grid"]
 """Gradient and model-delta codecs (docs/compression.md)."""
 CODECS: tuple[CodecName, ...] = get_args(CodecName)
+DeltaCodecName = Literal[CodecName, "auto"]
+"""The model deltas' codec setting: a codec, or ``auto`` (the parameter server's choice by the policy)."""
 SparseCodecName = Literal["topk", "threshold", "grid"]
 """The codecs that keep a share (the policy's density) of a gradient's values."""
 SPARSE_CODECS: tuple[SparseCodecName, ...] = get_args(SparseCodecName)

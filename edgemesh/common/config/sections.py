@@ -16,6 +16,7 @@ from edgemesh.common.vocabulary import (
     AggregationRule,
     AttackKind,
     CodecName,
+    DeltaCodecName,
     RoundScaling,
     SparseCodecName,
     StalenessRule,
@@ -353,8 +354,11 @@ class ParameterServerConfig:
     broadcast: Literal["snapshot", "delta"] = "delta"
     """How the model reaches workers: a full snapshot per version, or encoded deltas on
     ``model/delta`` (with a float32 snapshot every ``snapshot_every`` versions and on request)."""
-    delta_codec: CodecName = "grid"
-    """Codec of the model deltas; what it leaves out is sent with the next delta."""
+    delta_codec: DeltaCodecName = "auto"
+    """Codec of the model deltas; what it leaves out is sent with the next delta. ``auto``: ``fp16`` under the
+    round policies (``sync``, ``adaptive``), whose rounds move the model by several batches at once and reach each
+    device once, ``grid`` under ``async`` and ``ssp``, where every device hears of every other's update
+    (docs/compression.md)."""
     delta_density: float = 0.3
     """Kept share of each delta for sparsifying codecs."""
     snapshot_every: int = 50

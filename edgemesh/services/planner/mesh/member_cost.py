@@ -56,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from edgemesh.common import costs
+from edgemesh.common.broadcast import delta_codec
 from edgemesh.common.codecs import bytes_per_value
 from edgemesh.common.config import Config
 from edgemesh.common.costs import LayerCost
@@ -298,10 +299,10 @@ def _sums(layers: tuple[LayerCost, ...]) -> tuple[int, int, int, int, int]:
 def wire_for(config: Config) -> Wire:
     """Bytes per value the cost model charges, from the configured codecs: activations as
     ``worker.mesh_dtype``, gradients as the compressor's default codec (the adaptive compressor may
-    compress harder on slow links), model updates as the parameter server's delta codec."""
+    compress harder on slow links), model updates as the parameter server's delta codec (under the job's policy)."""
     c = config
     density = c.compressor.static_density if c.compressor.default_codec in ("topk", "threshold") else 1.0
-    model = bytes_per_value(c.ps.delta_codec, c.ps.delta_density) if c.ps.broadcast == "delta" else \
-        costs.FLOAT32_BYTES
+    model = costs.FLOAT32_BYTES if c.ps.broadcast != "delta" else \
+        bytes_per_value(delta_codec(c.ps, c.training.sync_policy), c.ps.delta_density)
     return Wire(activation=2.0 if c.worker.mesh_dtype == "float16" else float(costs.FLOAT32_BYTES),
                 gradient=bytes_per_value(c.compressor.default_codec, density), model=model)
