@@ -56,6 +56,10 @@ def test_codec_sizes_the_cost_model_charges_are_measured_from_the_codecs() -> No
     wire = wire_for(load_config(env={}, overrides={"worker.mesh_dtype": "float16", "ps.delta_codec": "fp16"}))
     assert (wire.activation, wire.gradient, wire.model) == (2.0, 2.0, 2.0)
     assert wire_for(load_config(env={}, overrides={"ps.broadcast": "snapshot"})).model == 4.0
+    # the deltas' codec by default follows the job's policy: a round's whole in fp16, an async update's grid-coded
+    assert wire_for(load_config(env={}, overrides={"training.sync_policy": "sync"})).model == 2.0
+    assert wire_for(load_config(env={}, overrides={"training.sync_policy": "async"})).model == bytes_per_value(
+        "grid", 0.3)
 
 
 # --------------------------------------------------------------------------- the planner lays out a mesh
