@@ -21,7 +21,7 @@ import aiomqtt
 import pytest
 
 from edgemesh.common.emulation import streams
-from edgemesh.common.emulation.link import MIN_SEGMENT, SEGMENT_S, EmulatedLink, _ChunkQueue, segments
+from edgemesh.common.emulation.link import EmulatedLink, _ChunkQueue
 from edgemesh.common.emulation.shape import LinkClock, LinkShape, outage_schedule
 from edgemesh.local.broker import BrokerProcess, free_port
 
@@ -164,22 +164,6 @@ def test_clock_queues_chunks_behind_each_other_then_adds_latency() -> None:
     clock.deliver_at(1000, now=30.0)
     clock.reset()  # the chunk in flight was dropped: the radio is free again
     assert clock.deliver_at(0, now=30.0) == pytest.approx(30.5)
-
-
-def test_a_chunk_read_reaches_the_device_in_segments_not_at_once() -> None:
-    """A 16 KiB read on a 800 kB/s link: its first bytes arrive after 5 ms of radio time, not all of it after 20 ms,
-    so a receiver timing a message from its first byte measures the link's rate."""
-    data = bytes(range(256)) * 64
-    pieces = segments(data, 800e3)
-    assert b"".join(p or b"" for p in pieces) == data
-    assert {len(p or b"") for p in pieces[:-1]} == {int(800e3 * SEGMENT_S)}
-    clock = LinkClock(800e3, 0.0)
-    arrivals = [clock.deliver_at(len(p or b""), 0.0) for p in pieces]
-    first_byte_to_last = len(data) / (arrivals[-1] - 0.0)
-    assert first_byte_to_last == pytest.approx(800e3)  # from the transfer's start
-    assert len(data) / (arrivals[-1] - arrivals[0]) < 1.5 * 800e3  # whole, it would be infinitely fast
-    assert len(segments(data, 100e3)[0] or b"") == MIN_SEGMENT  # a slow link is not paced byte by byte
-    assert segments(data, 0) == [data] and segments(b"", 800e3) == [b""] and segments(None, 800e3) == [None]
 
 
 def test_clock_without_a_rate_adds_only_latency() -> None:

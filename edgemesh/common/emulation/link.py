@@ -44,32 +44,13 @@ from edgemesh.common.emulation.shape import LinkClock, LinkShape, outage_schedul
 logger = logging.getLogger(__name__)
 
 CHUNK_SIZE = 16 * 1024
-"""Most bytes read from a socket at once."""
-SEGMENT_S = 0.005
-"""A chunk read is paced and delivered in segments of about this much radio time, as a link delivers its packets
-one after another: delivered whole, a 16 KiB chunk would reach the device at once after 80 ms of a 200 kB/s link,
-and a receiver timing a message from its first byte would see the link faster than it is."""
-MIN_SEGMENT = 1460
-"""Fewest bytes in a segment (a TCP segment on Ethernet or Wi-Fi): a slow link is not paced byte by byte."""
+"""Most bytes read from a socket at once; one chunk is paced and delivered as a whole."""
 QUEUE_BYTES = 1 << 20
 """Bytes that may wait for delivery per direction and connection before the relay stops reading."""
 UPSTREAM_CONNECT_TIMEOUT_S = 10.0
 """Seconds to open the upstream connection of an accepted connection before giving up on it."""
 CLOSE_TIMEOUT_S = 5.0
 """Seconds to wait for the relay tasks of cut or closed connections to finish."""
-
-
-def segments(data: bytes | None, rate_bps: float) -> list[bytes | None]:
-    """``data`` as the segments the link delivers one by one: about ``SEGMENT_S`` of radio time each at
-    ``rate_bps`` (at least ``MIN_SEGMENT`` bytes; the whole chunk on an unlimited link); an end (``b""``) or a
-    reset (None) as itself."""
-    if not data or rate_bps <= 0:
-        return [data]
-    size = max(MIN_SEGMENT, int(rate_bps * SEGMENT_S))
-    if size >= len(data):
-        return [data]
-    view = memoryview(data)
-    return [bytes(view[i:i + size]) for i in range(0, len(data), size)]
 
 
 class _Direction:
@@ -399,8 +380,7 @@ class EmulatedLink:
         while True:
             await queue.wait_room()
             data = await streams.read(source, CHUNK_SIZE)
-            for piece in segments(data, direction.clock.rate_bps):
-                await queue.put(direction.clock.deliver_at(len(piece or b""), loop.time()), piece)
+            await queue.put(direction.clock.deliver_at(len(data or b""), loop.time()), data)
             if not data:
                 return
 
