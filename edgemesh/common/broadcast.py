@@ -158,7 +158,7 @@ def delta_codec(config: ParameterServerConfig, policy: SyncPolicy) -> CodecName:
     """``ps.delta_codec``, ``auto`` resolved: ``fp16`` under the round policies, ``grid`` under ``async`` and ``ssp``.
 
     A round's version moves the model by every device's batch at once and reaches each device once, so a lossy
-    delta leaves the devices computing a round behind by much of a step (under ``sync`` it cost the digits CNN 2-3
+    delta leaves the devices computing a round behind by much of a step (under ``sync`` it cost the digits CNN 3
     points, docs/benchmarks.md); under ``async`` a device hears of every other device's update, each a small step,
     and ``grid`` at a sixth of ``fp16``'s bytes cost nothing measurable."""
     if config.delta_codec != "auto":
