@@ -77,6 +77,7 @@ from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.messages import ControlCommand, JobState, Plan, UpdateAck
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics, all_job_states_filter
+from edgemesh.common.vocabulary import ROUND_POLICIES
 from edgemesh.local.processes import LocalCluster
 from edgemesh.operator.job import COMMAND_TTL_S
 
@@ -95,10 +96,6 @@ SAMPLES_SOURCE = ("accepted acks of the job counted on the bus, each times its d
                   "plan (the PS's ledger records no samples)")
 REFERENCE_MATCH = ("per model and seed, one run trained to the most samples any policy's cell saw, evaluated exactly "
                    "at the samples of each cell's evaluations and at each cell's samples seen")
-ROUND_POLICIES = ("sync", "adaptive")
-"""Policies whose step averages a round of the workers' batches: a round of ``workers`` batches at ``workers`` times
-the learning rate (``ps.round_scaling = linear``) is one large-batch SGD step, which at equal samples takes
-``workers`` times fewer steps than the reference does; the round-batch reference is that step in one process."""
 ROUND_REFERENCE = ("round_batch_reference_best_accuracy (sync and adaptive cells): one process at the round's batch "
                    "(workers x the job's batch) and the linearly scaled rate (workers x the job's lr), best at the "
                    "cell's evaluations, as reference_best_accuracy; gap_round_batch_pt: exported - that")
@@ -387,6 +384,8 @@ def run_reference(entry: model_jobs.BenchModel, seed: int, cells: dict[str, dict
                             weight_decay=float(training.get("weight_decay", 0.0)), batch_size=entry.batch_size,
                             seed=seed,
                             at=reference.checkpoints([*counts.values(), *chain(*evaluated.values())], spacing))
+    # a round of ``workers`` batches at ``workers`` times the rate (``ps.round_scaling = linear``) is one large-batch
+    # SGD step, ``workers`` times fewer at equal samples than the reference's: the round-batch reference takes it
     rounds = [policy for policy in counts if policy in ROUND_POLICIES]
     fleets = fleet_entry(entry, settings)
     round_curve = reference.train(

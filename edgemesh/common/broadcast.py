@@ -31,7 +31,7 @@ from edgemesh.common.codecs import codec_for, get_codec, quick_to_decode
 from edgemesh.common.config import ParameterServerConfig
 from edgemesh.common.errors import WireError
 from edgemesh.common.messages import CodecPolicy, ModelDelta, ModelSnapshot, Plan, ShardUpdate
-from edgemesh.common.vocabulary import CodecName, SyncPolicy
+from edgemesh.common.vocabulary import ROUND_POLICIES, CodecName, SyncPolicy
 from edgemesh.common.wire.half import from_half, to_half
 from edgemesh.common.wire.tensors import Tensor
 
@@ -163,7 +163,7 @@ def delta_codec(config: ParameterServerConfig, policy: SyncPolicy) -> CodecName:
     and ``grid`` at a sixth of ``fp16``'s bytes cost nothing measurable."""
     if config.delta_codec != "auto":
         return config.delta_codec
-    return "fp16" if policy in ("sync", "adaptive") else "grid"
+    return "fp16" if policy in ROUND_POLICIES else "grid"
 
 
 def _float32(values: np.ndarray) -> np.ndarray:

@@ -21,6 +21,8 @@ SPARSE_CODECS: tuple[SparseCodecName, ...] = get_args(SparseCodecName)
 SyncPolicy = Literal["sync", "async", "ssp", "adaptive"]
 """Synchronization policies of the parameter server (docs/synchronization.md)."""
 SYNC_POLICIES: tuple[SyncPolicy, ...] = get_args(SyncPolicy)
+ROUND_POLICIES: tuple[SyncPolicy, ...] = ("sync", "adaptive")
+"""The policies whose versions are rounds: one update per cluster, applied together."""
 AggregationRule = Literal["mean", "clip", "median", "trimmed-mean", "krum"]
 """How the parameter server combines a step's contributions (docs/reliability.md#robust-aggregation)."""
 AGGREGATION_RULES: tuple[AggregationRule, ...] = get_args(AggregationRule)
