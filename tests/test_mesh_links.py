@@ -43,15 +43,13 @@ TRAIN_S = 40.0
 def config(broker: BrokerProcess, tmp_path: Path, **settings: object) -> Config:
     """Every service's configuration: mesh planning of 16-sample iterations, checked against the stats every
     half second (the median of the last three, any gain over 5 %, no interval: the measured slow link gains about
-    10 %), 16 KiB chunks (a snapshot of the model comes in ten: a downlink sample). ``grid`` deltas, as before the
-    default ``auto`` sent sync's as ``fp16``: those come in two or three chunks, and the downlink they sample measured
-    1.05 MB/s on this 0.8 MB/s link (an open question of the meter's, not of the planner's this test is about)."""
+    10 %), 16 KiB chunks (a snapshot of the model comes in ten, a delta in two or three: downlink samples)."""
     return make_config(broker, job=JOB, **{
         "planner.parallelism": "mesh", "planner.round_samples": SAMPLES, "planner.min_devices": 2,
         "planner.replan_debounce_s": 0.05, "planner.rebalance_interval_s": 0.5, "training.sync_policy": "sync",
         "planner.replan_threshold": 0.05, "planner.replan_min_interval_s": 0, "planner.smoothing_window": 3,
         "broker.chunk_bytes": 16 * 1024, "ps.state_dir": tmp_path / "ps", "ps.eval_every": 0,
-        "ps.broadcast": "delta", "ps.delta_codec": "grid", "worker.stats_interval_s": 0.5,
+        "ps.broadcast": "delta", "worker.stats_interval_s": 0.5,
         "worker.memory_bytes": MEMORY, "worker.ack_timeout_s": 5, "worker.codec_wait_s": 0.1,
         "worker.mesh_timeout_s": 10, **settings})
 

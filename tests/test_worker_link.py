@@ -93,6 +93,22 @@ async def test_a_device_measures_its_downlink_and_latency_through_an_emulated_li
     assert fast[0] > 5 * downlink and fast[1] < latency / 5, (fast, slow)
 
 
+async def test_a_message_of_three_chunks_measures_the_link_not_the_relays_reads(broker: BrokerProcess) -> None:
+    """A delta of three 16 KiB chunks (36 kB) on a 0.8 MB/s link measures about 0.8 MB/s: the link delivers its
+    bytes as a real one does, a few milliseconds of air time at once (delivered as the relay read them, 16 KiB at
+    once, the meter read 1.8 times the link's rate)."""
+    topics = Topics("threechunks")
+    snapshot = ModelSnapshot(version=1, model_spec="digits-cnn",
+                             tensors={"w": Tensor.from_numpy(np.ones(9_000, np.float32))})
+    config = BrokerConfig(url=broker.url, chunk_bytes=16 * 1024, connect_timeout_s=WAIT_S)
+    async with Bus(config, client_id="ps", metrics=ServiceMetrics("ps")) as ps:
+        await ps.publish(topics.model(), snapshot, retain=True)
+    shape = LinkShape(uplink_bps=0.8e6, downlink_bps=0.8e6, latency_s=0.005)
+    async with EmulatedLink(shape, upstream_host=broker.host, upstream_port=broker.port) as link:
+        downlink, _ = await _measure(replace(config, url=f"mqtt://{link.host}:{link.port}"), topics)
+    assert 0.6e6 < downlink < 1.0e6, downlink
+
+
 async def _measure(config: BrokerConfig, topics: Topics) -> tuple[float, float]:
     """(downlink bytes/s, one-way latency s) a bus on ``config`` measures: the retained model's chunks, and
     five probes."""

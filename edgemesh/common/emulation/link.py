@@ -6,7 +6,8 @@ lossy Wi-Fi link, per direction:
 
 * **bandwidth** - chunks leave one after another at ``rate`` bytes/s; the rate and the
   clock of when the radio is next free (:class:`LinkClock`) are shared by every
-  connection of the link, as one radio is;
+  connection of the link, as one radio is; a chunk arrives in pieces of at most
+  :data:`PIECE_S` of air time, as a real link's frames do, not as the relay read it;
 * **propagation delay** - each chunk arrives ``latency_s`` after it has been sent;
 * **back-pressure** - at most :data:`QUEUE_BYTES` wait per direction and connection;
   while that is full the relay stops reading, so the sender's TCP window closes;
@@ -44,7 +45,13 @@ from edgemesh.common.emulation.shape import LinkClock, LinkShape, outage_schedul
 logger = logging.getLogger(__name__)
 
 CHUNK_SIZE = 16 * 1024
-"""Most bytes read from a socket at once; one chunk is paced and delivered as a whole."""
+"""Most bytes read from a socket at once."""
+PIECE_S = 0.002
+"""Most air time of one delivered piece: a chunk is paced and delivered in pieces this long (or one segment,
+``SEGMENT_BYTES``, if that is longer), so that a receiver timing its bytes sees the link's rate. Delivered as
+read, a 36 kB message on a 0.8 MB/s link seemed 1.8 times faster: its first 16 KiB came in one go."""
+SEGMENT_BYTES = 1448
+"""A TCP segment's payload under a 1500-byte MTU: the least a link delivers at once."""
 QUEUE_BYTES = 1 << 20
 """Bytes that may wait for delivery per direction and connection before the relay stops reading."""
 UPSTREAM_CONNECT_TIMEOUT_S = 10.0
@@ -380,7 +387,8 @@ class EmulatedLink:
         while True:
             await queue.wait_room()
             data = await streams.read(source, CHUNK_SIZE)
-            await queue.put(direction.clock.deliver_at(len(data or b""), loop.time()), data)
+            for piece in _pieces(data, direction.clock.rate_bps):
+                await queue.put(direction.clock.deliver_at(len(piece or b""), loop.time()), piece)
             if not data:
                 return
 
@@ -409,3 +417,12 @@ class EmulatedLink:
             except OSError:
                 return "lost"
             direction.delivered += len(data)
+
+
+def _pieces(data: bytes | None, rate_bps: float) -> list[bytes | None]:
+    """``data`` as the pieces it is delivered in (see ``PIECE_S``); an end (``b""``, None) or an unlimited link's
+    chunk as it is."""
+    size = max(SEGMENT_BYTES, int(rate_bps * PIECE_S))
+    if not data or rate_bps <= 0 or len(data) <= size:
+        return [data]
+    return [data[i:i + size] for i in range(0, len(data), size)]
