@@ -1,8 +1,9 @@
 """``edgemesh simulate``: policies x seeds of a simulated fleet, a JSON report and a short table (docs/simulation.md).
 
     edgemesh simulate [--fleet pi3,pi3,pi4,...] [--scenario steady|dynamic|harsh] [--policy sync|...|all]
-                      [--seeds N] [--lr X] [--target A] [--budget-s S] [--report PATH] [--set KEY=VALUE ...]
-                      [--job JOB.toml [--data-dir DIR]] [--live JOB --broker URL [--wait S]]
+                      [--parallelism data,mesh|all] [--seeds N] [--lr X] [--target A] [--budget-s S]
+                      [--report PATH] [--set KEY=VALUE ...] [--job JOB.toml [--data-dir DIR]]
+                      [--live JOB --broker URL [--wait S]]
 
 With ``--job``, the fleet trains the user's own job (its model, settings, data and target: ``simulate/job.py``);
 a fleet of the user's own boards is a profiles file (``--set worker.emulation_profiles=FILE``) and ``--fleet``
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
 
@@ -25,7 +27,7 @@ from edgemesh.common.emulation.profiles import DeviceProfile, load_profiles
 from edgemesh.common.errors import ConfigError
 from edgemesh.common.vocabulary import SYNC_POLICIES, CodecName
 from edgemesh.simulate import job as simulated_job
-from edgemesh.simulate.engine import POLICIES, Policy, SimSettings
+from edgemesh.simulate.engine import PARALLELISMS, POLICIES, Parallelism, Policy, SimSettings
 from edgemesh.simulate.report import compare, table
 
 
@@ -36,6 +38,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         "(--set worker.emulation_scenarios=FILE for your own)")
     parser.add_argument("--policy", default="all", help=f"{', '.join(POLICIES)}, comma-separated, or all (the "
                         f"service's: {', '.join(SYNC_POLICIES)}); fedbuff is a peer's rule for comparison")
+    parser.add_argument("--parallelism", help="data, mesh, comma-separated, or all: runs of each policy under each "
+                        "(default: planner.parallelism of the configuration or the job)")
     parser.add_argument("--seeds", type=int, default=1, help="runs per policy, seeds --seed, --seed + 1, ...")
     parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--lr", type=float, help="learning rate of every policy (default: training.lr)")
@@ -71,14 +75,25 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 def policies_of(text: str) -> list[Policy]:
     """``--policy``: the policies named, or every service policy for ``all``; ConfigError for an unknown one."""
+    return [cast(Policy, p) for p in _chosen(text, POLICIES, SYNC_POLICIES, "policy")]
+
+
+def parallelisms_of(text: str | None) -> list[Parallelism | None]:
+    """``--parallelism``: the parallelisms named, every one for ``all``, the configuration's for None."""
+    if text is None:
+        return [None]
+    return [cast(Parallelism, p) for p in _chosen(text, PARALLELISMS, PARALLELISMS, "parallelism")]
+
+
+def _chosen(text: str, known: Sequence[str], every: Sequence[str], what: str) -> list[str]:
+    """The names of a comma-separated option: ``every`` for ``all``; ConfigError naming an unknown one."""
     chosen = names(text)
     if chosen == ["all"]:
-        return list(SYNC_POLICIES)
-    unknown = [p for p in chosen if p not in POLICIES]
+        return list(every)
+    unknown = [p for p in chosen if p not in known]
     if unknown or not chosen:
-        raise ConfigError(f"unknown policy {', '.join(unknown) or repr(text)}; known: {', '.join(POLICIES)}, "
-                          "or all")
-    return [cast(Policy, p) for p in chosen]
+        raise ConfigError(f"unknown {what} {', '.join(unknown) or repr(text)}; known: {', '.join(known)}, or all")
+    return chosen
 
 
 def measured_fleet(args: argparse.Namespace) -> dict[str, DeviceProfile]:
@@ -120,7 +135,8 @@ def main(args: argparse.Namespace) -> int:
                        overrides=cli.overrides(argparse.Namespace(set=args.set, config_keys={})))
     policies = policies_of(args.policy)
     report = compare(base, policies, range(args.seed, args.seed + args.seeds),
-                     progress=lambda line: print(line, file=sys.stderr, flush=True))
+                     progress=lambda line: print(line, file=sys.stderr, flush=True),
+                     parallelisms=parallelisms_of(args.parallelism))
     default = f"simulate-{Path(args.job).stem}-{args.scenario}.json" if args.job else f"simulate-{args.scenario}.json"
     path = Path(args.report or Path("bench/reports") / default)
     path.parent.mkdir(parents=True, exist_ok=True)

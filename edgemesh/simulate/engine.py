@@ -15,6 +15,10 @@ A run reads top to bottom as the fleet lives it:
 5. a device that drops out is left out of a new plan once the planner notices (``detect_s``), and is planned in
    again, with a fresh snapshot, ``detect_s`` after it is back; every ``planner.rebalance_interval_s`` the planner
    re-balances batches to the speeds the devices' stats would report;
+   under ``planner.parallelism = "mesh"`` the plan is the planner's training grid, and a model-parallel cluster
+   steps as one (``Crew``): its first member starts the cluster's step once every member holds the model, the
+   step lasts as its members' shares of each layer and their exchanges do, and the update is the whole model's
+   gradient on the cluster's batch (what the cluster computes together), its rows pushed by each member;
 6. every ``eval_interval_s`` the model, if it moved, is evaluated on the held-out split.
 
 The run is seeded: the scenario's timelines, the model's initial weights, the partition, every batch and every
@@ -30,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -57,7 +61,7 @@ from edgemesh.services.parameter_server.scheduler import Ack
 from edgemesh.services.worker.trainer import shard_weights
 from edgemesh.simulate import job as simulated_job
 from edgemesh.simulate.events import EventQueue
-from edgemesh.simulate.fleet import Board, Downlink, Planner
+from edgemesh.simulate.fleet import Board, Crew, Downlink, Planner
 from edgemesh.simulate.model import Encoder, SharedModel
 from edgemesh.simulate.reference import FEDBUFF_SHARE, REFERENCE_POLICIES, ReferencePolicy
 from edgemesh.simulate.server import VERSIONS_KEPT, Server
@@ -68,6 +72,8 @@ TIMER_SLACK_S = 1e-9
 Policy = SyncPolicy | ReferencePolicy
 """What a run's parameter server follows: a service policy, or a peer's rule for comparison (``reference.py``)."""
 POLICIES: tuple[Policy, ...] = (*SYNC_POLICIES, *REFERENCE_POLICIES)
+Parallelism = Literal["data", "mesh"]
+PARALLELISMS: tuple[Parallelism, ...] = ("data", "mesh")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +84,8 @@ class SimSettings:
     """Device profiles, one per device (``profiles.toml``)."""
     scenario: str = "steady"
     policy: Policy = "sync"
+    parallelism: Parallelism | None = None
+    """``planner.parallelism`` of the run (None: the configuration's, or the job's)."""
     seed: int = 0
     """Seeds the scenario's timelines, the initial weights, the partition and every batch."""
     lr: float | None = None
@@ -148,10 +156,12 @@ class SimRun:
     wall_s: float
     plans: int
     details: dict[str, Any] = field(default_factory=dict)
+    parallelism: Parallelism = "data"
 
     def summary(self) -> dict[str, Any]:
         """The run as JSON-ready figures."""
-        return {"policy": self.policy, "seed": self.seed, "time_to_target_s": self.time_to_target_s,
+        return {"policy": self.policy, "parallelism": self.parallelism, "seed": self.seed,
+                "time_to_target_s": self.time_to_target_s,
                 "final_accuracy": self.final_accuracy, "best_accuracy": self.best_accuracy,
                 "versions": self.versions, "updates": self.updates, "discarded": dict(self.discarded),
                 "steps_refused": self.steps_refused, "diverged": self.diverged, "gradients": self.gradients,
@@ -170,7 +180,8 @@ def sim_config(settings: SimSettings, devices: int) -> Config:
         run: dict[str, object] = {"sync_policy": service_policy(settings.policy), "seed": settings.seed}
         if settings.lr is not None:
             run["lr"] = settings.lr
-        return simulated_job.config(settings.job_file, dict(settings.overrides), {"training": run})
+        planner: dict[str, object] = {"parallelism": settings.parallelism} if settings.parallelism else {}
+        return simulated_job.config(settings.job_file, dict(settings.overrides), {"training": run, "planner": planner})
     overrides = {"training.model_spec": MODEL, "training.batch_size": str(BATCH),
                  "training.staleness_bound": str(staleness_bound(settings.policy, devices)),
                  "planner.batching": "balanced",
@@ -178,6 +189,8 @@ def sim_config(settings: SimSettings, devices: int) -> Config:
                  "training.seed": str(settings.seed)}
     if settings.lr is not None:
         overrides["training.lr"] = repr(settings.lr)
+    if settings.parallelism:
+        overrides["planner.parallelism"] = settings.parallelism
     return load_config(env={}, overrides=overrides)
 
 
@@ -189,15 +202,12 @@ def service_policy(policy: Policy) -> SyncPolicy:
 
 def check(settings: SimSettings) -> None:
     """ConfigError naming what ``settings`` get wrong that the configuration does not check."""
-    if settings.policy not in POLICIES:
-        raise ConfigError(f"unknown policy {settings.policy!r}; known: {', '.join(POLICIES)}")
+    _check_names(settings)
     if settings.compute_scale and (len(settings.compute_scale) != len(settings.fleet)
                                    or not all(f > 0 for f in settings.compute_scale)):
         raise ConfigError("compute_scale needs one factor > 0 per device of the fleet")
     if not 0 < settings.buffer_share <= 1:
         raise ConfigError("buffer_share must be in (0, 1]")
-    if settings.codec is not None and settings.codec not in CODECS:
-        raise ConfigError(f"unknown codec {settings.codec!r}; known: {', '.join(CODECS)}")
     if not settings.fleet:
         raise ConfigError("the fleet needs at least one device")
     if not (settings.budget_s > 0 and settings.eval_interval_s > 0 and 0 < settings.target <= 1):
@@ -208,6 +218,16 @@ def check(settings: SimSettings) -> None:
         raise ConfigError("the parameter server's seconds per update must be >= 0")
     if not (math.isfinite(settings.ps_broadcast_s) and settings.ps_broadcast_s >= 0):
         raise ConfigError("the parameter server's seconds per published model must be >= 0")
+
+
+def _check_names(settings: SimSettings) -> None:
+    """ConfigError for a policy, parallelism or codec ``settings`` names that does not exist."""
+    if settings.policy not in POLICIES:
+        raise ConfigError(f"unknown policy {settings.policy!r}; known: {', '.join(POLICIES)}")
+    if settings.parallelism is not None and settings.parallelism not in PARALLELISMS:
+        raise ConfigError(f"unknown parallelism {settings.parallelism!r}; known: {', '.join(PARALLELISMS)}")
+    if settings.codec is not None and settings.codec not in CODECS:
+        raise ConfigError(f"unknown codec {settings.codec!r}; known: {', '.join(CODECS)}")
 
 
 @dataclass(slots=True)
@@ -295,6 +315,11 @@ class Simulation:
         """When the parameter server is done with its last turn, the models it published included."""
         self.inbox: deque[tuple[GradientUpdate, int]] = deque()
         """Updates through the link that the parameter server has not finished (``ps_update_s``), oldest first."""
+        self.crews: dict[str, tuple[str, ...]] = {}
+        """The members of every model-parallel cluster of the plan, by its first member (who steps for it)."""
+        self.crew_boards: dict[str, Crew] = {}
+        self.passengers: set[str] = set()
+        """Members of a model-parallel cluster other than its first: they step only as part of its steps."""
 
     # ------------------------------------------------------------------ the run
     def run(self) -> SimRun:
@@ -324,19 +349,27 @@ class Simulation:
         self.queue.at(interval, tick)
 
     # ------------------------------------------------------------------ devices
+    def _members(self, name: str) -> tuple[str, ...]:
+        """The devices a step of ``name`` takes: its cluster's members if it steps for a model-parallel one."""
+        return self.crews.get(name, (name,))
+
     def _start(self, name: str, t: float) -> None:
-        """``name`` starts its next step if it may: in the plan, answered, connected, holding the model it needs."""
+        """``name`` starts its next step if it may: in the plan, answered, connected, holding the model it needs
+        (a model-parallel cluster's first member: every member connected and holding it)."""
         d = self.devices[name]
-        if d.busy or d.me is None or self.plan is None:
+        if d.busy or d.me is None or self.plan is None or name in self.passengers:
             return
-        drop = d.board.out_at(t)
+        members = [self.devices[m] for m in self._members(name)]
+        drop = next((e for m in members if (e := m.board.out_at(t)) is not None), None)
         if drop is not None:  # out: it computes nothing until it is back
             self.queue.at(drop.end_s, functools.partial(self._start, name))
             return
-        when = d.downlink.when(d.wanted)
-        if when is None:
+        wanted = max(m.wanted for m in members)
+        whens = [m.downlink.when(wanted) for m in members]
+        if any(w is None for w in whens):
             self.waiting.add(name)
             return
+        when = max(w for w in whens if w is not None)
         if when > t:
             self.queue.at(when, functools.partial(self._start, name))
             return
@@ -346,7 +379,7 @@ class Simulation:
         """A real gradient on the model ``d`` holds; its update leaves when the step is done and arrives when its
         bytes are through the link."""
         assert d.me is not None and d.batches is not None and self.plan is not None
-        base = d.downlink.holds(t)
+        base = min(self.devices[m].downlink.holds(t) for m in self._members(d.me.device))
         x, y = next(d.batches)
         d.seq += 1
         update = self.model.update(base, self.server.held[base], x, y, _seed(self.settings.seed, d.index, d.seq))
@@ -354,7 +387,8 @@ class Simulation:
                                            samples=len(y))
         d.busy = True
         self.gradients += 1
-        arrives = d.board.upload_end(d.board.step_end(t, len(y)), nbytes)
+        unit: Board | Crew = self.crew_boards.get(d.me.device, d.board)
+        arrives = unit.upload_end(unit.step_end(t, len(y)), nbytes)
         self.queue.at(arrives, functools.partial(self._arrive, message, nbytes))
 
     def _arrive(self, message: GradientUpdate, nbytes: int, t: float) -> None:
@@ -429,6 +463,7 @@ class Simulation:
         self.plan = plan
         self.plans += 1
         members = {m.device: m for m in plan.devices}
+        self._crew(plan)
         indices: list[np.ndarray] | None = None
         for name, d in self.devices.items():
             d.me = members.get(name)
@@ -450,6 +485,17 @@ class Simulation:
         for name in members:
             self._start(name, t)
 
+    def _crew(self, plan: Plan) -> None:
+        """The model-parallel clusters of ``plan``: who steps for each, and how long its steps take."""
+        self.crews, self.crew_boards, self.passengers = {}, {}, set()
+        for c in plan.clusters:
+            if len(c.members) > 1:
+                lead = c.members[0]
+                self.crews[lead] = tuple(c.members)
+                self.crew_boards[lead] = Crew.of(c, self.boards, {m: self.planner.info(m) for m in c.members},
+                                                 plan.model_spec, self.planner.wire)
+                self.passengers.update(c.members[1:])
+
     def _rebalance(self, t: float) -> None:
         plan = self.planner.rebalance(t)
         if plan is not None:
@@ -459,10 +505,11 @@ class Simulation:
         """After the parameter server's turn: its acks on their way, its scheduler's next deadline, the devices
         waiting for a version that is out now, and the weights no device can start from dropped."""
         version = self.server.version
-        for ack in acks:  # behind the models published before it, on the device's downlink
+        for ack in acks:  # behind the models published before it, on each member's downlink
             name = ack.update.device
-            sent = self.devices[name].downlink.free_after(t)
-            self.queue.at(self.boards[name].message_end(sent), functools.partial(self._on_ack, name, ack, version))
+            answered = max(self.boards[m].message_end(self.devices[m].downlink.free_after(t))
+                           for m in self._members(name))
+            self.queue.at(answered, functools.partial(self._on_ack, name, ack, version))
         timeout = self.server.timeout(t)
         if timeout is not None and self.timer_at != t + timeout + TIMER_SLACK_S:
             self.timer_at = t + timeout + TIMER_SLACK_S
@@ -503,7 +550,7 @@ class Simulation:
         diverged = not math.isfinite(final_loss) or final_acc < best - self.cfg.ps.guard.accuracy_drop
         first = self.planner.first
         return SimRun(
-            policy=s.policy, seed=s.seed, time_to_target_s=self._reached(),
+            policy=s.policy, parallelism=self.cfg.planner.parallelism, seed=s.seed, time_to_target_s=self._reached(),
             final_accuracy=round(statistics.fmean(last), 4), best_accuracy=round(best, 4),
             versions=self.server.version, updates=counts.accepted, discarded=dict(sorted(counts.discarded.items())),
             steps_refused=counts.steps_refused, diverged=diverged, curve=curve, gradients=self.gradients,

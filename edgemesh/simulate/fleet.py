@@ -10,25 +10,32 @@ and the plans the planner would publish for it.
   starts a step.
 * :class:`Planner`: the planner's data-parallel plan of the devices present (``layout.plan_data_parallel``) with
   batches from ``batching`` (balanced to the speeds a device's stats would report, or uniform), re-planned when a
-  device leaves or comes back and, like the planner's re-balance, when measured speeds move a batch enough.
+  device leaves or comes back and, like the planner's re-balance, when measured speeds move a batch enough; under
+  ``planner.parallelism = "mesh"`` the planner's training grid (``stability.Rule.lay_out``, as the service lays it
+  out) of those devices, laid out again when one leaves or comes back.
+* :class:`Crew`: a model-parallel cluster of the plan as one unit of work: its members compute their filters of
+  every layer, each on its own board, and meet at every layer's exchange over their own links (the cost model's
+  all-gather and reduce-scatter, ``member_cost.layer_coefficients``); each pushes its rows of the update.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from edgemesh.common import costs
 from edgemesh.common.codecs import bytes_per_value
 from edgemesh.common.config import Config
+from edgemesh.common.costs import LayerCost
 from edgemesh.common.emulation.dynamics import Episode, Timeline
 from edgemesh.common.emulation.profiles import DeviceProfile
-from edgemesh.common.messages import Plan
+from edgemesh.common.messages import Plan, PlanCluster
 from edgemesh.common.vocabulary import Batching, CodecName
-from edgemesh.services.planner import batching
-from edgemesh.services.planner.layout import batch_sizes, plan_data_parallel
-from edgemesh.services.planner.mesh import DeviceInfo
+from edgemesh.services.planner import batching, stability
+from edgemesh.services.planner.layout import batch_sizes, plan_data_parallel, plan_mesh
+from edgemesh.services.planner.mesh import DeviceInfo, wire_for
+from edgemesh.services.planner.mesh.member_cost import Wire, layer_coefficients
 from edgemesh.services.planner.planning import batching_in_force
 
 
@@ -50,7 +57,7 @@ class Board:
         rate = profile.train_gflops * 1e9 * costs.TRAIN_EFFICIENCY / costs.cost(model_spec).train_flops_per_sample
         return cls(name, profile, timeline, rate * scale)
 
-    def step_end(self, start: float, samples: int) -> float:
+    def step_end(self, start: float, samples: float) -> float:
         """When a step of ``samples`` begun at ``start`` ends, throttled spells slowing it."""
         return self.timeline.work_end(start, samples / self.samples_per_s)
 
@@ -74,6 +81,56 @@ class Board:
     def drops(self, until: float) -> list[Episode]:
         """The drop-outs that begin before ``until``."""
         return self.timeline.until(until, ("drop",))
+
+
+@dataclass(frozen=True, slots=True)
+class Crew:
+    """A model-parallel cluster of the plan (module docstring): its members' boards, in the plan's member order, and
+    the units of every layer each holds (the plan's filter division). A step of the whole cluster's batch lasts, layer
+    by layer, as long as its slowest member's share of the layer's compute and exchange there."""
+
+    members: tuple[Board, ...]
+    infos: tuple[DeviceInfo, ...]
+    """What the planner planned the members with (their links set the exchanges' times)."""
+    held: tuple[tuple[int, ...], ...]
+    """Units of every layer (forward order) each member holds."""
+    layers: tuple[LayerCost, ...]
+    wire: Wire
+
+    @classmethod
+    def of(cls, cluster: PlanCluster, boards: Mapping[str, Board], infos: Mapping[str, DeviceInfo], spec: str,
+           wire: Wire) -> Crew:
+        layers = costs.layers(spec)
+        counts = cluster.counts
+        held = tuple(tuple(counts[layer.name][i] if layer.name in counts else layer.units for layer in layers)
+                     for i in range(len(cluster.members)))
+        return cls(tuple(boards[m] for m in cluster.members), tuple(infos[m] for m in cluster.members), held,
+                   tuple(layers), wire)
+
+    def step_end(self, start: float, samples: float) -> float:
+        """When the cluster's step of ``samples`` begun at ``start`` ends: each layer begins when the last member is
+        through the one before; a member computes its units' share of a whole step's work on its board (throttled
+        spells slowing it), then its exchange there takes its link (stalls holding it)."""
+        k = len(self.members)
+        macs = sum(layer.units * layer.macs_per_unit for layer in self.layers) or 1
+        exchanges = [layer_coefficients(self.layers, replace(info, flops=math.inf), max(1, round(samples)), k,
+                                        self.wire) for info in self.infos]  # no compute: the links' seconds only
+        t = start
+        for li, layer in enumerate(self.layers):
+            ends = []
+            for board, held, (const, weights, _) in zip(self.members, self.held, exchanges, strict=True):
+                n = held[li]
+                done = board.step_end(t, samples * n * layer.macs_per_unit / macs)
+                ends.append(board.timeline.transfer_end(done, const[li] + weights[li] * n))
+            t = max(ends)
+        return t
+
+    def upload_end(self, start: float, nbytes: int) -> float:
+        """When every member's rows of an update of ``nbytes`` handed over at ``start`` have arrived."""
+        params = sum(layer.units * layer.params_per_unit for layer in self.layers) or 1
+        return max(board.upload_end(start, round(nbytes * sum(n * layer.params_per_unit for n, layer in
+                                                               zip(held, self.layers, strict=True)) / params))
+                   for board, held in zip(self.members, self.held, strict=True))
 
 
 STRAGGLER_PROFILE = "laptop"
@@ -179,6 +236,11 @@ class Planner:
         """An update's size as the planner's cost model charges it: the model's values at the codec's bytes each."""
         self.lag_s = config.worker.stats_interval_s
         """How old the speeds the planner balances on are: a device's stats come every this many seconds."""
+        self.wire = wire_for(config)
+        self.mesh = config.planner.parallelism == "mesh"
+        self.rule = stability.Rule.of(config.planner, spec=spec, batch=config.planner.round_samples
+                                      or config.training.batch_size, wire=self.wire)
+        """How the planner lays out its training grid (``planner.parallelism = "mesh"``)."""
 
     def speed(self, name: str, now: float) -> batching.DeviceSpeed:
         """What the planner measures of ``name`` (``SpeedTracker.speed``): the seconds per sample of its last
@@ -191,8 +253,11 @@ class Planner:
                                                                                 b.profile.memory_bytes)))
 
     def plan(self, present: Iterable[str], now: float, reason: str) -> Plan:
-        """A new plan of ``present`` (``DataParallel.plan``), batches as ``planner.batching`` says."""
+        """A new plan of ``present`` (``DataParallel.plan``), batches as ``planner.batching`` says; under mesh
+        parallelism, the training grid of ``present`` (``MeshParallel.plan``)."""
         names = sorted(present)
+        if self.mesh:
+            return self._grid(names, now, reason)
         mode = batching_in_force(None, self.cfg)
         speeds = [self.speed(n, now) for n in names]
         p, t = self.cfg.planner, self.cfg.training
@@ -207,8 +272,8 @@ class Planner:
         """A plan with new batches when the speeds measured now move one by more than ``planner.rebalance_threshold``
         (``DataParallel._batches``); None to keep the current one."""
         current = self.current
-        if current is None or current.batching != "balanced" or not current.devices:
-            return None
+        if self.mesh or current is None or current.batching != "balanced" or not current.devices:
+            return None  # a grid is laid out again at a join or a leave only (docs/simulation.md)
         names = [d.device for d in current.devices]
         p, t = self.cfg.planner, self.cfg.training
         proposal = batching.balanced([self.speed(n, now) for n in names], total=p.round_samples
@@ -217,14 +282,29 @@ class Planner:
             return None
         return self._publish(names, proposal, "balanced", now, "rebalance")
 
+    def info(self, name: str, now: float | None = None) -> DeviceInfo:
+        """What the planner knows of ``name``: its hello's figures; at ``now``, with the training rate its stats
+        would report instead of the hello's (``stability.measured_info``: the rate it measured, over the cost
+        model's efficiency, which is the board's training rate)."""
+        b = self.boards[name]
+        p = b.profile
+        flops = p.gflops * 1e9 if now is None else \
+            b.samples_per_s * costs.cost(self.cfg.training.model_spec).train_flops_per_sample \
+            / costs.TRAIN_EFFICIENCY * b.timeline.speed_at(max(0.0, now - self.lag_s))
+        return DeviceInfo(device=name, flops=flops, memory_bytes=p.memory_bytes, link_rate_bps=p.uplink_bps,
+                          downlink_rate_bps=p.downlink_bps, latency_s=p.latency_s)
+
+    def _grid(self, names: list[str], now: float, reason: str) -> Plan:
+        self.version += 1
+        grid = self.rule.lay_out([self.info(n, now) for n in names])
+        self.current = plan_mesh(grid, version=self.version, training=self.cfg.training, reason=reason, created=now)
+        self.first = self.first or self.current
+        return self.current
+
     def _publish(self, names: list[str], sizes: batching.Batches, mode: Batching, now: float,
                  reason: str) -> Plan:
         self.version += 1
-        infos = [DeviceInfo(device=n, flops=self.boards[n].profile.gflops * 1e9,
-                            memory_bytes=self.boards[n].profile.memory_bytes,
-                            link_rate_bps=self.boards[n].profile.uplink_bps,
-                            downlink_rate_bps=self.boards[n].profile.downlink_bps,
-                            latency_s=self.boards[n].profile.latency_s) for n in names]
+        infos = [self.info(n) for n in names]
         self.current = plan_data_parallel(infos, version=self.version, training=self.cfg.training, reason=reason,
                                           created=now, batches=sizes.sizes, batching=mode,
                                           round_time_s=sizes.round_time_s if mode == "balanced" else 0.0)

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from edgemesh.simulate.engine import Policy, SimRun, SimSettings, check, simulate
+from edgemesh.simulate.engine import Parallelism, Policy, SimRun, SimSettings, check, simulate
 
 
 def summarize(runs: Sequence[SimRun]) -> dict[str, Any]:
@@ -36,17 +36,22 @@ def summarize(runs: Sequence[SimRun]) -> dict[str, Any]:
 
 
 def compare(base: SimSettings, policies: Sequence[Policy], seeds: Sequence[int],
-            progress: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Every policy of ``policies`` under every seed of ``seeds`` (``base`` gives the rest): the report."""
-    for policy in policies:  # every setting checked before the first run
-        check(dataclasses.replace(base, policy=policy))
+            progress: Callable[[str], None] = lambda _: None,
+            parallelisms: Sequence[Parallelism | None] = (None,)) -> dict[str, Any]:
+    """Every policy of ``policies`` under every seed of ``seeds`` (``base`` gives the rest), and under every
+    parallelism of ``parallelisms`` if more than ``base``'s: the report, by policy (``policy/parallelism`` when
+    parallelisms are compared)."""
+    cases = [(policy, parallelism) for parallelism in parallelisms for policy in policies]
+    for policy, parallelism in cases:  # every setting checked before the first run
+        check(dataclasses.replace(base, policy=policy, parallelism=parallelism))
     runs: dict[str, list[SimRun]] = {}
-    for policy in policies:
+    for policy, parallelism in cases:
+        label = policy if tuple(parallelisms) == (None,) else f"{policy}/{parallelism or 'data'}"
         for seed in seeds:
-            run = simulate(dataclasses.replace(base, policy=policy, seed=seed))
-            runs.setdefault(policy, []).append(run)
+            run = simulate(dataclasses.replace(base, policy=policy, parallelism=parallelism, seed=seed))
+            runs.setdefault(label, []).append(run)
             reached = "not reached" if run.time_to_target_s is None else f"{run.time_to_target_s:g} s"
-            progress(f"{policy} seed {seed}: time to {base.target:g} {reached} (best {run.best_accuracy}), final "
+            progress(f"{label} seed {seed}: time to {base.target:g} {reached} (best {run.best_accuracy}), final "
                      f"accuracy {run.final_accuracy}, {run.versions} versions, {run.gradients} gradients in "
                      f"{run.wall_s:.1f} s")
     return {
@@ -63,7 +68,8 @@ def compare(base: SimSettings, policies: Sequence[Policy], seeds: Sequence[int],
 
 def table(report: dict[str, Any]) -> str:
     """The report's per-policy figures as a few lines of text."""
-    head = f"{'policy':<9} {'runs':>4} {'reached':>7} {'median s':>8} {'spread s':>13} {'final acc':>9} " \
+    width = max(9, *(len(p) for p in report["policies"]))
+    head = f"{'policy':<{width}} {'runs':>4} {'reached':>7} {'median s':>8} {'spread s':>13} {'final acc':>9} " \
            f"{'versions':>8} {'discarded':>9} {'diverged':>8}"
     lines = [head]
     for policy, s in report["policies"].items():
@@ -71,6 +77,6 @@ def table(report: dict[str, Any]) -> str:
             "{:.1f}-{:.1f}".format(*s["time_to_target_spread_s"])
         median = "-" if s["median_time_to_target_s"] is None else f"{s['median_time_to_target_s']:.1f}"
         final = "-" if s["median_final_accuracy"] is None else f"{s['median_final_accuracy']:.4f}"
-        lines.append(f"{policy:<9} {s['runs']:>4} {s['reached_share']:>7.0%} {median:>8} {spread:>13} {final:>9} "
+        lines.append(f"{policy:<{width}} {s['runs']:>4} {s['reached_share']:>7.0%} {median:>8} {spread:>13} {final:>9} "
                      f"{s['median_versions']:>8g} {s['discarded']:>9} {s['diverged_share']:>8.0%}")
     return "\n".join(lines)
