@@ -347,6 +347,88 @@ def test_predict_takes_npy_arrays_of_the_input_shape(features_model: torch.nn.Mo
         assert top[0]["class"] == "abc"[int(row.argmax())]
 
 
+CSV_JOB = """
+[job]
+name = "readings"
+
+[model]
+input_shape = [6]
+classes = ["a", "b", "c"]
+layers = [{linear = 16}, "relu", {linear = 3}]
+
+[data]
+format = "csv"
+path = "readings.csv"
+label_column = "kind"
+"""
+"""A CSV job whose class column is not the default ``label``."""
+
+
+def test_predict_takes_a_csv_file_a_row_each_and_counts_the_rows_whose_label_it_gets_right(
+        features_model: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each row of a CSV is an input (named ``file:line``), read as a device reads its CSV data: every column but
+    the job's label column a feature. Rows whose label is one of the classes are counted, right or wrong; a CSV
+    without the label column is features alone."""
+    model_path = export_model(features_model, FEATURES_SHAPE, "onnx", tmp_path / "features.onnx")
+    write_card(card_for(model_path, "onnx", classes=("a", "b", "c"), input_shape=FEATURES_SHAPE, source=CSV_JOB,
+                        mean=(0.5,) * 6, std=(0.25,) * 6), model_path)
+    rng = np.random.default_rng(5)
+    x = rng.random((PREDICT_BATCH + 3, 6), dtype=np.float32)
+    want = logits(features_model, x).argmax(axis=1)
+    kinds = ["abc"[i] for i in want]
+    kinds[0] = "abc"[(want[0] + 1) % 3]  # labelled wrong
+    kinds[1] = "?"  # not one of the classes: not counted
+    header = "kind,f0,f1,f2,f3,f4,f5\n"  # the label column first: any place will do
+    labelled = tmp_path / "readings.csv"
+    labelled.write_text(header + "".join(f"{k}," + ",".join(f"{v:.8f}" for v in row) + "\n"
+                                         for k, row in zip(kinds, x, strict=True)))
+    bare = tmp_path / "bare.csv"
+    bare.write_text("f0,f1,f2,f3,f4,f5\n" + ",".join(f"{v:.8f}" for v in x[0]) + "\n")
+    code, out, err = predict(str(model_path), str(labelled), str(bare), capsys=capsys)
+    assert code == 0, err
+    printed = parse_lines(out)
+    assert list(printed) == [f"{labelled}:{line}" for line in range(2, len(x) + 2)] + [f"{bare}:2"]
+    assert [name for name, _ in printed.values()] == ["abc"[i] for i in want] + ["abc"[want[0]]]
+    assert f"{len(x) - 2} of the {len(x) - 1} inputs that say their class predicted right" in err
+
+
+def test_predict_counts_the_images_in_folders_named_after_a_class_it_gets_right(
+        digits_model: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A held-out image folder laid out as image-folder data (a folder per class): the last line says how many the
+    model got right; images elsewhere say no class."""
+    model_path = export_model(digits_model, DIGITS_SHAPE, "onnx", tmp_path / "digits.onnx")
+    write_card(card_for(model_path, "onnx"), model_path)
+    (tmp_path / "loose").mkdir()
+    images, labels = write_digit_images(tmp_path / "loose", 12)
+    for path, label in zip(images, labels, strict=True):
+        (tmp_path / "held-out" / DIGITS_CLASSES[int(label)]).mkdir(parents=True, exist_ok=True)
+        path.rename(tmp_path / "held-out" / DIGITS_CLASSES[int(label)] / path.name)
+    code, out, err = predict(str(model_path), str(tmp_path / "held-out"), capsys=capsys)
+    assert code == 0, err
+    right = sum(name == str(Path(path).parent.name) for path, (name, _) in parse_lines(out).items())
+    assert 0 < right and f"{right} of the 12 inputs that say their class predicted right" in err
+    loose, _ = write_digit_images(tmp_path / "loose", 2)
+    code, _, err = predict(str(model_path), *map(str, loose), capsys=capsys)
+    assert code == 0 and "say their class" not in err
+
+
+def test_a_csv_that_predict_cannot_read_is_named_with_its_line(features_model: torch.nn.Module, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    model_path = export_model(features_model, FEATURES_SHAPE, "onnx", tmp_path / "features.onnx")
+    write_card(card_for(model_path, "onnx", classes=("a", "b", "c"), input_shape=FEATURES_SHAPE, source=CSV_JOB,
+                        mean=(0.5,) * 6, std=(0.25,) * 6), model_path)
+    cases = {"cell.csv": ("kind,f0,f1,f2,f3,f4,f5\na,1,2,3,x,5,6\n", "line 2, column 5: not a number"),
+             "short.csv": ("kind,f0,f1,f2,f3,f4,f5\na,1,2,3\n", "line 2: 4 cells, the header has 7"),
+             "wide.csv": ("kind,f0,f1\na,1,2\n", "has 2 feature columns besides 'kind'"),
+             "nan.csv": ("f0,f1,f2,f3,f4,f5\n1,2,nan,4,5,6\n", "not a finite number"),
+             "empty.csv": ("", "is empty; it needs a header row")}
+    for name, (text, says) in cases.items():
+        (tmp_path / name).write_text(text)
+        code, out, err = predict(str(model_path), str(tmp_path / name), capsys=capsys)
+        assert (code, out) == (2, ""), (name, err)
+        assert name in err and says in err, (name, err)
+
+
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
 def test_predict_rebuilds_a_state_dict_model_from_the_job_in_its_card(fmt: str, tmp_path: Path) -> None:
     job = parse_job(TINY_JOB)

@@ -10,42 +10,54 @@ builds its model with an entry point (Python code), nothing is imported unless t
 then the installed packages.
 
 Inputs are image files (PNG, JPEG: converted and resized to the model's (C, H, W) as in training,
-pixels in [0, 1]) or ``.npy`` arrays of exactly the input shape (uint8 is scaled to [0, 1]), or folders: a folder
-stands for every image and array file below it, at any depth, hidden ones left out, in name order. The
-normalization is inside the model. Per input, one line ``path  class (p=0.93)`` with the top K
-classes by softmax probability, or with ``--json`` one JSON object per line. Inputs are read and classified
-``PREDICT_BATCH`` at a time, so a folder of any size runs in the memory of one batch; an input that cannot be read
-stops the command with its name, after the lines of the batches before its own.
+pixels in [0, 1]), ``.npy`` arrays of exactly the input shape (uint8 is scaled to [0, 1]), CSV files (each row an
+input, as a device's CSV data is read: a header row, every column but the job's ``label_column`` a feature), or
+folders: a folder stands for every image and array file below it, at any depth, hidden ones left out, in name
+order. The normalization is inside the model. Per input, one line ``path  class (p=0.93)`` (a CSV row:
+``file.csv:LINE``) with the top K classes by softmax probability, or with ``--json`` one JSON object per line.
+Inputs are read and classified ``PREDICT_BATCH`` at a time, so a folder or file of any size runs in the memory of
+one batch; an input that cannot be read stops the command with its name, after the lines of the batches before its
+own.
+
+Where an input says its class (a CSV row's label, an image or array in a folder named after a class, as image-folder
+data is laid out), the last line, on standard error, says how many of those the model got right.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable, Sequence
+import sys
+import tomllib
+from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
 from pathlib import Path
 from typing import Final
 
 import numpy as np
 
-from edgemesh.common.data import IMAGE_SUFFIXES, UINT8_PIXEL_MAX, read_image
+from edgemesh.common.data import IMAGE_SUFFIXES, UINT8_PIXEL_MAX, csv_rows, read_image
 from edgemesh.common.errors import DataError, ExportError
 from edgemesh.operator.export import INSTALL_HINT, TRUST_FLAG, ModelCard, card_path
 
 PREDICT_BATCH: Final = 64
 """Inputs per forward pass."""
 ARRAY_SUFFIX: Final = ".npy"
+CSV_SUFFIX: Final = ".csv"
 
 Classifier = Callable[[np.ndarray], np.ndarray]
 """A float32 batch (N, *input_shape) -> its logits (N, classes)."""
+Sample = tuple[str, np.ndarray, int | None]
+"""An input's name, its float32 sample, and the class it says it is (None: it says none)."""
 
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="a model file written by 'edgemesh job export' "
                                                        "(its card MODEL.card.json beside it)")
     parser.add_argument("inputs", metavar="INPUT", nargs="+",
-                        help=f"image files ({', '.join(IMAGE_SUFFIXES)}) or {ARRAY_SUFFIX} arrays of the input shape, "
-                             "or folders of them (every such file below a folder, hidden ones left out)")
+                        help=f"image files ({', '.join(IMAGE_SUFFIXES)}), {ARRAY_SUFFIX} arrays of the input shape, "
+                             f"{CSV_SUFFIX} files (a row each), or folders of images and arrays (every such file "
+                             "below a folder, hidden ones left out)")
     parser.add_argument("--top", type=_positive, default=1, metavar="K", help="print the K likeliest classes (1)")
     parser.add_argument("--json", action="store_true", help="one JSON object per input: {input, top: [{class, p}]}")
     parser.add_argument(TRUST_FLAG, dest="trust_code", action="store_true",
@@ -71,19 +83,51 @@ def command(args: argparse.Namespace) -> int:
     if not model.is_file():
         raise ExportError(f"model file '{model}' does not exist")
     card = ModelCard.read(card_path(model))
-    inputs = input_files(args.inputs)
-    first = [read_input(path, card.input_shape) for path in inputs[:PREDICT_BATCH]]  # a bad input before the model
+    samples = read_samples(input_files(args.inputs), card)
+    batch = list(islice(samples, PREDICT_BATCH))  # a bad input before the model
     classifier = load_classifier(card, model, trust_code=args.trust_code, module_path=args.module_path)
-    for start in range(0, len(inputs), PREDICT_BATCH):
-        paths = inputs[start:start + PREDICT_BATCH]
-        x = np.stack(first if start == 0 else [read_input(path, card.input_shape) for path in paths])
-        for path, row in zip(paths, softmax(run_batches(classifier, x, len(card.classes))), strict=True):
+    right = labelled = 0
+    while batch:
+        x = np.stack([sample for _, sample, _ in batch])
+        for (name, _, label), row in zip(batch, softmax(run_batches(classifier, x, len(card.classes))), strict=True):
             best = top_k(row, card.classes, args.top)
             if args.json:
-                print(json.dumps({"input": path, "top": [{"class": name, "p": p} for name, p in best]}))
+                print(json.dumps({"input": name, "top": [{"class": c, "p": p} for c, p in best]}))
             else:
-                print(f"{path}  " + ", ".join(f"{name} (p={p:.2f})" for name, p in best))
+                print(f"{name}  " + ", ".join(f"{c} (p={p:.2f})" for c, p in best))
+            if label is not None:
+                labelled += 1
+                right += best[0][0] == card.classes[label]
+        batch = list(islice(samples, PREDICT_BATCH))
+    if labelled:
+        print(f"{right} of the {labelled} inputs that say their class predicted right ({right / labelled:.1%})",
+              file=sys.stderr)
     return 0
+
+
+def read_samples(files: Sequence[str], card: ModelCard) -> Iterator[Sample]:
+    """Every input of ``files`` in order, read as it is reached: a CSV file's rows one by one, any other file whole
+    (``read_input``), each with the class it says it is (a CSV row's label; a file in a folder named after a
+    class)."""
+    for name in files:
+        path = Path(name)
+        if path.suffix.lower() == CSV_SUFFIX:
+            for line, sample, label in csv_rows(path, card.input_shape, label_column(card), card.classes):
+                yield f"{name}:{line}", sample, label
+        else:
+            folder = path.parent.name
+            yield name, read_input(path, card.input_shape), \
+                card.classes.index(folder) if folder in card.classes else None
+
+
+def label_column(card: ModelCard) -> str:
+    """The CSV column of class names in the card's job (``data.label_column``, ``label`` by default)."""
+    try:
+        data = tomllib.loads(card.job_source).get("data", {})
+    except tomllib.TOMLDecodeError:
+        return "label"
+    column = data.get("label_column") if isinstance(data, dict) else None
+    return column if isinstance(column, str) and column else "label"
 
 
 def input_files(inputs: Sequence[str]) -> list[str]:
@@ -113,7 +157,8 @@ def read_input(path: str | Path, input_shape: tuple[int, ...]) -> np.ndarray:
                             f"give {ARRAY_SUFFIX} arrays of that shape")
         return read_image(source, input_shape)
     if suffix != ARRAY_SUFFIX:
-        raise DataError(f"'{source}' is neither an image ({', '.join(IMAGE_SUFFIXES)}) nor a {ARRAY_SUFFIX} array")
+        raise DataError(f"'{source}' is neither an image ({', '.join(IMAGE_SUFFIXES)}), a {ARRAY_SUFFIX} array nor a "
+                        f"{CSV_SUFFIX} file")
     try:
         array = np.load(source, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:

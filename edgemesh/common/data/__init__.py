@@ -32,7 +32,7 @@ from edgemesh.common.data.cifar import (
     restricted_loads,
     synthetic_cifar,
 )
-from edgemesh.common.data.csv_file import MAX_CSV_BYTES
+from edgemesh.common.data.csv_file import MAX_CSV_BYTES, csv_rows
 from edgemesh.common.data.dataset import DATASET_NAMES, UINT8_PIXEL_MAX, Dataset, load_dataset
 from edgemesh.common.data.digits import DIGITS_COLUMNS, DIGITS_PIXEL_MAX, stratified_test_indices
 from edgemesh.common.data.images import (
@@ -74,6 +74,7 @@ __all__ = [
     "LocalData",
     "RestrictedUnpickler",
     "batch_at",
+    "csv_rows",
     "data_path",
     "image_pixel_limit",
     "load_dataset",

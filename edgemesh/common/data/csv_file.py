@@ -11,8 +11,9 @@ from __future__ import annotations
 import array
 import csv
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Final
 
 import numpy as np
@@ -67,11 +68,15 @@ class _Columns:
     """The feature columns, in order."""
 
     @classmethod
-    def of(cls, header: list[str] | None, name: str, label_column: str, shape: tuple[int, ...]) -> _Columns:
-        """The columns of ``header``; DataError without one, without ``label_column``, or with other than as many
-        feature columns as ``shape`` has values."""
+    def of(cls, header: list[str] | None, name: str, label_column: str, shape: tuple[int, ...], *,
+           labelled: bool = True) -> _Columns:
+        """The columns of ``header``; DataError without one, without ``label_column`` (unless not ``labelled``: then
+        a header without it has features alone, ``label_at`` -1), or with other than as many feature columns as
+        ``shape`` has values."""
         if header is None:
             raise DataError(f"CSV file '{name}' is empty; it needs a header row")
+        if not labelled and label_column not in header and len(header) == math.prod(shape):
+            return cls(len(header), -1, label_column, list(range(len(header))))
         if label_column not in header:
             one = (" (the header row is one column: the file is read as comma-separated, and one separated by "
                    "semicolons or tabs, as spreadsheets export in some locales, reads as one column)"
@@ -96,6 +101,36 @@ class _Columns:
 
     def values(self, row: list[str], where: str) -> Iterator[float]:
         return (_parse_cell(row[i], where, i + 1) for i in self.features)
+
+
+def csv_rows(path: Path, shape: tuple[int, ...], label_column: str,
+             classes: Sequence[str]) -> Iterator[tuple[int, np.ndarray, int | None]]:
+    """The rows of a CSV file to classify (``edgemesh predict``), one at a time: ``(line, features, label)``, the
+    features of ``shape`` as float32 and the row's class index, None where the header has no ``label_column`` or the
+    row's label is not one of ``classes``. The features are every column but ``label_column``, as many as ``shape``
+    holds; DataError naming the file, line and column of what cannot be read."""
+    name, index = str(path), {c: i for i, c in enumerate(classes)}
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as handle:
+            rows = _Rows(handle, MAX_CSV_CELL_CHARS * (math.prod(shape) + 1), name)
+            reader = csv.reader(rows)
+            columns = _Columns.of(next(reader, None), name, label_column, shape, labelled=False)
+            rows.next_row()
+            for row in reader:
+                rows.next_row()
+                if not row:
+                    continue
+                where = f"CSV file '{name}' line {reader.line_num}"
+                if len(row) != columns.cells:
+                    raise DataError(f"{where}: {len(row)} cells, the header has {columns.cells}")
+                label = index.get(row[columns.label_at].strip()) if columns.label_at >= 0 else None
+                yield reader.line_num, np.fromiter(columns.values(row, where), np.float32).reshape(shape), label
+    except OSError as exc:
+        raise DataError(f"CSV file '{name}' cannot be read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise DataError(f"CSV file '{name}' is not UTF-8") from exc
+    except csv.Error as exc:
+        raise DataError(f"CSV file '{name}': {exc}") from exc
 
 
 def _parse_rows(reader: Reader, rows: _Rows, columns: _Columns, name: str,
