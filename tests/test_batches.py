@@ -41,6 +41,22 @@ def test_batch_iterator_epochs_cover_everything_and_reshuffle() -> None:
     assert epochs[0] != epochs[1]
 
 
+def test_a_last_sample_left_over_joins_the_batch_before_it() -> None:
+    """73 samples in batches of 8: eight of 8, then 9, never a batch of one (a batch norm layer cannot normalize
+    one value per channel: a device holding 73 rows of a CSV left its job at its first epoch's end)."""
+    for n, batch, sizes in ((73, 8, [8] * 8 + [9]), (9, 4, [4, 5]), (10, 4, [4, 4, 2]), (3, 1, [1, 1, 1])):
+        it = BatchIterator(_tiny_dataset(n), batch, seed=1)
+        seen: list[float] = []
+        got = []
+        while it.epoch == 0:
+            x, _ = next(it)
+            got.append(len(x))
+            seen += x[:, 0, 0, 0].tolist()
+        assert got == sizes, (n, batch)
+        assert sorted(seen) == list(range(n))
+        assert len(next(it)[0]) == sizes[0]  # the next epoch starts afresh
+
+
 def test_batch_iterator_is_deterministic_per_seed() -> None:
     ds = _tiny_dataset(20)
 

@@ -183,6 +183,17 @@ def test_compute_gradients_rejects_bad_batches() -> None:
         compute_gradients(model, x[:0], y[:0])
 
 
+def test_a_batch_of_one_that_batch_norm_cannot_train_on_is_a_model_error_saying_so() -> None:
+    """``BatchNorm1d`` on feature vectors has one value per channel in a batch of one: torch refuses it, and the
+    step says why and what to change, as a ModelError (a job's error, not a crash of the host)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    x = np.random.default_rng(0).random((5, 4), dtype=np.float32)
+    y = np.array([0, 1, 2, 0, 1])
+    compute_gradients(model, x[:2], y[:2])  # two samples: trained
+    with pytest.raises(ModelError, match="a batch of one sample cannot be trained on.*planner.min_batch"):
+        compute_gradients(model, x[:1], y[:1])
+
+
 def test_evaluate_is_batch_size_independent_and_restores_mode() -> None:
     model = build_model("digits-cnn", 0)
     test = load_dataset("digits")[1]

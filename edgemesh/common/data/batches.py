@@ -14,7 +14,9 @@ class BatchIterator(Iterator[tuple[np.ndarray, np.ndarray]]):
     """Endless ``(x, y)`` mini-batches over a data set, reshuffled every epoch.
 
     ``batch_size`` may be changed between batches; the current epoch continues with the
-    new size. The last batch of an epoch may be smaller. ``epoch`` counts the full passes
+    new size. The last batch of an epoch may be smaller, but not a single sample when batches are
+    larger: a last sample left over joins the batch before it (a batch norm layer cannot normalize
+    one value per channel, and such a model's step on it fails). ``epoch`` counts the full passes
     completed so far. A batch size larger than the data set yields the whole set.
     """
 
@@ -44,6 +46,8 @@ class BatchIterator(Iterator[tuple[np.ndarray, np.ndarray]]):
             self._order = self._rng.permutation(len(self._dataset))
             self._position = 0
         stop = min(self._position + self._batch_size, self._order.shape[0])
+        if self._batch_size > 1 and self._order.shape[0] - stop == 1:
+            stop += 1  # the epoch's one sample left joins this batch: never a batch of one (class docstring)
         chosen = self._order[self._position : stop]
         self._position = stop
         if stop == self._order.shape[0]:

@@ -126,11 +126,18 @@ def _batch_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Te
 
 
 def _forward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Logits for ``x``; shape and label-range problems become :class:`ModelError`."""
+    """Logits for ``x``; shape and label-range problems, and a batch of one that batch norm cannot train on, become
+    :class:`ModelError`."""
     try:
         logits = model(x)
     except RuntimeError as exc:
         raise ModelError(f"model rejected input of shape {tuple(x.shape)}: {exc}") from exc
+    except ValueError as exc:
+        if x.shape[0] > 1:
+            raise
+        raise ModelError(f"a batch of one sample cannot be trained on ({exc}): a batch norm layer cannot normalize "
+                         "one value per channel; give this device batches of 2 or more (planner.min_batch, "
+                         "training.batch_size)") from exc
     num_classes = logits.shape[-1]
     if int(y.min()) < 0 or int(y.max()) >= num_classes:
         raise ModelError(f"labels must lie in [0, {num_classes}), got [{int(y.min())}, {int(y.max())}]")
