@@ -149,6 +149,20 @@ def test_read_image_channels_and_resize(tmp_path: Path) -> None:
     assert small[0, :, 0].max() < 0.1 and small[0, :, 3].min() > 0.9
 
 
+def test_a_16_bit_grayscale_png_is_read_by_its_own_range_not_clipped_to_white(tmp_path: Path) -> None:
+    """A sensor's or depth camera's 16-bit PNG (Pillow mode ``I;16``): its values over 65,535, in every channel the
+    model takes; Pillow's own conversion to 8 bits turned every value above 255 white."""
+    ramp = np.tile(np.linspace(0, 65535, 8).astype(np.uint16), (4, 1))  # dark on the left, white on the right
+    Image.fromarray(ramp).save(tmp_path / "depth.png")
+    assert Image.open(tmp_path / "depth.png").mode in ("I;16", "I")
+    gray = read_image(tmp_path / "depth.png", (1, 4, 8))
+    np.testing.assert_allclose(gray[0], ramp / 65535, atol=1e-6)
+    rgb = read_image(tmp_path / "depth.png", (3, 2, 4))  # resized, and the same in every channel
+    assert rgb.shape == (3, 2, 4) and rgb.dtype == np.float32
+    assert rgb[:, :, 0].max() < 0.25 and rgb[:, :, 3].min() > 0.75
+    np.testing.assert_array_equal(rgb[0], rgb[2])
+
+
 def test_read_image_refuses_other_channel_counts_and_unreadable_files(tmp_path: Path) -> None:
     image = _solid(tmp_path / "ok.png", (1, 2, 3))
     with pytest.raises(DataError, match="channels"):

@@ -37,6 +37,9 @@ megapixel photo takes at most 128 MiB on its way to ``input_shape``. A JPEG deco
 scales (1/2, 1/4, 1/8) that is still as large as ``input_shape``, so a camera's photos stay well under it."""
 _IMAGE_MODES: Final = {1: "L", 3: "RGB"}
 """Pillow mode of an image by the channel count of the model's input."""
+WIDE_GRAY_MODES: Final = ("I;16", "I;16B", "I;16L", "I;16N", "I")
+"""Pillow modes of a 16-bit grayscale PNG (``I`` in older Pillow): read by their own range, ``WIDE_PIXEL_MAX``."""
+WIDE_PIXEL_MAX: Final = 65535
 
 
 def image_pixel_limit(input_shape: Sequence[int]) -> int:
@@ -49,7 +52,8 @@ def read_image(path: str | Path, input_shape: tuple[int, ...]) -> np.ndarray:
     """One image file as float32 (C, H, W) in [0, 1], with (C, H, W) = ``input_shape``.
 
     C = 1 reads the image as grayscale (Pillow mode ``"L"``), C = 3 as ``"RGB"``; it is resized to
-    (H, W) with bilinear resampling. DataError naming the file if it is not a PNG or JPEG file Pillow can
+    (H, W) with bilinear resampling. A 16-bit grayscale PNG is read by its own range (its values over 65,535, in
+    every channel), not clipped at 8 bits. DataError naming the file if it is not a PNG or JPEG file Pillow can
     decode, or if it is larger than :func:`image_pixel_limit`.
     """
     try:
@@ -68,6 +72,8 @@ def _decode(path: str | Path, input_shape: Sequence[int]) -> np.ndarray:
             if image.width * image.height > limit:
                 raise DataError(f"it is {image.width}x{image.height} pixels, more than the {limit:,} an image may "
                                 f"be for input_shape {tuple(input_shape)}")
+            if image.mode in WIDE_GRAY_MODES:
+                return _wide_gray(image, channels, height, width)
             converted = image.convert(mode)
         if converted.size != (width, height):
             converted = converted.resize((width, height), Image.Resampling.BILINEAR)
@@ -80,6 +86,16 @@ def _decode(path: str | Path, input_shape: Sequence[int]) -> np.ndarray:
         raise DataError(f"not a PNG or JPEG file Pillow can decode ({type(exc).__name__})") from exc
     pixels = np.asarray(converted, dtype=np.float32) / np.float32(UINT8_PIXEL_MAX)
     return pixels[None, :, :] if channels == 1 else np.ascontiguousarray(pixels.transpose(2, 0, 1))
+
+
+def _wide_gray(image: Image.Image, channels: int, height: int, width: int) -> np.ndarray:
+    """A 16-bit grayscale image as float32 (C, H, W) in [0, 1]: its values over ``WIDE_PIXEL_MAX``, where Pillow's
+    conversion to 8 bits clips every value above 255 to white (a sensor's or a depth camera's PNG read as blank)."""
+    gray = Image.fromarray(np.asarray(image, dtype=np.float32) / np.float32(WIDE_PIXEL_MAX))  # mode F
+    if gray.size != (width, height):
+        gray = gray.resize((width, height), Image.Resampling.BILINEAR)
+    pixels = np.clip(np.asarray(gray, dtype=np.float32), 0.0, 1.0)
+    return np.ascontiguousarray(np.broadcast_to(pixels[None], (channels, height, width)))
 
 
 def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
