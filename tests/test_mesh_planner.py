@@ -5,6 +5,7 @@ cost model charges, and the planner laying out a training grid on a real broker 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -24,9 +25,12 @@ from edgemesh.common.messages import (
     PlanDevice,
     SyncState,
 )
+from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.services.planner import mesh
 from edgemesh.services.planner.mesh import DeviceInfo, wire_for
+from edgemesh.services.planner.planning import MeshParallel
+from edgemesh.services.planner.registry import Registry
 from edgemesh.services.planner.service import Planner
 
 PLAN_WAIT_S = 30.0
@@ -192,3 +196,19 @@ async def test_the_grid_plans_with_the_links_devices_measure_where_their_hellos_
     assert (planned["declared"].link_rate_bps, planned["declared"].downlink_rate_bps,
             planned["declared"].latency_s) == (50e6, 60e6, 0.001)
     assert second.round_time_s > 2 * first.round_time_s
+
+
+@pytest.mark.parametrize(("dataset", "level"), [("csv", logging.WARNING), ("digits", logging.INFO)])
+def test_a_device_the_grid_leaves_idle_is_a_warning_when_its_data_goes_untrained(
+        dataset: str, level: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A job whose data lives on the devices (a CSV, an image folder, an npz on each): a device the grid leaves
+    idle trains none of its own data, which the planner says as a warning; on data every device holds (digits),
+    idle is only slower."""
+    config = load_config(env={}, overrides={"planner.parallelism": "mesh", "training.dataset": dataset})
+    parallelism = MeshParallel(config, Registry(), ServiceMetrics("planner").gauge("predicted_round_seconds", "-"))
+    grid = mesh.Grid(clusters=(), excluded=(), idle=("pi3-1",), predicted_iteration_s=0.1, throughput_samples_s=1.0)
+    with caplog.at_level(logging.INFO, logger="edgemesh.services.planner.planning"):
+        parallelism._log_left_out(grid)
+    [record] = [r for r in caplog.records if "idle" in r.getMessage()]
+    assert record.levelno == level and "pi3-1" in record.getMessage()
+    assert ("not trained on" in record.getMessage()) == (level == logging.WARNING)

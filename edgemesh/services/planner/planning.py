@@ -33,6 +33,7 @@ from prometheus_client import Gauge
 
 from edgemesh.common import costs
 from edgemesh.common.config import Config, TrainingConfig
+from edgemesh.common.data import DATA_FORMATS
 from edgemesh.common.errors import ConfigError, ModelError
 from edgemesh.common.messages import DeviceHello, DeviceStats, Plan, SyncState
 from edgemesh.common.messages.operations import listing
@@ -339,7 +340,13 @@ class MeshParallel:
             logger.warning("training grid leaves out %s: too little memory for even a share of %s",
                            listing(list(grid.excluded)), spec)
         if grid.idle and (self.grid is None or grid.idle != self.grid.idle):
-            logger.info("training grid leaves %s idle: they would slow their cluster down", listing(list(grid.idle)))
+            if self.cfg.training.dataset in DATA_FORMATS:  # a job whose data lives on the devices
+                logger.warning("training grid leaves %s idle: they would slow their cluster down, and the data they "
+                               "hold is not trained on while they are (planner.parallelism = \"data\" trains every "
+                               "device on its own data)", listing(list(grid.idle)))
+            else:
+                logger.info("training grid leaves %s idle: they would slow their cluster down",
+                            listing(list(grid.idle)))
 
 
 def parallelism_of(config: Config, registry: Registry, *, wake: Callable[[], None],
