@@ -12,10 +12,11 @@ from pathlib import Path
 
 from helpers import inbox, make_config, running, until, write_thermal_zones, write_vcgencmd
 
-from edgemesh.common.messages import DeviceHello
+from edgemesh.common.messages import DeviceHello, DeviceStats
 from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.operator.ctl import parse_value
+from edgemesh.operator.devices import step_columns
 from edgemesh.services.compressor.service import Compressor
 from edgemesh.services.parameter_server.service import ParameterServer
 from edgemesh.services.planner.service import Planner
@@ -53,8 +54,9 @@ async def test_devices_lists_a_worker_and_ctl_steers_the_ps(mosquitto_broker: Br
         # the first reading runs vcgencmd (a process): on a loaded host it may come after the first stats
         await until("the first health reading",
                     lambda: worker.metrics.value("edgemesh_device_cpu_temperature_celsius") == 61.25, WAIT_S)
-        # stats are not retained: listen longer than worker.stats_interval_s (2 s) to hear one with the reading
-        code, out, err = await cli("devices", *common, "--wait", "3")
+        # stats are not retained: by default the command listens until every online device's stats are in (at
+        # most worker.stats_interval_s + 1 s) to hear one with the reading
+        code, out, err = await cli("devices", *common)
         assert code == 0, err
         row = next(line for line in out.splitlines() if line.startswith("pi-07"))
         assert "online" in row and "c-pi-07" in row
@@ -80,6 +82,13 @@ async def test_devices_lists_a_worker_and_ctl_steers_the_ps(mosquitto_broker: Br
 
         code, out, err = await cli("ctl", "status", "--target", "nobody-home", *common, "--timeout-s", "1")
         assert code == 1 and "no reply" in err
+
+
+def test_a_device_without_stats_shows_dashes_not_zeros() -> None:
+    """Stats come every worker.stats_interval_s and are not retained: a row without them says it has no figures."""
+    assert step_columns(None).split() == ["-", "-", "-"]
+    stats = DeviceStats(device="pi-07", steps=12, step_time_s=0.25, model_version=40)
+    assert step_columns(stats).split() == ["12", "250.0", "40"]
 
 
 async def test_devices_on_an_empty_job_says_so(mosquitto_broker: BrokerProcess) -> None:

@@ -1,12 +1,17 @@
 """``edgemesh devices``: the devices of a job, from their retained hello, status and stats, the plan
 and the codec policies; below the table, the devices out of the job and why (their status: ``left``, or a
 refused share of the plan), and why the plan was last re-planned: the planner's answer to ``status`` (which devices
-joined, left or were drained, or which smoothed figures moved, with the predicted gain), else the plan's reason."""
+joined, left or were drained, or which smoothed figures moved, with the predicted gain), else the plan's reason.
+
+A device's stats are not retained: it publishes them every ``worker.stats_interval_s``. The command listens until
+every online device's stats and the planner's answer are in, or ``--wait`` seconds (by default a little longer than
+a stats interval); a device whose stats did not come shows ``-`` in the columns they give, not zeros."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -42,11 +47,19 @@ class Registry:
         self.plan: Plan | None = None
         self.planner: ControlReply | None = None
         """The planner's answer to ``status``, if it answered within the wait."""
+        self.heard = asyncio.Event()
+        """Set once the planner answered and every online device's stats are in: nothing more to wait for."""
+
+    def check(self) -> None:
+        online = {name for name, status in self.status.items() if status.state == "online"}
+        if self.planner is not None and online <= set(self.stats):
+            self.heard.set()
 
     def keep(self, into: dict[str, M]) -> Callable[[M, TopicMatch], Awaitable[None]]:
         """A route handler storing each message by the device its topic names."""
         async def store(msg: M, match: TopicMatch) -> None:
             into[match.device] = msg
+            self.check()
         return store
 
     async def keep_plan(self, plan: Plan, _: TopicMatch) -> None:
@@ -55,6 +68,7 @@ class Registry:
     async def keep_reply(self, reply: ControlReply, _: TopicMatch) -> None:
         if reply.source == "planner" and reply.ok:
             self.planner = reply
+            self.check()
 
 
 async def list_devices(config: Config, *, wait_s: float) -> int:
@@ -72,7 +86,8 @@ async def list_devices(config: Config, *, wait_s: float) -> int:
     async with bus:
         await bus.publish(topics.control("planner"), ControlCommand(
             command="status", request_id=uuid.uuid4().hex, requester=requester, expires_at=time.time() + wait_s))
-        await asyncio.sleep(wait_s)  # retained messages arrive at once; wait_s is how long to collect them
+        with contextlib.suppress(TimeoutError):  # retained messages arrive at once, stats every stats interval
+            await asyncio.wait_for(seen.heard.wait(), wait_s)
     names = sorted(set(seen.hello) | set(seen.status))
     if not names:
         print(f"no devices in job {config.job!r} on {config.broker.url}")
@@ -87,8 +102,12 @@ async def list_devices(config: Config, *, wait_s: float) -> int:
         print(f"{name:<16} {st.state if st else '?':<8} "
               f"{h.flops / 1e9 if h else 0:>8.2f} {h.memory_bytes / 2**20 if h else 0:>8.0f} "
               f"{member.cluster if member else '-':<14} {member.batch_size if member else 0:>5} "
-              f"{c.codec if c else '-':<6} {s.steps if s else 0:>6} {s.step_time_s * 1e3 if s else 0:>8.1f} "
-              f"{s.model_version if s else 0:>7} {link_columns(h, s)} {health_columns(s)}")
+              f"{c.codec if c else '-':<6} {step_columns(s)} {link_columns(h, s)} {health_columns(s)}")
+    silent = [name for name in names if name not in seen.stats and (st := seen.status.get(name)) is not None
+              and st.state == "online"]
+    if silent:
+        print(f"\nno stats within {wait_s:g} s from {', '.join(silent)} ('-'; they come every worker.stats_interval_s: "
+              "--wait longer)")
     out = [line for name in names if (line := why_out(seen.status.get(name)))]
     if out:
         print("\nout of the job:")
@@ -123,6 +142,13 @@ def why_out(status: DeviceStatus | None) -> str:
     return ""
 
 
+def step_columns(stats: DeviceStats | None) -> str:
+    """The steps, step time and model version columns of a device's row (``-`` without stats)."""
+    if stats is None:
+        return f"{'-':>6} {'-':>8} {'-':>7}"
+    return f"{stats.steps:>6} {stats.step_time_s * 1e3:>8.1f} {stats.model_version:>7}"
+
+
 def link_columns(hello: DeviceHello | None, stats: DeviceStats | None) -> str:
     """The uplink, downlink and latency columns of a device's row: what it declared (its hello: the operator's
     or an emulated board's figures) where it did, else what it measured (its stats); ``-`` where neither."""
@@ -152,11 +178,13 @@ def health_columns(stats: DeviceStats | None) -> str:
 def register(parser: argparse.ArgumentParser) -> None:
     """``edgemesh devices``: the configuration flags and ``--wait``."""
     cli.config_flags(parser)
-    parser.add_argument("--wait", type=float, default=1.0, help="seconds to collect retained messages")
+    parser.add_argument("--wait", type=float, help="at most this many seconds to collect the devices' messages "
+                        "(default: worker.stats_interval_s + 1, ending sooner once every online device's stats are in)")
     parser.set_defaults(func=_command)
 
 
 def _command(args: argparse.Namespace) -> int:
     config = cli.require_job(cli.load(args))
     cli.setup_logging(config.log_level if args.log_level else "WARNING")
-    return asyncio.run(list_devices(config, wait_s=args.wait))
+    wait_s = args.wait if args.wait is not None else config.worker.stats_interval_s + 1.0
+    return asyncio.run(list_devices(config, wait_s=wait_s))
