@@ -10,7 +10,7 @@ import numpy as np
 from edgemesh.common.config import GuardConfig
 from edgemesh.common.messages.jobs import JobEvaluation
 from edgemesh.services.parameter_server.guard import Evaluated, Guard
-from edgemesh.services.parameter_server.jobs import STUCK_EVALUATIONS, job_warning, kept_model
+from edgemesh.services.parameter_server.jobs import STUCK_EVALUATIONS, job_warning, kept_model, no_device_warning
 
 
 def held(version: int, loss: float, accuracy: float) -> Evaluated:
@@ -124,3 +124,12 @@ def test_a_running_jobs_warning_names_divergence_or_an_accuracy_stuck_at_chance(
     assert stuck.startswith("stuck at chance") and "5 classes" in stuck
     assert job_warning("", evaluations(0.2, *[0.2] * STUCK_EVALUATIONS, 0.6), 5) == ""  # it learns
     assert job_warning("version 40: the evaluation loss is not finite", (), 5).startswith("diverging: version 40")
+
+
+def test_a_running_job_no_device_can_join_says_so() -> None:
+    """Every device heard from is out of the job (its data missing): the state warns, while it waits for one that
+    can join; a device in the plan, or none heard from yet, is no cause for it."""
+    errors = {"dev-a": "data path 'nowhere.csv' does not exist on this device", "dev-b": "the same"}
+    warning = no_device_warning((), errors)
+    assert warning.startswith("no device is in the job: the 2 heard from are out of it")
+    assert no_device_warning(("dev-c",), errors) == "" and no_device_warning((), {}) == ""

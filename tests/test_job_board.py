@@ -116,6 +116,8 @@ async def test_why_a_device_is_out_of_a_running_job_shows_in_job_status_job_list
         assert "w1" in out and "x.png" in out and "plan v3" in out and memory in out, out
     assert "pics: running" in shown and "2 device(s) out" in shown
     assert "w1 left the job" in devices and "pi-3 refused its share of plan v3" in devices
+    for out in (shown, listed):  # no device is left to train it: the state says so
+        assert "warning: no device is in the job: the 2 heard from are out of it" in out, out
 
 
 async def test_job_status_shows_the_latest_evaluations_of_a_running_job(

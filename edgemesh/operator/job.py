@@ -201,6 +201,8 @@ async def list_jobs(config: Config, *, metrics: ServiceMetrics | None = None) ->
         accuracy = f"{s.accuracy:.4f}" if s.accuracy is not None else "-"
         print(f"{name:<20} {s.state:<9} {s.version:>7} {accuracy:>8} {len(s.devices):>7} "
               f"{s.bytes_received / 1e6:>8.2f}  {s.reason}")
+        if s.warning and s.active:
+            print(f"{' ' * 21}warning: {s.warning}")
         for line in devices_out(s, indent=" " * 21):
             print(line)
     return 0

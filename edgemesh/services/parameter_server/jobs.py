@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeGuard
 
@@ -162,13 +162,14 @@ class JobBoard:
         """``state`` with the running parameter server's figures."""
         last = ps.evaluator.last
         history = self._history(state)
+        devices = tuple(d.device for d in ps.plan.devices) if ps.plan else ()
+        errors = dict(self.device_errors.get(state.name, {}))
         return replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss,
-                       model_version=last.version if last is not None else 0,
-                       devices=tuple(d.device for d in ps.plan.devices) if ps.plan else (),
+                       model_version=last.version if last is not None else 0, devices=devices,
                        bytes_received=int(ps.metrics.value("edgemesh_ps_received_gradient_bytes_total")),
-                       device_errors=dict(self.device_errors.get(state.name, {})),
-                       evaluations=history, rollbacks=ps.guard.rollbacks,
-                       warning=job_warning(ps.guard.diverging, history, self._classes(state)))
+                       device_errors=errors, evaluations=history, rollbacks=ps.guard.rollbacks,
+                       warning=job_warning(ps.guard.diverging, history, self._classes(state))
+                       or no_device_warning(devices, errors))
 
     def _classes(self, state: JobState) -> int:
         spec = self.host.specs.get(state.sha256)
@@ -370,6 +371,15 @@ def job_warning(diverging: str, history: Sequence[JobEvaluation], classes: int) 
             return (f"stuck at chance: the best of the latest {len(history)} evaluations is {best:.4f}, chance is "
                     f"{chance:.4f} ({classes} classes); lower training.lr, or check the data")
     return ""
+
+
+def no_device_warning(devices: Sequence[str], errors: Mapping[str, str]) -> str:
+    """A running job no device trains: every device heard from is out of it (its data missing or broken, its share
+    refused). It waits for a device that can join ('' while one is in the plan, or none was heard from yet)."""
+    if devices or not errors:
+        return ""
+    return (f"no device is in the job: the {len(errors)} heard from are out of it (below); it waits for one that "
+            "can join, until its stop rule")[:MAX_REASON_CHARS]
 
 
 def _number(value: object) -> TypeGuard[int | float]:
