@@ -396,7 +396,8 @@ def _stop_reason(state: JobState, now: float, quorum: Quorum | None = None) -> s
     only with their ``quorum`` (None: the parameter server's own evaluation)."""
     if state.target_accuracy and state.accuracy is not None and state.accuracy >= state.target_accuracy and (
             quorum is None or quorum.met):
-        return f"{REACHED}: {state.accuracy:.4f} >= {state.target_accuracy:g}" + (f" ({quorum})" if quorum else "")
+        return (f"{REACHED}: {state.accuracy:.4f} >= {state.target_accuracy:g} at version {state.model_version}"
+                + (f" ({quorum})" if quorum else ""))
     if state.max_versions and state.version >= state.max_versions:
         return f"reached model version {state.version} (job.max_versions = {state.max_versions})"
     if state.max_minutes and state.started_at and now - state.started_at >= state.max_minutes * 60:
