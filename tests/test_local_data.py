@@ -375,8 +375,24 @@ def test_npz_errors_name_the_file_and_the_problem(tmp_path: Path) -> None:
     _raises([str(path), "non-finite"], "npz", path, input_shape=(4,))
     path = npz("ylen.npz", x=good_x, y=np.array([0, 1]))
     _raises([str(path), "y has shape (2,)"], "npz", path, input_shape=(4,))
-    path = npz("yfloat.npz", x=good_x, y=np.array([0.0, 1.0, 2.0]))
-    _raises([str(path), "float64"], "npz", path, input_shape=(4,))
+    path = npz("yfrac.npz", x=good_x, y=np.array([0.0, 1.5, 2.0]))
+    error = _raises([str(path), "y[1] is not a whole number (a class index)"], "npz", path, input_shape=(4,))
+    assert "1.5" not in str(error)  # a value of the file, never published
+    path = npz("onehot.npz", x=good_x, y=np.eye(3))
+    _raises([str(path), "y has shape (3, 3)", "not one-hot rows"], "npz", path, input_shape=(4,))
+    path = npz("ycomplex.npz", x=good_x, y=np.array([0, 1, 2], dtype=np.complex64))
+    _raises([str(path), "complex64"], "npz", path, input_shape=(4,))
+
+
+def test_npz_labels_as_whole_floats_a_column_or_booleans_are_class_indices(tmp_path: Path) -> None:
+    """Labels as pandas stores a column with gaps (float64 whole numbers), as a column vector (N, 1), or as booleans
+    (classes 0 and 1) are class indices."""
+    x = np.zeros((3, 4))
+    for name, y, want in (("float.npz", np.array([2.0, 0.0, 1.0]), [2, 0, 1]),
+                          ("column.npz", np.array([[1], [2], [0]]), [1, 2, 0]),
+                          ("flag.npz", np.array([True, False, True]), [1, 0, 1])):
+        np.savez(tmp_path / name, x=x, y=y)
+        assert load_local("npz", tmp_path / name, input_shape=(4,), classes=CLASSES).train.y.tolist() == want, name
 
 
 def test_npz_refuses_pickled_arrays_and_garbage(tmp_path: Path) -> None:

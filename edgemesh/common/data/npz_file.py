@@ -1,9 +1,10 @@
 """The ``npz`` format of a device's data (:func:`read_npz`).
 
 A numpy archive with arrays ``x`` of shape (N, *input_shape) or (N, prod(input_shape)) (uint8 is scaled to
-[0, 1]) and ``y`` of class indices or names. Its zip directory is bounded (``MAX_NPZ_DIRECTORY_BYTES``) and the
-arrays' ``.npy`` headers are read and checked first; the arrays are read ``READ_CHUNK_BYTES`` at a time; no pickle
-is ever loaded.
+[0, 1]) and ``y`` of class indices or names, of shape (N,) or (N, 1): integers, whole numbers as floats (labels a
+data frame with missing values stored as float64), booleans (classes 0 and 1), or strings. Its zip directory is
+bounded (``MAX_NPZ_DIRECTORY_BYTES``) and the arrays' ``.npy`` headers are read and checked first; the arrays are
+read ``READ_CHUNK_BYTES`` at a time; no pickle is ever loaded.
 """
 
 from __future__ import annotations
@@ -141,9 +142,11 @@ def _check_npz(where: str, x: _Header, y: _Header, input_shape: tuple[int, ...],
         raise DataError(f"{where}: x has shape {x.shape}, expected {expected}")
     if not x.plain or x.dtype.kind not in "iuf" or x.dtype.itemsize > 8:
         raise DataError(f"{where}: x must hold numbers (integers or floats), got dtype {x.type_name}")
-    if y.shape != (x.shape[0],):
-        raise DataError(f"{where}: y has shape {y.shape}, expected ({x.shape[0]},) to match x")
-    if not y.plain or y.dtype.kind not in "iuUS" or y.dtype.itemsize == 0:
+    if y.shape not in ((x.shape[0],), (x.shape[0], 1)):
+        raise DataError(f"{where}: y has shape {y.shape}, expected ({x.shape[0]},) to match x (one class per sample: "
+                        "indices or names, not one-hot rows)")
+    numeric = y.dtype.kind in "iufb"
+    if not y.plain or y.dtype.kind not in "iufbUS" or y.dtype.itemsize == 0 or (numeric and y.dtype.itemsize > 8):
         raise DataError(f"{where}: y must hold class indices or class names, got dtype {y.type_name}")
     check_bytes(where, x.shape[0], input_shape, max_bytes)
     if y.count * y.dtype.itemsize > max_bytes:
@@ -176,6 +179,15 @@ def _read_exactly(stream: IO[bytes], nbytes: int, what: str) -> bytes:
 
 def _npz_labels(where: str, y: np.ndarray, index: dict[str, int]) -> np.ndarray:
     """``y`` as int64 indices of the job's classes; DataError naming the first sample whose label is not one."""
+    y = y.reshape(-1)
+    if y.dtype.kind == "b":
+        y = y.astype(np.int64)
+    elif y.dtype.kind == "f":
+        whole = np.isfinite(y) & (y == np.round(y))
+        if not whole.all():
+            first = int(np.flatnonzero(~whole)[0])
+            raise DataError(f"{where}: y[{first}] is not a whole number (a class index)")  # never the value
+        y = y.astype(np.int64)
     if y.dtype.kind in "iu":
         bad = np.flatnonzero((y < 0) | (y >= len(index)))
         if bad.size:
