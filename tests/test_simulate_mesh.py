@@ -13,13 +13,14 @@ import pytest
 
 from edgemesh import cli
 from edgemesh.bench.fleet import MODEL
-from edgemesh.common import costs
+from edgemesh.common import costs, models
 from edgemesh.common.emulation.dynamics import Timeline
 from edgemesh.common.emulation.profiles import FIGURES, get_profile
 from edgemesh.common.emulation.scenarios import load_scenarios
+from edgemesh.common.errors import ConfigError
 from edgemesh.common.messages import LayerDivision, PlanCluster
 from edgemesh.services.planner.mesh import FLOAT32_WIRE, DeviceInfo
-from edgemesh.simulate import SimSettings
+from edgemesh.simulate import SimSettings, compare
 from edgemesh.simulate.engine import Simulation
 from edgemesh.simulate.fleet import Board, Crew
 
@@ -124,3 +125,17 @@ def test_an_unknown_parallelism_is_named_and_exits_2(tmp_path: Path, capsys: pyt
     assert code == 2
     assert "unknown parallelism pipeline" in capsys.readouterr().err
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_model_mesh_cannot_divide_is_named_before_any_run() -> None:
+    """Group norm's groups would span the members' channels: under mesh the planner refuses the model, and so does
+    the simulation, naming the layer, before the data-parallel runs of the comparison take their time."""
+    models.register_spec(models.layer_list_spec("test-sim-groupnorm", [{"conv2d": 8, "kernel": 3, "padding": 1},
+                                                                        {"groupnorm": 2}, "relu", "globalavgpool",
+                                                                        {"linear": 10}], (1, 8, 8), 10))
+    lines: list[str] = []
+    with pytest.raises(ConfigError, match="planner.parallelism = mesh: .*cannot divide module"):
+        compare(SimSettings(fleet=("pi4", "pi4"), budget_s=0.5,
+                            overrides={"training.model_spec": "test-sim-groupnorm"}),
+                ["sync"], [0], progress=lines.append, parallelisms=["data", "mesh"])
+    assert lines == []

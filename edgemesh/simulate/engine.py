@@ -61,7 +61,7 @@ from edgemesh.services.parameter_server.scheduler import Ack
 from edgemesh.services.worker.trainer import shard_weights
 from edgemesh.simulate import job as simulated_job
 from edgemesh.simulate.events import EventQueue
-from edgemesh.simulate.fleet import Board, Crew, Downlink, Planner
+from edgemesh.simulate.fleet import Board, Crew, Downlink, Planner, check_mesh
 from edgemesh.simulate.model import Encoder, SharedModel
 from edgemesh.simulate.reference import FEDBUFF_SHARE, REFERENCE_POLICIES, ReferencePolicy
 from edgemesh.simulate.server import VERSIONS_KEPT, Server
@@ -273,6 +273,7 @@ def hardware(settings: SimSettings) -> Hardware:
     scenario = scenarios[settings.scenario]
     names = device_names(list(settings.fleet))
     cfg = sim_config(settings, len(names))
+    check_mesh(cfg)
     scale = settings.compute_scale or (1.0,) * len(names)
     boards = {name: Board.of(name, profiles[p], Timeline.of(scenario, p, name, settings.seed),
                              cfg.training.model_spec, scale=f)

@@ -30,6 +30,7 @@ from edgemesh.common.config import Config
 from edgemesh.common.costs import LayerCost
 from edgemesh.common.emulation.dynamics import Episode, Timeline
 from edgemesh.common.emulation.profiles import DeviceProfile
+from edgemesh.common.errors import ConfigError, ModelError
 from edgemesh.common.messages import Plan, PlanCluster
 from edgemesh.common.vocabulary import Batching, CodecName
 from edgemesh.services.planner import batching, stability
@@ -131,6 +132,18 @@ class Crew:
         return max(board.upload_end(start, round(nbytes * sum(n * layer.params_per_unit for n, layer in
                                                                zip(held, self.layers, strict=True)) / params))
                    for board, held in zip(self.members, self.held, strict=True))
+
+
+def check_mesh(config: Config) -> bool:
+    """Whether ``config`` plans a training grid (``planner.parallelism = "mesh"``); ConfigError, as the planner
+    service says it, when the model has a layer the grid cannot divide."""
+    if config.planner.parallelism != "mesh":
+        return False
+    try:
+        costs.layers(config.training.model_spec)
+    except ModelError as exc:
+        raise ConfigError(f"planner.parallelism = mesh: {exc}") from None
+    return True
 
 
 STRAGGLER_PROFILE = "laptop"
@@ -237,7 +250,7 @@ class Planner:
         self.lag_s = config.worker.stats_interval_s
         """How old the speeds the planner balances on are: a device's stats come every this many seconds."""
         self.wire = wire_for(config)
-        self.mesh = config.planner.parallelism == "mesh"
+        self.mesh = check_mesh(config)
         self.rule = stability.Rule.of(config.planner, spec=spec, batch=config.planner.round_samples
                                       or config.training.batch_size, wire=self.wire)
         """How the planner lays out its training grid (``planner.parallelism = "mesh"``)."""

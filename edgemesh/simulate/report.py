@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from edgemesh.simulate.engine import Parallelism, Policy, SimRun, SimSettings, check, simulate
+from edgemesh.simulate.engine import Parallelism, Policy, SimRun, SimSettings, hardware, simulate
 
 
 def summarize(runs: Sequence[SimRun]) -> dict[str, Any]:
@@ -42,8 +42,8 @@ def compare(base: SimSettings, policies: Sequence[Policy], seeds: Sequence[int],
     parallelism of ``parallelisms`` if more than ``base``'s: the report, by policy (``policy/parallelism`` when
     parallelisms are compared)."""
     cases = [(policy, parallelism) for parallelism in parallelisms for policy in policies]
-    for policy, parallelism in cases:  # every setting checked before the first run
-        check(dataclasses.replace(base, policy=policy, parallelism=parallelism))
+    for policy, parallelism in cases:  # every setting checked before the first run (a model mesh cannot divide too)
+        hardware(dataclasses.replace(base, policy=policy, parallelism=parallelism))
     runs: dict[str, list[SimRun]] = {}
     for policy, parallelism in cases:
         label = policy if tuple(parallelisms) == (None,) else f"{policy}/{parallelism or 'data'}"
