@@ -360,6 +360,9 @@ layers = [{linear = 16}, "relu", {linear = 3}]
 format = "csv"
 path = "readings.csv"
 label_column = "kind"
+
+[evaluation]
+local_share = 0.2
 """
 """A CSV job whose class column is not the default ``label``."""
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 
 from edgemesh.common.data import IMAGE_SUFFIXES, UINT8_PIXEL_MAX, csv_rows, read_image
 from edgemesh.common.errors import DataError, ExportError
+from edgemesh.common.jobs import parse_job
 from edgemesh.operator.export import INSTALL_HINT, TRUST_FLAG, ModelCard, card_path
 
 PREDICT_BATCH: Final = 64
@@ -109,25 +109,17 @@ def read_samples(files: Sequence[str], card: ModelCard) -> Iterator[Sample]:
     """Every input of ``files`` in order, read as it is reached: a CSV file's rows one by one, any other file whole
     (``read_input``), each with the class it says it is (a CSV row's label; a file in a folder named after a
     class)."""
+    column = parse_job(card.job_source, origin=f"the job in model card '{card.job}'").data.label_column \
+        if any(Path(name).suffix.lower() == CSV_SUFFIX for name in files) else ""
     for name in files:
         path = Path(name)
         if path.suffix.lower() == CSV_SUFFIX:
-            for line, sample, label in csv_rows(path, card.input_shape, label_column(card), card.classes):
+            for line, sample, label in csv_rows(path, card.input_shape, column, card.classes):
                 yield f"{name}:{line}", sample, label
         else:
             folder = path.parent.name
             yield name, read_input(path, card.input_shape), \
                 card.classes.index(folder) if folder in card.classes else None
-
-
-def label_column(card: ModelCard) -> str:
-    """The CSV column of class names in the card's job (``data.label_column``, ``label`` by default)."""
-    try:
-        data = tomllib.loads(card.job_source).get("data", {})
-    except tomllib.TOMLDecodeError:
-        return "label"
-    column = data.get("label_column") if isinstance(data, dict) else None
-    return column if isinstance(column, str) and column else "label"
 
 
 def input_files(inputs: Sequence[str]) -> list[str]:

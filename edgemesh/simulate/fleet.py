@@ -95,6 +95,10 @@ class Crew:
     """What the planner planned the members with (their links set the exchanges' times)."""
     held: tuple[tuple[int, ...], ...]
     """Units of every layer (forward order) each member holds."""
+    work: tuple[tuple[float, ...], ...]
+    """Each member's share of a whole step's compute on every layer (its units' multiply-adds over the model's)."""
+    pushed: tuple[float, ...]
+    """Each member's share of the update's values (its rows)."""
     layers: tuple[LayerCost, ...]
     wire: Wire
 
@@ -105,33 +109,35 @@ class Crew:
         counts = cluster.counts
         held = tuple(tuple(counts[layer.name][i] if layer.name in counts else layer.units for layer in layers)
                      for i in range(len(cluster.members)))
-        return cls(tuple(boards[m] for m in cluster.members), tuple(infos[m] for m in cluster.members), held,
-                   tuple(layers), wire)
+        macs = sum(layer.units * layer.macs_per_unit for layer in layers) or 1
+        params = sum(layer.units * layer.params_per_unit for layer in layers) or 1
+        work = tuple(tuple(n * layer.macs_per_unit / macs for n, layer in zip(h, layers, strict=True)) for h in held)
+        pushed = tuple(sum(n * layer.params_per_unit for n, layer in zip(h, layers, strict=True)) / params
+                       for h in held)
+        return cls(tuple(boards[m] for m in cluster.members), tuple(infos[m] for m in cluster.members), held, work,
+                   pushed, tuple(layers), wire)
 
     def step_end(self, start: float, samples: float) -> float:
         """When the cluster's step of ``samples`` begun at ``start`` ends: each layer begins when the last member is
         through the one before; a member computes its units' share of a whole step's work on its board (throttled
         spells slowing it), then its exchange there takes its link (stalls holding it)."""
         k = len(self.members)
-        macs = sum(layer.units * layer.macs_per_unit for layer in self.layers) or 1
         exchanges = [layer_coefficients(self.layers, replace(info, flops=math.inf), max(1, round(samples)), k,
                                         self.wire) for info in self.infos]  # no compute: the links' seconds only
+        members = list(zip(self.members, self.held, self.work, exchanges, strict=True))
         t = start
-        for li, layer in enumerate(self.layers):
+        for li in range(len(self.layers)):
             ends = []
-            for board, held, (const, weights, _) in zip(self.members, self.held, exchanges, strict=True):
-                n = held[li]
-                done = board.step_end(t, samples * n * layer.macs_per_unit / macs)
-                ends.append(board.timeline.transfer_end(done, const[li] + weights[li] * n))
+            for board, held, work, (const, weights, _) in members:
+                computed = board.step_end(t, samples * work[li])
+                ends.append(board.timeline.transfer_end(computed, const[li] + weights[li] * held[li]))
             t = max(ends)
         return t
 
     def upload_end(self, start: float, nbytes: int) -> float:
         """When every member's rows of an update of ``nbytes`` handed over at ``start`` have arrived."""
-        params = sum(layer.units * layer.params_per_unit for layer in self.layers) or 1
-        return max(board.upload_end(start, round(nbytes * sum(n * layer.params_per_unit for n, layer in
-                                                               zip(held, self.layers, strict=True)) / params))
-                   for board, held in zip(self.members, self.held, strict=True))
+        return max(board.upload_end(start, round(nbytes * share))
+                   for board, share in zip(self.members, self.pushed, strict=True))
 
 
 def check_mesh(config: Config) -> bool:

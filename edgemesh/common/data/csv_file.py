@@ -89,10 +89,14 @@ class _Columns:
                             f"the model's input_shape {shape} needs {math.prod(shape)}")
         return cls(len(header), label_at, label_column, features)
 
-    def label(self, row: list[str], where: str, index: dict[str, int]) -> int:
-        """The row's label; DataError for a row of another width or a label not among the job's classes."""
+    def check_width(self, row: list[str], where: str) -> None:
+        """DataError for a row of another width than the header's."""
         if len(row) != self.cells:
             raise DataError(f"{where}: {len(row)} cells, the header has {self.cells}")
+
+    def label(self, row: list[str], where: str, index: dict[str, int]) -> int:
+        """The row's label; DataError for a row of another width or a label not among the job's classes."""
+        self.check_width(row, where)
         label = index.get(row[self.label_at].strip())
         if label is None:
             raise DataError(f"{where}, column {self.label_at + 1} ({self.label_column!r}): not one of the job's "
@@ -121,8 +125,7 @@ def csv_rows(path: Path, shape: tuple[int, ...], label_column: str,
                 if not row:
                     continue
                 where = f"CSV file '{name}' line {reader.line_num}"
-                if len(row) != columns.cells:
-                    raise DataError(f"{where}: {len(row)} cells, the header has {columns.cells}")
+                columns.check_width(row, where)
                 label = index.get(row[columns.label_at].strip()) if columns.label_at >= 0 else None
                 yield reader.line_num, np.fromiter(columns.values(row, where), np.float32).reshape(shape), label
     except OSError as exc:
