@@ -33,7 +33,9 @@ def test_bench_fleet_quick_tunes_each_policy_then_runs_the_scenario(tmp_path: Pa
         [sys.executable, "-m", "edgemesh", "bench", "fleet", "--quick", "--scenario", "dynamic", "--report",
          str(report)], capture_output=True, text=True, timeout=380, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads(report.read_text())
+    written = json.loads(report.read_text())
+    assert list(written["scenarios"]) == ["dynamic"]  # one report, a run per scenario (tests/test_fleet_report.py)
+    data = written["scenarios"]["dynamic"]
     assert data["scenario"]["scenario"] == "dynamic" and data["time_dilation"] == 2.0 and data["budget_s"] == 6.0
     assert [d["profile"] for d in data["fleet"]] == ["pi5", "laptop"]
     assert data["single"]["device"] == "pi5-0"  # no Pi 4 in this fleet: its first device, alone

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -61,6 +62,12 @@ def test_demo_runs_to_its_version_limit_and_reports(tmp_path: Path, broker_flag:
     assert data["final_accuracy"] >= LEARNED
     assert data["stopped_by"] in ("max_versions", "target")
     assert "final accuracy" in result.stdout
+    # the accuracy curve: every evaluation heard, in order; drawn beside the report
+    curve = data["curve"]
+    assert curve and max(accuracy for _, _, accuracy in curve) >= LEARNED
+    assert all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(curve, curve[1:], strict=False))
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert report.with_suffix(".png").stat().st_size > 1000
     assert processes_of(job) == []
 
 

@@ -85,7 +85,7 @@ def test_throttling_costs_sync_nothing_once_it_rebalanced() -> None:
 def test_the_shipped_scenarios_headroom_grows_with_their_harshness() -> None:
     """On the workload of the shipped steady report: the scenario's events leave a policy that waits for no one
     more to gain the harsher the scenario, and steady nothing but the fleet's own imbalance."""
-    steady_report = json.loads((REPORTS / "fleet-steady.json").read_text())
+    steady_report = json.loads((REPORTS / "fleet.json").read_text())["scenarios"]["steady"]
     scenarios, profiles = load_scenarios(), load_profiles()
     fleet = [(d["device"], d["profile"]) for d in steady_report["fleet"]]
     load = headroom.workload("digits-wide-cnn", {device: profiles[p] for device, p in fleet},

@@ -22,23 +22,22 @@ time divided by the dilation), so the dilation changes no result, only how long 
 
 **Fair.** Each policy runs at the best learning rate of a grid (``--lrs``), chosen once on the ``steady``
 scenario with another seed (``seed + 1``): a tuning run ends when it reaches the target or once it has run
-longer than the policy's best so far. ``--lr-from REPORT`` reuses a report's choices (the other scenarios
-use the steady report's), ``--lr`` sets one rate for every policy.
+longer than the policy's best so far. ``--lr-from REPORT`` reuses a report's choices (its steady run's: the other
+scenarios use those), ``--lr`` sets one rate for every policy.
 
 Per policy the report gives, in board seconds: ``time_to_target_s`` (the first evaluation at or above
 ``--target``, None if never), ``avg_iteration_delay_s`` (mean over devices of the time between two of its
 updates), ``final_accuracy`` (mean of the last ``FINAL_EVALUATIONS`` evaluations), ``updates_discarded``,
 ``bytes_published`` (every payload byte every process published), ``emulation_overrun_share``, ``valid``,
 ``lr``, the workload's ``slowest_step_s`` and ``round_overhead_s``, and the accuracy curve; the report lists
-the scenario's events (throttled spells, stalls, drop-outs) per device. The PNG plots accuracy against board
-time per policy above the events.
+the scenario's events (throttled spells, stalls, drop-outs) per device. One report holds the latest run of each
+scenario (``fleet_report``); its PNG plots, per scenario, accuracy against board time per policy above the events.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 import tempfile
@@ -51,7 +50,7 @@ from typing import Any
 
 from edgemesh import cli
 from edgemesh.bench import headroom
-from edgemesh.bench.fleet_report import acceptance, plot, ratios, scenario_events
+from edgemesh.bench.fleet_report import acceptance, merged, plot, ratios, read_runs, scenario_events
 from edgemesh.bench.reporting import finish
 from edgemesh.bench.runs import Timeline, cluster_flags, device_names, drive, fleet_profiles, names, observe
 from edgemesh.common.config import Config, describe, load_config
@@ -358,19 +357,19 @@ def _choose(grid: dict[str, dict[str, Any]]) -> float:
     return float(min(grid.items(), key=key)[0])
 
 
-def _report(path: Path | None) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text()) if path is not None else None
-    except (OSError, ValueError):
-        return None
+def steady_run(*paths: Path | None) -> dict[str, Any] | None:
+    """The ``steady`` run of the first of the fleet reports at ``paths`` that holds one (None: none does)."""
+    return next((runs[TUNING_SCENARIO] for path in paths if TUNING_SCENARIO in (runs := read_runs(path))), None)
 
 
 def tuned_from(path: Path, policies: list[str]) -> dict[str, Any]:
-    """The ``tuning`` of an earlier report, which must cover ``policies``."""
-    try:
-        tuning = json.loads(path.read_text())["tuning"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"--lr-from {path}: not a fleet report with a tuning section ({exc})") from None
+    """The tuning of an earlier report (its steady run's, else its only run's), which must cover ``policies``."""
+    runs = read_runs(path)
+    run = runs.get(TUNING_SCENARIO) or (next(iter(runs.values())) if len(runs) == 1 else None)
+    tuning = run.get("tuning") if run is not None else None
+    if not isinstance(tuning, dict):
+        raise ConfigError(f"--lr-from {path}: not a fleet report with a tuning section (of its "
+                          f"{TUNING_SCENARIO!r} run, or of its only run)")
     missing = [p for p in policies if not isinstance(tuning.get(p), dict) or "lr" not in tuning[p]]
     if missing:
         raise ConfigError(f"--lr-from {path}: no tuned learning rate for {', '.join(missing)}")
@@ -434,12 +433,12 @@ def run_bench(report: Path, *, fleet: list[str], policies: list[str], scenario: 
     d = settings.worker.emulation_dilation
     result["headroom"] = headroom.of_bench(
         result, scenario=scenarios[scenario], steady=scenarios[TUNING_SCENARIO], model=MODEL, profiles=profiles,
-        steady_report=_report(lr_from), detect_s=settings.planner.replan_debounce_s / d,
+        steady_report=steady_run(lr_from, report), detect_s=settings.planner.replan_debounce_s / d,
         lag_s=(settings.worker.stats_interval_s + settings.planner.rebalance_interval_s) / d)
     result["ratios"] = ratios(result["policies"], budget_s)
     result["acceptance"] = acceptance(scenario, result["policies"], budget_s)
     result["bench_wall_s"] = round(time.monotonic() - started, 1)
-    finish(report, result, plot, progress, workdir, keep_logs=failed or keep_logs)
+    finish(report, merged(report, scenario, result), plot, progress, workdir, keep_logs=failed or keep_logs)
     return result
 
 
@@ -455,8 +454,8 @@ def _settings(cfg: Config, devices: int) -> dict[str, Any]:
 
 def register(parser: argparse.ArgumentParser) -> None:
     """``edgemesh bench fleet``."""
-    parser.add_argument("--report", default=None, help="JSON report path (PNG beside it); default "
-                        "bench/reports/fleet-SCENARIO.json")
+    parser.add_argument("--report", default="bench/reports/fleet.json", help="JSON report path (PNG beside it): "
+                        "the run replaces its scenario's in it and keeps the other scenarios'")
     parser.add_argument("--scenario", default="steady", help="emulation scenario: steady, dynamic, harsh "
                         "(worker.emulation_scenarios for your own file)")
     parser.add_argument("--fleet", default=",".join(DEFAULT_FLEET), help="device profiles, comma-separated")
@@ -492,7 +491,7 @@ def main(args: argparse.Namespace) -> int:
         print("edgemesh bench fleet: budgets and learning rates must be > 0, --target in (0, 1], "
               "--dilation >= 1", file=sys.stderr)
         return 2
-    report = Path(args.report or f"bench/reports/fleet-{args.scenario}.json")
+    report = Path(args.report)
     try:
         result = run_bench(report, fleet=names(args.fleet), policies=names(args.policies), scenario=args.scenario,
                            target=args.target, budget_s=args.budget_s, dilation=args.dilation, seed=args.seed,

@@ -1,8 +1,16 @@
 """What ``edgemesh bench fleet`` makes of its runs: the scenario's events every policy met, how much sooner
-``adaptive`` reached the target than the others, the issue's acceptance checks, and the PNG."""
+``adaptive`` reached the target than the others, the issue's acceptance checks, the report and the PNG.
+
+One report holds the latest run of each scenario (``{"scenarios": {"steady": run, "dynamic": run, ...}}``): a run
+replaces its scenario's earlier one and keeps the others, so that ``bench/reports/fleet.json`` is the benchmark's
+current evidence (earlier runs live in git). A report of one run alone (the layout before) still reads as one.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +18,8 @@ from edgemesh.bench.reporting import pyplot, save
 from edgemesh.bench.rounds import ratio
 from edgemesh.common.emulation.dynamics import Timeline
 from edgemesh.common.emulation.scenarios import Scenario
+
+logger = logging.getLogger(__name__)
 
 
 def scenario_events(scenario: Scenario, fleet: list[tuple[str, str]], seed: int, until_s: float) -> dict[str, Any]:
@@ -77,23 +87,68 @@ def acceptance(scenario: str, policies: dict[str, dict[str, Any]], budget_s: flo
     return out
 
 
+def runs_of(report: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Scenario -> run of a fleet report, in either layout ({} when ``report`` is neither)."""
+    if isinstance(report.get("scenarios"), dict):
+        return {name: run for name, run in report["scenarios"].items() if isinstance(run, dict)}
+    scenario = report.get("scenario")
+    if isinstance(scenario, dict) and isinstance(scenario.get("scenario"), str) and "policies" in report:
+        return {scenario["scenario"]: dict(report)}
+    return {}
+
+
+def read_runs(path: Path | None) -> dict[str, dict[str, Any]]:
+    """The runs of the fleet report at ``path`` ({} when there is none, or it is no fleet report: logged)."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        logger.warning("%s: not a fleet report (%s)", path, exc)
+        return {}
+    runs = runs_of(report) if isinstance(report, dict) else {}
+    if not runs:
+        logger.warning("%s: not a fleet report: no scenario's run in it", path)
+    return runs
+
+
+def merged(path: Path, scenario: str, run: dict[str, Any]) -> dict[str, Any]:
+    """The report to write at ``path``: its runs of other scenarios, and ``run`` as ``scenario``'s."""
+    runs = {name: old for name, old in read_runs(path).items() if name != scenario}
+    return {"benchmark": "fleet", "scenarios": {**runs, scenario: run}}
+
+
 COLOURS = {"throttle": "tab:orange", "stall": "tab:red", "drop": "black"}
+POLICY_COLOURS = {"single": "tab:blue", "sync": "tab:orange", "async": "tab:green", "ssp": "tab:red",
+                  "adaptive": "tab:purple"}
+"""One colour per policy in every scenario's panel."""
 
 
-def plot(result: dict[str, Any], path: Path) -> bool:
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Per scenario, one below the other: accuracy against board time per policy above the events the devices met."""
     plt = pyplot()
     if plt is None:
         return False
-    fig, (ax, events) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    runs = runs_of(report)
+    fig, axes = plt.subplots(2 * len(runs), 1, figsize=(9, 7 * len(runs)), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 2] * len(runs)})
+    for row, result in enumerate(runs.values()):
+        _draw(axes[2 * row][0], axes[2 * row + 1][0], result)
+    return save(fig, path)
+
+
+def _draw(ax: Any, events: Any, result: dict[str, Any]) -> None:
+    """One scenario's run: its accuracy curves on ``ax``, its devices' events on ``events``."""
     for policy, entry in result["policies"].items():
         curve = entry["curve"]
         if curve:
             mark = "" if entry["valid"] else " (invalid)"
             ax.plot([c[0] for c in curve], [c[2] for c in curve], label=f"{policy} (lr {entry['lr']:g}){mark}",
-                    linewidth=1.5)
+                    linewidth=1.5, color=POLICY_COLOURS.get(policy))
     ax.axhline(result["target_accuracy"], color="grey", linestyle="--", linewidth=1, label="target")
     ax.set_ylabel("held-out accuracy")
     ax.set_ylim(0.5, 1.0)
+    ax.set_xlim(0, result["budget_s"])
     kinds = ", ".join(sorted({d["profile"] for d in result["fleet"]}))
     ax.set_title(f"scenario {result['scenario']['scenario']}: emulated fleet of {len(result['fleet'])} ({kinds}); "
                  f"single = one {result['single']['profile']}")
@@ -107,4 +162,3 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     events.set_xlim(0, result["budget_s"])
     events.set_xlabel("board seconds since the plan named every device")
     events.set_title("events: throttled (orange), link stalled (red), dropped out (black)", fontsize=9)
-    return save(fig, path)

@@ -34,7 +34,7 @@ from edgemesh.common.errors import ModelError
 FLOAT32_BYTES = 4
 RUNTIME_BYTES = 260 * 2**20
 """Resident size of a worker process before its batch (Python, torch, numpy, the data set):
-peak RSS of a digits worker measured on the development host (``bench/reports/demo-*.json``)."""
+peak RSS of a digits worker measured on the development host (``bench/reports/demo.json``)."""
 PARAM_COPIES = 4
 """float32 copies of the parameters a worker holds: weights, gradients, error-feedback residual, model view."""
 ACTIVATION_COPIES = 2

@@ -5,9 +5,10 @@ planner, the parameter server, the compressor and N workers, all serving submitt
 under systemd; submits the digits job (``Demo.job``: the model of ``examples/digits.toml``) as
 ``edgemesh job submit`` does; follows the PS's evaluation events with a progress bar; stops at the
 target accuracy, the version limit or the timeout; reads every process's ``/metrics``; prints a
-summary and writes a JSON report. Ctrl-C (or SIGTERM) stops every child; none is left behind. A worker the
-kernel killed at its emulated board's memory limit (``worker.emulate``) is said on the job's topics as a device
-that left for memory (``LocalCluster.say_departures``) before the demo stops.
+summary and writes a JSON report (its accuracy curve drawn in a PNG beside it). Ctrl-C (or SIGTERM)
+stops every child; none is left behind. A worker the kernel killed at its emulated board's memory limit
+(``worker.emulate``) is said on the job's topics as a device that left for memory
+(``LocalCluster.say_departures``) before the demo stops.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import shutil
 import sys
@@ -23,11 +23,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from edgemesh import cli
+from edgemesh.bench.reporting import pyplot, save, write_report
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import EdgeMeshError
@@ -68,6 +69,8 @@ class Progress:
     evaluations: int = 0
     reached_at: float | None = None
     stopped_by: str = ""
+    curve: list[tuple[float, int, float]] = field(default_factory=list)
+    """(seconds since the demo started, model version, held-out accuracy) of every evaluation heard."""
 
 
 class Demo:
@@ -84,6 +87,7 @@ class Demo:
         self.broker: BrokerProcess | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="edgemesh-demo-"))
         self.progress = Progress()
+        self.started = clock()
         self.stop = asyncio.Event()
         self.failure: str | None = None
         self.bus: Bus | None = None
@@ -152,10 +156,11 @@ class Demo:
         p.version = max(p.version, state.version)
         if state.accuracy is not None:
             p.accuracy = state.accuracy
+            self._heard(state.model_version or state.version, state.accuracy)
         if state.state != "finished":
             self.failure = self.failure or f"the job {state.state}: {state.reason}"
         elif p.accuracy >= self.cfg.demo.target_accuracy:
-            p.reached_at = p.reached_at or time.monotonic()
+            p.reached_at = p.reached_at or self.clock()
             p.stopped_by = p.stopped_by or "target"
         else:
             p.stopped_by = p.stopped_by or "max_versions"
@@ -170,13 +175,21 @@ class Demo:
         p.accuracy = float(data.get("accuracy") or 0.0)
         p.loss = float(data.get("loss") or 0.0)
         p.evaluations += 1
+        self._heard(p.version, p.accuracy)
         if p.accuracy >= self.cfg.demo.target_accuracy:
-            p.reached_at = time.monotonic()
+            p.reached_at = self.clock()
             p.stopped_by = "target"
             self.stop.set()
         elif p.version >= self.cfg.demo.max_versions:
             p.stopped_by = "max_versions"
             self.stop.set()
+
+    def _heard(self, version: int, accuracy: float) -> None:
+        """An evaluation on the curve, if of a later version than the curve's last (the job's final state repeats
+        an evaluation heard, or names a kept earlier version)."""
+        curve = self.progress.curve
+        if not curve or version > curve[-1][1]:
+            curve.append((round(self.clock() - self.started, 2), version, round(accuracy, 4)))
 
     async def _guard(self) -> None:
         """Fail fast when a child dies on its own; keep peak memory readings."""
@@ -218,7 +231,7 @@ class Demo:
 
     async def _main(self) -> float:
         install_stop_signals(self.stop)
-        started = time.monotonic()
+        started = self.started = self.clock()
         # spawned from the main thread, so the children's parent-death signal is armed:
         # even a kill -9 of the demo leaves no orphan
         self._start_all()
@@ -234,7 +247,7 @@ class Demo:
         except TimeoutError:
             self.failure = self.failure or f"timed out after {self.cfg.demo.timeout_s:.0f}s"
             self.stop.set()
-        wall = time.monotonic() - started
+        wall = self.clock() - started
         assert self.cluster is not None
         await asyncio.to_thread(self.cluster.scrape_all)
         await cancel_all(tasks)
@@ -276,6 +289,7 @@ class Demo:
             "peak_rss_mb": cluster.peak_rss_mb(),
             "stopped_by": self.progress.stopped_by or ("failure" if self.failure else "signal"),
             "failure": self.failure,
+            "curve": [list(point) for point in self.progress.curve],
         }
 
 
@@ -302,6 +316,25 @@ def _print_summary(report: dict[str, Any]) -> None:
         print(f"  {key:<{width}}  {value}")
 
 
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """The demo's held-out accuracy against its wall time (False: no matplotlib, or nothing evaluated)."""
+    plt = pyplot() if result["curve"] else None
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([c[0] for c in result["curve"]], [c[2] for c in result["curve"]], marker=".", linewidth=1.5,
+            label=f"{result['workers']} workers, {result['sync_policy']}")
+    ax.axhline(result["target_accuracy"], color="grey", linestyle="--", linewidth=1, label="target")
+    ax.set_xlabel("seconds since the demo started (processes started, job submitted)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_ylim(0.0, 1.0)
+    ax.set_title(f"edgemesh demo on {result['broker']}: {result['final_accuracy']:.2%} at version "
+                 f"{result['model_version']} in {result['wall_seconds']:.1f} s")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(alpha=0.3)
+    return save(fig, path)
+
+
 def run_demo(config: Config, *, report: str | None, external_broker: bool, quiet: bool = False,
              embedded_broker: bool = False) -> int:
     """Run the demo; returns the process exit code (0 when the target was reached)."""
@@ -320,10 +353,8 @@ def run_demo(config: Config, *, report: str | None, external_broker: bool, quiet
     result = demo.report(wall)
     _print_summary(result)
     if report:
-        path = Path(report)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"\n  report written to {path}")
+        print()
+        write_report(Path(report), result, plot, progress=lambda line: print(f"  {line}"))
     if demo.failure:
         print(f"\nedgemesh demo: {demo.failure}", file=sys.stderr)
         return 1
