@@ -277,3 +277,28 @@ async def test_a_resume_is_not_undone_by_the_board_while_the_parameter_server_wr
     finally:
         host.stop.set()
         await asyncio.wait_for(task, 30)
+
+
+async def test_a_restarted_parameter_server_counts_on_from_the_state_it_finds(mosquitto_broker: BrokerProcess,
+                                                                             tmp_path: Path) -> None:
+    """A PS host that finds its job running (the process before it died) goes on counting the job's gradient bytes
+    and rollbacks from the retained state's, not from zero: the operator's figures do not go back, and the guard's
+    ``max_rollbacks`` spans restarts."""
+    config = make_config(mosquitto_broker, job="", **{"ps.state_dir": tmp_path})
+    client = dataclasses.replace(config, job="client")
+    job = digits_job("carried")
+    found = JobState(name="carried", state="running", sha256=job.sha256, submitted_at=job.submitted_at,
+                     started_at=time.time() - 30, updated_at=time.time() - 1, version=40, bytes_received=10**9,
+                     rollbacks=2)
+    async with inbox(client, (all_job_states_filter(), JobState)) as box:
+        await box.publish(Topics("carried").job_file(), job, retain=True)
+        await box.publish(Topics("carried").job_state(), found, retain=True)
+        async with board(config) as host:
+            await box.until("the PS serving the job", lambda: host.current == ("carried", job.sha256)
+                            and host.service is not None and host.service.state is not None)
+            published = await box.next(JobState, lambda s: s.name == "carried" and s.updated_at > found.updated_at)
+            assert published.bytes_received >= 10**9 and published.rollbacks == 2
+            ps = host.service
+            assert isinstance(ps, ps_jobs.ParameterServer) and ps.guard.rollbacks == 2
+        await box.publish(Topics("carried").job_state(), b"", retain=True)
+        await box.publish(Topics("carried").job_file(), b"", retain=True)

@@ -234,8 +234,11 @@ async def test_a_restarted_ps_resumes_the_job_and_a_late_worker_joins_it(mosquit
             joined = await box.next(JobState, lambda s: s.name == "shapes" and "w2" in s.devices, JOB_WAIT_S)
             assert joined.version >= before.version  # resumed, not restarted from scratch
             assert joined.started_at == before.started_at and joined.sha256 == before.sha256
+            # the job's count of gradient bytes goes on from the killed process's, not from zero
+            assert before.bytes_received > 0 and joined.bytes_received > before.bytes_received
             done = await box.next(JobState, lambda s: s.name == "shapes" and s.ended, JOB_WAIT_S)
         assert done.state == "finished", done.reason
+        assert done.bytes_received > before.bytes_received
     finally:
         cluster.stop()
 

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeGuard
@@ -76,6 +77,9 @@ class JobBoard:
         """Job -> device -> why it is out of the job."""
         self.evaluations: dict[str, tuple[JobEvaluation, ...]] = {}
         """Job -> its latest evaluations, oldest first (seeded from its retained state)."""
+        self._bytes_before: weakref.WeakKeyDictionary[ParameterServer, int] = weakref.WeakKeyDictionary()
+        """Parameter server serving a job -> the gradient bytes the job's state counted before it started (those of
+        the process before a restart: the state's count goes on from them, not from zero)."""
         self._wake = asyncio.Event()
         self._recorded = asyncio.Event()
         """Set when an evaluation is recorded."""
@@ -149,6 +153,9 @@ class JobBoard:
             return
         if self.host.states.get(state.name, state).state == "paused" and not ps.paused:
             await ps.control(ControlCommand(command="pause", requester="jobs"))  # a restarted PS resumes paused
+        if ps not in self._bytes_before:  # its first tick: a restarted PS carries the counts of the one before on
+            self._bytes_before[ps] = state.bytes_received
+            ps.guard.rollbacks = max(ps.guard.rollbacks, state.rollbacks)  # ps.guard.max_rollbacks spans restarts
         progress = self._progress(state, ps)
         reason = _stop_reason(progress, now, ps.evaluator.quorum(progress.target_accuracy))
         if reason and state.state == "running":
@@ -166,7 +173,8 @@ class JobBoard:
         errors = dict(self.device_errors.get(state.name, {}))
         return replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss,
                        model_version=last.version if last is not None else 0, devices=devices,
-                       bytes_received=int(ps.metrics.value("edgemesh_ps_received_gradient_bytes_total")),
+                       bytes_received=self._bytes_before.get(ps, 0)
+                       + int(ps.metrics.value("edgemesh_ps_received_gradient_bytes_total")),
                        device_errors=errors, evaluations=history, rollbacks=ps.guard.rollbacks,
                        warning=job_warning(ps.guard.diverging, history, self._classes(state))
                        or no_device_warning(devices, errors))
