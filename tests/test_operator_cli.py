@@ -83,6 +83,14 @@ async def test_devices_lists_a_worker_and_ctl_steers_the_ps(mosquitto_broker: Br
         code, out, err = await cli("ctl", "status", "--target", "nobody-home", *common, "--timeout-s", "1")
         assert code == 1 and "no reply" in err
 
+        # no --target: the command goes to the service that answers it (drain-device: the planner, set-codec: the
+        # compressor), not to the parameter server, which knows neither
+        for command, source in (("drain-device", "planner"), ("set-codec", "compressor")):
+            value = ["--value", "grid"] if command == "set-codec" else []
+            code, out, err = await cli("ctl", command, "--device", "pi-07", *value, *common)
+            reply = json.loads(out.splitlines()[0])
+            assert code == 0 and reply["ok"] and reply["source"] == source, (out, err)
+
 
 def test_a_device_without_stats_shows_dashes_not_zeros() -> None:
     """Stats come every worker.stats_interval_s and are not retained: a row without them says it has no figures."""

@@ -19,6 +19,7 @@ from edgemesh import cli
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.messages import ControlCommand, ControlReply, Scalar
+from edgemesh.common.messages.operations import SERVICE_COMMANDS, target_of
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
 
@@ -75,9 +76,10 @@ async def send_command(config: Config, *, target: str, command: str, value: str 
 def register(parser: argparse.ArgumentParser) -> None:
     """``edgemesh ctl COMMAND``: the configuration flags, the target, value, device and timeout."""
     cli.config_flags(parser)
-    parser.add_argument("command", help="e.g. status, pause, resume, set-sync-policy, set-bound, set-lr, "
-                        "set-aggregation, snapshot, stop, replan, drain-device, set-codec")
-    parser.add_argument("--target", default="ps", help="planner | ps | compressor | all | device/ID")
+    parser.add_argument("command", help="; ".join(f"{service}: {', '.join(commands)}"
+                                                   for service, commands in SERVICE_COMMANDS.items()))
+    parser.add_argument("--target", help="planner | ps | compressor | all | device/ID (default: the service that "
+                        "answers COMMAND, ps for status and stop)")
     parser.add_argument("--value", help="command argument (numbers are sent as numbers)")
     parser.add_argument("--device", dest="device_name", help="device the command is about")
     parser.add_argument("--timeout-s", type=float, default=5.0, help="how long to wait for the reply")
@@ -87,5 +89,6 @@ def register(parser: argparse.ArgumentParser) -> None:
 def _command(args: argparse.Namespace) -> int:
     config = cli.require_job(cli.load(args))
     cli.setup_logging(config.log_level if args.log_level else "WARNING")
-    return asyncio.run(send_command(config, target=args.target, command=args.command, value=args.value,
+    target = args.target or target_of(args.command)
+    return asyncio.run(send_command(config, target=target, command=args.command, value=args.value,
                                     device=args.device_name or "", timeout_s=args.timeout_s))

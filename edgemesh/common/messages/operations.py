@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from edgemesh.common.messages.checks import check_name
@@ -14,6 +14,20 @@ Scalar = str | int | float | bool | None
 LIST_MAX_CHARS = 2000
 """Longest list of names in a control reply or an event (wire strings are bounded); the names that
 do not fit are counted instead."""
+SERVICE_COMMANDS: Mapping[str, tuple[str, ...]] = {
+    "ps": ("status", "pause", "resume", "set-sync-policy", "set-bound", "set-lr", "set-aggregation", "snapshot",
+           "stop"),
+    "planner": ("status", "replan", "drain-device", "undrain-device", "stop"),
+    "compressor": ("status", "set-codec", "stop"),
+}
+"""The commands each service answers on ``control/{service}`` (and ``control/all``); a worker answers ``status`` and
+``stop``."""
+
+
+def target_of(command: str) -> str:
+    """The service a command goes to when the operator names none: the one service that answers it, else ``ps``."""
+    answering = [service for service, commands in SERVICE_COMMANDS.items() if command in commands]
+    return answering[0] if len(answering) == 1 else "ps"
 
 
 def listing(names: Sequence[str], limit: int = LIST_MAX_CHARS) -> str:

@@ -40,7 +40,7 @@ from edgemesh.common.messages import (
     GradientUpdate,
     Scalar,
 )
-from edgemesh.common.messages.operations import listing
+from edgemesh.common.messages.operations import SERVICE_COMMANDS, listing
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics, valid_name
 from edgemesh.common.vocabulary import CODECS, CodecName
@@ -54,7 +54,7 @@ RETAINED_SETTLE_S = 0.2
 """After connecting, wait this long for retained policies and hellos before publishing any policy."""
 DEFAULT_VALUE = "default"
 """``set-codec`` value that removes an operator's choice for a device."""
-COMMANDS = ("status", "set-codec", "stop")
+COMMANDS = SERVICE_COMMANDS["compressor"]
 DENSITY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """Buckets of the published-density histogram."""
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from edgemesh.common.config import TrainingConfig
 from edgemesh.common.messages import Scalar
+from edgemesh.common.messages.operations import SERVICE_COMMANDS
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.vocabulary import AGGREGATION_RULES, SYNC_POLICIES, AggregationRule, SyncPolicy
 
@@ -32,7 +33,7 @@ SETTING_COMMANDS: dict[str, tuple[str, str]] = {
 """Operator commands that set one setting: command -> (the setting, the reply to a value it refuses)."""
 SETTINGS_COMMANDS = ("pause", "resume", *SETTING_COMMANDS)
 """Commands that change what the checkpoint keeps: a checkpoint is written at once, so a crash keeps them."""
-COMMANDS = "status, pause, resume, set-sync-policy, set-bound, set-lr, set-aggregation, snapshot, stop"
+COMMANDS = ", ".join(SERVICE_COMMANDS["ps"])
 
 
 @dataclass(frozen=True, slots=True)

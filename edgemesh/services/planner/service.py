@@ -35,7 +35,7 @@ from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
 from edgemesh.common.errors import BusError, WireError
 from edgemesh.common.messages import ControlCommand, DeviceHello, DeviceStats, DeviceStatus, Plan, Scalar, SyncState
-from edgemesh.common.messages.operations import listing
+from edgemesh.common.messages.operations import SERVICE_COMMANDS, listing
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics, valid_name
 from edgemesh.common.vocabulary import Batching
@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 RETAINED_SETTLE_S = 0.2
 """After connecting, wait at least this long (or the debounce, if longer) for retained hellos, statuses and
 the previous plan, and for what devices announce on reconnecting, before planning."""
-COMMANDS = ("status", "replan", "drain-device", "undrain-device", "stop")
+COMMANDS = SERVICE_COMMANDS["planner"]
 
 
 class Planner:
