@@ -80,13 +80,6 @@ def load(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides=overrides(args))
 
 
-def require_job(config: Config) -> Config:
-    """``config``, which must name a job (the operator tools speak to one job's topics)."""
-    if not config.job:
-        raise EdgeMeshError("name the job with --job NAME (or job = \"NAME\" in the configuration)")
-    return config
-
-
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from helpers import inbox, make_config, running, until, write_thermal_zones, write_vcgencmd
 
-from edgemesh.common.messages import DeviceHello, DeviceStats
+from edgemesh.common.messages import DeviceHello, DeviceStats, JobState
 from edgemesh.common.topics import Topics
 from edgemesh.local.broker import BrokerProcess
 from edgemesh.operator.ctl import parse_value
@@ -102,6 +102,22 @@ def test_a_device_without_stats_shows_dashes_not_zeros() -> None:
 async def test_devices_on_an_empty_job_says_so(mosquitto_broker: BrokerProcess) -> None:
     code, out, _ = await cli("devices", "--broker", mosquitto_broker.url, "--job", "empty", "--wait", "0.5")
     assert code == 1 and "no devices" in out
+
+
+async def test_devices_and_ctl_without_a_job_speak_to_the_running_one(mosquitto_broker: BrokerProcess) -> None:
+    """Services that serve submitted jobs run one at a time: with no --job, the operator tools take that one (and
+    say so); with none running, they name the jobs the broker knows."""
+    flags = ("--broker", mosquitto_broker.url)
+    code, _, err = await cli("devices", *flags, "--wait", "0.5")
+    assert code == 2 and "no job is running: name the job with --job NAME" in err
+    cfg = make_config(mosquitto_broker, job="operator")
+    async with inbox(cfg) as box:
+        await box.publish(Topics("done").job_state(), JobState(name="done", state="finished"), retain=True)
+        code, _, err = await cli("ctl", "status", *flags, "--timeout-s", "0.5")
+        assert code == 2 and "no job is running" in err and "the broker knows done" in err
+        await box.publish(Topics("lab").job_state(), JobState(name="lab", state="running"), retain=True)
+        code, out, err = await cli("devices", *flags, "--wait", "0.5")
+        assert code == 1 and "(job lab, the one running)" in err and "no devices" in out
 
 
 def test_config_prints_the_effective_settings_and_bad_ones_fail_clearly(tmp_path: Path) -> None:

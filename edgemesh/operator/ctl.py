@@ -22,6 +22,7 @@ from edgemesh.common.messages import ControlCommand, ControlReply, Scalar
 from edgemesh.common.messages.operations import SERVICE_COMMANDS, target_of
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.operator.job import with_job
 
 COMMAND_TTL_S = 60.0
 """A command from ``edgemesh ctl`` expires after this long (a late delivery is ignored)."""
@@ -87,7 +88,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    config = cli.require_job(cli.load(args))
+    config = with_job(cli.load(args))
     cli.setup_logging(config.log_level if args.log_level else "WARNING")
     target = args.target or target_of(args.command)
     return asyncio.run(send_command(config, target=target, command=args.command, value=args.value,

@@ -32,6 +32,7 @@ from edgemesh.common.messages import (
 )
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import TopicMatch, Topics
+from edgemesh.operator.job import with_job
 
 M = TypeVar("M")
 
@@ -184,7 +185,7 @@ def register(parser: argparse.ArgumentParser) -> None:
 
 
 def _command(args: argparse.Namespace) -> int:
-    config = cli.require_job(cli.load(args))
+    config = with_job(cli.load(args))
     cli.setup_logging(config.log_level if args.log_level else "WARNING")
     wait_s = args.wait if args.wait is not None else config.worker.stats_interval_s + 1.0
     return asyncio.run(list_devices(config, wait_s=wait_s))

@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO, TypeVar
 
@@ -150,6 +151,21 @@ async def job_states(config: Config, *, metrics: ServiceMetrics | None = None) -
     async with bus:
         await asyncio.sleep(RETAINED_WAIT_S)  # retained states arrive at once; this is how long to collect them
     return dict(states.items)
+
+
+def with_job(config: Config) -> Config:
+    """``config`` naming a job: its own, else the job that is running (or paused) on the broker, said on standard
+    error. Raises EdgeMeshError when it names none and no job is running."""
+    if config.job:
+        return config
+    states = asyncio.run(job_states(config))
+    active = sorted(name for name, state in states.items() if state.active)
+    if len(active) == 1:
+        print(f"(job {active[0]}, the one {states[active[0]].state})", file=sys.stderr)
+        return replace(config, job=active[0])
+    known = f"; the broker knows {', '.join(sorted(states))}" if states else ""
+    running = f"{len(active)} jobs are running" if active else "no job is running"
+    raise EdgeMeshError(f"{running}: name the job with --job NAME (or job = \"NAME\" in the configuration){known}")
 
 
 def describe(state: JobState) -> str:
