@@ -395,6 +395,42 @@ def test_predict_takes_a_csv_file_a_row_each_and_counts_the_rows_whose_label_it_
     assert f"{len(x) - 2} of the {len(x) - 1} inputs that say their class predicted right" in err
 
 
+def test_predict_takes_an_npz_archive_a_sample_each_and_counts_those_its_y_labels_right(
+        features_model: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A held-out ``.npz`` as a device's npz data is laid out (``x`` and class names or indices in ``y``): each sample
+    an input (``file:INDEX``), read a chunk at a time, the right ones counted; one of ``x`` alone says no class;
+    a Fortran-ordered ``x`` of whole-number floats and a uint8 ``x`` (scaled to [0, 1]) read as a device reads them."""
+    model_path = export_model(features_model, FEATURES_SHAPE, "onnx", tmp_path / "features.onnx")
+    write_card(card_for(model_path, "onnx", classes=("a", "b", "c"), input_shape=FEATURES_SHAPE,
+                        mean=(0.5,) * 6, std=(0.25,) * 6), model_path)
+    rng = np.random.default_rng(6)
+    x = rng.random((PREDICT_BATCH + 5, 6), dtype=np.float32)
+    want = logits(features_model, x).argmax(axis=1)
+    y = np.array(["abc"[i] for i in want])
+    y[0] = "abc"[(want[0] + 1) % 3]  # labelled wrong
+    held_out = tmp_path / "held-out.npz"
+    np.savez_compressed(held_out, x=np.asfortranarray(x.astype(np.float64)), y=y)
+    raw = rng.integers(0, 256, (2, 6), dtype=np.uint8)
+    bare = tmp_path / "bare.npz"
+    np.savez(bare, x=raw)
+    code, out, err = predict(str(model_path), str(held_out), str(bare), capsys=capsys)
+    assert code == 0, err
+    printed = parse_lines(out)
+    assert list(printed) == [f"{held_out}:{i}" for i in range(len(x))] + [f"{bare}:0", f"{bare}:1"]
+    raw_want = logits(features_model, raw.astype(np.float32) / 255).argmax(axis=1)
+    assert [name for name, _ in printed.values()] == ["abc"[i] for i in [*want, *raw_want]]
+    assert f"{len(x) - 1} of the {len(x)} inputs that say their class predicted right" in err
+    for name, arrays, says in (("onehot.npz", {"x": x[:3], "y": np.eye(3)}, "not one-hot rows"),
+                               ("names.npz", {"x": x[:2], "y": np.array(["a", "zebra"])}, "y[1] is not one of"),
+                               ("nan.npz", {"x": np.where(np.arange(6) == 4, np.nan, x[:2]), "y": [0, 1]},
+                                "x[0] holds non-finite values"),
+                               ("shape.npz", {"x": x[:, :4]}, "x has shape")):
+        np.savez(tmp_path / name, **arrays)
+        code, out, err = predict(str(model_path), str(tmp_path / name), capsys=capsys)
+        assert (code, out) == (2, ""), (name, err)
+        assert name in err and says in err, (name, err)
+
+
 def test_predict_counts_the_images_in_folders_named_after_a_class_it_gets_right(
         digits_model: torch.nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A held-out image folder laid out as image-folder data (a folder per class): the last line says how many the

@@ -11,16 +11,17 @@ then the installed packages.
 
 Inputs are image files (PNG, JPEG: converted and resized to the model's (C, H, W) as in training,
 pixels in [0, 1]), ``.npy`` arrays of exactly the input shape (uint8 is scaled to [0, 1]), CSV files (each row an
-input, as a device's CSV data is read: a header row, every column but the job's ``label_column`` a feature), or
+input, as a device's CSV data is read: a header row, every column but the job's ``label_column`` a feature), ``.npz``
+archives (each sample of ``x`` an input, its class in ``y`` if the archive has one, as a device's npz data), or
 folders: a folder stands for every image and array file below it, at any depth, hidden ones left out, in name
 order. The normalization is inside the model. Per input, one line ``path  class (p=0.93)`` (a CSV row:
-``file.csv:LINE``) with the top K classes by softmax probability, or with ``--json`` one JSON object per line.
-Inputs are read and classified ``PREDICT_BATCH`` at a time, so a folder or file of any size runs in the memory of
-one batch; an input that cannot be read stops the command with its name, after the lines of the batches before its
-own.
+``file.csv:LINE``; an archive's sample: ``file.npz:INDEX``) with the top K classes by softmax probability, or with
+``--json`` one JSON object per line. Inputs are read and classified ``PREDICT_BATCH`` at a time, so a folder or
+file of any size runs in the memory of one batch; an input that cannot be read stops the command with its name,
+after the lines of the batches before its own.
 
-Where an input says its class (a CSV row's label, an image or array in a folder named after a class, as image-folder
-data is laid out), the last line, on standard error, says how many of those the model got right.
+Where an input says its class (a CSV row's label, an archive's ``y``, an image or array in a folder named after a
+class, as image-folder data is laid out), the last line, on standard error, says how many of those the model got right.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from typing import Final
 
 import numpy as np
 
-from edgemesh.common.data import IMAGE_SUFFIXES, UINT8_PIXEL_MAX, csv_rows, read_image
+from edgemesh.common.data import IMAGE_SUFFIXES, UINT8_PIXEL_MAX, csv_rows, npz_samples, read_image
 from edgemesh.common.errors import DataError, ExportError
 from edgemesh.common.jobs import parse_job
 from edgemesh.operator.export import INSTALL_HINT, TRUST_FLAG, ModelCard, card_path
@@ -44,6 +45,7 @@ PREDICT_BATCH: Final = 64
 """Inputs per forward pass."""
 ARRAY_SUFFIX: Final = ".npy"
 CSV_SUFFIX: Final = ".csv"
+ARCHIVE_SUFFIX: Final = ".npz"
 
 Classifier = Callable[[np.ndarray], np.ndarray]
 """A float32 batch (N, *input_shape) -> its logits (N, classes)."""
@@ -56,8 +58,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                                                        "(its card MODEL.card.json beside it)")
     parser.add_argument("inputs", metavar="INPUT", nargs="+",
                         help=f"image files ({', '.join(IMAGE_SUFFIXES)}), {ARRAY_SUFFIX} arrays of the input shape, "
-                             f"{CSV_SUFFIX} files (a row each), or folders of images and arrays (every such file "
-                             "below a folder, hidden ones left out)")
+                             f"{CSV_SUFFIX} files (a row each), {ARCHIVE_SUFFIX} archives (a sample of x each), or "
+                             "folders of images and arrays (every such file below a folder, hidden ones left out)")
     parser.add_argument("--top", type=_positive, default=1, metavar="K", help="print the K likeliest classes (1)")
     parser.add_argument("--json", action="store_true", help="one JSON object per input: {input, top: [{class, p}]}")
     parser.add_argument(TRUST_FLAG, dest="trust_code", action="store_true",
@@ -106,9 +108,9 @@ def command(args: argparse.Namespace) -> int:
 
 
 def read_samples(files: Sequence[str], card: ModelCard) -> Iterator[Sample]:
-    """Every input of ``files`` in order, read as it is reached: a CSV file's rows one by one, any other file whole
-    (``read_input``), each with the class it says it is (a CSV row's label; a file in a folder named after a
-    class)."""
+    """Every input of ``files`` in order, read as it is reached: a CSV file's rows and an archive's samples one by
+    one, any other file whole (``read_input``), each with the class it says it is (a CSV row's label; an archive's
+    ``y``; a file in a folder named after a class)."""
     column = parse_job(card.job_source, origin=f"the job in model card '{card.job}'").data.label_column \
         if any(Path(name).suffix.lower() == CSV_SUFFIX for name in files) else ""
     for name in files:
@@ -116,6 +118,9 @@ def read_samples(files: Sequence[str], card: ModelCard) -> Iterator[Sample]:
         if path.suffix.lower() == CSV_SUFFIX:
             for line, sample, label in csv_rows(path, card.input_shape, column, card.classes):
                 yield f"{name}:{line}", sample, label
+        elif path.suffix.lower() == ARCHIVE_SUFFIX:
+            for index, sample, label in npz_samples(path, card.input_shape, card.classes):
+                yield f"{name}:{index}", sample, label
         else:
             folder = path.parent.name
             yield name, read_input(path, card.input_shape), \
@@ -149,8 +154,8 @@ def read_input(path: str | Path, input_shape: tuple[int, ...]) -> np.ndarray:
                             f"give {ARRAY_SUFFIX} arrays of that shape")
         return read_image(source, input_shape)
     if suffix != ARRAY_SUFFIX:
-        raise DataError(f"'{source}' is neither an image ({', '.join(IMAGE_SUFFIXES)}), a {ARRAY_SUFFIX} array nor a "
-                        f"{CSV_SUFFIX} file")
+        raise DataError(f"'{source}' is neither an image ({', '.join(IMAGE_SUFFIXES)}), a {ARRAY_SUFFIX} array, a "
+                        f"{CSV_SUFFIX} file nor an {ARCHIVE_SUFFIX} archive")
     try:
         array = np.load(source, allow_pickle=False)
     except (OSError, ValueError, EOFError) as exc:

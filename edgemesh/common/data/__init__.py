@@ -44,6 +44,7 @@ from edgemesh.common.data.images import (
 )
 from edgemesh.common.data.local import DATA_FORMATS, MAX_DATA_BYTES, LocalData, load_local
 from edgemesh.common.data.mnist import MNIST_FILES, MNIST_IMAGE_SHAPE, MNIST_NUM_CLASSES, parse_idx
+from edgemesh.common.data.npz_file import npz_samples
 from edgemesh.common.data.partitions import SPLIT_SCHEMES, shard, split_indices
 from edgemesh.common.data.source import data_path
 
@@ -75,6 +76,7 @@ __all__ = [
     "RestrictedUnpickler",
     "batch_at",
     "csv_rows",
+    "npz_samples",
     "data_path",
     "image_pixel_limit",
     "load_dataset",

@@ -4,7 +4,8 @@ A numpy archive with arrays ``x`` of shape (N, *input_shape) or (N, prod(input_s
 [0, 1]) and ``y`` of class indices or names, of shape (N,) or (N, 1): integers, whole numbers as floats (labels a
 data frame with missing values stored as float64), booleans (classes 0 and 1), or strings. Its zip directory is
 bounded (``MAX_NPZ_DIRECTORY_BYTES``) and the arrays' ``.npy`` headers are read and checked first; the arrays are
-read ``READ_CHUNK_BYTES`` at a time; no pickle is ever loaded.
+read ``READ_CHUNK_BYTES`` at a time; no pickle is ever loaded. :func:`npz_samples` reads an archive to classify
+(``edgemesh predict``) a sample at a time, its ``y`` optional.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import math
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, Any, Final
 
 import numpy as np
@@ -28,6 +31,8 @@ MAX_NPZ_DIRECTORY_BYTES: Final = 64 * 2**10
 arrays."""
 READ_CHUNK_BYTES: Final = 4 * 2**20
 """How much of an npz array is read and converted to float32 at a time (no whole copy in its own type)."""
+MAX_PREDICT_LABEL_BYTES: Final = 256 * 2**20
+"""Most bytes of labels :func:`npz_samples` reads whole (the samples themselves are read a chunk at a time)."""
 _NPY_MAGIC: Final = b"\x93NUMPY"
 _ZIP_END: Final = b"PK\x05\x06"
 """The signature of a zip file's end record: ... total entries (2 bytes at 10), directory size (4 bytes at 12)."""
@@ -86,6 +91,66 @@ def read_npz(source: DataSource, expected: Expected) -> Samples:
     return Samples(x.reshape(x_head.shape[0], *input_shape), _npz_labels(where, y, expected.index))
 
 
+def npz_samples(path: Path, input_shape: tuple[int, ...],
+                classes: Sequence[str]) -> Iterator[tuple[int, np.ndarray, int | None]]:
+    """The samples of an archive to classify, read as they are reached: ``(index, sample, label)``, the sample
+    ``x[index]`` as float32 of ``input_shape`` (uint8 scaled to [0, 1]) and its class index from ``y`` (read as a
+    device reads it), None for every sample of an archive without ``y``. DataError naming the file (and the sample)
+    for what cannot be read."""
+    where = f"npz file '{path}'"
+    index = {name: i for i, name in enumerate(classes)}
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(len(_NPY_MAGIC)) == _NPY_MAGIC:
+                raise DataError(f"{where} holds a single array, not an archive with an array 'x'")
+            _check_zip_directory(handle, path.stat().st_size, where)
+            with zipfile.ZipFile(handle) as archive:
+                members = set(archive.namelist())
+                with archive.open(_member(members, "x", where)) as x_file:
+                    x_head = _npy_header(x_file, f"{where}: x")
+                    _check_x(where, x_head, input_shape)
+                    labels = _labels_of(archive, members, where, x_head, index)
+                    for start, rows in _rows(x_file, x_head, f"{where}: x"):
+                        if x_head.dtype == np.uint8:
+                            rows = rows / np.float32(UINT8_PIXEL_MAX)
+                        for i, row in enumerate(rows.reshape(len(rows), *input_shape), start):
+                            if not np.isfinite(row).all():
+                                raise DataError(f"{where}: x[{i}] holds non-finite values")
+                            yield i, row, None if labels is None else int(labels[i])
+    except OSError as exc:
+        raise DataError(f"{where} cannot be read: {exc.strerror or exc}") from exc
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError) as exc:
+        raise DataError(f"{where} cannot be read as a NumPy archive ({type(exc).__name__})") from exc
+
+
+def _labels_of(archive: zipfile.ZipFile, members: set[str], where: str, x: _Header,
+               index: dict[str, int]) -> np.ndarray | None:
+    """The class indices of the archive's ``y`` (None: it has none), checked as a device's labels are."""
+    if not {"y", "y.npy"} & members:
+        return None
+    with archive.open(_member(members, "y", where)) as y_file:
+        y = _npy_header(y_file, f"{where}: y")
+        _check_y(where, x, y)
+        if y.count * y.dtype.itemsize > MAX_PREDICT_LABEL_BYTES:
+            raise DataError(f"{where}: y takes {mib(y.count * y.dtype.itemsize)}, more than the "
+                            f"{mib(MAX_PREDICT_LABEL_BYTES)} read to check predictions")
+        return _npz_labels(where, _read_plain(y_file, y, f"{where}: y"), index)
+
+
+def _rows(stream: IO[bytes], head: _Header, what: str) -> Iterator[tuple[int, np.ndarray]]:
+    """``(first row, rows as float32)`` of the array, about ``READ_CHUNK_BYTES`` at a time (a Fortran-ordered array,
+    whose rows are not stored one after the other, at once)."""
+    if head.fortran:
+        yield 0, _read_floats(stream, head, what).reshape(head.shape[0], -1)
+        return
+    row = math.prod(head.shape[1:])
+    step = max(1, READ_CHUNK_BYTES // max(1, row * head.dtype.itemsize))
+    for start in range(0, head.shape[0], step):
+        n = min(step, head.shape[0] - start)
+        data = _read_exactly(stream, n * row * head.dtype.itemsize, what)
+        yield start, np.frombuffer(data, dtype=head.dtype).astype(np.float32).reshape(n, row)
+
+
 def _check_zip_directory(handle: IO[bytes], size: int, where: str) -> None:
     """DataError unless the file ends in a zip directory of at most ``MAX_NPZ_DIRECTORY_BYTES``, read from its end
     record before ``zipfile`` reads it whole."""
@@ -132,26 +197,36 @@ def _npy_header(stream: IO[bytes], what: str) -> _Header:
 def _check_npz(where: str, x: _Header, y: _Header, input_shape: tuple[int, ...], max_bytes: int) -> None:
     """DataError when the headers of ``x`` and ``y`` do not fit ``input_shape``, or their data would not fit
     ``max_bytes``."""
-    for key, head in (("x", x), ("y", y)):
-        if head.dtype.hasobject:
-            raise DataError(f"{where} cannot be read: {key} is stored as a pickle, and pickled arrays are never "
-                            "loaded")
+    _check_x(where, x, input_shape)
+    _check_y(where, x, y)
+    check_bytes(where, x.shape[0], input_shape, max_bytes)
+    if y.count * y.dtype.itemsize > max_bytes:
+        raise DataError(f"{where}: y takes {mib(y.count * y.dtype.itemsize)}, more than the {mib(max_bytes)} a "
+                        "device loads for a job")
+
+
+def _check_x(where: str, x: _Header, input_shape: tuple[int, ...]) -> None:
+    """DataError when the header of ``x`` does not give samples of ``input_shape`` in numbers."""
+    if x.dtype.hasobject:
+        raise DataError(f"{where} cannot be read: x is stored as a pickle, and pickled arrays are never loaded")
     accepted = (input_shape, (math.prod(input_shape),))
     if len(x.shape) < 1 or x.shape[1:] not in accepted:
         expected = " or ".join(f"(N, {', '.join(map(str, s))})" for s in dict.fromkeys(accepted))
         raise DataError(f"{where}: x has shape {x.shape}, expected {expected}")
     if not x.plain or x.dtype.kind not in "iuf" or x.dtype.itemsize > 8:
         raise DataError(f"{where}: x must hold numbers (integers or floats), got dtype {x.type_name}")
+
+
+def _check_y(where: str, x: _Header, y: _Header) -> None:
+    """DataError when the header of ``y`` does not give one class index or name per sample of ``x``."""
+    if y.dtype.hasobject:
+        raise DataError(f"{where} cannot be read: y is stored as a pickle, and pickled arrays are never loaded")
     if y.shape not in ((x.shape[0],), (x.shape[0], 1)):
         raise DataError(f"{where}: y has shape {y.shape}, expected ({x.shape[0]},) to match x (one class per sample: "
                         "indices or names, not one-hot rows)")
     numeric = y.dtype.kind in "iufb"
     if not y.plain or y.dtype.kind not in "iufbUS" or y.dtype.itemsize == 0 or (numeric and y.dtype.itemsize > 8):
         raise DataError(f"{where}: y must hold class indices or class names, got dtype {y.type_name}")
-    check_bytes(where, x.shape[0], input_shape, max_bytes)
-    if y.count * y.dtype.itemsize > max_bytes:
-        raise DataError(f"{where}: y takes {mib(y.count * y.dtype.itemsize)}, more than the {mib(max_bytes)} a "
-                        "device loads for a job")
 
 
 def _read_floats(stream: IO[bytes], head: _Header, what: str) -> np.ndarray:
