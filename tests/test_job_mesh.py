@@ -12,11 +12,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
+import pytest
 from helpers import inbox, make_config, mesh_plan
 
 from edgemesh.common import costs
 from edgemesh.common.config import Config
 from edgemesh.common.data import load_dataset
+from edgemesh.common.errors import JobError
 from edgemesh.common.jobs import parse_job, render_job
 from edgemesh.common.messages import JobState, MeshSlice, Plan
 from edgemesh.common.topics import Topics
@@ -142,3 +144,19 @@ async def test_a_cluster_of_members_holding_different_classes_trains_on_each_mem
         assert msg.labels is not None and set(msg.labels.to_numpy().tolist()) <= set(CLASSES[device])
         assert msg.tensor.shape == (16, 1, 8, 8)
     assert {d for d, _ in inputs} == set(DEVICES)
+
+
+def test_a_mesh_job_whose_model_the_grid_cannot_divide_is_refused_unless_it_allows_data_parallel(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """At submit: a group-norm model under ``parallelism = "mesh"`` is refused naming the layer and the way out;
+    with ``mesh_fallback = true`` it is taken, and the operator told it will train data parallel."""
+    model = {"input_shape": [1, 8, 8], "classes": [str(d) for d in range(10)],
+             "layers": [{"conv2d": 8, "kernel": 3, "padding": 1}, {"groupnorm": 2}, "relu", "globalavgpool",
+                        {"linear": 10}]}
+    job = {"job": {"name": "grouped"}, "model": model, "data": {"format": "digits"}}
+    with pytest.raises(JobError, match=r"cannot divide module 'gn1'.*planner.mesh_fallback = true"):
+        submission_of(parse_job(render_job({**job, "planner": {"parallelism": "mesh"}})), search_path=[])
+    taken = submission_of(parse_job(render_job({**job, "planner": {"parallelism": "mesh", "mesh_fallback": True}})),
+                          search_path=[])
+    assert taken.refusal and not taken.layers
+    assert "it will train data parallel (planner.mesh_fallback)" in capsys.readouterr().err

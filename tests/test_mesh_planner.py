@@ -12,13 +12,15 @@ from dataclasses import replace
 import pytest
 from helpers import SPLIT, Inbox, make_config, mesh_plan, planner_devices, running, share_memory
 
-from edgemesh.common import costs
+from edgemesh.common import costs, models
 from edgemesh.common.codecs import bytes_per_value
 from edgemesh.common.config import load_config
+from edgemesh.common.errors import ConfigError
 from edgemesh.common.messages import (
     DeviceHello,
     DeviceStats,
     DeviceStatus,
+    Event,
     LayerDivision,
     Plan,
     PlanCluster,
@@ -212,3 +214,28 @@ def test_a_device_the_grid_leaves_idle_is_a_warning_when_its_data_goes_untrained
     [record] = [r for r in caplog.records if "idle" in r.getMessage()]
     assert record.levelno == level and "pi3-1" in record.getMessage()
     assert ("not trained on" in record.getMessage()) == (level == logging.WARNING)
+
+
+async def test_a_model_the_grid_cannot_divide_trains_data_parallel_where_the_job_allows_it(
+        mosquitto_broker: BrokerProcess) -> None:
+    """Group norm's groups would span the members' channels: under ``parallelism = mesh`` the planner refuses the
+    model, naming the way out; with ``planner.mesh_fallback`` it plans every device its own cluster and says why
+    in a ``mesh_fallback`` event."""
+    models.register_spec(models.layer_list_spec("test-fallback-groupnorm", [
+        {"conv2d": 8, "kernel": 3, "padding": 1}, {"groupnorm": 2}, "relu", "globalavgpool", {"linear": 10}],
+        (3, 32, 32), 10))
+    settings = {"planner.parallelism": "mesh", "planner.replan_debounce_s": "0.05",
+                "training.model_spec": "test-fallback-groupnorm", "training.dataset": "synthetic-cifar"}
+    with pytest.raises(ConfigError, match=r"cannot divide module 'gn1'.*planner.mesh_fallback = true"):
+        Planner(make_config(mosquitto_broker, job="fallback", **settings))
+    cfg = make_config(mosquitto_broker, job="fallback", **settings, **{"planner.mesh_fallback": "true"})
+    async with planner_devices(cfg) as box:
+        async with running(Planner(cfg)):
+            said = await box.next(Event, lambda e: e.kind == "mesh_fallback", PLAN_WAIT_S)
+            for name in BOARDS:
+                await box.publish(box.topics.hello(name), board_hello(name), retain=True)
+                await box.publish(box.topics.status(name), DeviceStatus(device=name, state="online", incarnation=1),
+                                  retain=True)
+            plan = await box.next(Plan, lambda p: len(p.devices) == len(BOARDS), PLAN_WAIT_S)
+    assert "cannot divide module 'gn1'" in said.message and "trained data parallel" in said.message
+    assert all(len(c.members) == 1 for c in plan.clusters) and not any(c.division for c in plan.clusters)

@@ -101,8 +101,13 @@ def submission_of(spec: JobSpec, *, search_path: list[str], trust: ModelsConfig 
     """The submission of a validated job: its model built (an entry point as :func:`prepare` says), its cost figures
     derived."""
     cost, layers, refusal = check_model(spec, search_path=search_path, trust=trust)
-    if spec.settings.get("planner", {}).get("parallelism") == "mesh" and layers is None:
-        raise JobError(spec.name, [f"planner.parallelism = mesh: {refusal}"])
+    planner = spec.settings.get("planner", {})
+    if planner.get("parallelism") == "mesh" and layers is None:
+        if planner.get("mesh_fallback") is not True:
+            raise JobError(spec.name, [f"planner.parallelism = mesh: {refusal} (or set planner.mesh_fallback = true "
+                                       "to train it data parallel)"])
+        print(f"edgemesh job: {spec.name}: planner.parallelism = mesh, but {refusal}: it will train data parallel "
+              "(planner.mesh_fallback)", file=sys.stderr)
     return JobSubmission(name=spec.name, source=spec.source.encode(), sha256=spec.sha256,
                                submitted_at=time.time(), params=cost.params, macs_per_sample=cost.macs_per_sample,
                                activations_per_sample=cost.activations_per_sample, layers=layers or (), refusal=refusal)

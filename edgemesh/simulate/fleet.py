@@ -30,14 +30,13 @@ from edgemesh.common.config import Config
 from edgemesh.common.costs import LayerCost
 from edgemesh.common.emulation.dynamics import Episode, Timeline
 from edgemesh.common.emulation.profiles import DeviceProfile
-from edgemesh.common.errors import ConfigError, ModelError
 from edgemesh.common.messages import Plan, PlanCluster
 from edgemesh.common.vocabulary import Batching, CodecName
 from edgemesh.services.planner import batching, stability
 from edgemesh.services.planner.layout import batch_sizes, plan_data_parallel, plan_mesh
 from edgemesh.services.planner.mesh import DeviceInfo, wire_for
 from edgemesh.services.planner.mesh.member_cost import Wire, layer_coefficients
-from edgemesh.services.planner.planning import batching_in_force
+from edgemesh.services.planner.planning import batching_in_force, mesh_refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,14 +141,9 @@ class Crew:
 
 def check_mesh(config: Config) -> bool:
     """Whether ``config`` plans a training grid (``planner.parallelism = "mesh"``); ConfigError, as the planner
-    service says it, when the model has a layer the grid cannot divide."""
-    if config.planner.parallelism != "mesh":
-        return False
-    try:
-        costs.layers(config.training.model_spec)
-    except ModelError as exc:
-        raise ConfigError(f"planner.parallelism = mesh: {exc}") from None
-    return True
+    service says it, when the model has a layer the grid cannot divide (unless ``planner.mesh_fallback``: then,
+    as the planner does, data parallel)."""
+    return config.planner.parallelism == "mesh" and not mesh_refusal(config)
 
 
 STRAGGLER_PROFILE = "laptop"

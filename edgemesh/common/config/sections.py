@@ -229,6 +229,9 @@ class PlannerConfig:
     parallelism: Literal["data", "mesh"] = "data"
     """data: every device is its own cluster (data parallelism); mesh: the hybrid training grid of Edge
     Mesh, clusters of devices that divide the model's filters among them (docs/mesh.md)."""
+    mesh_fallback: bool = False
+    """Mesh, a model the grid cannot divide (a layer it has no division for): true trains it data parallel, every
+    device its own cluster, said in a ``mesh_fallback`` event; false refuses it (at submit, or the planner fails)."""
     max_cluster_size: int = 8
     """Mesh: most devices in one model-parallel cluster."""
     replan_threshold: float = 0.25

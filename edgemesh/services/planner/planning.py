@@ -239,6 +239,22 @@ class DataParallel:
             self._timer = loop.call_later(wait, self.wake)
 
 
+def mesh_refusal(config: Config) -> str:
+    """Why ``config`` under ``planner.parallelism = "mesh"`` plans data parallel instead ('' when it lays out a
+    training grid, or plans data parallel anyway): its model has a layer the grid cannot divide and
+    ``planner.mesh_fallback`` allows that. ConfigError when it does not."""
+    if config.planner.parallelism != "mesh":
+        return ""
+    try:
+        costs.layers(config.training.model_spec)
+    except ModelError as exc:
+        if not config.planner.mesh_fallback:
+            raise ConfigError(f"planner.parallelism = mesh: {exc} (planner.mesh_fallback = true trains such a "
+                              "model data parallel)") from None
+        return f"planner.parallelism = mesh, but {exc}: trained data parallel (planner.mesh_fallback)"
+    return ""
+
+
 class MeshParallel:
     """Mesh parallelism: the training grid of the plannable devices, kept while it is still good enough (module
     docstring)."""
@@ -351,8 +367,9 @@ class MeshParallel:
 
 def parallelism_of(config: Config, registry: Registry, *, wake: Callable[[], None],
                    predicted_round: Gauge) -> Parallelism:
-    """The parallelism ``planner.parallelism`` names."""
-    if config.planner.parallelism == "mesh":
+    """The parallelism ``planner.parallelism`` names (data parallel for a model the grid cannot divide, where
+    ``planner.mesh_fallback`` allows it: :func:`mesh_refusal`)."""
+    if config.planner.parallelism == "mesh" and not mesh_refusal(config):
         return MeshParallel(config, registry, predicted_round)
     return DataParallel(config, registry, wake)
 

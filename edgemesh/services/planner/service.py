@@ -44,6 +44,7 @@ from edgemesh.services.planner.planning import (
     UNKNOWN_INCARNATION,
     Membership,
     batching_in_force,
+    mesh_refusal,
     parallelism_of,
     policy_in_force,
 )
@@ -98,6 +99,8 @@ class Planner:
         self.m_excluded = m.gauge("devices_excluded", "Live devices left out of the plan: their memory holds "
                                   "no batch, or they refused their share")
         self.m_round = m.gauge("predicted_round_seconds", "Balanced plans: the iteration time the batches aim at")
+        self.fallback = mesh_refusal(config)
+        """Why the devices are planned data parallel where ``planner.parallelism`` asks for mesh ('' when not)."""
         self.parallelism = parallelism_of(config, self.registry, wake=self._dirty.set,
                                           predicted_round=self.m_round)
         """How the plannable devices are laid out: data parallel, or the training grid (``planner.parallelism``)."""
@@ -138,6 +141,10 @@ class Planner:
         if self._online.is_set() and self.plan is not None and self.ready.is_set():
             with contextlib.suppress(BusError):
                 await self.bus.publish(self.topics.plan(), self.plan, retain=True)
+        if not self._online.is_set() and self.fallback and self.events is not None:  # first connect: say why no grid
+            logger.warning("%s", self.fallback)
+            with contextlib.suppress(BusError):
+                await self.events.emit("mesh_fallback", self.fallback)
         self._online.set()
 
     # ------------------------------------------------------------------ consuming
