@@ -16,7 +16,17 @@ from helpers import WAIT_S, inbox, make_config, running, until
 
 from edgemesh.common.config import Config
 from edgemesh.common.jobs import parse_job, render_job
-from edgemesh.common.messages import ControlCommand, ControlReply, DeviceStatus, Event, JobState, JobSubmission
+from edgemesh.common.messages import (
+    ControlCommand,
+    ControlReply,
+    DeviceStatus,
+    Event,
+    JobState,
+    JobSubmission,
+    Plan,
+    PlanCluster,
+    PlanDevice,
+)
 from edgemesh.common.messages.jobs import EVALUATIONS_KEPT
 from edgemesh.common.metrics import ServiceMetrics
 from edgemesh.common.topics import Topics, all_job_states_filter
@@ -302,3 +312,36 @@ async def test_a_restarted_parameter_server_counts_on_from_the_state_it_finds(mo
             assert isinstance(ps, ps_jobs.ParameterServer) and ps.guard.rollbacks == 2
         await box.publish(Topics("carried").job_state(), b"", retain=True)
         await box.publish(Topics("carried").job_file(), b"", retain=True)
+
+
+async def test_a_device_the_plan_leaves_out_of_a_job_on_its_own_data_is_a_warning(
+        mosquitto_broker: BrokerProcess, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose data lives on the devices (a CSV each): a device online for it but in no cluster of the plan (a
+    training grid leaves it idle) trains none of its data, which the job's state says once it has lasted
+    ``IDLE_WARN_S``; gone, or planned again, the warning goes."""
+    monkeypatch.setattr(ps_jobs, "IDLE_WARN_S", 0.3)
+    config = make_config(mosquitto_broker, job="", **{"ps.state_dir": tmp_path})
+    spec = parse_job(render_job({"job": {"name": "idler"}, "model": {"input_shape": [4], "classes": ["a", "b"],
+                                                                      "layers": [{"linear": 2}]},
+                                 "data": {"format": "csv", "path": "rows.csv"}, "evaluation": {"local_share": 0.2}}))
+    job = dataclasses.replace(submission_of(spec, search_path=[]), submitted_at=time.time())
+    topics = Topics("idler")
+    plan = Plan(version=1, created=time.time(), model_spec=spec.model_key, dataset="csv",
+                devices=(PlanDevice(device="d0", cluster="c-d0", shard_index=0, shard_count=1, batch_size=8),),
+                clusters=(PlanCluster(cluster="c-d0", members=("d0",)),))
+    async with inbox(dataclasses.replace(config, job="client"), (all_job_states_filter(), JobState)) as box:
+        await box.publish(topics.job_file(), job, retain=True)
+        async with board(config) as host:
+            await box.until("the PS serving the job", lambda: host.current == ("idler", job.sha256)
+                            and host.service is not None and host.service.state is not None)
+            for device in ("d0", "d1"):
+                await box.publish(topics.status(device), DeviceStatus(device=device, state="online", incarnation=1),
+                                  retain=True)
+            await box.publish(topics.plan(), plan, retain=True)
+            warned = await box.next(JobState, lambda s: s.name == "idler" and "d1 is online but in no" in s.warning)
+            assert warned.devices == ("d0",) and "the data it holds is not trained on" in warned.warning
+            await box.publish(topics.status("d1"), DeviceStatus(device="d1", state="offline", incarnation=1),
+                              retain=True)
+            await box.next(JobState, lambda s: s.name == "idler" and not s.warning)
+        for topic in (topics.job_state(), topics.job_file(), topics.plan(), topics.status("d0"), topics.status("d1")):
+            await box.publish(topic, b"", retain=True)

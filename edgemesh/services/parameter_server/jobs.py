@@ -7,8 +7,9 @@ answers the operators' ``control/job`` commands: status, pause, resume, stop. A 
 server fails (its model does not build, its held-out set is broken) is marked failed with the reason.
 
 The state also says, while the job runs, which devices are out of it and why (their retained status: ``left``
-with the reason, or a refused share of the plan), and keeps the job's latest evaluations (the parameter server's
-``evaluation`` events, at most ``EVALUATIONS_KEPT``).
+with the reason, or a refused share of the plan), warns of what looks wrong (divergence, a model stuck at chance, no
+device in the job, a device the plan leaves out whose own data goes untrained), and keeps the job's latest
+evaluations (the parameter server's ``evaluation`` events, at most ``EVALUATIONS_KEPT``).
 
 Every decision is published as the job's retained ``JobState``; the hosts of all services (this one
 too) start and stop serving jobs from those states alone.
@@ -30,6 +31,7 @@ import numpy as np
 
 from edgemesh.common.bus import Bus
 from edgemesh.common.config import Config
+from edgemesh.common.data import DATA_FORMATS
 from edgemesh.common.errors import EdgeMeshError
 from edgemesh.common.jobs import host_model_spec
 from edgemesh.common.messages import (
@@ -42,6 +44,7 @@ from edgemesh.common.messages import (
     Scalar,
 )
 from edgemesh.common.messages.jobs import EVALUATIONS_KEPT, MAX_REASON_CHARS, JobEvaluation, JobPhase
+from edgemesh.common.messages.operations import listing
 from edgemesh.common.topics import PREFIX, Filter, TopicMatch, Topics
 from edgemesh.common.wire.tensors import Tensor
 from edgemesh.services.host import ActiveJob, JobHost, describe, survivable
@@ -57,6 +60,9 @@ SETTLE_S = 0.5
 PROGRESS_INTERVAL_S = 1.0
 """How often a running job's retained state is refreshed while it makes progress."""
 COMMANDS = ("status", "pause", "resume", "stop")
+IDLE_WARN_S = 10.0
+"""How long a device may be online for a job whose data lives on the devices, without a place in its plan, before
+the job's state warns that its data goes untrained (a device that just came waits for the next plan)."""
 STUCK_EVALUATIONS = 10
 """Evaluations at chance in a row after which a running job's state says it is stuck there."""
 REACHED = "reached the target accuracy"
@@ -75,6 +81,10 @@ class JobBoard:
         self.bus: Bus | None = None
         self.device_errors: dict[str, dict[str, str]] = {}
         """Job -> device -> why it is out of the job."""
+        self.online: dict[str, set[str]] = {}
+        """Job -> the devices whose latest status is ``online``."""
+        self._unplanned: dict[str, dict[str, float]] = {}
+        """Job -> device online, not out of the job, but in no cluster of the plan -> since when (time.time())."""
         self.evaluations: dict[str, tuple[JobEvaluation, ...]] = {}
         """Job -> its latest evaluations, oldest first (seeded from its retained state)."""
         self._bytes_before: weakref.WeakKeyDictionary[ParameterServer, int] = weakref.WeakKeyDictionary()
@@ -171,13 +181,31 @@ class JobBoard:
         history = self._history(state)
         devices = tuple(d.device for d in ps.plan.devices) if ps.plan else ()
         errors = dict(self.device_errors.get(state.name, {}))
+        idle = self._idle(state, devices, errors, ps.plan.drained if ps.plan else ())
         return replace(state, version=ps.version, accuracy=ps.last_accuracy, loss=ps.evaluator.last_loss,
                        model_version=last.version if last is not None else 0, devices=devices,
                        bytes_received=self._bytes_before.get(ps, 0)
                        + int(ps.metrics.value("edgemesh_ps_received_gradient_bytes_total")),
                        device_errors=errors, evaluations=history, rollbacks=ps.guard.rollbacks,
                        warning=job_warning(ps.guard.diverging, history, self._classes(state))
-                       or no_device_warning(devices, errors))
+                       or no_device_warning(devices, errors) or idle_warning(idle))
+
+    def _idle(self, state: JobState, planned: Sequence[str], errors: Mapping[str, str],
+              drained: Sequence[str]) -> list[str]:
+        """The devices online for ``state``'s job, neither out of it nor drained, that the plan has left out for
+        ``IDLE_WARN_S`` or longer, when the job's data lives on the devices (their data goes untrained); else []."""
+        spec = self.host.specs.get(state.sha256)
+        since = self._unplanned.setdefault(state.name, {})
+        if spec is None or spec.data.format not in DATA_FORMATS:
+            since.clear()
+            return []
+        now = time.time()
+        left_out = self.online.get(state.name, set()) - set(planned) - set(errors) - set(drained)
+        for device in set(since) - left_out:
+            del since[device]
+        for device in left_out:
+            since.setdefault(device, now)
+        return sorted(d for d, t in since.items() if now - t >= IDLE_WARN_S)
 
     def _classes(self, state: JobState) -> int:
         spec = self.host.specs.get(state.sha256)
@@ -262,6 +290,8 @@ class JobBoard:
         """A device out of the job (it left it, or refused its share of the plan: memory) says why; back online
         with its share, it is in again."""
         errors = self.device_errors.setdefault(match.job, {})
+        online = self.online.setdefault(match.job, set())
+        (online.add if status.state == "online" else online.discard)(status.device)
         if status.state == "left":
             errors[status.device] = status.reason[:MAX_REASON_CHARS]
         elif status.state == "online" and status.refused_plan:
@@ -379,6 +409,15 @@ def job_warning(diverging: str, history: Sequence[JobEvaluation], classes: int) 
             return (f"stuck at chance: the best of the latest {len(history)} evaluations is {best:.4f}, chance is "
                     f"{chance:.4f} ({classes} classes); lower training.lr, or check the data")
     return ""
+
+
+def idle_warning(idle: Sequence[str]) -> str:
+    """Devices online for a job whose data lives on them, left out of its plan ('' when none is)."""
+    if not idle:
+        return ""
+    are, they = ("is", "it holds") if len(idle) == 1 else ("are", "they hold")
+    return (f"{listing(list(idle))} {are} online but in no cluster of the plan (idle in the training grid, or no "
+            f"memory for a batch: the planner's log says which): the data {they} is not trained on")[:MAX_REASON_CHARS]
 
 
 def no_device_warning(devices: Sequence[str], errors: Mapping[str, str]) -> str:
