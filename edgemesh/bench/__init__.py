@@ -2,7 +2,8 @@
 
 Reports default to ``bench/reports/`` of the working directory. Benchmarks compare ratios
 measured in one run (this class of machine is noisy); tests never assert their speed. Each
-benchmark module registers its own arguments; only ``edgemesh bench`` imports this package.
+benchmark module registers its own arguments. Besides ``edgemesh bench``, ``edgemesh simulate`` imports the
+fleet's settings from here and ``edgemesh demo`` the report writer; no service does.
 """
 
 from __future__ import annotations
