@@ -260,10 +260,6 @@ class MeshParallel:
     docstring)."""
 
     def __init__(self, config: Config, registry: Registry, predicted_round: Gauge) -> None:
-        try:
-            costs.layers(config.training.model_spec)
-        except ModelError as exc:
-            raise ConfigError(f"planner.parallelism = mesh: {exc}") from None
         self.cfg, self.registry = config, registry
         self.predicted_round = predicted_round
         """The planner's gauge of the predicted iteration: the grid's, whenever one is laid out or kept."""
@@ -365,11 +361,11 @@ class MeshParallel:
                             listing(list(grid.idle)))
 
 
-def parallelism_of(config: Config, registry: Registry, *, wake: Callable[[], None],
-                   predicted_round: Gauge) -> Parallelism:
-    """The parallelism ``planner.parallelism`` names (data parallel for a model the grid cannot divide, where
-    ``planner.mesh_fallback`` allows it: :func:`mesh_refusal`)."""
-    if config.planner.parallelism == "mesh" and not mesh_refusal(config):
+def parallelism_of(config: Config, registry: Registry, *, wake: Callable[[], None], predicted_round: Gauge,
+                   refusal: str) -> Parallelism:
+    """The parallelism ``planner.parallelism`` names: data parallel where ``refusal`` (:func:`mesh_refusal` of
+    ``config``) says the grid cannot divide the model."""
+    if config.planner.parallelism == "mesh" and not refusal:
         return MeshParallel(config, registry, predicted_round)
     return DataParallel(config, registry, wake)
 

@@ -101,8 +101,8 @@ class Planner:
         self.m_round = m.gauge("predicted_round_seconds", "Balanced plans: the iteration time the batches aim at")
         self.fallback = mesh_refusal(config)
         """Why the devices are planned data parallel where ``planner.parallelism`` asks for mesh ('' when not)."""
-        self.parallelism = parallelism_of(config, self.registry, wake=self._dirty.set,
-                                          predicted_round=self.m_round)
+        self.parallelism = parallelism_of(config, self.registry, wake=self._dirty.set, predicted_round=self.m_round,
+                                          refusal=self.fallback)
         """How the plannable devices are laid out: data parallel, or the training grid (``planner.parallelism``)."""
 
     async def run(self, *, signals: bool = False) -> None:
